@@ -1,0 +1,48 @@
+"""Entry point: `frugality <command>`; bad input becomes one `error:` line and exit 2."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from frugality import __version__
+from frugality.cli.data import data
+from frugality.cli.recipes import recipes
+from frugality.cli.train import train
+from frugality.errors import UserError
+
+USER_ERROR_EXIT = 2
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="frugality")
+def cli() -> None:
+    """Train and run transformer models at the lowest cost, time and energy on
+    whatever accelerator is at hand."""
+
+
+cli.add_command(train)
+cli.add_command(data)
+cli.add_command(recipes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cli.main(args=argv, prog_name="frugality", standalone_mode=False)
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        return USER_ERROR_EXIT
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""`frugality recipes`: the recipes that ship with frugality."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+@click.argument("name", required=False)
+def recipes(name) -> None:
+    """List shipped recipes, or print the resolved TOML of recipe NAME (a name or a file)."""
+    from frugality.config.recipe import load_recipe, shipped_recipes
+
+    if name:
+        click.echo(load_recipe(name).to_toml(), nl=False)
+        return
+    for recipe_name in sorted(shipped_recipes(), key=_size_order):
+        r = load_recipe(recipe_name)
+        m = r.model
+        click.echo(f"{recipe_name:14} {m.family:9} layers {m.num_layers:3}  hidden {m.hidden_size:5}  "
+                   f"heads {m.num_heads:3}  seq {r.data.seq_len:5}  {r.description}")
+
+
+def _size_order(name: str) -> tuple:
+    """tiny first, then by model size as written in the name (14m < 1b < 20b)."""
+    units = {"m": 1e6, "b": 1e9}
+    tail = name.rsplit("-", 1)[-1]
+    try:
+        return (1, float(tail[:-1]) * units[tail[-1]])
+    except (ValueError, KeyError):
+        return (0, 0.0)

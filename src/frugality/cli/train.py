@@ -1,0 +1,44 @@
+"""`frugality train`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.command()
+@click.argument("recipe", required=False)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a recipe field, e.g. --set optim.lr=3e-4 (repeatable).")
+@click.option("--run-dir", type=click.Path(), help="Run directory [default: <train.runs_dir>/<name>].")
+@click.option("--fresh", is_flag=True,
+              help="Start over even if the run directory holds a checkpoint (the old run is moved aside).")
+@click.option("--until-step", type=int, help="Stop (with a checkpoint) after this step; rerun to continue.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (logs still go to the run directory).")
+def train(recipe, overrides, run_dir, fresh, until_step, no_progress) -> None:
+    """Train a model from RECIPE: a shipped recipe's name (default: tiny) or a .toml file.
+
+    A run directory that holds a checkpoint resumes from it. Ctrl-C or SIGTERM finishes
+    the current step, saves a checkpoint and exits; running the same command again
+    continues where it stopped.
+    """
+    from frugality.config.recipe import load_recipe
+    from frugality.training.trainer import train as run_training
+
+    resolved = load_recipe(recipe, list(overrides))
+    result = run_training(resolved, run_dir=run_dir, fresh=fresh, until_step=until_step,
+                          progress=not no_progress)
+    s = result.summary
+    click.echo(
+        f"{result.run_dir}: step {s['final_step']}/{s['total_steps']}, "
+        f"{s['tokens_seen']:,} tokens, {s['wall_time_s']:.0f} s; "
+        f"val loss {_fmt(s['first_val_loss'])} -> {_fmt(s['final_val_loss'])}, "
+        f"{_fmt(s['median_tokens_per_s'], '.0f')} tokens/s, MFU {_fmt(s['median_mfu'], '.1%')}"
+    )
+    if result.interrupted:
+        sys.exit(130)
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    return "n/a" if value is None else format(value, spec)

@@ -1,0 +1,210 @@
+"""The recipe: every setting of a run, from one TOML file plus `--set key=value` overrides.
+
+A recipe is resolved (file + overrides) and validated into the typed `Recipe` below
+before anything runs; a bad key or value is one `UserError` naming the key and where it
+came from.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
+
+from frugality.errors import UserError
+from frugality.models import ModelConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Section):
+    dataset: str = Field(
+        default="bundled:gutenberg",
+        description="A Megatron dataset prefix (PREFIX.bin + PREFIX.idx), or 'bundled:gutenberg' "
+        "for the public-domain corpus shipped with frugality, tokenized on first use and cached.",
+    )
+    tokenizer: str = Field(default="pythia", description="'pythia', 'gpt2' or a tokenizer path")
+    seq_len: PositiveInt = 2048
+    global_batch_size: PositiveInt = Field(
+        default=8, description="sequences per optimizer step, summed over data-parallel ranks"
+    )
+    micro_batch_size: PositiveInt = Field(
+        default=8, description="sequences per forward pass on one device; the rest is accumulated"
+    )
+    val_fraction: float = Field(default=0.02, gt=0.0, lt=0.5)
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataConfig":
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+
+class OptimConfig(_Section):
+    """AdamW with linear warm-up then cosine decay to `min_lr` (Pythia's schedule)."""
+
+    lr: PositiveFloat = 1e-3
+    min_lr: NonNegativeFloat = 1e-4
+    warmup_steps: NonNegativeInt = 0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: PositiveFloat = 1e-8
+    weight_decay: NonNegativeFloat = 0.1
+    grad_clip: NonNegativeFloat = Field(default=1.0, description="max global grad norm; 0 = off")
+
+    @model_validator(mode="after")
+    def _check(self) -> "OptimConfig":
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must lie in [0, 1), got {list(self.betas)}")
+        return self
+
+
+class TrainConfig(_Section):
+    steps: PositiveInt = 1000
+    eval_interval: PositiveInt = 100
+    eval_batches: PositiveInt = 8
+    save_interval: PositiveInt = 1000
+    keep_checkpoints: PositiveInt = Field(default=2, description="newest checkpoints to keep")
+    log_interval: PositiveInt = 1
+    precision: Literal["fp32", "amp-bf16"] = "fp32"
+    device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
+    runs_dir: str = Field(default="runs", description="parent of the run directory")
+
+
+class MetricsConfig(_Section):
+    peak_tflops: PositiveFloat | None = Field(
+        default=None,
+        description="the device's peak for MFU; measured (and cached) by a matmul probe when unset",
+    )
+
+
+class Recipe(_Section):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    description: str = ""
+    seed: NonNegativeInt = 1234
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "Recipe":
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len "
+                f"({self.model.max_seq_len})"
+            )
+        if self.optim.warmup_steps > self.train.steps:
+            raise ValueError(
+                f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds train.steps "
+                f"({self.train.steps})"
+            )
+        return self
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """Recipes that ship inside the package, by name."""
+    folder = resources.files("frugality") / "recipes"
+    return {
+        Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".toml")
+    }
+
+
+def find_recipe(name_or_path: str | None) -> Path:
+    """A path to a TOML file, or the name of a shipped recipe ('tiny' when None)."""
+    if name_or_path is None:
+        name_or_path = "tiny"
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise UserError(f"recipe file {path} does not exist")
+        return path
+    shipped = shipped_recipes()
+    if name_or_path not in shipped:
+        raise UserError(
+            f"no recipe named {name_or_path!r} (shipped: {', '.join(sorted(shipped))}; "
+            "or give a path to a .toml file)"
+        )
+    return shipped[name_or_path]
+
+
+def load_recipe(name_or_path: str | None = None, overrides: list[str] = ()) -> Recipe:
+    """Read, override and validate a recipe; any problem is a one-line UserError."""
+    path = find_recipe(name_or_path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"recipe {path}: not valid TOML: {e}") from None
+    from_cli: dict[str, str] = {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_nested(raw, key, value, item)
+        from_cli[key] = item
+    raw.setdefault("name", path.stem)
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        raise UserError(_describe(e, path, from_cli)) from None
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. optim.lr=3e-4")
+    try:  # a TOML value: 3e-4, true, [0.9, 0.95], "text"
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()  # a bare string such as cpu or runs/x
+    return key, value
+
+
+def _set_nested(raw: dict, key: str, value: Any, item: str) -> None:
+    *parents, leaf = key.split(".")
+    table = raw
+    for part in parents:
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            raise UserError(f"--set {item}: {part!r} is a value, not a table")
+    table[leaf] = value
+
+
+def _describe(error: ValidationError, path: Path, from_cli: dict[str, str]) -> str:
+    """One line for the first problem: where it came from, which key, what is wrong."""
+    first = error.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    elif first["type"] == "missing":
+        message = "missing required key"
+    elif "input" in first and first["type"] not in ("value_error", "assertion_error"):
+        message = f"{message} (got {first['input']!r})"
+    source = f"--set {from_cli[key]}" if key in from_cli else f"recipe {path}"
+    more = error.error_count() - 1
+    suffix = f" ({more} more problem{'s' if more > 1 else ''})" if more else ""
+    return f"{source}: {key}: {message}{suffix}"

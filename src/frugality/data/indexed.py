@@ -1,0 +1,142 @@
+"""The Megatron indexed dataset (`PREFIX.bin` + `PREFIX.idx`, "MMIDIDX" version 1).
+
+Byte-compatible with megatron-core's `IndexedDatasetBuilder` / `IndexedDataset` (the tests
+check both directions against the real package). Layout of `.idx`, all little-endian:
+
+    magic b"MMIDIDX\\x00\\x00" | version u64 = 1 | dtype code u8 | sequence count N u64 |
+    document-index length D u64 | lengths int32[N] | byte pointers int64[N] | doc index int64[D]
+
+`.bin` is the token ids of every sequence back to back, no header. The document index is
+0 followed by the number of sequences seen at the end of each document.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from frugality.errors import UserError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, D
+# megatron-core's codes (GPT-NeoX swaps 6 and 7, which only matter for float data).
+_DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+_CODE_OF = {np.dtype(v): k for k, v in _DTYPE_CODES.items()}
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits with margin (megatron-core's rule: fewer than 65,500), else int32."""
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+
+
+def paths(prefix: str | Path) -> tuple[Path, Path]:
+    prefix = str(prefix)
+    return Path(prefix + ".bin"), Path(prefix + ".idx")
+
+
+class IndexedDatasetWriter:
+    """Streams documents into `PREFIX.bin`/`.idx`.
+
+    Both files are written under temporary names and renamed into place by `finalize`, so
+    a crash never leaves a half-written dataset where a reader would pick it up.
+    """
+
+    def __init__(self, prefix: str | Path, dtype: np.dtype) -> None:
+        self.bin_path, self.idx_path = paths(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _CODE_OF:
+            raise ValueError(f"unsupported token dtype {self.dtype}")
+        self._tmp_bin = self.bin_path.with_name(self.bin_path.name + f".tmp{os.getpid()}")
+        self._tmp_idx = self.idx_path.with_name(self.idx_path.name + f".tmp{os.getpid()}")
+        self._bin = open(self._tmp_bin, "wb")
+        self._lengths: list[int] = []
+        self._doc_index: list[int] = [0]
+        self.num_tokens = 0
+
+    def add_document(self, tokens: np.ndarray | list[int]) -> None:
+        """One document stored as one sequence (what megatron's preprocess_data writes)."""
+        array = np.asarray(tokens, dtype=self.dtype)
+        self._bin.write(array.tobytes(order="C"))
+        self._lengths.append(array.size)
+        self._doc_index.append(len(self._lengths))
+        self.num_tokens += array.size
+
+    def finalize(self) -> None:
+        self._bin.close()
+        lengths = np.asarray(self._lengths, dtype=np.int32)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        with open(self._tmp_idx, "wb") as f:
+            f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(lengths), len(self._doc_index)))
+            f.write(lengths.tobytes(order="C"))
+            f.write(pointers.tobytes(order="C"))
+            f.write(np.asarray(self._doc_index, dtype=np.int64).tobytes(order="C"))
+        os.replace(self._tmp_bin, self.bin_path)
+        os.replace(self._tmp_idx, self.idx_path)
+
+    def abort(self) -> None:
+        self._bin.close()
+        for tmp in (self._tmp_bin, self._tmp_idx):
+            tmp.unlink(missing_ok=True)
+
+
+class IndexedDataset:
+    """Read-only view over `PREFIX.bin`/`.idx` through numpy memory maps (nothing is loaded)."""
+
+    def __init__(self, prefix: str | Path) -> None:
+        self.prefix = str(prefix)
+        bin_path, idx_path = paths(prefix)
+        for p in (bin_path, idx_path):
+            if not p.is_file():
+                raise UserError(f"dataset {self.prefix}: {p} does not exist")
+        header = idx_path.read_bytes()[: _HEADER.size]
+        if len(header) < _HEADER.size:
+            raise UserError(f"dataset {idx_path}: truncated header")
+        magic, version, code, n, d = _HEADER.unpack(header)
+        if magic != MAGIC or version != VERSION:
+            raise UserError(f"dataset {idx_path}: not a Megatron MMIDIDX version 1 index")
+        if code not in _DTYPE_CODES:
+            raise UserError(f"dataset {idx_path}: dtype code {code} is not an integer token type")
+        self.dtype = np.dtype(_DTYPE_CODES[code])
+        expected = _HEADER.size + 12 * n + 8 * d
+        if idx_path.stat().st_size < expected:
+            raise UserError(f"dataset {idx_path}: truncated (expected at least {expected} bytes)")
+        idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        offset = _HEADER.size
+        self.sequence_lengths = idx[offset : offset + 4 * n].view(np.int32)
+        offset += 4 * n
+        self.sequence_pointers = idx[offset : offset + 8 * n].view(np.int64)
+        offset += 8 * n
+        self.document_indices = idx[offset : offset + 8 * d].view(np.int64)
+        self.num_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
+        if bin_path.stat().st_size != self.num_tokens * self.dtype.itemsize:
+            raise UserError(
+                f"dataset {bin_path}: size {bin_path.stat().st_size} bytes does not match the "
+                f"index ({self.num_tokens} tokens of {self.dtype})"
+            )
+        # The token stream of all sequences back to back; documents end with EOD tokens
+        # when written by `frugality data prepare` (or megatron's preprocess_data --append-eod).
+        self.tokens = (
+            np.memmap(bin_path, dtype=self.dtype, mode="r")
+            if self.num_tokens
+            else np.zeros(0, dtype=self.dtype)
+        )
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequence_lengths)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    def __len__(self) -> int:
+        return self.num_sequences
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = int(self.sequence_pointers[i]) // self.dtype.itemsize
+        return self.tokens[start : start + int(self.sequence_lengths[i])]

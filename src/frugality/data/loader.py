@@ -1,0 +1,121 @@
+"""Packed fixed-length samples from an indexed dataset, and the stream of training batches.
+
+The token stream (documents back to back, each ending in EOD) is cut into disjoint
+blocks of `seq_len + 1` tokens: inputs are the first `seq_len`, targets the last. Every
+batch has the same shape, so compiled graphs never see a new one. A seeded permutation
+holds out `val_fraction` of the blocks for validation.
+
+The stream's whole state is one integer, the number of samples consumed so far, counted
+over all data-parallel ranks together. Each step takes the next `global_batch_size`
+positions of a per-epoch seeded shuffle, and rank r of W takes its own slice, so a
+checkpoint resumes with the next unseen batch at any world size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from frugality.data.indexed import IndexedDataset
+from frugality.errors import UserError
+
+
+class PackedSamples:
+    def __init__(self, dataset: IndexedDataset, seq_len: int, val_fraction: float, seed: int) -> None:
+        self.dataset = dataset
+        self.seq_len = seq_len
+        self.seed = seed
+        self.block = seq_len + 1
+        total = dataset.num_tokens // self.block
+        if total < 2:
+            raise UserError(
+                f"dataset {dataset.prefix}: {dataset.num_tokens} tokens make fewer than two "
+                f"samples of {self.block} tokens"
+            )
+        order = np.random.default_rng([seed, 0xDA7A]).permutation(total)
+        n_val = max(1, round(val_fraction * total))
+        self.val_ids = np.sort(order[:n_val])
+        self.train_ids = np.sort(order[n_val:])
+
+    def gather(self, ids: np.ndarray) -> torch.Tensor:
+        """Samples by block id -> int64 tensor (len(ids), seq_len + 1)."""
+        tokens = self.dataset.tokens
+        rows = [tokens[i * self.block : (i + 1) * self.block] for i in ids.tolist()]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+class TrainStream:
+    """Yields each optimizer step's micro-batches for one data-parallel rank."""
+
+    def __init__(
+        self,
+        samples: PackedSamples,
+        global_batch_size: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if global_batch_size % (micro_batch_size * world_size):
+            raise UserError(
+                f"data.global_batch_size ({global_batch_size}) must be a multiple of "
+                f"micro_batch_size x data-parallel ranks ({micro_batch_size} x {world_size})"
+            )
+        self.samples = samples
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.rank, self.world_size = rank, world_size
+        self.grad_accum = global_batch_size // (micro_batch_size * world_size)
+        self.consumed_samples = 0
+        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    @property
+    def epoch(self) -> float:
+        return self.consumed_samples / len(self.samples.train_ids)
+
+    def next_step(self) -> list[torch.Tensor]:
+        """grad_accum micro-batches of shape (micro_batch_size, seq_len + 1)."""
+        start, b, w = self.consumed_samples, self.micro_batch_size, self.world_size
+        micro = [
+            self._take(start + (m * w + self.rank) * b, b) for m in range(self.grad_accum)
+        ]
+        self.consumed_samples += self.global_batch_size
+        return micro
+
+    def _take(self, position: int, count: int) -> torch.Tensor:
+        n = len(self.samples.train_ids)
+        ids = np.empty(count, dtype=np.int64)
+        for j, pos in enumerate(range(position, position + count)):
+            epoch, offset = divmod(pos, n)
+            ids[j] = self._epoch_order(epoch)[offset]
+        return self.samples.gather(ids)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            rng = np.random.default_rng([self.samples.seed, 0x5EED, epoch])
+            self._epoch, self._order = epoch, rng.permutation(self.samples.train_ids)
+        return self._order
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+def validation_batches(
+    samples: PackedSamples, batches: int, micro_batch_size: int, rank: int = 0, world_size: int = 1
+) -> list[torch.Tensor]:
+    """The same fixed validation batches at every evaluation (this rank's share)."""
+    per_batch = micro_batch_size * world_size
+    available = len(samples.val_ids) // per_batch
+    if available == 0:
+        raise UserError(
+            f"the validation split has {len(samples.val_ids)} samples of {samples.block} tokens, "
+            f"fewer than one batch of {per_batch}; raise data.val_fraction or lower "
+            "data.micro_batch_size"
+        )
+    out = []
+    for k in range(min(batches, available)):
+        start = k * per_batch + rank * micro_batch_size
+        out.append(samples.gather(samples.val_ids[start : start + micro_batch_size]))
+    return out

@@ -1,0 +1,1 @@
+"""Conversions between frugality's models and other frameworks' checkpoints."""

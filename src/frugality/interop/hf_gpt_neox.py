@@ -1,0 +1,107 @@
+"""State-dict and config mapping between `frugality.models.GPTNeoX` and Hugging Face
+`transformers.GPTNeoXForCausalLM`.
+
+The tensors are laid out identically (including the fused QKV rows, [heads, (q, k, v),
+head_size]), so the mapping is a renaming; nothing is permuted.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from frugality.models.gpt_neox import GPTNeoXConfig
+
+# (ours, theirs); "{i}" stands for the layer index.
+_LAYER_NAMES = [
+    ("attn_norm", "input_layernorm"),
+    ("mlp_norm", "post_attention_layernorm"),
+    ("attn.qkv", "attention.query_key_value"),
+    ("attn.out", "attention.dense"),
+    ("mlp.up", "mlp.dense_h_to_4h"),
+    ("mlp.down", "mlp.dense_4h_to_h"),
+]
+_TOP_NAMES = [
+    ("embed.weight", "gpt_neox.embed_in.weight"),
+    ("final_norm.weight", "gpt_neox.final_layer_norm.weight"),
+    ("final_norm.bias", "gpt_neox.final_layer_norm.bias"),
+    ("output.weight", "embed_out.weight"),
+]
+_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+_THEIRS_LAYER = re.compile(r"^gpt_neox\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# Buffers that old transformers releases saved and newer ones ignore.
+_THEIRS_IGNORED = re.compile(r"\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
+
+
+def to_hf(
+    state: dict[str, torch.Tensor], output_name: str = "embed_out.weight"
+) -> dict[str, torch.Tensor]:
+    """frugality GPTNeoX state dict -> GPTNeoXForCausalLM state dict.
+
+    The output layer is named as on disk (`embed_out.weight`, which every transformers
+    release reads); transformers 5.x names the module `lm_head` in memory, so pass
+    `output_name="lm_head.weight"` to `load_state_dict` into a live 5.x model.
+    """
+    top = dict(_TOP_NAMES) | {"output.weight": output_name}
+    layer = dict(_LAYER_NAMES)
+    out = {}
+    for name, tensor in state.items():
+        if name in top:
+            out[top[name]] = tensor
+        elif m := _OURS_LAYER.match(name):
+            i, module, kind = m.groups()
+            out[f"gpt_neox.layers.{i}.{layer[module]}.{kind}"] = tensor
+        else:
+            raise KeyError(f"no Hugging Face name for parameter {name!r}")
+    return out
+
+
+def from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPTNeoXForCausalLM state dict -> frugality GPTNeoX state dict."""
+    top = {theirs: ours for ours, theirs in _TOP_NAMES} | {"lm_head.weight": "output.weight"}
+    layer = {theirs: ours for ours, theirs in _LAYER_NAMES}
+    out = {}
+    for name, tensor in state.items():
+        if _THEIRS_IGNORED.search(name):
+            continue
+        if name in top:
+            out[top[name]] = tensor
+        elif (m := _THEIRS_LAYER.match(name)) and m.group(2) in layer:
+            i, module, kind = m.groups()
+            out[f"layers.{i}.{layer[module]}.{kind}"] = tensor
+        else:
+            raise KeyError(f"unexpected tensor {name!r} in a GPT-NeoX checkpoint")
+    return out
+
+
+def hf_config(cfg: GPTNeoXConfig) -> dict[str, Any]:
+    """A `config.json` for transformers; both the 4.x keys (`rotary_pct`, `rotary_emb_base`)
+    and the 5.x `rope_parameters` are written so either release reads it."""
+    return {
+        "architectures": ["GPTNeoXForCausalLM"],
+        "model_type": "gpt_neox",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "intermediate_size": cfg.ffn_size,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rotary_pct": cfg.rotary_pct,
+        "rotary_emb_base": cfg.rotary_base,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": cfg.rotary_base,
+            "partial_rotary_factor": cfg.rotary_pct,
+        },
+        "use_parallel_residual": cfg.parallel_residual,
+        "layer_norm_eps": cfg.layer_norm_eps,
+        "hidden_act": "gelu",
+        "attention_bias": True,
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+        "hidden_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }

@@ -1,0 +1,1 @@
+"""What a run costs and achieves: FLOP counts, measured device peaks, and the run log."""

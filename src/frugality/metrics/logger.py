@@ -1,0 +1,39 @@
+"""The run log: one JSON object per line in `metrics.jsonl`, and the same scalars as
+TensorBoard events in the run directory (`tensorboard --logdir runs/`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: ~1 s
+
+            self._tb = SummaryWriter(log_dir=str(run_dir))
+
+    def log(self, kind: str, step: int, values: dict[str, float]) -> None:
+        """kind: 'train' or 'eval'; scalars appear in TensorBoard as kind/name."""
+        record = {"kind": kind, "step": step, **{k: _finite(v) for k, v in values.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for name, value in values.items():
+                if isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"{kind}/{name}", value, step)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _finite(value):
+    """JSON has no NaN or Infinity; write them as strings so every line stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

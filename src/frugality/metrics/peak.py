@@ -1,0 +1,69 @@
+"""The device's peak matrix-product throughput, measured rather than looked up.
+
+A table of vendor peaks goes stale and is wrong for shared or throttled machines (nanoGPT
+#464 reports 104% MFU). We time large square matmuls in the training dtype once per
+machine, torch version, thread count and dtype, and cache the best rate.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_key(device: torch.device, dtype: torch.dtype) -> str:
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    return f"{device_name(device)}|{device.type}|torch {torch.__version__}|threads {threads}|{dtype}"
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:
+    """Best FLOP/s of `size`-square matmuls (2·n³ FLOPs each) over a short timed loop."""
+    n = size or (8192 if device.type == "cuda" else 2048)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = 0.0
+    for i in range(6):
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        if i:  # the first call warms up the kernel and the allocator
+            best = max(best, 2.0 * n**3 / elapsed)
+    return best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, cache_file: Path) -> float:
+    key = _cache_key(device, dtype)
+    try:
+        cached = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key not in cached:
+        cached[key] = measure_peak_flops(device, dtype)
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(cache_file)
+    return float(cached[key])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

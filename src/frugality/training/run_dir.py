@@ -1,0 +1,94 @@
+"""The run directory `runs/<name>/`: resolved recipe, metrics, TensorBoard events,
+checkpoints and the end-of-run summary. Deciding between resuming and starting over
+happens here, before any file is touched."""
+
+from __future__ import annotations
+
+import json
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from frugality.checkpoint import CheckpointManager
+from frugality.config.recipe import Recipe
+from frugality.errors import UserError
+
+RECIPE_FILE = "recipe.toml"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+# Sections that must match for a checkpoint to be resumed under a recipe; the rest
+# (steps, intervals, device...) may change between sessions of one run.
+_MUST_MATCH = ("seed", "model", "data")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    path: Path
+    resume_from: Path | None  # a complete checkpoint, or None to start fresh
+    moved_aside: Path | None  # where an earlier run's files went on --fresh
+
+
+def plan_run(recipe: Recipe, run_dir: Path, fresh: bool) -> RunPlan:
+    """Decide what to do with `run_dir` without changing anything yet."""
+    checkpoints = CheckpointManager(run_dir / "checkpoints")
+    latest = checkpoints.latest()
+    if latest is not None and not fresh:
+        _check_compatible(recipe, run_dir)
+        return RunPlan(run_dir, latest, None)
+    has_files = run_dir.is_dir() and any(run_dir.iterdir())
+    aside = None
+    if has_files:  # starting over never deletes: the old run moves to a dated sibling
+        aside = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+    return RunPlan(run_dir, None, aside)
+
+
+def open_run(plan: RunPlan, recipe: Recipe, resume_step: int | None) -> None:
+    """Create or tidy the run directory once the plan is final."""
+    if plan.moved_aside is not None:
+        plan.path.rename(plan.moved_aside)
+    plan.path.mkdir(parents=True, exist_ok=True)
+    (plan.path / RECIPE_FILE).write_text(recipe.to_toml())
+    if resume_step is not None:
+        _truncate_metrics(plan.path / METRICS_FILE, resume_step)
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _check_compatible(recipe: Recipe, run_dir: Path) -> None:
+    saved_path = run_dir / RECIPE_FILE
+    try:
+        saved = tomllib.loads(saved_path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise UserError(f"run directory {run_dir}: cannot read {RECIPE_FILE} to resume ({e})") from None
+    now = tomllib.loads(recipe.to_toml())
+    for section in _MUST_MATCH:
+        if saved.get(section) != now.get(section):
+            key = _first_difference(saved.get(section), now.get(section), section)
+            raise UserError(
+                f"run directory {run_dir} was trained with a different {key}; resume with the "
+                "same recipe, or start over with --fresh (the old run is kept aside)"
+            )
+
+
+def _first_difference(a, b, prefix: str) -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{prefix}.{k}")
+    return f"{prefix} ({a!r} then, {b!r} now)"
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records past the checkpoint we resume from: those steps will be run again."""
+    if not path.exists():
+        return
+    kept = [
+        line for line in path.read_text().splitlines(keepends=True)
+        if line.strip() and json.loads(line).get("step", 0) <= step
+    ]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)

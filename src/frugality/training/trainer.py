@@ -1,0 +1,328 @@
+"""The training loop: one recipe, one run directory, resumable at any checkpoint.
+
+`train(recipe)` checks everything it can (tokenizer, dataset, batch shapes) before it
+writes anything, then trains with AdamW under the warm-up + cosine schedule, evaluates
+on held-out data, logs every step to TensorBoard and `metrics.jsonl`, and checkpoints
+through DCP. With a fixed seed a CPU run is reproducible bit for bit, across a stop and
+resume too: model, optimizer, data position and RNG states all live in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from frugality.checkpoint import CheckpointManager, step_of
+from frugality.config.recipe import Recipe
+from frugality.data.bundled import BUNDLED_PREFIX, bundled_dataset, cache_dir
+from frugality.data.indexed import IndexedDataset
+from frugality.data.loader import PackedSamples, TrainStream, validation_batches
+from frugality.data.tokenizer import load_tokenizer
+from frugality.errors import UserError
+from frugality.metrics.flops import non_embedding_params, training_flops_per_token
+from frugality.metrics.logger import RunLogger
+from frugality.metrics.peak import peak_flops
+from frugality.models import build_model
+from frugality.training import run_dir as rundir
+from frugality.training.optim import build_optimizer
+from frugality.training.schedule import learning_rate
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    start_step: int
+    final_step: int
+    interrupted: bool = False
+    evals: dict[int, float] = field(default_factory=dict)  # step -> validation loss
+    summary: dict = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"train.device: {name!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"train.device: {name!r} requested but this torch build sees no CUDA device")
+    return device
+
+
+def train(
+    recipe: Recipe,
+    run_dir: str | Path | None = None,
+    fresh: bool = False,
+    until_step: int | None = None,
+    progress: bool = True,
+    tensorboard: bool = True,
+) -> TrainResult:
+    """Train `recipe` in `run_dir` (default `<train.runs_dir>/<name>`), resuming its
+    latest checkpoint unless `fresh`; stop after `until_step` if given (with a checkpoint)."""
+    run_path = Path(run_dir) if run_dir is not None else Path(recipe.train.runs_dir) / recipe.name
+    total = recipe.train.steps
+    if until_step is not None and not 0 < until_step <= total:
+        raise UserError(f"--until-step {until_step}: must lie in 1..train.steps ({total})")
+    stop_at = until_step or total
+
+    # Everything that can fail on bad input fails here, before the run directory is touched.
+    device = resolve_device(recipe.train.device)
+    tokenizer = load_tokenizer(recipe.data.tokenizer)
+    if tokenizer.vocab_size > recipe.model.vocab_size:
+        raise UserError(
+            f"tokenizer {recipe.data.tokenizer!r} has {tokenizer.vocab_size} tokens, more than "
+            f"model.vocab_size ({recipe.model.vocab_size})"
+        )
+    dataset = _open_dataset(recipe, tokenizer, progress)
+    samples = PackedSamples(dataset, recipe.data.seq_len, recipe.data.val_fraction, recipe.seed)
+    stream = TrainStream(samples, recipe.data.global_batch_size, recipe.data.micro_batch_size)
+    val_batches = validation_batches(samples, recipe.train.eval_batches, recipe.data.micro_batch_size)
+    # A dataset tokenized for another vocabulary shows in its first tokens; scanning them
+    # all would take minutes on a large corpus.
+    if int(dataset.tokens[: 1 << 24].max(initial=0)) >= recipe.model.vocab_size:
+        raise UserError(
+            f"dataset {dataset.prefix}: holds token ids >= model.vocab_size "
+            f"({recipe.model.vocab_size}); was it tokenized with another tokenizer?"
+        )
+    plan = rundir.plan_run(recipe, run_path, fresh)
+
+    torch.manual_seed(recipe.seed)
+    with device:
+        model = build_model(recipe.model)
+    optimizer = build_optimizer(model, recipe.optim)
+    checkpoints = CheckpointManager(run_path / "checkpoints", keep=recipe.train.keep_checkpoints)
+    start = 0
+    if plan.resume_from is not None:
+        extra = checkpoints.load(plan.resume_from, model, optimizer)
+        start = step_of(plan.resume_from)
+        stream.load_state_dict(extra["data"])
+        _set_rng_state(extra["rng"])
+    else:
+        # Seeded separately from initialisation so both orders of events reproduce.
+        _seed_everything(recipe.seed + 1)
+    rundir.open_run(plan, recipe, start if plan.resume_from is not None else None)
+
+    logger = RunLogger(run_path, tensorboard=tensorboard)
+    result = TrainResult(run_path, start, start)
+    if plan.moved_aside is not None:
+        tqdm.write(f"starting over: the previous run in {run_path} was moved to {plan.moved_aside}")
+    if plan.resume_from is not None:
+        tqdm.write(f"resuming {run_path} from step {start} ({plan.resume_from.name})")
+
+    tokens_per_step = recipe.data.global_batch_size * recipe.data.seq_len
+    flops_per_token = training_flops_per_token(
+        model, recipe.model.num_layers, recipe.model.hidden_size, recipe.data.seq_len
+    )
+    compute_dtype = torch.bfloat16 if recipe.train.precision == "amp-bf16" else torch.float32
+    peak = (
+        recipe.metrics.peak_tflops * 1e12
+        if recipe.metrics.peak_tflops
+        else peak_flops(device, compute_dtype, cache_dir() / "peak_flops.json")
+    )
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if recipe.train.precision == "amp-bf16"
+        else contextlib.nullcontext()
+    )
+
+    def evaluate(step: int) -> float:
+        loss = _evaluate(model, val_batches, device, autocast)
+        logger.log("eval", step, {"loss": loss, "perplexity": _perplexity(loss)})
+        result.evals[step] = loss
+        return loss
+
+    stop = _StopFlag()
+    step_times, train_loss = [], float("nan")
+    wall_start = time.perf_counter()
+    bar = tqdm(total=stop_at, initial=start, unit="step", disable=not progress, dynamic_ncols=True)
+    with stop.installed():
+        if start == 0:
+            evaluate(0)
+        for step in range(start, stop_at):
+            t0 = time.perf_counter()
+            lr = learning_rate(step, total, recipe.optim.lr, recipe.optim.min_lr, recipe.optim.warmup_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            train_loss, grad_norm = _train_step(
+                model, optimizer, stream.next_step(), device, autocast, recipe.optim.grad_clip
+            )
+            elapsed = time.perf_counter() - t0
+            step_times.append(elapsed)
+            done = step + 1
+            tokens_per_s = tokens_per_step / elapsed
+            if done % recipe.train.log_interval == 0 or done == stop_at:
+                logger.log("train", done, {
+                    "loss": train_loss,
+                    "grad_norm": grad_norm,
+                    "lr": lr,
+                    "tokens_per_s": tokens_per_s,
+                    "mfu": flops_per_token * tokens_per_s / peak,
+                    "step_time_s": elapsed,
+                    "tokens": done * tokens_per_step,
+                    "epoch": stream.epoch,
+                })
+            bar.update(1)
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            if not math.isfinite(train_loss):
+                bar.close()
+                raise RuntimeError(f"training loss became {train_loss} at step {done}; stopping")
+            if done % recipe.train.eval_interval == 0 or done == total:
+                val = evaluate(done)
+                bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val:.3f}", refresh=False)
+            if done % recipe.train.save_interval == 0 or done == stop_at or stop.requested:
+                extra = {"data": stream.state_dict(), "rng": _rng_state(), "step": done}
+                checkpoints.save(done, model, optimizer, extra)
+            result.final_step = done
+            if stop.requested:
+                result.interrupted = True
+                tqdm.write(f"stopped by signal after step {done}; checkpoint saved, rerun to resume")
+                break
+    bar.close()
+    logger.close()
+
+    result.summary = _summary(
+        recipe, model, result, step_times, train_loss, tokens_per_step, flops_per_token, peak,
+        time.perf_counter() - wall_start, device,
+    )
+    rundir.write_summary(run_path, result.summary)
+    return result
+
+
+def _open_dataset(recipe: Recipe, tokenizer, progress: bool) -> IndexedDataset:
+    name = recipe.data.dataset
+    if name.startswith(BUNDLED_PREFIX):
+        try:
+            prefix = bundled_dataset(name.removeprefix(BUNDLED_PREFIX), tokenizer, progress)
+        except ValueError as e:
+            raise UserError(f"data.dataset: {e}") from None
+        return IndexedDataset(prefix)
+    return IndexedDataset(name)
+
+
+def _train_step(model, optimizer, micro_batches, device, autocast, grad_clip) -> tuple[float, float]:
+    model.train()
+    accum = len(micro_batches)
+    total = torch.zeros((), device=device)
+    for batch in micro_batches:
+        batch = batch.to(device, non_blocking=True)
+        with autocast:
+            logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        (loss / accum).backward()
+        total += loss.detach()
+    norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), grad_clip if grad_clip > 0 else float("inf"), foreach=True
+    )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return (total / accum).item(), norm.item()
+
+
+@torch.no_grad()
+def _evaluate(model, batches, device, autocast) -> float:
+    model.eval()
+    losses = []
+    for batch in batches:
+        batch = batch.to(device)
+        with autocast:
+            logits = model(batch[:, :-1])
+        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()))
+    return torch.stack(losses).mean().item()
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM (Ctrl-C, SLURM preemption) finish the current step and checkpoint."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+
+    @contextlib.contextmanager
+    def installed(self):
+        try:
+            previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: leave signals alone
+            yield
+            return
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def _summary(recipe, model, result, step_times, train_loss, tokens_per_step, flops_per_token, peak,
+             wall_s, device) -> dict:
+    steps_run = len(step_times)
+    # The first steps pay for allocator warm-up; the median is the steady state.
+    median = statistics.median(step_times) if step_times else float("nan")
+    # Validation losses of the whole run, this session's and earlier ones'.
+    evals = dict(result.evals)
+    for line in (result.run_dir / rundir.METRICS_FILE).read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "eval":
+            evals.setdefault(record["step"], record["loss"])
+    return {
+        "recipe": recipe.name,
+        "device": str(device),
+        "precision": recipe.train.precision,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "non_embedding_parameters": non_embedding_params(model),
+        "start_step": result.start_step,
+        "final_step": result.final_step,
+        "total_steps": recipe.train.steps,
+        "interrupted": result.interrupted,
+        "tokens_seen": result.final_step * tokens_per_step,
+        "wall_time_s": round(wall_s, 2),
+        "train_time_s": round(sum(step_times), 2),
+        "median_step_time_s": round(median, 4),
+        "median_tokens_per_s": round(tokens_per_step / median, 1) if steps_run else None,
+        "median_mfu": round(flops_per_token * tokens_per_step / median / peak, 4) if steps_run else None,
+        "peak_flops": peak,
+        "final_train_loss": train_loss if steps_run else None,
+        "first_val_loss": evals[min(evals)] if evals else None,
+        "final_val_loss": evals[max(evals)] if evals else None,
+        "val_losses": {str(k): v for k, v in sorted(evals.items())},
+    }

@@ -1,0 +1,93 @@
+"""Recipes: the shipped ones are valid and published; bad input is one clear line."""
+
+import pytest
+
+from frugality.config.recipe import load_recipe, shipped_recipes
+from frugality.errors import UserError
+
+PYTHIA = {  # name: (layers, hidden, heads, lr) from EleutherAI/pythia models/*.yml
+    "pythia-14m": (6, 128, 4, 1e-3),
+    "pythia-70m": (6, 512, 8, 1e-3),
+    "pythia-160m": (12, 768, 12, 6e-4),
+    "pythia-410m": (24, 1024, 16, 3e-4),
+    "pythia-1b": (16, 2048, 8, 3e-4),
+    "pythia-1.4b": (24, 2048, 16, 2e-4),
+    "pythia-2.8b": (32, 2560, 32, 1.6e-4),
+    "pythia-6.9b": (32, 4096, 32, 1.2e-4),
+    "pythia-12b": (36, 5120, 40, 1.2e-4),
+}
+
+
+def test_every_shipped_recipe_validates():
+    names = set(shipped_recipes())
+    assert {"tiny", "gpt-neox-20b", *PYTHIA} <= names
+    for name in names:
+        assert load_recipe(name).name == name
+
+
+@pytest.mark.parametrize("name", sorted(PYTHIA))
+def test_pythia_recipes_have_the_published_architecture(name):
+    r = load_recipe(name)
+    layers, hidden, heads, lr = PYTHIA[name]
+    m = r.model
+    assert (m.num_layers, m.hidden_size, m.num_heads, r.optim.lr) == (layers, hidden, heads, lr)
+    assert (m.rotary_pct, m.parallel_residual, m.vocab_size, m.max_seq_len) == (0.25, True, 50304, 2048)
+    assert r.data.seq_len == 2048 and r.data.global_batch_size == 1024
+    assert r.optim.min_lr == pytest.approx(lr / 10) and r.train.steps == 143000
+
+
+def test_gpt_neox_20b():
+    m = load_recipe("gpt-neox-20b").model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.rotary_pct) == (44, 6144, 64, 0.25)
+
+
+def test_default_is_tiny_and_overrides_apply():
+    r = load_recipe(None, ["optim.lr=3e-4", "train.device=cpu", "optim.betas=[0.8, 0.9]"])
+    assert r.name == "tiny"
+    assert r.optim.lr == 3e-4 and r.train.device == "cpu" and r.optim.betas == (0.8, 0.9)
+
+
+def test_recipe_from_a_file(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n')
+    r = load_recipe(str(path))
+    assert r.name == "mine" and r.model.ffn_size == 256
+
+
+BAD = [
+    ("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\nhiden = 3\n", "model.hiden: unknown key"),
+    ("[model]\nhidden_size = 100\nnum_layers = 2\nnum_heads = 3\n", "model: hidden_size (100) must be divisible by num_heads (3)"),
+    ("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[train]\nsteps = -5\n", "train.steps: Input should be greater than 0 (got -5)"),
+    ("[model]\nhidden_size = 'big'\nnum_layers = 2\nnum_heads = 2\n", "model.hidden_size: Input should be a valid integer"),
+    ("[model]\nnum_layers = 2\nnum_heads = 2\n", "model.hidden_size: missing required key"),
+    ("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[data]\nseq_len = 4096\n", "data.seq_len (4096) exceeds model.max_seq_len (2048)"),
+    ("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[optim]\nlr = 1e-4\nmin_lr = 1e-3\n", "optim: min_lr (0.001) must not exceed lr (0.0001)"),
+    ("[model\nhidden_size = 64\n", "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD)
+def test_bad_recipes_name_the_file_and_key(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(UserError) as e:
+        load_recipe(str(path))
+    assert str(e.value).startswith(f"recipe {path}")
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_override_names_the_flag():
+    with pytest.raises(UserError, match=r"^--set optim\.lrr=1: optim\.lrr: unknown key$"):
+        load_recipe("tiny", ["optim.lrr=1"])
+    with pytest.raises(UserError, match=r"^--set train\.steps=0: train\.steps: Input should be greater than 0"):
+        load_recipe("tiny", ["train.steps=0"])
+    with pytest.raises(UserError, match="expected KEY=VALUE"):
+        load_recipe("tiny", ["optim.lr"])
+
+
+def test_unknown_recipe_lists_shipped_ones(tmp_path):
+    with pytest.raises(UserError, match="no recipe named 'pythia-7b'.*pythia-70m"):
+        load_recipe("pythia-7b")
+    with pytest.raises(UserError, match="does not exist"):
+        load_recipe(str(tmp_path / "nope.toml"))

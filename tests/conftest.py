@@ -1,0 +1,68 @@
+"""Shared fixtures: a per-session cache (bundled corpus tokenized once) and a micro recipe
+small enough that a training step takes milliseconds on a CPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_ASSETS = Path(__file__).resolve().parents[1].parent / "shared" / "assets"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Keep tests off ~/.cache; the bundled corpus is tokenized once per session."""
+    previous = os.environ.get("FRUGALITY_CACHE")
+    os.environ["FRUGALITY_CACHE"] = str(tmp_path_factory.mktemp("frugality-cache"))
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    yield
+    if previous is None:
+        os.environ.pop("FRUGALITY_CACHE", None)
+    else:
+        os.environ["FRUGALITY_CACHE"] = previous
+
+
+MICRO_RECIPE = """
+name = "micro"
+seed = 7
+
+[model]
+family = "gpt-neox"
+hidden_size = 32
+num_layers = 2
+num_heads = 4
+vocab_size = 50304
+max_seq_len = 64
+
+[data]
+dataset = "bundled:gutenberg"
+tokenizer = "pythia"
+seq_len = 32
+global_batch_size = 4
+micro_batch_size = 2
+val_fraction = 0.01
+
+[optim]
+lr = 1e-2
+min_lr = 1e-3
+warmup_steps = 2
+
+[train]
+steps = 8
+eval_interval = 4
+eval_batches = 2
+save_interval = 4
+
+[metrics]
+peak_tflops = 1.0
+"""
+
+
+@pytest.fixture
+def micro_recipe_file(tmp_path) -> Path:
+    path = tmp_path / "micro.toml"
+    path.write_text(MICRO_RECIPE)
+    return path

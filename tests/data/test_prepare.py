@@ -1,0 +1,64 @@
+"""`data prepare`: text and JSONL into a Megatron dataset, and clear refusals."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from frugality.data.indexed import IndexedDataset
+from frugality.data.prepare import prepare
+from frugality.data.tokenizer import load_tokenizer
+from frugality.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("pythia")
+
+
+def test_documents_end_with_eod(tmp_path, tok):
+    texts = ["First document.", "Second one, longer: " + "words " * 50, "Third"]
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt") as f:
+        for t in texts:
+            f.write(json.dumps({"body": t, "id": 1}) + "\n")
+    (tmp_path / "book.txt").write_text("A whole book\n\nin one file.\n")
+    stats = prepare([tmp_path / "docs.jsonl.gz", tmp_path / "book.txt"], tok, tmp_path / "out",
+                    field="body", progress=False)
+    ds = IndexedDataset(tmp_path / "out")
+    assert stats.documents == ds.num_documents == 4
+    for i, text in enumerate(texts + ["A whole book\n\nin one file.\n"]):
+        np.testing.assert_array_equal(ds[i], tok.encode(text) + [tok.eod_id])
+    assert ds.dtype == np.uint16
+
+
+def test_bad_jsonl_line_names_file_and_line_and_writes_nothing(tmp_path, tok):
+    (tmp_path / "docs.jsonl").write_text('{"text": "ok"}\n{"text": broken\n')
+    with pytest.raises(UserError, match=r"docs.jsonl:2: not valid JSON"):
+        prepare([tmp_path / "docs.jsonl"], tok, tmp_path / "out", progress=False)
+    (tmp_path / "nofield.jsonl").write_text('{"content": "ok"}\n')
+    with pytest.raises(UserError, match=r"nofield.jsonl:1: no field 'text'"):
+        prepare([tmp_path / "nofield.jsonl"], tok, tmp_path / "out", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "nofield.jsonl"]
+
+
+def test_existing_output_is_not_overwritten(tmp_path, tok):
+    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "out.bin").write_bytes(b"precious")
+    with pytest.raises(UserError, match="already exists"):
+        prepare([tmp_path / "a.txt"], tok, tmp_path / "out", progress=False)
+    assert (tmp_path / "out.bin").read_bytes() == b"precious"
+    prepare([tmp_path / "a.txt"], tok, tmp_path / "out", overwrite=True, progress=False)
+    assert IndexedDataset(tmp_path / "out").num_documents == 1
+
+
+def test_unsupported_and_missing_inputs(tmp_path, tok):
+    (tmp_path / "a.csv").write_text("x")
+    with pytest.raises(UserError, match="unsupported type"):
+        prepare([tmp_path / "a.csv"], tok, tmp_path / "out", progress=False)
+    with pytest.raises(UserError, match="no such file"):
+        prepare([tmp_path / "missing.txt"], tok, tmp_path / "out", progress=False)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(UserError, match="not UTF-8"):
+        prepare([tmp_path / "latin1.txt"], tok, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out.bin").exists()

@@ -1,0 +1,143 @@
+"""End-to-end training on the bundled corpus with a micro model."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from frugality.checkpoint import CheckpointManager
+from frugality.config.recipe import load_recipe
+from frugality.errors import UserError
+from frugality.models import build_model
+from frugality.training import trainer
+from frugality.training.optim import build_optimizer
+
+
+def _final_state(recipe, run_dir):
+    model = build_model(recipe.model)
+    optimizer = build_optimizer(model, recipe.optim)
+    manager = CheckpointManager(run_dir / "checkpoints")
+    extra = manager.load(manager.latest(), model, optimizer)
+    return model.state_dict(), optimizer.state_dict(), extra
+
+
+def _train_losses(run_dir):
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def _assert_identical(a, b):
+    model_a, optim_a, extra_a = a
+    model_b, optim_b, extra_b = b
+    assert model_a.keys() == model_b.keys()
+    for k in model_a:
+        assert torch.equal(model_a[k], model_b[k]), k
+    for i, state in optim_a["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, optim_b["state"][i][k]), (i, k)
+    assert extra_a["data"] == extra_b["data"]
+    assert torch.equal(extra_a["rng"]["torch"], extra_b["rng"]["torch"])
+
+
+def test_loss_falls_and_the_run_directory_has_everything(micro_recipe_file, tmp_path):
+    recipe = load_recipe(str(micro_recipe_file), ["train.steps=12", "train.eval_interval=6"])
+    result = trainer.train(recipe, run_dir=tmp_path / "run", progress=False)
+    run = tmp_path / "run"
+    assert result.evals[12] < result.evals[0] - 1.0  # from ~ln(50304) = 10.8
+
+    assert load_recipe(str(run / "recipe.toml")).model == recipe.model
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train_records] == list(range(1, 13))
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "tokens"):
+        assert all(isinstance(r[key], float | int) for r in train_records), key
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 6, 12]
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_step"] == 12 and summary["tokens_seen"] == 12 * 4 * 32
+    assert summary["first_val_loss"] == result.evals[0] and summary["final_val_loss"] == result.evals[12]
+    assert [p.name for p in CheckpointManager(run / "checkpoints").complete()] == [
+        "step_00000008", "step_00000012"
+    ]  # keep_checkpoints = 2
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "train/mfu", "eval/loss",
+            "eval/perplexity"} <= set(tags)
+    assert len(events.Scalars("train/loss")) == 12
+
+
+def test_stop_and_resume_is_bit_identical(micro_recipe_file, tmp_path):
+    recipe = load_recipe(str(micro_recipe_file))  # 8 steps, checkpoints every 4
+    trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
+
+    first = trainer.train(recipe, run_dir=tmp_path / "split", until_step=3, progress=False, tensorboard=False)
+    assert first.final_step == 3
+    second = trainer.train(recipe, run_dir=tmp_path / "split", progress=False, tensorboard=False)
+    assert second.start_step == 3 and second.final_step == 8
+
+    _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, tmp_path / "split"))
+    assert _train_losses(tmp_path / "straight") == _train_losses(tmp_path / "split")
+
+
+def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(micro_recipe_file, tmp_path, monkeypatch):
+    recipe = load_recipe(str(micro_recipe_file))
+    trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
+
+    real_step = trainer._train_step
+    calls = []
+
+    def step_then_get_killed(*args, **kwargs):
+        calls.append(1)
+        out = real_step(*args, **kwargs)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # what SLURM sends on preemption
+        return out
+
+    monkeypatch.setattr(trainer, "_train_step", step_then_get_killed)
+    killed = trainer.train(recipe, run_dir=tmp_path / "killed", progress=False, tensorboard=False)
+    assert killed.interrupted and killed.final_step == 5
+    monkeypatch.setattr(trainer, "_train_step", real_step)
+    resumed = trainer.train(recipe, run_dir=tmp_path / "killed", progress=False, tensorboard=False)
+    assert resumed.start_step == 5 and resumed.final_step == 8
+    _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, tmp_path / "killed"))
+    # The steps after the checkpoint are logged once, not twice.
+    assert sorted(_train_losses(tmp_path / "killed")) == list(range(1, 9))
+
+
+def test_resume_refuses_another_model_and_fresh_keeps_the_old_run(micro_recipe_file, tmp_path):
+    recipe = load_recipe(str(micro_recipe_file), ["train.steps=2"])
+    trainer.train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
+    wider = load_recipe(str(micro_recipe_file), ["train.steps=2", "model.hidden_size=64"])
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    with pytest.raises(UserError, match=r"different model.hidden_size \(32 then, 64 now\)"):
+        trainer.train(wider, run_dir=tmp_path / "run", progress=False, tensorboard=False)
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+
+    trainer.train(wider, run_dir=tmp_path / "run", fresh=True, progress=False, tensorboard=False)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.prev-")]
+    assert len(aside) == 1 and CheckpointManager(aside[0] / "checkpoints").latest() is not None
+    assert load_recipe(str(tmp_path / "run" / "recipe.toml")).model.hidden_size == 64
+
+
+def test_bad_inputs_fail_before_anything_is_written(micro_recipe_file, tmp_path):
+    run = tmp_path / "run"
+    cases = [
+        (["data.dataset=" + str(tmp_path / "missing")], "does not exist"),
+        (["data.tokenizer=gpt2", "model.vocab_size=50000"], "more than model.vocab_size"),
+        (["data.micro_batch_size=4", "data.global_batch_size=4", "data.val_fraction=0.0001"],
+         "fewer than one batch"),
+        (["train.device=cuda:7"] if not torch.cuda.is_available() else ["train.device=nonsense"], "device"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(UserError, match=message):
+            trainer.train(load_recipe(str(micro_recipe_file), overrides), run_dir=run, progress=False)
+        assert not run.exists()
+    with pytest.raises(UserError, match="until-step"):
+        trainer.train(load_recipe(str(micro_recipe_file)), run_dir=run, until_step=99, progress=False)
+    assert not run.exists()
