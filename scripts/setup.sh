@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up .venv with PyTorch and frugality; `--test` adds what the test suite needs.
+#
+# PyTorch is installed first and on its own, so that pip never swaps an installed CPU
+# build for a multi-GB CUDA build to satisfy a dependency. Choose the build with
+# FRUGALITY_TORCH (default torch==2.13.0) and, for another wheel index (e.g. PyTorch's
+# CPU-only one on a machine without a GPU), TORCH_INDEX_URL.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    "${pip[@]}" install "${FRUGALITY_TORCH:-torch==2.13.0}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+fi
+
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+"${pip[@]}" install -e ".${extras}"
