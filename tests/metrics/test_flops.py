@@ -1,0 +1,23 @@
+import torch
+
+from frugality.metrics.flops import non_embedding_params, training_flops_per_token
+from frugality.metrics.peak import measure_peak_flops
+from frugality.models import GPTNeoX, GPTNeoXConfig
+
+
+def test_pythia_70m_counts():
+    cfg = GPTNeoXConfig(hidden_size=512, num_layers=6, num_heads=8)
+    with torch.device("meta"):
+        model = GPTNeoX(cfg)
+    d, f, v, layers = 512, 2048, 50304, 6
+    per_layer = (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
+    expected = layers * per_layer + 2 * d + d * v  # + final norm + output layer; no input embedding
+    assert non_embedding_params(model) == expected
+    assert sum(p.numel() for p in model.parameters()) == expected + v * d  # 70,426,624 in all
+    assert expected + v * d == 70_426_624  # the published Pythia-70m size
+    assert training_flops_per_token(model, layers, d, 2048) == 6 * expected + 12 * layers * d * 2048
+
+
+def test_peak_probe_measures_something_plausible():
+    flops = measure_peak_flops(torch.device("cpu"), torch.float32, size=256)
+    assert 1e8 < flops < 1e15
