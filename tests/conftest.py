@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-SHARED_ASSETS = Path(__file__).resolve().parents[1].parent / "shared" / "assets"
-
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):

@@ -16,6 +16,7 @@ def test_pythia_70m_counts():
     assert sum(p.numel() for p in model.parameters()) == expected + v * d  # 70,426,624 in all
     assert expected + v * d == 70_426_624  # the published Pythia-70m size
     assert training_flops_per_token(model, layers, d, 2048) == 6 * expected + 12 * layers * d * 2048
+    assert training_flops_per_token(model, layers, d, 2048) == 343_523_328  # as docs/training.md says
 
 
 def test_peak_probe_measures_something_plausible():

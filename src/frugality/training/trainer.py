@@ -110,6 +110,8 @@ def train(
         start = step_of(plan.resume_from)
         stream.load_state_dict(extra["data"])
         _set_rng_state(extra["rng"])
+        if stop_at < start:
+            raise UserError(f"--until-step {stop_at}: {run_path} is already at step {start}")
     else:
         # Seeded separately from initialisation so both orders of events reproduce.
         _seed_everything(recipe.seed + 1)
