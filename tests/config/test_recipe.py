@@ -63,6 +63,8 @@ BAD = [
     ("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[data]\nseq_len = 4096\n", "data.seq_len (4096) exceeds model.max_seq_len (2048)"),
     ("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[optim]\nlr = 1e-4\nmin_lr = 1e-3\n", "optim: min_lr (0.001) must not exceed lr (0.0001)"),
     ("[model\nhidden_size = 64\n", "not valid TOML"),
+    ("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[train]\nsteps = 5\n[optim]\nwarmup_steps = 9\n",
+     "bad.toml: optim.warmup_steps (9) exceeds train.steps (5)"),
 ]
 
 

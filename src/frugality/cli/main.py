@@ -7,6 +7,7 @@ import sys
 import click
 
 from frugality import __version__
+from frugality.cli.bench import bench
 from frugality.cli.data import data
 from frugality.cli.recipes import recipes
 from frugality.cli.train import train
@@ -25,6 +26,7 @@ def cli() -> None:
 cli.add_command(train)
 cli.add_command(data)
 cli.add_command(recipes)
+cli.add_command(bench)
 
 
 def main(argv: list[str] | None = None) -> int:

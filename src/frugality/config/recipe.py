@@ -86,7 +86,14 @@ class TrainConfig(_Section):
     save_interval: PositiveInt = 1000
     keep_checkpoints: PositiveInt = Field(default=2, description="newest checkpoints to keep")
     log_interval: PositiveInt = 1
-    precision: Literal["fp32", "amp-bf16"] = "fp32"
+    precision: Literal["fp32", "amp-bf16", "bf16-sr", "bf16", "fp8"] = Field(
+        default="fp32", description="see frugality.precision and docs/precision.md"
+    )
+    fused_optimizer: bool = Field(
+        default=True,
+        description="bf16 policies: one fused update pass (a C kernel on CPU, torch.compile "
+        "elsewhere); false runs the same formula as eager torch ops",
+    )
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
     runs_dir: str = Field(default="runs", description="parent of the run directory")
 
@@ -207,4 +214,5 @@ def _describe(error: ValidationError, path: Path, from_cli: dict[str, str]) -> s
     source = f"--set {from_cli[key]}" if key in from_cli else f"recipe {path}"
     more = error.error_count() - 1
     suffix = f" ({more} more problem{'s' if more > 1 else ''})" if more else ""
-    return f"{source}: {key}: {message}{suffix}"
+    where = f"{source}: {key}" if key else source
+    return f"{where}: {message}{suffix}"

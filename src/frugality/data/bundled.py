@@ -4,23 +4,16 @@ about 2.6 MB of text; see assets/README.md), tokenized on first use and cached."
 from __future__ import annotations
 
 import hashlib
-import os
 from importlib import resources
 from pathlib import Path
 
+from frugality.cache import cache_dir
 from frugality.data.indexed import paths
 from frugality.data.prepare import prepare
 from frugality.data.tokenizer import LoadedTokenizer
 
 BUNDLED_PREFIX = "bundled:"
 _CORPORA = ("gutenberg",)
-
-
-def cache_dir() -> Path:
-    """$FRUGALITY_CACHE, else $XDG_CACHE_HOME/frugality, else ~/.cache/frugality."""
-    if root := os.environ.get("FRUGALITY_CACHE"):
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "frugality"
 
 
 def corpus_files(name: str = "gutenberg") -> list[Path]:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
 from frugality.models.layers import RotaryEmbedding, causal_attention
+from frugality.models.loss import linear_cross_entropy
 
 
 class GPTNeoXConfig(BaseModel):
@@ -141,7 +142,9 @@ class GPTNeoX(nn.Module):
             else:
                 p.normal_(0.0, small)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab); or, given next-token `targets` (B, T), the mean
+        cross-entropy, computed without materialising the logits in float32."""
         if input_ids.shape[1] > self.config.max_seq_len:
             raise ValueError(
                 f"sequence of {input_ids.shape[1]} tokens exceeds max_seq_len {self.config.max_seq_len}"
@@ -149,4 +152,7 @@ class GPTNeoX(nn.Module):
         h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(h)
-        return self.output(self.final_norm(h))
+        h = self.final_norm(h)
+        if targets is not None:
+            return linear_cross_entropy(h.flatten(0, 1), self.output.weight, targets.flatten())
+        return self.output(h)

@@ -1,4 +1,5 @@
-"""AdamW with GPT-NeoX's parameter groups: no weight decay on biases and norm weights."""
+"""The optimizer a precision policy calls for: AdamW with GPT-NeoX's parameter groups (no
+weight decay on biases and norm weights)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,30 @@ import torch
 from torch import nn
 
 from frugality.config.recipe import OptimConfig
+from frugality.precision import PrecisionPolicy, get_policy
+from frugality.precision.bf16_adamw import BF16AdamW
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    # foreach: one fused multi-tensor kernel per group rather than a Python loop per tensor.
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(
+    model: nn.Module,
+    cfg: OptimConfig,
+    policy: PrecisionPolicy | None = None,
+    seed: int = 0,
+    fused: bool = True,
+) -> torch.optim.Optimizer:
+    policy = policy or get_policy("fp32")
+    groups = parameter_groups(model, cfg.weight_decay)
+    if policy.storage_dtype == torch.bfloat16:
+        # One fused pass per group over flat bf16 buffers, float32 math, rounded back.
+        return BF16AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                         rounding=policy.rounding, seed=seed, fused=fused)
+    # foreach: one multi-tensor kernel per group rather than a Python loop per tensor.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)

@@ -21,20 +21,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from frugality.checkpoint import CheckpointManager, step_of
 from frugality.config.recipe import Recipe
-from frugality.data.bundled import BUNDLED_PREFIX, bundled_dataset, cache_dir
+from frugality.cache import cache_dir
+from frugality.data.bundled import BUNDLED_PREFIX, bundled_dataset
 from frugality.data.indexed import IndexedDataset
 from frugality.data.loader import PackedSamples, TrainStream, validation_batches
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 from frugality.metrics.flops import non_embedding_params, training_flops_per_token
 from frugality.metrics.logger import RunLogger
+from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
 from frugality.metrics.peak import peak_flops
 from frugality.models import build_model
+from frugality.precision import get_policy
 from frugality.training import run_dir as rundir
 from frugality.training.optim import build_optimizer
 from frugality.training.schedule import learning_rate
@@ -80,6 +82,8 @@ def train(
 
     # Everything that can fail on bad input fails here, before the run directory is touched.
     device = resolve_device(recipe.train.device)
+    policy = get_policy(recipe.train.precision)
+    policy.check_device(device)
     tokenizer = load_tokenizer(recipe.data.tokenizer)
     if tokenizer.vocab_size > recipe.model.vocab_size:
         raise UserError(
@@ -101,8 +105,9 @@ def train(
 
     torch.manual_seed(recipe.seed)
     with device:
-        model = build_model(recipe.model)
-    optimizer = build_optimizer(model, recipe.optim)
+        model = policy.prepare_model(build_model(recipe.model))
+    optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
+                                fused=recipe.train.fused_optimizer)
     checkpoints = CheckpointManager(run_path / "checkpoints", keep=recipe.train.keep_checkpoints)
     start = 0
     if plan.resume_from is not None:
@@ -128,17 +133,13 @@ def train(
     flops_per_token = training_flops_per_token(
         model, recipe.model.num_layers, recipe.model.hidden_size, recipe.data.seq_len
     )
-    compute_dtype = torch.bfloat16 if recipe.train.precision == "amp-bf16" else torch.float32
     peak = (
         recipe.metrics.peak_tflops * 1e12
         if recipe.metrics.peak_tflops
-        else peak_flops(device, compute_dtype, cache_dir() / "peak_flops.json")
+        else peak_flops(device, policy.compute_dtype, cache_dir() / "peak_flops.json")
     )
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
-        if recipe.train.precision == "amp-bf16"
-        else contextlib.nullcontext()
-    )
+    autocast = policy.autocast_context(device)
+    memory: dict[str, float] = {}
 
     def evaluate(step: int) -> float:
         loss = _evaluate(model, val_batches, device, autocast)
@@ -164,6 +165,9 @@ def train(
             elapsed = time.perf_counter() - t0
             step_times.append(elapsed)
             done = step + 1
+            if not memory:  # after the first step, when gradients and moments exist
+                memory = _memory_record(model, optimizer, policy, device)
+                logger.log("memory", done, memory)
             tokens_per_s = tokens_per_step / elapsed
             if done % recipe.train.log_interval == 0 or done == stop_at:
                 logger.log("train", done, {
@@ -199,8 +203,20 @@ def train(
         recipe, model, result, step_times, train_loss, tokens_per_step, flops_per_token, peak,
         time.perf_counter() - wall_start, device,
     )
+    result.summary["memory"] = memory | {"peak_memory_bytes": peak_memory_bytes(device)}
     rundir.write_summary(run_path, result.summary)
     return result
+
+
+def _memory_record(model, optimizer, policy, device) -> dict[str, float]:
+    n = sum(p.numel() for p in model.parameters())
+    state = training_state_bytes(model, optimizer)
+    return {
+        "training_state_bytes": state,
+        "bytes_per_param": state / n,
+        "policy_bytes_per_param": policy.state_bytes_per_param,
+        "peak_memory_bytes": peak_memory_bytes(device),
+    }
 
 
 def _open_dataset(recipe: Recipe, tokenizer, progress: bool) -> IndexedDataset:
@@ -221,8 +237,7 @@ def _train_step(model, optimizer, micro_batches, device, autocast, grad_clip) ->
     for batch in micro_batches:
         batch = batch.to(device, non_blocking=True)
         with autocast:
-            logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+            loss = model(batch[:, :-1], targets=batch[:, 1:])
         (loss / accum).backward()
         total += loss.detach()
     norm = torch.nn.utils.clip_grad_norm_(
@@ -240,8 +255,7 @@ def _evaluate(model, batches, device, autocast) -> float:
     for batch in batches:
         batch = batch.to(device)
         with autocast:
-            logits = model(batch[:, :-1])
-        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()))
+            losses.append(model(batch[:, :-1], targets=batch[:, 1:]))
     return torch.stack(losses).mean().item()
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks that compare frugality with reference implementations in the same process."""

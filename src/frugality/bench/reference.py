@@ -1,0 +1,53 @@
+"""The reference a user would otherwise run: transformers' GPTNeoXForCausalLM with
+torch.optim.AdamW, set up the way its documentation does it for each precision."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from frugality.config.recipe import Recipe
+from frugality.errors import UserError
+from frugality.interop.hf_gpt_neox import hf_config
+from frugality.training.optim import parameter_groups
+
+
+def build_transformers(recipe: Recipe, precision: str, device: torch.device):
+    """(model, optimizer, autocast context) for transformers at `precision`.
+
+    fp32: plain. amp-bf16: bf16 autocast over fp32 weights. bf16 and bf16-sr: weights cast
+    to bf16 with plain AdamW (transformers has no stochastic rounding; this is what
+    `model.to(torch.bfloat16)` gives a user).
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("the transformers reference needs `pip install transformers`") from None
+    config = transformers.GPTNeoXConfig(
+        **{k: v for k, v in hf_config(recipe.model).items() if k != "architectures"}
+    )
+    config._attn_implementation = "sdpa"  # transformers' default on PyTorch 2
+    model = transformers.GPTNeoXForCausalLM(config).to(device)
+    if precision in ("bf16", "bf16-sr"):
+        model = model.to(torch.bfloat16)
+    elif precision not in ("fp32", "amp-bf16"):
+        raise UserError(f"no transformers reference for precision {precision!r}")
+    model.train()
+    o = recipe.optim
+    optimizer = torch.optim.AdamW(parameter_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "amp-bf16"
+                else contextlib.nullcontext())
+    return model, optimizer, autocast
+
+
+def transformers_step(model, optimizer, autocast, batch: torch.Tensor, grad_clip: float) -> float:
+    """One training step the transformers way: labels in, shifted loss out."""
+    inputs = batch[:, :-1]
+    with autocast:
+        loss = model(input_ids=inputs, labels=inputs).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()

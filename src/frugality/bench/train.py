@@ -1,0 +1,153 @@
+"""`frugality bench train`: training throughput of frugality against transformers.
+
+Both run in one process on the same device with the same architecture, batch, sequence
+length and precision, one step each in turn (A B A B ...) after warm-up steps, so that
+machine noise hits both alike; the table reports medians. Peak memory is measured per
+implementation in a fresh subprocess, since a process's peak cannot be split between two
+models living in it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from frugality.bench.reference import build_transformers, transformers_step
+from frugality.config.recipe import Recipe
+from frugality.cache import cache_dir
+from frugality.metrics.flops import training_flops_per_token
+from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
+from frugality.metrics.peak import device_name, peak_flops
+from frugality.models import build_model
+from frugality.precision import get_policy
+from frugality.training.optim import build_optimizer
+from frugality.training.trainer import _train_step, resolve_device
+
+
+@dataclass
+class BenchRow:
+    impl: str
+    precision: str
+    batch: int
+    seq: int
+    tokens_per_s: float
+    step_time_s: float
+    mfu: float
+    peak_memory_bytes: int | None
+    state_bytes_per_param: float
+    steps: int
+    device: str
+
+
+def _make(impl: str, recipe: Recipe, precision: str, device: torch.device):
+    """A `step(batch) -> loss` closure and the objects it trains."""
+    torch.manual_seed(recipe.seed)
+    if impl == "frugality":
+        policy = get_policy(precision)
+        policy.check_device(device)
+        with device:
+            model = policy.prepare_model(build_model(recipe.model))
+        optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
+                                    fused=recipe.train.fused_optimizer)
+        autocast = policy.autocast_context(device)
+        step = lambda b: _train_step(model, optimizer, [b], device, autocast, recipe.optim.grad_clip)[0]
+    else:
+        model, optimizer, autocast = build_transformers(recipe, precision, device)
+        step = lambda b: transformers_step(model, optimizer, autocast, b, recipe.optim.grad_clip)
+    return step, model, optimizer
+
+
+def _batch(recipe: Recipe, batch: int, seq: int, device: torch.device, i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, recipe.model.vocab_size, (batch, seq + 1), generator=g).to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, steps: int = 5,
+                warmup: int = 2, impls=("frugality", "transformers"), memory: bool = True,
+                log=print) -> list[BenchRow]:
+    device = resolve_device(recipe.train.device)
+    rows = []
+    for precision in precisions:
+        policy = get_policy(precision)
+        peak = peak_flops(device, policy.compute_dtype, cache_dir() / "peak_flops.json")
+        runners = {impl: _make(impl, recipe, precision, device) for impl in impls}
+        flops_per_token = training_flops_per_token(
+            runners[impls[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq
+        )
+        times: dict[str, list[float]] = {impl: [] for impl in impls}
+        for i in range(warmup + steps):
+            data = _batch(recipe, batch, seq, device, i)
+            for impl in impls:  # A B A B ...: the same conditions for both
+                step = runners[impl][0]
+                _sync(device)
+                t0 = time.perf_counter()
+                step(data)
+                _sync(device)
+                if i >= warmup:
+                    times[impl].append(time.perf_counter() - t0)
+        for impl in impls:
+            _, model, optimizer = runners[impl]
+            median = statistics.median(times[impl])
+            tokens_per_s = batch * seq / median
+            mem = _peak_memory_subprocess(impl, recipe, precision, batch, seq) if memory else None
+            rows.append(BenchRow(
+                impl=impl, precision=precision, batch=batch, seq=seq,
+                tokens_per_s=round(tokens_per_s, 1), step_time_s=round(median, 4),
+                mfu=round(flops_per_token * tokens_per_s / peak, 4), peak_memory_bytes=mem,
+                state_bytes_per_param=round(
+                    training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2),
+                steps=steps, device=device_name(device),
+            ))
+            log(f"{impl:12} {precision:9} {tokens_per_s:9.1f} tokens/s  MFU {rows[-1].mfu:.1%}")
+        del runners
+    return rows
+
+
+def _peak_memory_subprocess(impl, recipe, precision, batch, seq) -> int | None:
+    """Peak memory of a fresh process that trains two steps of one implementation."""
+    command = [sys.executable, "-m", "frugality.bench.train", impl, precision, str(batch), str(seq)]
+    done = subprocess.run(command, input=recipe.model_dump_json(), capture_output=True, text=True)
+    if done.returncode != 0:
+        return None
+    return int(json.loads(done.stdout.strip().splitlines()[-1])["peak_memory_bytes"])
+
+
+def markdown_table(rows: list[BenchRow]) -> str:
+    header = ("| impl | precision | batch × seq | tokens/s | step time (s) | MFU | "
+              "state bytes/param | peak memory (GiB) |")
+    lines = [header, "|" + "---|" * 8]
+    for r in rows:
+        mem = f"{r.peak_memory_bytes / 2**30:.2f}" if r.peak_memory_bytes else "n/a"
+        lines.append(f"| {r.impl} | {r.precision} | {r.batch} × {r.seq} | {r.tokens_per_s:,.0f} | "
+                     f"{r.step_time_s:.3f} | {r.mfu:.1%} | {r.state_bytes_per_param:g} | {mem} |")
+    return "\n".join(lines)
+
+
+def rows_json(rows: list[BenchRow]) -> str:
+    return json.dumps([asdict(r) for r in rows], indent=1)
+
+
+def _memory_probe() -> None:
+    """Child process: train two steps of one implementation, print the peak as JSON."""
+    impl, precision, batch, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    recipe = Recipe.model_validate_json(sys.stdin.read())
+    device = resolve_device(recipe.train.device)
+    step, _, _ = _make(impl, recipe, precision, device)
+    for i in range(2):
+        step(_batch(recipe, batch, seq, device, i))
+    print(json.dumps({"peak_memory_bytes": peak_memory_bytes(device)}))
+
+
+if __name__ == "__main__":
+    _memory_probe()

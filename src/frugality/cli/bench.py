@@ -1,0 +1,55 @@
+"""`frugality bench ...`: measured comparisons, printed as Markdown tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks against reference implementations."""
+
+
+@bench.command("train")
+@click.argument("recipe", required=False)
+@click.option("--precision", "precisions", default="fp32,amp-bf16,bf16-sr,bf16", show_default=True,
+              help="Comma-separated precision policies.")
+@click.option("--batch", type=int, help="Sequences per step [default: the recipe's micro_batch_size].")
+@click.option("--seq", type=int, help="Tokens per sequence [default: the recipe's seq_len].")
+@click.option("--steps", default=5, show_default=True, help="Timed steps per implementation.")
+@click.option("--warmup", default=2, show_default=True, help="Untimed steps first (allocator, compilation).")
+@click.option("--only", type=click.Choice(["frugality", "transformers"]), help="Run one implementation.")
+@click.option("--no-memory", is_flag=True, help="Skip the peak-memory subprocesses.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
+@click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
+@click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
+def bench_train(recipe, precisions, batch, seq, steps, warmup, only, no_memory, overrides, json_path,
+                markdown_path) -> None:
+    """Training throughput of frugality and transformers' GPTNeoXForCausalLM + AdamW on
+    RECIPE's architecture, alternating steps in one process; medians of --steps."""
+    from frugality.bench.train import bench_train as run, markdown_table, rows_json
+    from frugality.config.recipe import load_recipe
+    from frugality.errors import UserError
+    from frugality.precision import get_policy
+
+    resolved = load_recipe(recipe, list(overrides))
+    names = [p.strip() for p in precisions.split(",") if p.strip()]
+    for name in names:
+        get_policy(name)
+    batch = batch or resolved.data.micro_batch_size
+    seq = seq or resolved.data.seq_len
+    if seq > resolved.model.max_seq_len:
+        raise UserError(f"--seq {seq} exceeds model.max_seq_len ({resolved.model.max_seq_len})")
+    if steps < 1 or warmup < 0 or batch < 1:
+        raise UserError("--steps and --batch must be positive, --warmup not negative")
+    impls = (only,) if only else ("frugality", "transformers")
+    rows = run(resolved, names, batch, seq, steps=steps, warmup=warmup, impls=impls,
+               memory=not no_memory, log=lambda line: click.echo(line, err=True))
+    table = markdown_table(rows)
+    click.echo(table)
+    if markdown_path:
+        Path(markdown_path).write_text(table + "\n")
+    if json_path:
+        Path(json_path).write_text(rows_json(rows) + "\n")

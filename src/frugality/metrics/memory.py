@@ -1,0 +1,47 @@
+"""Memory accounting: what the training state really occupies, and the process peak."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+from torch import nn
+
+
+def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of weights, gradients and optimizer state, counting each storage once (flat
+    buffers that parameters are views of are not counted twice).
+
+    Optimizers that free gradients between steps (`zero_grad(set_to_none=True)`) still
+    hold them through every backward and update, so a missing gradient counts at its
+    parameter's size and dtype, which is what backward allocates."""
+    tensors = [p for p in model.parameters()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    missing_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.grad is None)
+    for state in optimizer.state.values():
+        tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+    seen: dict[tuple, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values()) + missing_grads
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak on the device. CPU: the process's peak resident set.
+
+    On Linux this reads VmHWM from /proc/self/status rather than getrusage's ru_maxrss,
+    which a process inherits from its parent across fork and exec (so a small child of a
+    big parent would report the parent's peak)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB

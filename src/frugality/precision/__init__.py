@@ -1,0 +1,104 @@
+"""Precision policies: how weights, gradients and optimizer state are stored, and in which
+dtype the matrix products run.
+
+| policy     | weights + grads | Adam moments | compute            | bytes / parameter |
+|------------|-----------------|--------------|--------------------|-------------------|
+| `fp32`     | fp32            | fp32         | fp32               | 16                |
+| `amp-bf16` | fp32            | fp32         | bf16 autocast      | 16                |
+| `bf16-sr`  | bf16            | bf16         | bf16               | 8                 |
+| `bf16`     | bf16            | bf16         | bf16               | 8                 |
+| `fp8`      | fp32            | fp32         | fp8 linears (torchao), bf16 elsewhere | 16 |
+
+`bf16-sr` and `bf16` differ only in how the optimizer writes its float32 result back:
+stochastic rounding (unbiased, so updates far below a bf16 step still accumulate) or
+round-to-nearest (kept to show what stochastic rounding buys).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from frugality.errors import UserError
+
+PRECISIONS = ("fp32", "amp-bf16", "bf16-sr", "bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    name: str
+    storage_dtype: torch.dtype  # weights, gradients and optimizer moments
+    compute_dtype: torch.dtype  # what the matrix products run in (the MFU peak's dtype)
+    autocast: bool  # bf16 autocast over higher-precision storage
+    rounding: str | None  # for bf16 storage: "stochastic" or "nearest"
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        """Weights + gradients + two Adam moments, in bytes per parameter."""
+        return 4 * torch.empty((), dtype=self.storage_dtype).element_size()
+
+    def check_device(self, device: torch.device) -> None:
+        if self.name == "fp8":
+            _check_fp8(device)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Cast (bf16 storage) or convert (fp8 linears) a model built in float32."""
+        if self.storage_dtype != torch.float32:
+            model = model.to(self.storage_dtype)
+        if self.name == "fp8":
+            model = _to_float8(model)
+        return model
+
+    def autocast_context(self, device: torch.device):
+        if self.autocast:
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+_POLICIES = {
+    "fp32": PrecisionPolicy("fp32", torch.float32, torch.float32, False, None),
+    "amp-bf16": PrecisionPolicy("amp-bf16", torch.float32, torch.bfloat16, True, None),
+    "bf16-sr": PrecisionPolicy("bf16-sr", torch.bfloat16, torch.bfloat16, False, "stochastic"),
+    "bf16": PrecisionPolicy("bf16", torch.bfloat16, torch.bfloat16, False, "nearest"),
+    "fp8": PrecisionPolicy("fp8", torch.float32, torch.bfloat16, True, None),
+}
+
+
+def get_policy(name: str) -> PrecisionPolicy:
+    try:
+        return _POLICIES[name]
+    except KeyError:
+        raise UserError(f"precision {name!r}: choose one of {', '.join(PRECISIONS)}") from None
+
+
+def _check_fp8(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise UserError(
+            f"precision fp8 needs a CUDA GPU of compute capability 8.9 or later (Ada, Hopper, "
+            f"Blackwell); this run is on {device.type}. Use bf16-sr or amp-bf16 here."
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise UserError(
+            f"precision fp8 needs compute capability 8.9 or later; "
+            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}"
+        )
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise UserError("precision fp8 uses torchao's float8 training: pip install torchao") from None
+
+
+def _to_float8(model: nn.Module) -> nn.Module:
+    from torchao.float8 import convert_to_float8_training
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        # float8 matmuls need both dimensions divisible by 16; the output layer stays bf16
+        # (its gradient is the most precision-sensitive, as in torchao's own recipes).
+        return (isinstance(module, nn.Linear) and fqn != "output"
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    return convert_to_float8_training(model, module_filter_fn=eligible)

@@ -1,0 +1,207 @@
+"""AdamW for weights, gradients and moments stored in bfloat16 (the `bf16-sr` and `bf16`
+precision policies).
+
+Each parameter group's parameters, gradients and both moments live in four flat bf16
+buffers; every parameter, its `.grad` and its state entries are views into them. One
+step is then one elementwise pass per group: read the four buffers, compute AdamW in
+float32, write weights and moments back to bf16 — with stochastic rounding (`bf16-sr`) or
+round-to-nearest (`bf16`). The pass runs, in order of preference: on CPUs, a small C
+kernel (adamw_bf16_cpu.c, built on first use); elsewhere, `torch.compile` of `_update`
+(one fused loop, the rounding noise generated in registers); and eager torch ops in
+chunks if neither is available or `fused=False`. All compute the same formula with the
+same noise; the C kernel and eager ops give identical bits.
+
+Memory: 2 + 2 + 2 + 2 = 8 bytes per parameter, against 16 for fp32 master weights,
+gradients and moments (the `fp32` and `amp-bf16` policies).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+
+from frugality.precision import cpu_kernel
+from frugality.precision.stochastic_rounding import mix_key, noise16x3, round_to_bf16
+
+Rounding = Literal["stochastic", "nearest"]
+_EAGER_CHUNK = 1 << 20  # bounds the eager path's temporaries to a few MB
+_FLOAT_SCALARS = ("lr", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay",
+                  "bc1", "bc2_sqrt")
+
+
+def _update(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
+    lr: torch.Tensor, beta1: torch.Tensor, one_minus_beta1: torch.Tensor, beta2: torch.Tensor,
+    one_minus_beta2: torch.Tensor, eps: torch.Tensor, decay: torch.Tensor, bc1: torch.Tensor,
+    bc2_sqrt: torch.Tensor, key: torch.Tensor, stochastic: bool,
+) -> None:
+    """One AdamW step on flat bf16 buffers, in place. Scalars are 0-dim float32 tensors
+    computed once by the caller (so a changing learning rate never recompiles), and the
+    operations and their order are exactly those of adamw_bf16_cpu.c."""
+    g32 = g.float()
+    m32 = m.float() * beta1 + g32 * one_minus_beta1
+    v32 = v.float() * beta2 + (g32 * g32) * one_minus_beta2
+    update = (m32 / bc1) / (v32.sqrt() / bc2_sqrt + eps)
+    p32 = p.float() * decay - lr * update
+    if stochastic:
+        index = start + torch.arange(p.numel(), device=p.device, dtype=torch.int64)
+        noise = noise16x3(index, key)
+    else:
+        noise = (None, None, None)
+    p.copy_(round_to_bf16(p32, noise[0]))
+    m.copy_(round_to_bf16(m32, noise[1]))
+    v.copy_(round_to_bf16(v32, noise[2]))
+
+
+class BF16AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected) over bf16 storage.
+
+    `seed` drives the stochastic rounding: step s of group k rounds with noise from
+    hash(seed, k, s, element index), so the state to checkpoint is just the step count —
+    it lives in the optimizer state as usual — and a resumed run rounds exactly as an
+    uninterrupted one would.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        rounding: Rounding = "stochastic",
+        seed: int = 0,
+        fused: bool = True,
+    ) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        rounding=rounding, seed=seed)
+        super().__init__(params, defaults)
+        self._compiled: Callable | None = None
+        self._fused = fused
+        self._flat: list[dict[str, torch.Tensor]] = []
+        for group in self.param_groups:
+            self._flat.append(self._flatten(group))
+
+    def _flatten(self, group: dict) -> dict[str, torch.Tensor]:
+        params = group["params"]
+        if not params:
+            return {}
+        device = params[0].device
+        if any(p.dtype != torch.bfloat16 or p.device != device for p in params):
+            raise ValueError("BF16AdamW needs bfloat16 parameters on one device per group")
+        numel = sum(p.numel() for p in params)
+        flat = {name: torch.zeros(numel, dtype=torch.bfloat16, device=device)
+                for name in ("param", "grad", "exp_avg", "exp_avg_sq")}
+        step = torch.zeros((), dtype=torch.float32)  # one counter per group, shared by its params
+        offset = 0
+        for p in params:
+            n = p.numel()
+            view = flat["param"][offset : offset + n].view_as(p)
+            view.copy_(p.detach())
+            p.data = view  # the parameter now lives in the flat buffer
+            p.grad = flat["grad"][offset : offset + n].view_as(p)
+            self.state[p] = {
+                "step": step,
+                "exp_avg": flat["exp_avg"][offset : offset + n].view_as(p),
+                "exp_avg_sq": flat["exp_avg_sq"][offset : offset + n].view_as(p),
+            }
+            offset += n
+        return flat
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the flat gradient buffers; gradients stay views (set_to_none is ignored so
+        that backward keeps accumulating into the flat buffers)."""
+        for group, flat in zip(self.param_groups, self._flat):
+            if flat:
+                flat["grad"].zero_()
+                self._relink_grads(group, flat)
+
+    def _relink_grads(self, group: dict, flat: dict) -> None:
+        offset = 0
+        for p in group["params"]:
+            n = p.numel()
+            view = flat["grad"][offset : offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():  # someone replaced it: copy it home
+                view.copy_(p.grad)
+                p.grad = view
+            offset += n
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for k, (group, flat) in enumerate(zip(self.param_groups, self._flat)):
+            if not flat:
+                continue
+            self._relink_grads(group, flat)
+            counter = self.state[group["params"][0]]["step"]  # shared by the group
+            step = int(counter.item()) + 1
+            counter.fill_(step)
+            self._run(flat, self._scalars(group, k, step), group["rounding"] == "stochastic")
+        return loss
+
+    @staticmethod
+    def _scalars(group: dict, index: int, step: int) -> dict[str, float]:
+        """Every scalar of the update, rounded to float32 once, so that all paths (C,
+        compiled, eager) compute with identical values."""
+        f32 = np.float32
+        beta1, beta2 = group["betas"]
+        lr, wd = f32(group["lr"]), f32(group["weight_decay"])
+        return dict(
+            lr=lr, beta1=f32(beta1), one_minus_beta1=f32(1) - f32(beta1), beta2=f32(beta2),
+            one_minus_beta2=f32(1) - f32(beta2), eps=f32(group["eps"]), decay=f32(1) - lr * wd,
+            bc1=f32(1 - beta1**step), bc2_sqrt=f32((1 - beta2**step) ** 0.5),
+            key=mix_key(group["seed"], index, step),
+        )
+
+    def _run(self, flat: dict, scalars: dict, stochastic: bool) -> None:
+        buffers = [flat[n] for n in ("param", "grad", "exp_avg", "exp_avg_sq")]
+        device = buffers[0].device
+        if self._fused and device.type == "cpu" and (kernel := cpu_kernel.load()) is not None:
+            kernel(*(b.data_ptr() for b in buffers), buffers[0].numel(), 0,
+                   *(float(scalars[k]) for k in _FLOAT_SCALARS), scalars["key"], int(stochastic),
+                   torch.get_num_threads())
+            return
+        tensors = {k: torch.tensor(scalars[k], dtype=torch.float32, device=device) for k in _FLOAT_SCALARS}
+        tensors["key"] = torch.tensor(scalars["key"], dtype=torch.int64, device=device)
+        if self._fused and self._compiled is None:
+            self._compiled = torch.compile(_update, dynamic=True, fullgraph=True)
+        if self._fused:
+            try:
+                self._compiled(*buffers, torch.zeros((), dtype=torch.int64, device=device),
+                               **tensors, stochastic=stochastic)
+                return
+            except Exception as e:  # e.g. an Inductor C++ build failure on this machine
+                warnings.warn(f"compiled BF16AdamW step failed ({type(e).__name__}: {e}); "
+                              "using eager torch ops for the rest of this run")
+                self._fused = False
+        for start in range(0, buffers[0].numel(), _EAGER_CHUNK):
+            chunk = [b[start : start + _EAGER_CHUNK] for b in buffers]
+            _update(*chunk, torch.tensor(start, dtype=torch.int64, device=device), **tensors,
+                    stochastic=stochastic)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load, then move the loaded moments back into the flat buffers (the base class
+        replaces state tensors with fresh copies, which would break the views)."""
+        super().load_state_dict(state_dict)
+        for group, flat in zip(self.param_groups, self._flat):
+            if not group["params"]:
+                continue
+            step = self.state[group["params"][0]]["step"].to(torch.float32).cpu()
+            offset = 0
+            for p in group["params"]:
+                n = p.numel()
+                state = self.state[p]
+                for name in ("exp_avg", "exp_avg_sq"):
+                    view = flat[name][offset : offset + n].view_as(p)
+                    view.copy_(state[name])
+                    state[name] = view
+                state["step"] = step
+                offset += n

@@ -1,0 +1,30 @@
+"""`frugality bench train` runs both implementations and reports every field."""
+
+import json
+
+from frugality.cli.main import main
+
+
+def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    args = ["bench", "train", str(micro_recipe_file), "--precision", "fp32,bf16-sr", "--batch", "2",
+            "--seq", "16", "--steps", "2", "--warmup", "1", "--set", "train.fused_optimizer=false",
+            "--json", str(out), "--markdown", str(tmp_path / "table.md")]
+    assert main(args) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["impl"], r["precision"]) for r in rows] == [
+        ("frugality", "fp32"), ("transformers", "fp32"), ("frugality", "bf16-sr"), ("transformers", "bf16-sr")]
+    for r in rows:
+        assert r["batch"] == 2 and r["seq"] == 16
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+        assert r["peak_memory_bytes"] > 0
+    assert rows[0]["state_bytes_per_param"] == 16 and rows[2]["state_bytes_per_param"] == 8  # rounded
+    assert "| frugality | bf16-sr | 2 × 16 |" in (tmp_path / "table.md").read_text()
+    assert "tokens/s" in capsys.readouterr().out
+
+
+def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
+    assert main(["bench", "train", str(micro_recipe_file), "--precision", "fp16"]) == 2
+    assert "choose one of" in capsys.readouterr().err
+    assert main(["bench", "train", str(micro_recipe_file), "--seq", "4096"]) == 2
+    assert "exceeds model.max_seq_len" in capsys.readouterr().err

@@ -1,0 +1,113 @@
+"""BF16AdamW: the AdamW formula on flat bf16 buffers, and why stochastic rounding matters."""
+
+import pytest
+import torch
+
+from frugality.precision import cpu_kernel
+from frugality.precision.bf16_adamw import BF16AdamW
+
+
+def _params(seed=0):
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(300, 7)), torch.nn.Parameter(torch.randn(50))]
+
+
+def test_matches_torch_adamw_up_to_bf16_rounding():
+    ref_params = _params()
+    ours_params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in ref_params]
+    for p in ref_params:
+        p.data = p.data.to(torch.bfloat16).float()  # same starting point
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    ours = BF16AdamW(ours_params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                     rounding="nearest", fused=False)
+    torch.manual_seed(1)
+    grads = [[torch.randn_like(p) for p in ref_params] for _ in range(3)]
+    for step_grads in grads:
+        for p, q, g in zip(ref_params, ours_params, step_grads):
+            p.grad = g
+            q.grad.copy_(g.to(torch.bfloat16))
+        ref.step()
+        ours.step()
+    for p, q in zip(ref_params, ours_params):
+        torch.testing.assert_close(q.float(), p.detach(), rtol=2e-2, atol=2e-2)
+    assert all(q.dtype == torch.bfloat16 for q in ours_params)
+
+
+def test_parameters_grads_and_moments_are_views_of_flat_buffers():
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
+    opt = BF16AdamW(params, fused=False)
+    flat = opt._flat[0]
+    assert params[0].data_ptr() == flat["param"].data_ptr()
+    assert params[1].grad.data_ptr() == flat["grad"][2100:].data_ptr()
+    assert opt.state[params[1]]["exp_avg"].data_ptr() == flat["exp_avg"][2100:].data_ptr()
+    # backward accumulates into the views
+    (params[0].float().sum() * 2).backward()
+    assert torch.all(flat["grad"][:2100] == 2)
+    opt.zero_grad(set_to_none=True)
+    assert params[0].grad is not None and torch.all(flat["grad"] == 0)
+
+
+def test_small_updates_survive_only_with_stochastic_rounding():
+    """Updates of a tenth of a bf16 step: round-to-nearest drops every one of them."""
+    results = {}
+    for rounding in ("stochastic", "nearest"):
+        p = torch.nn.Parameter(torch.ones(100_000, dtype=torch.bfloat16))
+        # lr so small that each AdamW step (about lr in size) is 1/10 of bf16's step at 1.0.
+        opt = BF16AdamW([p], lr=2**-7 / 10, betas=(0.0, 0.0), eps=1e-30, rounding=rounding,
+                        seed=3, fused=False)
+        for _ in range(50):
+            p.grad.fill_(-1.0)  # always push upwards
+            opt.step()
+        results[rounding] = p.float().mean().item()
+    assert results["nearest"] == 1.0
+    assert results["stochastic"] == pytest.approx(1.0 + 50 * 2**-7 / 10, rel=2e-3)
+
+
+def test_state_dict_round_trip_keeps_views_and_continues_identically():
+    def run(steps, restore_at=None):
+        params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
+        opt = BF16AdamW(params, lr=1e-2, weight_decay=0.1, seed=5, fused=False)
+        for step in range(steps):
+            if step == restore_at:
+                saved = {k: v for k, v in opt.state_dict().items()}
+                saved_params = [p.detach().clone() for p in params]
+                params = [torch.nn.Parameter(p.clone()) for p in saved_params]
+                opt = BF16AdamW(params, lr=1e-2, weight_decay=0.1, seed=5, fused=False)
+                opt.load_state_dict(saved)
+                assert opt.state[params[0]]["exp_avg"].data_ptr() == opt._flat[0]["exp_avg"].data_ptr()
+            torch.manual_seed(step)
+            for p in params:
+                p.grad.copy_(torch.randn_like(p))
+            opt.step()
+        return [p.detach() for p in params]
+
+    for a, b in zip(run(6), run(6, restore_at=3)):
+        assert torch.equal(a, b)
+
+
+def _three_steps(fused: bool, rounding: str = "stochastic"):
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
+    opt = BF16AdamW(params, lr=1e-2, weight_decay=0.1, seed=9, rounding=rounding, fused=fused)
+    torch.manual_seed(0)
+    for _ in range(3):
+        for p in params:
+            p.grad.copy_(torch.randn_like(p))
+        opt.step()
+    return [p.detach() for p in params] + [opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_cpu_kernel_gives_the_same_bits_as_torch_ops(rounding):
+    assert cpu_kernel.load() is not None, "the C kernel should build where a C compiler exists"
+    for a, b in zip(_three_steps(True, rounding), _three_steps(False, rounding)):
+        assert torch.equal(a, b)
+
+
+def test_compiled_update_matches_eager(monkeypatch):
+    """The torch.compile path (what GPUs use) computes the same update."""
+    monkeypatch.setattr(cpu_kernel, "load", lambda: None)
+    for a, b in zip(_three_steps(True), _three_steps(False)):
+        # Same formula and noise; the compiler may order float32 operations differently,
+        # which can move a value across a rounding boundary now and then.
+        assert (a != b).float().mean().item() < 0.01
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)

@@ -1,0 +1,68 @@
+"""Training under the bf16 policies: exact resume, halved state, clear refusals."""
+
+import json
+
+import pytest
+import torch
+
+from frugality.checkpoint import CheckpointManager
+from frugality.config.recipe import load_recipe
+from frugality.errors import UserError
+from frugality.models import build_model
+from frugality.precision import get_policy
+from frugality.training import trainer
+from frugality.training.optim import build_optimizer
+
+EAGER = "train.fused_optimizer=false"  # the compiled update is tested in tests/precision
+
+
+def _final_state(recipe, run_dir):
+    policy = get_policy(recipe.train.precision)
+    model = policy.prepare_model(build_model(recipe.model))
+    optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed, fused=False)
+    CheckpointManager(run_dir / "checkpoints").load(CheckpointManager(run_dir / "checkpoints").latest(),
+                                                    model, optimizer)
+    return model.state_dict(), optimizer.state_dict()
+
+
+@pytest.mark.parametrize("precision", ["bf16-sr", "bf16"])
+def test_stop_and_resume_is_bit_identical(micro_recipe_file, tmp_path, precision):
+    recipe = load_recipe(str(micro_recipe_file), [f"train.precision={precision}", EAGER])
+    trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
+    trainer.train(recipe, run_dir=tmp_path / "split", until_step=3, progress=False, tensorboard=False)
+    trainer.train(recipe, run_dir=tmp_path / "split", progress=False, tensorboard=False)
+    (model_a, optim_a), (model_b, optim_b) = (_final_state(recipe, tmp_path / d) for d in ("straight", "split"))
+    for k in model_a:
+        assert model_a[k].dtype == torch.bfloat16
+        assert torch.equal(model_a[k], model_b[k]), k
+    for i, state in optim_a["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, optim_b["state"][i][k]), (i, k)
+    losses = [
+        [json.loads(l)["loss"] for l in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
+         if json.loads(l)["kind"] == "train"]
+        for d in ("straight", "split")
+    ]
+    assert losses[0] == losses[1]
+
+
+def test_bf16_sr_state_is_at_most_half_of_amp_bf16(micro_recipe_file, tmp_path):
+    measured = {}
+    for precision in ("amp-bf16", "bf16-sr"):
+        recipe = load_recipe(str(micro_recipe_file), [f"train.precision={precision}", "train.steps=2", EAGER])
+        result = trainer.train(recipe, run_dir=tmp_path / precision, progress=False, tensorboard=False)
+        measured[precision] = result.summary["memory"]["bytes_per_param"]
+        assert result.summary["memory"]["peak_memory_bytes"] > 0
+    # 16 and 8 bytes per parameter, plus a few bytes of step counters.
+    assert measured["amp-bf16"] == pytest.approx(16, abs=1e-3)
+    assert measured["bf16-sr"] == pytest.approx(8, abs=1e-3)
+    assert measured["bf16-sr"] <= 0.5 * measured["amp-bf16"]
+
+
+def test_fp8_off_cuda_fails_before_anything_is_written(micro_recipe_file, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine may run fp8")
+    recipe = load_recipe(str(micro_recipe_file), ["train.precision=fp8"])
+    with pytest.raises(UserError, match="fp8 needs a CUDA GPU"):
+        trainer.train(recipe, run_dir=tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
