@@ -128,6 +128,14 @@ def train(
         tqdm.write(f"starting over: the previous run in {run_path} was moved to {plan.moved_aside}")
     if plan.resume_from is not None:
         tqdm.write(f"resuming {run_path} from step {start} ({plan.resume_from.name})")
+    if progress:
+        n_params = sum(p.numel() for p in model.parameters())
+        tqdm.write(
+            f"{recipe.name}: {recipe.model.family} {n_params / 1e6:.1f}M parameters, "
+            f"{recipe.train.precision} on {device}, {total} steps of "
+            f"{recipe.data.global_batch_size} x {recipe.data.seq_len} tokens, {len(samples.train_ids):,} "
+            f"training samples ({dataset.num_tokens:,} tokens) -> {run_path}"
+        )
 
     tokens_per_step = recipe.data.global_batch_size * recipe.data.seq_len
     flops_per_token = training_flops_per_token(
