@@ -8,13 +8,14 @@ import pytest
 
 from frugality.cli.main import main
 
-COMMANDS = [["train"], ["data"], ["data", "prepare"], ["data", "inspect"], ["recipes"]]
+COMMANDS = [["train"], ["data"], ["data", "prepare"], ["data", "inspect"], ["recipes"], ["bench"],
+            ["bench", "train"], ["import"], ["import", "hf"], ["export"], ["export", "hf"]]
 
 
 def test_help_lists_every_command(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name in ("train", "data", "recipes"):
+    for name in ("train", "data", "recipes", "bench", "import", "export"):
         assert name in out
 
 

@@ -9,6 +9,7 @@ import click
 from frugality import __version__
 from frugality.cli.bench import bench
 from frugality.cli.data import data
+from frugality.cli.interop import export, import_
 from frugality.cli.recipes import recipes
 from frugality.cli.train import train
 from frugality.errors import UserError
@@ -27,6 +28,8 @@ cli.add_command(train)
 cli.add_command(data)
 cli.add_command(recipes)
 cli.add_command(bench)
+cli.add_command(import_)
+cli.add_command(export)
 
 
 def main(argv: list[str] | None = None) -> int:

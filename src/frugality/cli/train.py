@@ -15,8 +15,13 @@ import click
 @click.option("--fresh", is_flag=True,
               help="Start over even if the run directory holds a checkpoint (the old run is moved aside).")
 @click.option("--until-step", type=int, help="Stop (with a checkpoint) after this step; rerun to continue.")
+@click.option("--init-from", type=click.Path(),
+              help="Start a new run from these weights: a run directory, a checkpoint, or a folder "
+                   "from `frugality import hf` or Hugging Face.")
+@click.option("--resume-optimizer", is_flag=True,
+              help="With --init-from a frugality checkpoint: take its optimizer state too.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs still go to the run directory).")
-def train(recipe, overrides, run_dir, fresh, until_step, no_progress) -> None:
+def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optimizer, no_progress) -> None:
     """Train a model from RECIPE: a shipped recipe's name (default: tiny) or a .toml file.
 
     A run directory that holds a checkpoint resumes from it. Ctrl-C or SIGTERM finishes
@@ -28,7 +33,8 @@ def train(recipe, overrides, run_dir, fresh, until_step, no_progress) -> None:
 
     resolved = load_recipe(recipe, list(overrides))
     result = run_training(resolved, run_dir=run_dir, fresh=fresh, until_step=until_step,
-                          progress=not no_progress)
+                          progress=not no_progress, init_from=init_from,
+                          resume_optimizer=resume_optimizer)
     s = result.summary
     click.echo(
         f"{result.run_dir}: step {s['final_step']}/{s['total_steps']}, "

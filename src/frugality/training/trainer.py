@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from frugality.checkpoint import CheckpointManager, step_of
+from frugality.checkpoint.weights import check_compatible, load_weights, resolve_source
 from frugality.config.recipe import Recipe
 from frugality.cache import cache_dir
 from frugality.data.bundled import BUNDLED_PREFIX, bundled_dataset
@@ -71,9 +72,16 @@ def train(
     until_step: int | None = None,
     progress: bool = True,
     tensorboard: bool = True,
+    init_from: str | Path | None = None,
+    resume_optimizer: bool = False,
 ) -> TrainResult:
     """Train `recipe` in `run_dir` (default `<train.runs_dir>/<name>`), resuming its
-    latest checkpoint unless `fresh`; stop after `until_step` if given (with a checkpoint)."""
+    latest checkpoint unless `fresh`; stop after `until_step` if given (with a checkpoint).
+
+    A new run can start from the weights of `init_from` (a run directory, a checkpoint, an
+    imported or a Hugging Face folder) with a fresh optimizer, or with the source's
+    optimizer state too (`resume_optimizer`, for a frugality checkpoint of the same shapes).
+    """
     run_path = Path(run_dir) if run_dir is not None else Path(recipe.train.runs_dir) / recipe.name
     total = recipe.train.steps
     if until_step is not None and not 0 < until_step <= total:
@@ -102,6 +110,10 @@ def train(
             f"({recipe.model.vocab_size}); was it tokenized with another tokenizer?"
         )
     plan = rundir.plan_run(recipe, run_path, fresh)
+    source = resolve_source(init_from) if init_from is not None and plan.resume_from is None else None
+    if resume_optimizer and (source is None or not source.has_optimizer):
+        raise UserError("--resume-optimizer needs --init-from a frugality training checkpoint "
+                        "(one with optimizer state) and a new run")
 
     torch.manual_seed(recipe.seed)
     with device:
@@ -110,7 +122,14 @@ def train(
                                 fused=recipe.train.fused_optimizer)
     checkpoints = CheckpointManager(run_path / "checkpoints", keep=recipe.train.keep_checkpoints)
     start = 0
-    if plan.resume_from is not None:
+    if source is not None:
+        check_compatible(source, model)  # a mismatch stops here, before anything is written
+        if resume_optimizer:
+            CheckpointManager(source.path.parent).load(source.path, model, optimizer)
+        else:
+            load_weights(source, model)
+        _seed_everything(recipe.seed + 1)
+    elif plan.resume_from is not None:
         extra = checkpoints.load(plan.resume_from, model, optimizer)
         start = step_of(plan.resume_from)
         stream.load_state_dict(extra["data"])
@@ -128,6 +147,11 @@ def train(
         tqdm.write(f"starting over: the previous run in {run_path} was moved to {plan.moved_aside}")
     if plan.resume_from is not None:
         tqdm.write(f"resuming {run_path} from step {start} ({plan.resume_from.name})")
+        if init_from is not None:
+            tqdm.write("--init-from applies to new runs only; resuming instead (--fresh to start over)")
+    if source is not None:
+        tqdm.write(f"initialised from {source.path}"
+                   + (" with its optimizer state" if resume_optimizer else ""))
     if progress:
         n_params = sum(p.numel() for p in model.parameters())
         tqdm.write(

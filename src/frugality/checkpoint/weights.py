@@ -1,0 +1,119 @@
+"""Model weights from anywhere a user may point: a run directory (its latest checkpoint),
+one checkpoint folder, a folder written by `frugality import hf`, or a Hugging Face
+checkpoint folder. Shapes are checked before anything is loaded, so a mismatch is one
+clear error naming the first tensor that differs."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from frugality.checkpoint import CheckpointManager, _single_process_ok
+from frugality.errors import UserError
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    path: Path
+    kind: str  # "dcp" (frugality checkpoint) or "hf"
+    has_optimizer: bool = False
+
+
+def resolve_source(path: str | Path) -> WeightsSource:
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"--init-from {p}: no such file or folder")
+    if (p / "config.json").is_file():
+        return WeightsSource(p, "hf")
+    if (p / ".metadata").is_file():
+        return WeightsSource(p, "dcp", "optim" in _top_level_keys(p))
+    latest = CheckpointManager(p / "checkpoints").latest()
+    if latest is not None:
+        return WeightsSource(latest, "dcp", "optim" in _top_level_keys(latest))
+    raise UserError(f"--init-from {p}: not a run directory with a checkpoint, a checkpoint "
+                    "folder, or a Hugging Face checkpoint folder (config.json)")
+
+
+def _metadata(path: Path):
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+def _top_level_keys(path: Path) -> set[str]:
+    return {key.split(".", 1)[0] for key in _metadata(path)}
+
+
+def _check_shapes(theirs: dict[str, tuple], ours: dict[str, torch.Tensor], where: Path) -> None:
+    for name, tensor in ours.items():
+        if name not in theirs:
+            raise UserError(f"--init-from {where}: has no tensor {name!r} that the recipe's model needs")
+        if tuple(theirs[name]) != tuple(tensor.shape):
+            raise UserError(
+                f"--init-from {where}: tensor {name!r} has shape {list(theirs[name])} there but "
+                f"{list(tensor.shape)} in the recipe's model (check model.* and vocab_size)"
+            )
+    extra = sorted(set(theirs) - set(ours))
+    if extra:
+        raise UserError(f"--init-from {where}: tensor {extra[0]!r} has no place in the recipe's model")
+
+
+def check_compatible(source: WeightsSource, model: nn.Module) -> None:
+    ours = model.state_dict()
+    if source.kind == "hf":
+        from frugality.interop.hf import import_hf
+
+        _, state = import_hf(source.path)
+        _check_shapes({k: v.shape for k, v in state.items()}, ours, source.path)
+        return
+    meta = _metadata(source.path)
+    theirs = {k.removeprefix("model."): m.size for k, m in meta.items()
+              if k.startswith("model.") and hasattr(m, "size")}
+    _check_shapes(theirs, ours, source.path)
+
+
+@torch.no_grad()
+def load_weights(source: WeightsSource, model: nn.Module) -> None:
+    """Copy the source's weights into `model` in place (cast to its dtype and device)."""
+    check_compatible(source, model)
+    if source.kind == "hf":
+        from frugality.interop.hf import import_hf
+
+        _, state = import_hf(source.path)
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(state[name])
+        return
+    state = {"model": model.state_dict()}  # tensors share storage with the parameters
+    with _single_process_ok():
+        dcp.load(state, checkpoint_id=source.path, no_dist=True)
+
+
+def save_weights(path: str | Path, state: dict[str, torch.Tensor], files: dict[str, bytes] = {}) -> Path:
+    """A model-only checkpoint folder (what `frugality import hf` writes) plus extra files,
+    written under a temporary name and renamed into place when complete."""
+    final = Path(path)
+    if final.exists() and any(final.iterdir()):
+        raise UserError(f"output {final} exists and is not empty")
+    partial = final.with_name(f".{final.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with _single_process_ok():
+        dcp.save({"model": state}, checkpoint_id=partial, no_dist=True)
+    for name, data in files.items():
+        (partial / name).write_bytes(data)
+    if final.exists():
+        final.rmdir()
+    partial.rename(final)
+    return final
+
+
+def stored_dtype(source: WeightsSource) -> torch.dtype | None:
+    """The dtype the source's weights were saved in (None for Hugging Face folders)."""
+    if source.kind != "dcp":
+        return None
+    for key, meta in _metadata(source.path).items():
+        if key.startswith("model.") and hasattr(meta, "properties"):
+            return meta.properties.dtype
+    return None

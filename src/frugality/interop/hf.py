@@ -1,0 +1,117 @@
+"""Hugging Face checkpoint folders in and out: `config.json` + safetensors (sharded or
+not) or a legacy `pytorch_model.bin`.
+
+Only GPT-NeoX/Pythia is mapped so far; other `model_type`s are refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from frugality.errors import UserError
+from frugality.interop import hf_gpt_neox
+from frugality.models import GPTNeoXConfig, ModelConfig
+
+SUPPORTED = ("gpt_neox",)
+
+
+def config_from_hf(config: dict[str, Any], where: Path) -> GPTNeoXConfig:
+    """frugality's model config from a transformers `config.json` (4.x or 5.x keys)."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED:
+        raise UserError(f"{where}: model_type {model_type!r} is not supported yet (supported: "
+                        f"{', '.join(SUPPORTED)})")
+    rope = config.get("rope_parameters") or {}
+    if config.get("tie_word_embeddings"):
+        raise UserError(f"{where}: tied input/output embeddings are not supported for GPT-NeoX")
+    try:
+        return GPTNeoXConfig(
+            hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=config["num_attention_heads"],
+            intermediate_size=config.get("intermediate_size"),
+            vocab_size=config["vocab_size"],
+            max_seq_len=config.get("max_position_embeddings", 2048),
+            rotary_pct=rope.get("partial_rotary_factor", config.get("rotary_pct", 0.25)),
+            rotary_base=rope.get("rope_theta", config.get("rotary_emb_base", 10000.0)),
+            parallel_residual=config.get("use_parallel_residual", True),
+            layer_norm_eps=config.get("layer_norm_eps", 1e-5),
+        )
+    except KeyError as e:
+        raise UserError(f"{where}: config.json lacks {e.args[0]!r}") from None
+    except ValueError as e:
+        raise UserError(f"{where}: config.json describes an impossible model: {e}") from None
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder, in their stored dtype, on the CPU."""
+    from safetensors.torch import load_file
+
+    if (folder / "model.safetensors").is_file():
+        return load_file(folder / "model.safetensors")
+    for index_name, loader in (("model.safetensors.index.json", load_file),
+                               ("pytorch_model.bin.index.json", _load_bin)):
+        index = folder / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            state: dict[str, torch.Tensor] = {}
+            for shard in shards:
+                state.update(loader(folder / shard))
+            return state
+    if (folder / "pytorch_model.bin").is_file():
+        return _load_bin(folder / "pytorch_model.bin")
+    raise UserError(f"{folder}: no model.safetensors, sharded index or pytorch_model.bin")
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    # weights_only: a checkpoint from the internet must not run code when loaded.
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def import_hf(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(model config, frugality state dict) from a Hugging Face checkpoint folder."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{folder}: no config.json (expected a Hugging Face checkpoint folder)")
+    try:
+        hf = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{config_path}: not valid JSON ({e.msg})") from None
+    config = config_from_hf(hf, config_path)
+    try:
+        state = hf_gpt_neox.from_hf(read_hf_weights(folder))
+    except KeyError as e:
+        raise UserError(f"{folder}: {e.args[0]}") from None
+    return config, state
+
+
+def export_hf(config: ModelConfig, state: dict[str, torch.Tensor], out: str | Path,
+              files: dict[str, bytes] = {}) -> Path:
+    """Write `config.json` + `model.safetensors` (+ tokenizer files) that
+    `transformers.AutoModelForCausalLM.from_pretrained(out)` loads; dtype preserved."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"output folder {out} exists and is not empty")
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in hf_gpt_neox.to_hf(state).items()}
+    dtypes = {t.dtype for t in tensors.values()}
+    hf = hf_gpt_neox.hf_config(config)
+    hf["torch_dtype"] = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+    (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    for name, data in files.items():  # e.g. tokenizer.json
+        (staging / name).write_bytes(data)
+    if out.exists():
+        out.rmdir()
+    staging.rename(out)
+    return out

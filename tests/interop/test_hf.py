@@ -1,0 +1,104 @@
+"""Hugging Face checkpoints in and out, and training from another model's weights."""
+
+import json
+
+import pytest
+import torch
+
+from frugality.cli.main import main
+from frugality.config.recipe import load_recipe
+from frugality.errors import UserError
+from frugality.interop.hf_gpt_neox import hf_config
+from frugality.models import GPTNeoX, GPTNeoXConfig
+from frugality.training import trainer
+
+transformers = pytest.importorskip("transformers")
+
+CFG = GPTNeoXConfig(hidden_size=32, num_layers=2, num_heads=4, vocab_size=50304, max_seq_len=64)
+
+
+def _hf_model(cfg=CFG, seed=0):
+    torch.manual_seed(seed)
+    config = transformers.GPTNeoXConfig(**{k: v for k, v in hf_config(cfg).items() if k != "architectures"})
+    return transformers.GPTNeoXForCausalLM(config).eval()
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        out = model(tokens)
+        return (out.logits if hasattr(out, "logits") else out).float()
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "sharded", "bin"])
+def test_import_then_export_round_trips_through_transformers(tmp_path, layout, capsys):
+    theirs = _hf_model()
+    kwargs = {"sharded": dict(max_shard_size="1MB"), "bin": dict(safe_serialization=False)}.get(layout, {})
+    theirs.save_pretrained(tmp_path / "hf", **kwargs)
+    assert main(["import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 0
+    assert main(["export", "hf", str(tmp_path / "imported"), "--out", str(tmp_path / "exported")]) == 0
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tokens = torch.randint(0, 50304, (2, 48))
+    assert (_logits(back.eval(), tokens) - _logits(theirs, tokens)).abs().max().item() <= 1e-4
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "exported")
+    assert tokenizer("Hello world").input_ids == [12092, 1533]
+
+
+def test_a_trained_run_exports_with_equal_logits(micro_recipe_file, tmp_path):
+    recipe = load_recipe(str(micro_recipe_file), ["train.steps=2"])
+    trainer.train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
+    assert main(["export", "hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+
+    from frugality.checkpoint.weights import load_weights, resolve_source
+
+    ours = GPTNeoX(recipe.model).eval()
+    load_weights(resolve_source(tmp_path / "run"), ours)
+    tokens = torch.randint(0, 50304, (2, 32))
+    assert (_logits(ours, tokens) - _logits(theirs, tokens)).abs().max().item() <= 1e-4
+
+
+def test_bf16_weights_stay_bf16(tmp_path):
+    _hf_model().to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    assert main(["import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 0
+    assert main(["export", "hf", str(tmp_path / "imported"), "--out", str(tmp_path / "exported")]) == 0
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    from safetensors.torch import load_file
+
+    assert all(t.dtype == torch.bfloat16 for t in load_file(tmp_path / "exported" / "model.safetensors").values())
+
+
+def test_unsupported_and_broken_sources_are_one_line_errors(tmp_path, capsys):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert main(["import", "hf", str(tmp_path / "llama"), "--out", str(tmp_path / "out")]) == 2
+    assert "model_type 'llama' is not supported yet" in capsys.readouterr().err
+    assert main(["import", "hf", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_init_from_continues_where_the_source_left_off(micro_recipe_file, tmp_path):
+    recipe = load_recipe(str(micro_recipe_file), ["train.steps=12", "train.eval_interval=12"])
+    source = trainer.train(recipe, run_dir=tmp_path / "source", progress=False, tensorboard=False)
+    follow = trainer.train(recipe, run_dir=tmp_path / "follow", progress=False, tensorboard=False,
+                           init_from=tmp_path / "source")
+    # Step 0 of the new run evaluates the source's final weights on the same validation data.
+    assert follow.evals[0] == pytest.approx(source.evals[12], abs=1e-5)
+    assert follow.evals[0] < 10.0  # far from an untrained model's ~10.9
+
+    again = trainer.train(recipe, run_dir=tmp_path / "again", progress=False, tensorboard=False,
+                          init_from=tmp_path / "source", resume_optimizer=True)
+    assert again.evals[0] == pytest.approx(source.evals[12], abs=1e-5)
+
+
+def test_init_from_a_mismatching_model_names_the_tensor(micro_recipe_file, tmp_path):
+    recipe = load_recipe(str(micro_recipe_file), ["train.steps=2"])
+    trainer.train(recipe, run_dir=tmp_path / "source", progress=False, tensorboard=False)
+    wider = load_recipe(str(micro_recipe_file), ["train.steps=2", "model.hidden_size=64"])
+    with pytest.raises(UserError, match=r"tensor 'embed.weight' has shape \[50304, 32\] there but \[50304, 64\]"):
+        trainer.train(wider, run_dir=tmp_path / "new", progress=False, init_from=tmp_path / "source")
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(UserError, match="no such file"):
+        trainer.train(recipe, run_dir=tmp_path / "new", progress=False, init_from=tmp_path / "missing")
+    assert not (tmp_path / "new").exists()
