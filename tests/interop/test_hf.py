@@ -102,3 +102,25 @@ def test_init_from_a_mismatching_model_names_the_tensor(micro_recipe_file, tmp_p
     with pytest.raises(UserError, match="no such file"):
         trainer.train(recipe, run_dir=tmp_path / "new", progress=False, init_from=tmp_path / "missing")
     assert not (tmp_path / "new").exists()
+
+
+def test_init_from_a_hugging_face_folder_directly(micro_recipe_file, tmp_path):
+    """A save_pretrained folder works as --init-from without importing it first."""
+    recipe = load_recipe(str(micro_recipe_file), ["train.steps=2"])
+    theirs = _hf_model(recipe.model, seed=3)
+    theirs.save_pretrained(tmp_path / "hf")
+    result = trainer.train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False,
+                           init_from=tmp_path / "hf")
+    # The step-0 evaluation ran on transformers' weights: recompute it with transformers.
+    from frugality.data.bundled import bundled_dataset
+    from frugality.data.indexed import IndexedDataset
+    from frugality.data.loader import PackedSamples, validation_batches
+    from frugality.data.tokenizer import load_tokenizer
+
+    samples = PackedSamples(IndexedDataset(bundled_dataset("gutenberg", load_tokenizer("pythia"), progress=False)),
+                            recipe.data.seq_len, recipe.data.val_fraction, recipe.seed)
+    losses = []
+    for batch in validation_batches(samples, recipe.train.eval_batches, recipe.data.micro_batch_size):
+        logits = _logits(theirs, batch[:, :-1])
+        losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
+    assert result.evals[0] == pytest.approx(torch.stack(losses).mean().item(), abs=1e-4)
