@@ -93,3 +93,20 @@ def test_unknown_recipe_lists_shipped_ones(tmp_path):
         load_recipe("pythia-7b")
     with pytest.raises(UserError, match="does not exist"):
         load_recipe(str(tmp_path / "nope.toml"))
+
+
+@pytest.mark.parametrize("name,params", [("llama-8b", 8_030_261_248), ("llama-1b", 1_235_814_400)])
+def test_llama_recipes_have_the_published_sizes(name, params):
+    """Parameter counts of Llama 3.1 8B and Llama 3.2 1B (tied), as their model cards give."""
+    import torch
+
+    from frugality.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(load_recipe(name).model)
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_unknown_model_family_names_the_flag():
+    with pytest.raises(UserError, match=r"^--set model.family=bert: model.family: unknown model family 'bert'"):
+        load_recipe("tiny", ["model.family=bert"])

@@ -69,10 +69,14 @@ def test_bf16_weights_stay_bf16(tmp_path):
 
 
 def test_unsupported_and_broken_sources_are_one_line_errors(tmp_path, capsys):
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert main(["import", "hf", str(tmp_path / "bert"), "--out", str(tmp_path / "out")]) == 2
+    assert "model_type 'bert' is not supported yet" in capsys.readouterr().err
     (tmp_path / "llama").mkdir()
-    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     assert main(["import", "hf", str(tmp_path / "llama"), "--out", str(tmp_path / "out")]) == 2
-    assert "model_type 'llama' is not supported yet" in capsys.readouterr().err
+    assert "config.json lacks 'num_attention_heads'" in capsys.readouterr().err
     assert main(["import", "hf", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")]) == 2
     assert "no config.json" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from frugality.errors import UserError
-from frugality.models import ModelConfig
+from frugality.models import FAMILIES, ModelConfig
 
 
 class _Section(BaseModel):
@@ -203,9 +203,15 @@ def _set_nested(raw: dict, key: str, value: Any, item: str) -> None:
 def _describe(error: ValidationError, path: Path, from_cli: dict[str, str]) -> str:
     """One line for the first problem: where it came from, which key, what is wrong."""
     first = error.errors()[0]
-    key = ".".join(str(p) for p in first["loc"])
+    # A discriminated union puts the chosen family in the location: model.llama.hidden_size.
+    loc = [p for i, p in enumerate(first["loc"]) if not (i == 1 and first["loc"][0] == "model"
+                                                         and p in FAMILIES)]
+    key = ".".join(str(p) for p in loc)
     message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
+    if first["type"] == "union_tag_invalid":
+        key = "model.family"
+        message = f"unknown model family {first['input'].get('family')!r} (have: {', '.join(FAMILIES)})"
+    elif first["type"] == "extra_forbidden":
         message = "unknown key"
     elif first["type"] == "missing":
         message = "missing required key"

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint folders in and out: `config.json` + safetensors (sharded or
 not) or a legacy `pytorch_model.bin`.
 
-Only GPT-NeoX/Pythia is mapped so far; other `model_type`s are refused with one line.
+Mapped: GPT-NeoX/Pythia (`gpt_neox`) and Llama (`llama`); other `model_type`s are refused
+with one line.
 """
 
 from __future__ import annotations
@@ -14,18 +15,29 @@ from typing import Any
 import torch
 
 from frugality.errors import UserError
-from frugality.interop import hf_gpt_neox
-from frugality.models import GPTNeoXConfig, ModelConfig
+from frugality.interop import hf_gpt_neox, hf_llama
+from frugality.models import GPTNeoXConfig
 
-SUPPORTED = ("gpt_neox",)
+SUPPORTED = ("gpt_neox", "llama")
 
 
-def config_from_hf(config: dict[str, Any], where: Path) -> GPTNeoXConfig:
+def config_from_hf(config: dict[str, Any], where: Path):
     """frugality's model config from a transformers `config.json` (4.x or 5.x keys)."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
         raise UserError(f"{where}: model_type {model_type!r} is not supported yet (supported: "
                         f"{', '.join(SUPPORTED)})")
+    if model_type == "llama":
+        try:
+            return hf_llama.config_from_hf(config)
+        except KeyError as e:
+            raise UserError(f"{where}: config.json lacks {e.args[0]!r}") from None
+        except ValueError as e:
+            raise UserError(f"{where}: {e}") from None
+    return _gpt_neox_config(config, where)
+
+
+def _gpt_neox_config(config: dict[str, Any], where: Path) -> GPTNeoXConfig:
     rope = config.get("rope_parameters") or {}
     if config.get("tie_word_embeddings"):
         raise UserError(f"{where}: tied input/output embeddings are not supported for GPT-NeoX")
@@ -73,7 +85,19 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def import_hf(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _to_hf(config, state):
+    if config.family == "llama":
+        return hf_llama.to_hf(state, config.tie_embeddings), hf_llama.hf_config(config)
+    return hf_gpt_neox.to_hf(state), hf_gpt_neox.hf_config(config)
+
+
+def _from_hf(config, state):
+    if config.family == "llama":
+        return hf_llama.from_hf(state, config.tie_embeddings)
+    return hf_gpt_neox.from_hf(state)
+
+
+def import_hf(folder: str | Path):
     """(model config, frugality state dict) from a Hugging Face checkpoint folder."""
     folder = Path(folder)
     config_path = folder / "config.json"
@@ -85,13 +109,13 @@ def import_hf(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         raise UserError(f"{config_path}: not valid JSON ({e.msg})") from None
     config = config_from_hf(hf, config_path)
     try:
-        state = hf_gpt_neox.from_hf(read_hf_weights(folder))
+        state = _from_hf(config, read_hf_weights(folder))
     except KeyError as e:
         raise UserError(f"{folder}: {e.args[0]}") from None
     return config, state
 
 
-def export_hf(config: ModelConfig, state: dict[str, torch.Tensor], out: str | Path,
+def export_hf(config, state: dict[str, torch.Tensor], out: str | Path,
               files: dict[str, bytes] = {}) -> Path:
     """Write `config.json` + `model.safetensors` (+ tokenizer files) that
     `transformers.AutoModelForCausalLM.from_pretrained(out)` loads; dtype preserved."""
@@ -100,9 +124,9 @@ def export_hf(config: ModelConfig, state: dict[str, torch.Tensor], out: str | Pa
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"output folder {out} exists and is not empty")
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in hf_gpt_neox.to_hf(state).items()}
+    mapped, hf = _to_hf(config, state)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in mapped.items()}
     dtypes = {t.dtype for t in tensors.values()}
-    hf = hf_gpt_neox.hf_config(config)
     hf["torch_dtype"] = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)

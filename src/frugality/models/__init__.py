@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Any, Union
+
+from pydantic import Discriminator, Tag
 from torch import nn
 
 from frugality.models.gpt_neox import GPTNeoX, GPTNeoXConfig
+from frugality.models.llama import Llama, LlamaConfig
 
-# The recipe's [model] table validates into one of these (selected by `family`).
-ModelConfig = GPTNeoXConfig
+FAMILIES = {"gpt-neox": (GPTNeoXConfig, GPTNeoX), "llama": (LlamaConfig, Llama)}
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
+def _family(value: Any) -> str:
+    """The recipe's `model.family`, "gpt-neox" when left out."""
+    if isinstance(value, dict):
+        return value.get("family", "gpt-neox")
+    return getattr(value, "family", "gpt-neox")
+
+
+# The recipe's [model] table validates into one of these, selected by `family`.
+ModelConfig = Annotated[
+    Union[Annotated[GPTNeoXConfig, Tag("gpt-neox")], Annotated[LlamaConfig, Tag("llama")]],
+    Discriminator(_family),
+]
+
+
+def build_model(cfg) -> nn.Module:
     """Instantiate the model a config describes, initialised on the current default device."""
-    if cfg.family == "gpt-neox":
-        return GPTNeoX(cfg)
-    raise ValueError(f"unknown model family {cfg.family!r}")
+    try:
+        return FAMILIES[cfg.family][1](cfg)
+    except KeyError:
+        raise ValueError(f"unknown model family {cfg.family!r}") from None
 
 
-__all__ = ["GPTNeoX", "GPTNeoXConfig", "ModelConfig", "build_model"]
+__all__ = ["FAMILIES", "GPTNeoX", "GPTNeoXConfig", "Llama", "LlamaConfig", "ModelConfig", "build_model"]

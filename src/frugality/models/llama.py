@@ -2,9 +2,7 @@
 on every channel (base `rope_theta`), grouped-query attention, no biases, optionally tied
 input and output embeddings. Computes what `transformers.LlamaForCausalLM` computes with
 the same weights (tests/models/test_llama.py); its layout is transformers', so the
-weight mapping is a renaming.
-
-Not yet wired into recipes, import/export or `frugality train` (issue 4 continues).
+weight mapping (frugality.interop.hf_llama) is a renaming.
 """
 
 from __future__ import annotations
