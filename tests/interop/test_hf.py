@@ -69,10 +69,10 @@ def test_bf16_weights_stay_bf16(tmp_path):
 
 
 def test_unsupported_and_broken_sources_are_one_line_errors(tmp_path, capsys):
-    (tmp_path / "bert").mkdir()
-    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    assert main(["import", "hf", str(tmp_path / "bert"), "--out", str(tmp_path / "out")]) == 2
-    assert "model_type 'bert' is not supported yet" in capsys.readouterr().err
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    assert main(["import", "hf", str(tmp_path / "t5"), "--out", str(tmp_path / "out")]) == 2
+    assert "model_type 't5' is not supported yet" in capsys.readouterr().err
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     assert main(["import", "hf", str(tmp_path / "llama"), "--out", str(tmp_path / "out")]) == 2

@@ -45,6 +45,14 @@ def test_a_llama_recipe_trains_resumes_and_exports(micro_recipe_file, tmp_path):
     assert main(["export", "hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(theirs).__name__ == "LlamaForCausalLM"
+    from frugality.checkpoint.weights import load_weights, resolve_source
+    from frugality.models import build_model
+
+    ours = build_model(recipe.model).eval()
+    load_weights(resolve_source(tmp_path / "run"), ours)
+    tokens = torch.randint(0, 50304, (2, 32))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max().item() <= 1e-4
     follow = trainer.train(recipe, run_dir=tmp_path / "follow", progress=False, tensorboard=False,
                            init_from=tmp_path / "hf")
     assert follow.evals[0] == pytest.approx(result.evals[12], abs=1e-4)

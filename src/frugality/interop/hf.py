@@ -15,20 +15,23 @@ from typing import Any
 import torch
 
 from frugality.errors import UserError
-from frugality.interop import hf_gpt_neox, hf_llama
+from frugality.interop import hf_bert, hf_gpt_neox, hf_llama
 from frugality.models import GPTNeoXConfig
 
-SUPPORTED = ("gpt_neox", "llama")
+SUPPORTED = ("gpt_neox", "llama", "bert")
 
 
-def config_from_hf(config: dict[str, Any], where: Path):
-    """frugality's model config from a transformers `config.json` (4.x or 5.x keys)."""
+def config_from_hf(config: dict[str, Any], where: Path, state_keys: set[str] = frozenset()):
+    """frugality's model config from a transformers `config.json` (4.x or 5.x keys); for
+    BERT, which heads exist is read from the checkpoint's tensor names."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
         raise UserError(f"{where}: model_type {model_type!r} is not supported yet (supported: "
                         f"{', '.join(SUPPORTED)})")
-    if model_type == "llama":
+    if model_type in ("llama", "bert"):
         try:
+            if model_type == "bert":
+                return hf_bert.config_from_hf(config, state_keys)
             return hf_llama.config_from_hf(config)
         except KeyError as e:
             raise UserError(f"{where}: config.json lacks {e.args[0]!r}") from None
@@ -86,12 +89,16 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _to_hf(config, state):
+    if config.family == "bert":
+        return hf_bert.to_hf(state, config), hf_bert.hf_config(config)
     if config.family == "llama":
         return hf_llama.to_hf(state, config.tie_embeddings), hf_llama.hf_config(config)
     return hf_gpt_neox.to_hf(state), hf_gpt_neox.hf_config(config)
 
 
 def _from_hf(config, state):
+    if config.family == "bert":
+        return hf_bert.from_hf(state, config)
     if config.family == "llama":
         return hf_llama.from_hf(state, config.tie_embeddings)
     return hf_gpt_neox.from_hf(state)
@@ -107,9 +114,10 @@ def import_hf(folder: str | Path):
         hf = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{config_path}: not valid JSON ({e.msg})") from None
-    config = config_from_hf(hf, config_path)
+    weights = read_hf_weights(folder) if hf.get("model_type") == "bert" else None
+    config = config_from_hf(hf, config_path, set(weights or ()))
     try:
-        state = _from_hf(config, read_hf_weights(folder))
+        state = _from_hf(config, weights if weights is not None else read_hf_weights(folder))
     except KeyError as e:
         raise UserError(f"{folder}: {e.args[0]}") from None
     return config, state

@@ -7,10 +7,12 @@ from typing import Annotated, Any, Union
 from pydantic import Discriminator, Tag
 from torch import nn
 
+from frugality.models.bert import Bert, BertConfig
 from frugality.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 from frugality.models.llama import Llama, LlamaConfig
 
-FAMILIES = {"gpt-neox": (GPTNeoXConfig, GPTNeoX), "llama": (LlamaConfig, Llama)}
+FAMILIES = {"gpt-neox": (GPTNeoXConfig, GPTNeoX), "llama": (LlamaConfig, Llama), "bert": (BertConfig, Bert)}
+DECODERS = ("gpt-neox", "llama")  # what `frugality train` trains (causal language modelling)
 
 
 def _family(value: Any) -> str:
@@ -22,7 +24,8 @@ def _family(value: Any) -> str:
 
 # The recipe's [model] table validates into one of these, selected by `family`.
 ModelConfig = Annotated[
-    Union[Annotated[GPTNeoXConfig, Tag("gpt-neox")], Annotated[LlamaConfig, Tag("llama")]],
+    Union[Annotated[GPTNeoXConfig, Tag("gpt-neox")], Annotated[LlamaConfig, Tag("llama")],
+          Annotated[BertConfig, Tag("bert")]],
     Discriminator(_family),
 ]
 
@@ -35,4 +38,5 @@ def build_model(cfg) -> nn.Module:
         raise ValueError(f"unknown model family {cfg.family!r}") from None
 
 
-__all__ = ["FAMILIES", "GPTNeoX", "GPTNeoXConfig", "Llama", "LlamaConfig", "ModelConfig", "build_model"]
+__all__ = ["DECODERS", "FAMILIES", "Bert", "BertConfig", "GPTNeoX", "GPTNeoXConfig", "Llama", "LlamaConfig",
+           "ModelConfig", "build_model"]

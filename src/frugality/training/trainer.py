@@ -36,7 +36,7 @@ from frugality.metrics.flops import non_embedding_params, training_flops_per_tok
 from frugality.metrics.logger import RunLogger
 from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
 from frugality.metrics.peak import peak_flops
-from frugality.models import build_model
+from frugality.models import DECODERS, build_model
 from frugality.precision import get_policy
 from frugality.training import run_dir as rundir
 from frugality.training.optim import build_optimizer
@@ -89,6 +89,10 @@ def train(
     stop_at = until_step or total
 
     # Everything that can fail on bad input fails here, before the run directory is touched.
+    if recipe.model.family not in DECODERS:
+        raise UserError(f"model.family {recipe.model.family!r}: frugality train trains decoders "
+                        f"({', '.join(DECODERS)}); {recipe.model.family} models can be imported, "
+                        "exported and used for embeddings")
     device = resolve_device(recipe.train.device)
     policy = get_policy(recipe.train.precision)
     policy.check_device(device)

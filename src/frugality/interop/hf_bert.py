@@ -1,0 +1,117 @@
+"""State-dict and config mapping between `frugality.models.Bert` and Hugging Face
+`BertModel` (no prefix, as sentence-embedding checkpoints such as all-MiniLM-L6-v2 store
+it) or `BertForMaskedLM` (`bert.` prefix and `cls.predictions.*`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from frugality.models.bert import BertConfig
+
+_TOP = [
+    ("embeddings.word.weight", "embeddings.word_embeddings.weight"),
+    ("embeddings.position.weight", "embeddings.position_embeddings.weight"),
+    ("embeddings.token_type.weight", "embeddings.token_type_embeddings.weight"),
+    ("embeddings.norm.weight", "embeddings.LayerNorm.weight"),
+    ("embeddings.norm.bias", "embeddings.LayerNorm.bias"),
+    ("pooler.weight", "pooler.dense.weight"),
+    ("pooler.bias", "pooler.dense.bias"),
+]
+_LAYER = [
+    ("attn.query", "attention.self.query"), ("attn.key", "attention.self.key"),
+    ("attn.value", "attention.self.value"), ("attn.out", "attention.output.dense"),
+    ("attn_norm", "attention.output.LayerNorm"), ("up", "intermediate.dense"),
+    ("down", "output.dense"), ("mlp_norm", "output.LayerNorm"),
+]
+_MLM = [
+    ("mlm.dense.weight", "cls.predictions.transform.dense.weight"),
+    ("mlm.dense.bias", "cls.predictions.transform.dense.bias"),
+    ("mlm.norm.weight", "cls.predictions.transform.LayerNorm.weight"),
+    ("mlm.norm.bias", "cls.predictions.transform.LayerNorm.bias"),
+    ("mlm.decoder.bias", "cls.predictions.bias"),
+]
+_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+_THEIRS_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
+# Buffers and tied copies that checkpoints may carry.
+_THEIRS_IGNORED = re.compile(r"(position_ids|token_type_ids|cls\.predictions\.decoder\.(weight|bias))$")
+
+
+def to_hf(state: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.Tensor]:
+    """Names as `BertModel` (encoder only) or `BertForMaskedLM` (with the MLM head) save them."""
+    prefix = "bert." if cfg.mlm_head else ""
+    top, layer, mlm = dict(_TOP), dict(_LAYER), dict(_MLM)
+    out = {}
+    for name, tensor in state.items():
+        if name == "mlm.decoder.weight":
+            continue  # tied to the word embeddings; transformers re-ties it
+        if name in top:
+            out[prefix + top[name]] = tensor
+        elif name in mlm:
+            out[mlm[name]] = tensor
+        elif (m := _OURS_LAYER.match(name)) and m.group(2) in layer:
+            out[f"{prefix}encoder.layer.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"] = tensor
+        else:
+            raise KeyError(f"no Hugging Face name for parameter {name!r}")
+    return out
+
+
+def from_hf(state: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.Tensor]:
+    top = {theirs: ours for ours, theirs in _TOP}
+    layer = {theirs: ours for ours, theirs in _LAYER}
+    mlm = {theirs: ours for ours, theirs in _MLM}
+    out = {}
+    for name, tensor in state.items():
+        if _THEIRS_IGNORED.search(name):
+            continue
+        name = name.removeprefix("bert.")
+        if name in top:
+            if name.startswith("pooler.") and not cfg.pooler:
+                continue
+            out[top[name]] = tensor
+        elif name in mlm:
+            if cfg.mlm_head:
+                out[mlm[name]] = tensor
+        elif (m := _THEIRS_LAYER.match(name)) and m.group(2) in layer:
+            out[f"layers.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"] = tensor
+        else:
+            raise KeyError(f"unexpected tensor {name!r} in a BERT checkpoint")
+    if cfg.mlm_head:
+        out["mlm.decoder.weight"] = out["embeddings.word.weight"]
+    return out
+
+
+def hf_config(cfg: BertConfig) -> dict[str, Any]:
+    return {
+        "architectures": ["BertForMaskedLM" if cfg.mlm_head else "BertModel"],
+        "model_type": "bert",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "type_vocab_size": cfg.type_vocab_size,
+        "layer_norm_eps": cfg.layer_norm_eps,
+        "hidden_act": "gelu",
+        "position_embedding_type": "absolute",
+        "pad_token_id": 0,
+        "tie_word_embeddings": True,
+    }
+
+
+def config_from_hf(config: dict[str, Any], state_keys: set[str]) -> BertConfig:
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"position_embedding_type {config['position_embedding_type']!r} is not supported")
+    if config.get("hidden_act", "gelu") != "gelu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only exact gelu)")
+    has = lambda suffix: any(k.removeprefix("bert.").startswith(suffix) for k in state_keys)
+    return BertConfig(
+        hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"], intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"], max_seq_len=config.get("max_position_embeddings", 512),
+        type_vocab_size=config.get("type_vocab_size", 2), layer_norm_eps=config.get("layer_norm_eps", 1e-12),
+        pooler=has("pooler."), mlm_head=has("cls.predictions."),
+    )
