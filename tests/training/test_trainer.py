@@ -89,7 +89,7 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(micro_recipe_file, tm
     recipe = load_recipe(str(micro_recipe_file))
     trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
 
-    real_step = trainer._train_step
+    real_step = trainer.train_step
     calls = []
 
     def step_then_get_killed(*args, **kwargs):
@@ -99,10 +99,10 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(micro_recipe_file, tm
             os.kill(os.getpid(), signal.SIGTERM)  # what SLURM sends on preemption
         return out
 
-    monkeypatch.setattr(trainer, "_train_step", step_then_get_killed)
+    monkeypatch.setattr(trainer, "train_step", step_then_get_killed)
     killed = trainer.train(recipe, run_dir=tmp_path / "killed", progress=False, tensorboard=False)
     assert killed.interrupted and killed.final_step == 5
-    monkeypatch.setattr(trainer, "_train_step", real_step)
+    monkeypatch.setattr(trainer, "train_step", real_step)
     resumed = trainer.train(recipe, run_dir=tmp_path / "killed", progress=False, tensorboard=False)
     assert resumed.start_step == 5 and resumed.final_step == 8
     _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, tmp_path / "killed"))
@@ -154,7 +154,7 @@ def test_gradient_accumulation_matches_one_big_batch(micro_recipe_file):
         torch.manual_seed(0)
         model = build_model(recipe.model)
         sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient itself
-        loss, norm = trainer._train_step(model, sgd, micro, torch.device("cpu"),
+        loss, norm = trainer.train_step(model, sgd, micro, torch.device("cpu"),
                                          contextlib.nullcontext(), grad_clip=0.0)
         results.append((loss, norm, model.state_dict()))
     (loss_a, norm_a, state_a), (loss_b, norm_b, state_b) = results

@@ -27,7 +27,7 @@ from frugality.metrics.peak import device_name, peak_flops
 from frugality.models import build_model
 from frugality.precision import get_policy
 from frugality.training.optim import build_optimizer
-from frugality.training.trainer import _train_step, resolve_device
+from frugality.training.trainer import train_step, resolve_device
 
 
 @dataclass
@@ -56,7 +56,7 @@ def _make(impl: str, recipe: Recipe, precision: str, device: torch.device):
         optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
                                     fused=recipe.train.fused_optimizer)
         autocast = policy.autocast_context(device)
-        step = lambda b: _train_step(model, optimizer, [b], device, autocast, recipe.optim.grad_clip)[0]
+        step = lambda b: train_step(model, optimizer, [b], device, autocast, recipe.optim.grad_clip)[0]
     else:
         model, optimizer, autocast = build_transformers(recipe, precision, device)
         step = lambda b: transformers_step(model, optimizer, autocast, b, recipe.optim.grad_clip)

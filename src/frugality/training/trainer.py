@@ -195,7 +195,7 @@ def train(
             lr = learning_rate(step, total, recipe.optim.lr, recipe.optim.min_lr, recipe.optim.warmup_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            train_loss, grad_norm = _train_step(
+            train_loss, grad_norm = train_step(
                 model, optimizer, stream.next_step(), device, autocast, recipe.optim.grad_clip
             )
             elapsed = time.perf_counter() - t0
@@ -266,7 +266,10 @@ def _open_dataset(recipe: Recipe, tokenizer, progress: bool) -> IndexedDataset:
     return IndexedDataset(name)
 
 
-def _train_step(model, optimizer, micro_batches, device, autocast, grad_clip) -> tuple[float, float]:
+def train_step(model, optimizer, micro_batches, device, autocast, grad_clip) -> tuple[float, float]:
+    """One optimizer step over micro-batches of (B, T + 1) tokens: forward and backward
+    each (loss divided by their count), clip the global gradient norm, update.
+    Returns (mean loss, gradient norm before clipping)."""
     model.train()
     accum = len(micro_batches)
     total = torch.zeros((), device=device)
