@@ -58,7 +58,7 @@ class CheckpointManager:
             shutil.rmtree(partial, ignore_errors=True)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state, "extra": pickle.dumps(extra)}
-        with _single_process_ok():
+        with single_process_ok():
             dcp.save(state, checkpoint_id=partial, no_dist=not dist.is_initialized())
         if _is_main():
             if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
@@ -74,7 +74,7 @@ class CheckpointManager:
         """Restore model and optimizer in place; return the saved `extra` state."""
         model_state, optim_state = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state, "extra": b""}
-        with _single_process_ok():
+        with single_process_ok():
             dcp.load(state, checkpoint_id=Path(path), no_dist=not dist.is_initialized())
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
@@ -91,7 +91,7 @@ def _is_main() -> bool:
 
 
 @contextmanager
-def _single_process_ok():
+def single_process_ok():
     """DCP warns on every call without a process group that it assumes one process; we mean that."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single")

@@ -6,14 +6,16 @@ clear error naming the first tensor that differs."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from frugality.checkpoint import CheckpointManager, _single_process_ok
+from frugality.checkpoint import CheckpointManager, single_process_ok
 from frugality.errors import UserError
 
 
@@ -61,13 +63,16 @@ def _check_shapes(theirs: dict[str, tuple], ours: dict[str, torch.Tensor], where
         raise UserError(f"--init-from {where}: tensor {extra[0]!r} has no place in the recipe's model")
 
 
+def _read_hf(source: WeightsSource) -> dict[str, torch.Tensor]:
+    from frugality.interop.hf import import_hf
+
+    return import_hf(source.path)[1]
+
+
 def check_compatible(source: WeightsSource, model: nn.Module) -> None:
     ours = model.state_dict()
     if source.kind == "hf":
-        from frugality.interop.hf import import_hf
-
-        _, state = import_hf(source.path)
-        _check_shapes({k: v.shape for k, v in state.items()}, ours, source.path)
+        _check_shapes({k: v.shape for k, v in _read_hf(source).items()}, ours, source.path)
         return
     meta = _metadata(source.path)
     theirs = {k.removeprefix("model."): m.size for k, m in meta.items()
@@ -77,21 +82,21 @@ def check_compatible(source: WeightsSource, model: nn.Module) -> None:
 
 @torch.no_grad()
 def load_weights(source: WeightsSource, model: nn.Module) -> None:
-    """Copy the source's weights into `model` in place (cast to its dtype and device)."""
-    check_compatible(source, model)
+    """Copy the source's weights into `model` in place (cast to its dtype and device),
+    after checking every shape."""
     if source.kind == "hf":
-        from frugality.interop.hf import import_hf
-
-        _, state = import_hf(source.path)
+        state = _read_hf(source)  # read once: checked, then copied
+        _check_shapes({k: v.shape for k, v in state.items()}, model.state_dict(), source.path)
         for name, tensor in model.state_dict().items():
             tensor.copy_(state[name])
         return
+    check_compatible(source, model)
     state = {"model": model.state_dict()}  # tensors share storage with the parameters
-    with _single_process_ok():
+    with single_process_ok():
         dcp.load(state, checkpoint_id=source.path, no_dist=True)
 
 
-def save_weights(path: str | Path, state: dict[str, torch.Tensor], files: dict[str, bytes] = {}) -> Path:
+def save_weights(path: str | Path, state: dict[str, torch.Tensor], files: Mapping[str, bytes] = MappingProxyType({})) -> Path:
     """A model-only checkpoint folder (what `frugality import hf` writes) plus extra files,
     written under a temporary name and renamed into place when complete."""
     final = Path(path)
@@ -99,7 +104,7 @@ def save_weights(path: str | Path, state: dict[str, torch.Tensor], files: dict[s
         raise UserError(f"output {final} exists and is not empty")
     partial = final.with_name(f".{final.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    with _single_process_ok():
+    with single_process_ok():
         dcp.save({"model": state}, checkpoint_id=partial, no_dist=True)
     for name, data in files.items():
         (partial / name).write_bytes(data)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -124,7 +126,7 @@ def import_hf(folder: str | Path):
 
 
 def export_hf(config, state: dict[str, torch.Tensor], out: str | Path,
-              files: dict[str, bytes] = {}) -> Path:
+              files: Mapping[str, bytes] = MappingProxyType({})) -> Path:
     """Write `config.json` + `model.safetensors` (+ tokenizer files) that
     `transformers.AutoModelForCausalLM.from_pretrained(out)` loads; dtype preserved."""
     from safetensors.torch import save_file

@@ -4,80 +4,56 @@ it) or `BertForMaskedLM` (`bert.` prefix and `cls.predictions.*`)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
+from frugality.interop.names import NameMap
 from frugality.models.bert import BertConfig
 
-_TOP = [
-    ("embeddings.word.weight", "embeddings.word_embeddings.weight"),
-    ("embeddings.position.weight", "embeddings.position_embeddings.weight"),
-    ("embeddings.token_type.weight", "embeddings.token_type_embeddings.weight"),
-    ("embeddings.norm.weight", "embeddings.LayerNorm.weight"),
-    ("embeddings.norm.bias", "embeddings.LayerNorm.bias"),
-    ("pooler.weight", "pooler.dense.weight"),
-    ("pooler.bias", "pooler.dense.bias"),
-]
-_LAYER = [
-    ("attn.query", "attention.self.query"), ("attn.key", "attention.self.key"),
-    ("attn.value", "attention.self.value"), ("attn.out", "attention.output.dense"),
-    ("attn_norm", "attention.output.LayerNorm"), ("up", "intermediate.dense"),
-    ("down", "output.dense"), ("mlp_norm", "output.LayerNorm"),
-]
-_MLM = [
-    ("mlm.dense.weight", "cls.predictions.transform.dense.weight"),
-    ("mlm.dense.bias", "cls.predictions.transform.dense.bias"),
-    ("mlm.norm.weight", "cls.predictions.transform.LayerNorm.weight"),
-    ("mlm.norm.bias", "cls.predictions.transform.LayerNorm.bias"),
-    ("mlm.decoder.bias", "cls.predictions.bias"),
-]
-_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
-_THEIRS_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
-# Buffers and tied copies that checkpoints may carry.
-_THEIRS_IGNORED = re.compile(r"(position_ids|token_type_ids|cls\.predictions\.decoder\.(weight|bias))$")
+NAMES = NameMap(
+    family="BERT",
+    top=(
+        ("embeddings.word.weight", "embeddings.word_embeddings.weight"),
+        ("embeddings.position.weight", "embeddings.position_embeddings.weight"),
+        ("embeddings.token_type.weight", "embeddings.token_type_embeddings.weight"),
+        ("embeddings.norm.weight", "embeddings.LayerNorm.weight"),
+        ("embeddings.norm.bias", "embeddings.LayerNorm.bias"),
+        ("pooler.weight", "pooler.dense.weight"),
+        ("pooler.bias", "pooler.dense.bias"),
+        ("mlm.dense.weight", "cls.predictions.transform.dense.weight"),
+        ("mlm.dense.bias", "cls.predictions.transform.dense.bias"),
+        ("mlm.norm.weight", "cls.predictions.transform.LayerNorm.weight"),
+        ("mlm.norm.bias", "cls.predictions.transform.LayerNorm.bias"),
+        ("mlm.decoder.bias", "cls.predictions.bias"),
+    ),
+    layer=(
+        ("attn.query", "attention.self.query"), ("attn.key", "attention.self.key"),
+        ("attn.value", "attention.self.value"), ("attn.out", "attention.output.dense"),
+        ("attn_norm", "attention.output.LayerNorm"), ("up", "intermediate.dense"),
+        ("down", "output.dense"), ("mlp_norm", "output.LayerNorm"),
+    ),
+    theirs_layer="encoder.layer.{i}.{module}.{kind}",
+    # Buffers and tied copies that checkpoints may carry.
+    ignored=r"(position_ids|token_type_ids|cls\.predictions\.decoder\.(weight|bias))$",
+)
 
 
 def to_hf(state: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.Tensor]:
-    """Names as `BertModel` (encoder only) or `BertForMaskedLM` (with the MLM head) save them."""
-    prefix = "bert." if cfg.mlm_head else ""
-    top, layer, mlm = dict(_TOP), dict(_LAYER), dict(_MLM)
-    out = {}
-    for name, tensor in state.items():
-        if name == "mlm.decoder.weight":
-            continue  # tied to the word embeddings; transformers re-ties it
-        if name in top:
-            out[prefix + top[name]] = tensor
-        elif name in mlm:
-            out[mlm[name]] = tensor
-        elif (m := _OURS_LAYER.match(name)) and m.group(2) in layer:
-            out[f"{prefix}encoder.layer.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"] = tensor
-        else:
-            raise KeyError(f"no Hugging Face name for parameter {name!r}")
+    """Names as `BertModel` (encoder only) or `BertForMaskedLM` (with the MLM head, under
+    a `bert.` prefix) save them. The decoder weight is the word embedding: transformers
+    re-ties it."""
+    out = NAMES.to_theirs({k: v for k, v in state.items() if k != "mlm.decoder.weight"})
+    if cfg.mlm_head:
+        out = {(k if k.startswith("cls.") else "bert." + k): v for k, v in out.items()}
     return out
 
 
 def from_hf(state: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.Tensor]:
-    top = {theirs: ours for ours, theirs in _TOP}
-    layer = {theirs: ours for ours, theirs in _LAYER}
-    mlm = {theirs: ours for ours, theirs in _MLM}
-    out = {}
-    for name, tensor in state.items():
-        if _THEIRS_IGNORED.search(name):
-            continue
-        name = name.removeprefix("bert.")
-        if name in top:
-            if name.startswith("pooler.") and not cfg.pooler:
-                continue
-            out[top[name]] = tensor
-        elif name in mlm:
-            if cfg.mlm_head:
-                out[mlm[name]] = tensor
-        elif (m := _THEIRS_LAYER.match(name)) and m.group(2) in layer:
-            out[f"layers.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"] = tensor
-        else:
-            raise KeyError(f"unexpected tensor {name!r} in a BERT checkpoint")
+    """Either layout -> ours, keeping only the heads `cfg` has."""
+    out = NAMES.to_ours({k.removeprefix("bert."): v for k, v in state.items()})
+    out = {k: v for k, v in out.items()
+           if not (k.startswith("pooler.") and not cfg.pooler) and not (k.startswith("mlm.") and not cfg.mlm_head)}
     if cfg.mlm_head:
         out["mlm.decoder.weight"] = out["embeddings.word.weight"]
     return out

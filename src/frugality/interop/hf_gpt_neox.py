@@ -7,32 +7,33 @@ head_size]), so the mapping is a renaming; nothing is permuted.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
+from frugality.interop.names import NameMap
 from frugality.models.gpt_neox import GPTNeoXConfig
 
-# (ours, theirs); "{i}" stands for the layer index.
-_LAYER_NAMES = [
-    ("attn_norm", "input_layernorm"),
-    ("mlp_norm", "post_attention_layernorm"),
-    ("attn.qkv", "attention.query_key_value"),
-    ("attn.out", "attention.dense"),
-    ("mlp.up", "mlp.dense_h_to_4h"),
-    ("mlp.down", "mlp.dense_4h_to_h"),
-]
-_TOP_NAMES = [
-    ("embed.weight", "gpt_neox.embed_in.weight"),
-    ("final_norm.weight", "gpt_neox.final_layer_norm.weight"),
-    ("final_norm.bias", "gpt_neox.final_layer_norm.bias"),
-    ("output.weight", "embed_out.weight"),
-]
-_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
-_THEIRS_LAYER = re.compile(r"^gpt_neox\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-# Buffers that old transformers releases saved and newer ones ignore.
-_THEIRS_IGNORED = re.compile(r"\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
+NAMES = NameMap(
+    family="GPT-NeoX",
+    top=(
+        ("embed.weight", "gpt_neox.embed_in.weight"),
+        ("final_norm.weight", "gpt_neox.final_layer_norm.weight"),
+        ("final_norm.bias", "gpt_neox.final_layer_norm.bias"),
+        ("output.weight", "embed_out.weight"),
+    ),
+    layer=(
+        ("attn_norm", "input_layernorm"),
+        ("mlp_norm", "post_attention_layernorm"),
+        ("attn.qkv", "attention.query_key_value"),
+        ("attn.out", "attention.dense"),
+        ("mlp.up", "mlp.dense_h_to_4h"),
+        ("mlp.down", "mlp.dense_4h_to_h"),
+    ),
+    theirs_layer="gpt_neox.layers.{i}.{module}.{kind}",
+    # Buffers that old transformers releases saved and newer ones ignore.
+    ignored=r"\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$",
+)
 
 
 def to_hf(
@@ -44,36 +45,12 @@ def to_hf(
     release reads); transformers 5.x names the module `lm_head` in memory, so pass
     `output_name="lm_head.weight"` to `load_state_dict` into a live 5.x model.
     """
-    top = dict(_TOP_NAMES) | {"output.weight": output_name}
-    layer = dict(_LAYER_NAMES)
-    out = {}
-    for name, tensor in state.items():
-        if name in top:
-            out[top[name]] = tensor
-        elif m := _OURS_LAYER.match(name):
-            i, module, kind = m.groups()
-            out[f"gpt_neox.layers.{i}.{layer[module]}.{kind}"] = tensor
-        else:
-            raise KeyError(f"no Hugging Face name for parameter {name!r}")
-    return out
+    return NAMES.to_theirs(state, top={"output.weight": output_name})
 
 
 def from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GPTNeoXForCausalLM state dict -> frugality GPTNeoX state dict."""
-    top = {theirs: ours for ours, theirs in _TOP_NAMES} | {"lm_head.weight": "output.weight"}
-    layer = {theirs: ours for ours, theirs in _LAYER_NAMES}
-    out = {}
-    for name, tensor in state.items():
-        if _THEIRS_IGNORED.search(name):
-            continue
-        if name in top:
-            out[top[name]] = tensor
-        elif (m := _THEIRS_LAYER.match(name)) and m.group(2) in layer:
-            i, module, kind = m.groups()
-            out[f"layers.{i}.{layer[module]}.{kind}"] = tensor
-        else:
-            raise KeyError(f"unexpected tensor {name!r} in a GPT-NeoX checkpoint")
-    return out
+    """GPTNeoXForCausalLM state dict (on disk or live) -> frugality GPTNeoX state dict."""
+    return NAMES.to_ours(state, top={"lm_head.weight": "output.weight"})
 
 
 def hf_config(cfg: GPTNeoXConfig) -> dict[str, Any]:

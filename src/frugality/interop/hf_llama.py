@@ -4,54 +4,36 @@ in rotate-half order), so the mapping is a renaming."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
+from frugality.interop.names import NameMap
 from frugality.models.llama import LlamaConfig
 
-_LAYER_NAMES = [
-    ("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
-    ("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"),
-    ("attn.o", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"),
-    ("mlp.down", "mlp.down_proj"),
-]
-_TOP_NAMES = [("embed.weight", "model.embed_tokens.weight"), ("final_norm.weight", "model.norm.weight"),
-              ("output.weight", "lm_head.weight")]
-_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.weight$")
-_THEIRS_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
-_THEIRS_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+NAMES = NameMap(
+    family="Llama",
+    top=(("embed.weight", "model.embed_tokens.weight"), ("final_norm.weight", "model.norm.weight"),
+         ("output.weight", "lm_head.weight")),
+    layer=(
+        ("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
+        ("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"),
+        ("attn.o", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"),
+        ("mlp.down", "mlp.down_proj"),
+    ),
+    theirs_layer="model.layers.{i}.{module}.{kind}",
+    ignored=r"rotary_emb\.inv_freq$",
+)
 
 
 def to_hf(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    top, layer = dict(_TOP_NAMES), dict(_LAYER_NAMES)
-    out = {}
-    for name, tensor in state.items():
-        if name == "output.weight" and tied:
-            continue  # transformers ties lm_head to embed_tokens itself
-        if name in top:
-            out[top[name]] = tensor
-        elif (m := _OURS_LAYER.match(name)) and m.group(2) in layer:
-            out[f"model.layers.{m.group(1)}.{layer[m.group(2)]}.weight"] = tensor
-        else:
-            raise KeyError(f"no Hugging Face name for parameter {name!r}")
-    return out
+    if tied:  # transformers ties lm_head to embed_tokens itself
+        state = {k: v for k, v in state.items() if k != "output.weight"}
+    return NAMES.to_theirs(state)
 
 
 def from_hf(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    top = {theirs: ours for ours, theirs in _TOP_NAMES}
-    layer = {theirs: ours for ours, theirs in _LAYER_NAMES}
-    out = {}
-    for name, tensor in state.items():
-        if _THEIRS_IGNORED.search(name):
-            continue
-        if name in top:
-            out[top[name]] = tensor
-        elif (m := _THEIRS_LAYER.match(name)) and m.group(2) in layer:
-            out[f"layers.{m.group(1)}.{layer[m.group(2)]}.weight"] = tensor
-        else:
-            raise KeyError(f"unexpected tensor {name!r} in a Llama checkpoint")
+    out = NAMES.to_ours(state)
     if tied:
         out["output.weight"] = out["embed.weight"]
     return out

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
+from frugality.models.layers import check_length
+
 
 class BertConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -121,8 +123,7 @@ class Bert(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if input_ids.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds max_seq_len {self.config.max_seq_len}")
+        check_length(input_ids, self.config.max_seq_len)
         # Padding keys are masked out for every query: a (B, 1, 1, T) boolean mask.
         mask = attention_mask.bool()[:, None, None, :] if attention_mask is not None else None
         h = self.embeddings(input_ids, token_type_ids)

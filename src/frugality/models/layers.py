@@ -54,3 +54,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     flash-style C++ kernel on CPU); the scale is the default head_size ** -0.5.
     """
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def check_length(input_ids: torch.Tensor, max_seq_len: int) -> None:
+    if input_ids.shape[1] > max_seq_len:
+        raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds max_seq_len {max_seq_len}")

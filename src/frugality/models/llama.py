@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
-from frugality.models.layers import RotaryEmbedding
-from frugality.models.loss import linear_cross_entropy
+from frugality.models.layers import RotaryEmbedding, check_length
+from frugality.models.loss import logits_or_loss
 
 
 class LlamaConfig(BaseModel):
@@ -139,12 +139,8 @@ class Llama(nn.Module):
                 p.normal_(0.0, self.config.init_std)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if input_ids.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds max_seq_len {self.config.max_seq_len}")
+        check_length(input_ids, self.config.max_seq_len)
         h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(h)
-        h = self.final_norm(h)
-        if targets is not None:
-            return linear_cross_entropy(h.flatten(0, 1), self.output.weight, targets.flatten())
-        return self.output(h)
+        return logits_or_loss(self.final_norm(h), self.output, targets)

@@ -85,3 +85,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, without materialising
     float32 logits. hidden: (tokens, d); weight: (vocab, d); targets: (tokens,) int64."""
     return _LinearCrossEntropy.apply(hidden, weight, targets)
+
+
+def logits_or_loss(hidden: torch.Tensor, output: torch.nn.Linear, targets: torch.Tensor | None) -> torch.Tensor:
+    """A decoder's last step: logits (B, T, vocab), or with next-token `targets` (B, T) the
+    mean cross-entropy through `linear_cross_entropy`."""
+    if targets is None:
+        return output(hidden)
+    return linear_cross_entropy(hidden.flatten(0, 1), output.weight, targets.flatten())

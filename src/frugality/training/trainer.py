@@ -126,9 +126,9 @@ def train(
                                 fused=recipe.train.fused_optimizer)
     checkpoints = CheckpointManager(run_path / "checkpoints", keep=recipe.train.keep_checkpoints)
     start = 0
-    if source is not None:
-        check_compatible(source, model)  # a mismatch stops here, before anything is written
+    if source is not None:  # shapes are checked first: a mismatch stops before anything is written
         if resume_optimizer:
+            check_compatible(source, model)
             CheckpointManager(source.path.parent).load(source.path, model, optimizer)
         else:
             load_weights(source, model)
