@@ -8,6 +8,7 @@ import click
 
 from frugality import __version__
 from frugality.cli.bench import bench
+from frugality.cli.compile import compile_
 from frugality.cli.data import data
 from frugality.cli.interop import export, import_
 from frugality.cli.recipes import recipes
@@ -25,6 +26,7 @@ def cli() -> None:
 
 
 cli.add_command(train)
+cli.add_command(compile_)
 cli.add_command(data)
 cli.add_command(recipes)
 cli.add_command(bench)

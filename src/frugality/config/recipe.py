@@ -98,6 +98,27 @@ class TrainConfig(_Section):
     runs_dir: str = Field(default="runs", description="parent of the run directory")
 
 
+class CompileConfig(_Section):
+    """Ahead-of-time compilation with torch.compile; see frugality.compile and docs/compile.md."""
+
+    level: Literal["O0", "O1", "O2"] = Field(
+        default="O0",
+        description="O0 eager; O1 each transformer block compiled once (Inductor defaults); "
+        "O2 the same with autotuned matrix products (longer compile)",
+    )
+    cache: str | None = Field(
+        default=None,
+        description="where compiled graphs are shared: a directory or an fsspec URL "
+        "(s3://bucket/prefix, file://...); default $FRUGALITY_COMPILE_CACHE, else the user cache",
+    )
+    on_recompile: Literal["warn", "error"] = Field(
+        default="warn", description="what a compilation after warm-up does: warn, or stop the run"
+    )
+    fallback: bool = Field(
+        default=True, description="a graph that fails to compile runs eagerly (false: stop)"
+    )
+
+
 class MetricsConfig(_Section):
     peak_tflops: PositiveFloat | None = Field(
         default=None,
@@ -113,6 +134,7 @@ class Recipe(_Section):
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+    compile: CompileConfig = CompileConfig()
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from frugality.checkpoint import CheckpointManager, step_of
 from frugality.checkpoint.weights import check_compatible, load_weights, resolve_source
+from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
 from frugality.cache import cache_dir
 from frugality.data.bundled import BUNDLED_PREFIX, bundled_dataset
@@ -145,25 +146,50 @@ def train(
         _seed_everything(recipe.seed + 1)
     rundir.open_run(plan, recipe, start if plan.resume_from is not None else None)
 
+    compiled = CompileSession.for_recipe(recipe, device, policy.compute_dtype)
+    compiled.start(model)
     logger = RunLogger(run_path, tensorboard=tensorboard)
-    result = TrainResult(run_path, start, start)
+    try:
+        return _train_loop(recipe, model, optimizer, policy, device, stream, val_batches, checkpoints,
+                           logger, compiled, TrainResult(run_path, start, start), stop_at, progress,
+                           banner=_banner(recipe, model, device, samples, dataset, plan, source,
+                                          init_from, resume_optimizer, start))
+    finally:
+        compiled.close()  # publishes what was compiled, even when the run stopped on an error
+        logger.close()
+        compiled.cleanup()
+
+
+def _banner(recipe, model, device, samples, dataset, plan, source, init_from, resume_optimizer,
+            start) -> list[str]:
+    """What the run prints before its first step."""
+    run_path, total = plan.path, recipe.train.steps
+    lines = []
     if plan.moved_aside is not None:
-        tqdm.write(f"starting over: the previous run in {run_path} was moved to {plan.moved_aside}")
+        lines.append(f"starting over: the previous run in {run_path} was moved to {plan.moved_aside}")
     if plan.resume_from is not None:
-        tqdm.write(f"resuming {run_path} from step {start} ({plan.resume_from.name})")
+        lines.append(f"resuming {run_path} from step {start} ({plan.resume_from.name})")
         if init_from is not None:
-            tqdm.write("--init-from applies to new runs only; resuming instead (--fresh to start over)")
+            lines.append("--init-from applies to new runs only; resuming instead (--fresh to start over)")
     if source is not None:
-        tqdm.write(f"initialised from {source.path}"
-                   + (" with its optimizer state" if resume_optimizer else ""))
-    if progress:
-        n_params = sum(p.numel() for p in model.parameters())
-        tqdm.write(
-            f"{recipe.name}: {recipe.model.family} {n_params / 1e6:.1f}M parameters, "
-            f"{recipe.train.precision} on {device}, {total} steps of "
-            f"{recipe.data.global_batch_size} x {recipe.data.seq_len} tokens, {len(samples.train_ids):,} "
-            f"training samples ({dataset.num_tokens:,} tokens) -> {run_path}"
-        )
+        lines.append(f"initialised from {source.path}"
+                     + (" with its optimizer state" if resume_optimizer else ""))
+    n_params = sum(p.numel() for p in model.parameters())
+    lines.append(
+        f"{recipe.name}: {recipe.model.family} {n_params / 1e6:.1f}M parameters, "
+        f"{recipe.train.precision} on {device}, {total} steps of "
+        f"{recipe.data.global_batch_size} x {recipe.data.seq_len} tokens, {len(samples.train_ids):,} "
+        f"training samples ({dataset.num_tokens:,} tokens) -> {run_path}"
+    )
+    return lines
+
+
+def _train_loop(recipe, model, optimizer, policy, device, stream, val_batches, checkpoints, logger,
+                compiled, result, stop_at, progress, banner) -> TrainResult:
+    run_path, total, start = result.run_dir, recipe.train.steps, result.start_step
+    for i, line in enumerate(banner):
+        if progress or i < len(banner) - 1:  # the last line is the summary, shown with progress
+            tqdm.write(line)
 
     tokens_per_step = recipe.data.global_batch_size * recipe.data.seq_len
     flops_per_token = training_flops_per_token(
@@ -177,8 +203,16 @@ def train(
     autocast = policy.autocast_context(device)
     memory: dict[str, float] = {}
 
+    if compiled.enabled:
+        _warm_up(compiled, model, optimizer, device, autocast, recipe.data.micro_batch_size,
+                 recipe.data.seq_len)
+        logger.log("compile", start, _compile_record(compiled.stats))
+        if progress:
+            tqdm.write(_compile_line(compiled.stats))
+
     def evaluate(step: int) -> float:
-        loss = _evaluate(model, val_batches, device, autocast)
+        with compiled.guarded(step):
+            loss = _evaluate(model, val_batches, device, autocast)
         logger.log("eval", step, {"loss": loss, "perplexity": _perplexity(loss)})
         result.evals[step] = loss
         return loss
@@ -195,9 +229,10 @@ def train(
             lr = learning_rate(step, total, recipe.optim.lr, recipe.optim.min_lr, recipe.optim.warmup_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            train_loss, grad_norm = train_step(
-                model, optimizer, stream.next_step(), device, autocast, recipe.optim.grad_clip
-            )
+            with compiled.guarded(step + 1):
+                train_loss, grad_norm = train_step(
+                    model, optimizer, stream.next_step(), device, autocast, recipe.optim.grad_clip
+                )
             elapsed = time.perf_counter() - t0
             step_times.append(elapsed)
             done = step + 1
@@ -233,15 +268,42 @@ def train(
                 tqdm.write(f"stopped by signal after step {done}; checkpoint saved, rerun to resume")
                 break
     bar.close()
-    logger.close()
+    compiled.close()  # idempotent; train() calls it again on the way out
+    if compiled.enabled:
+        logger.log("compile", result.final_step, _compile_record(compiled.stats))
+    logger.close()  # flushed before the summary reads it back; closing twice is harmless
 
     result.summary = _summary(
         recipe, model, result, step_times, train_loss, tokens_per_step, flops_per_token, peak,
         time.perf_counter() - wall_start, device,
     )
     result.summary["memory"] = memory | {"peak_memory_bytes": peak_memory_bytes(device)}
+    result.summary["compile"] = compiled.stats.as_dict()
     rundir.write_summary(run_path, result.summary)
     return result
+
+
+def _warm_up(compiled, model, optimizer, device, autocast, micro_batch_size, seq_len) -> None:
+    """Compile the run's graphs on a zero batch of its shape; no parameter changes."""
+    batch = torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.int64)
+    compiled.warm_up(
+        train_forward=lambda: _forward_loss(model, batch, device, autocast),
+        eval_forward=lambda: _evaluate(model, [batch], device, autocast),
+        zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
+    )
+
+
+def _compile_record(stats) -> dict:
+    return {k: v for k, v in stats.as_dict().items() if isinstance(v, (int, float))}
+
+
+def _compile_line(stats) -> str:
+    source = "fetched from" if stats.fetched else "nothing cached at"
+    line = (f"compile {stats.level}: {stats.graphs} graphs, {stats.cache_hits} from the cache, "
+            f"{stats.cache_misses} compiled, {stats.compile_s:.1f} s ({source} {stats.cache})")
+    if stats.fallbacks:
+        line += f"; eager fallback for {', '.join(stats.fallbacks)}"
+    return line
 
 
 def _memory_record(model, optimizer, policy, device) -> dict[str, float]:
@@ -270,13 +332,10 @@ def train_step(model, optimizer, micro_batches, device, autocast, grad_clip) -> 
     """One optimizer step over micro-batches of (B, T + 1) tokens: forward and backward
     each (loss divided by their count), clip the global gradient norm, update.
     Returns (mean loss, gradient norm before clipping)."""
-    model.train()
     accum = len(micro_batches)
     total = torch.zeros((), device=device)
     for batch in micro_batches:
-        batch = batch.to(device, non_blocking=True)
-        with autocast:
-            loss = model(batch[:, :-1], targets=batch[:, 1:])
+        loss = _forward_loss(model, batch, device, autocast)
         (loss / accum).backward()
         total += loss.detach()
     norm = torch.nn.utils.clip_grad_norm_(
@@ -285,6 +344,15 @@ def train_step(model, optimizer, micro_batches, device, autocast, grad_clip) -> 
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return (total / accum).item(), norm.item()
+
+
+def _forward_loss(model, batch, device, autocast) -> torch.Tensor:
+    """Training-mode loss of one (B, T + 1) micro-batch: inputs are all but the last token,
+    targets all but the first."""
+    model.train()
+    batch = batch.to(device, non_blocking=True)
+    with autocast:
+        return model(batch[:, :-1], targets=batch[:, 1:])
 
 
 @torch.no_grad()

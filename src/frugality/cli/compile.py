@@ -1,0 +1,38 @@
+"""`frugality compile`."""
+
+from __future__ import annotations
+
+import click
+
+from frugality.compile.levels import LEVELS
+
+
+@click.command("compile")
+@click.argument("recipe", required=False)
+@click.option("--level", type=click.Choice(LEVELS[1:]), help="Compile level [default: the recipe's compile.level].")
+@click.option("--cache", help="Cache directory or URL [default: compile.cache, $FRUGALITY_COMPILE_CACHE, "
+                              "else the user cache].")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def compile_(recipe, level, cache, overrides, no_progress) -> None:
+    """Compile RECIPE's graphs ahead of time and publish them to the compile cache.
+
+    Runs the training code path for a few steps on throwaway state (a temporary run
+    directory), so `frugality train` with the same recipe and cache starts from compiled
+    graphs and compiles nothing.
+    """
+    from frugality.compile.ahead import compile_ahead
+    from frugality.config.recipe import load_recipe
+
+    extra = [f"compile.level={level}"] if level else []
+    extra += [f'compile.cache="{cache}"'] if cache else []
+    resolved = load_recipe(recipe, list(overrides) + extra)
+    stats = compile_ahead(resolved, progress=not no_progress)
+    where = stats["cache"] if stats["published"] or stats["fetched"] else f"nothing published to {stats['cache']}"
+    click.echo(
+        f"compiled {resolved.name} at {stats['level']}: {stats['graphs']} graphs "
+        f"({stats['cache_hits']} already cached, {stats['cache_misses']} compiled) in "
+        f"{stats['compile_s']:.1f} s, recompiles {stats['recompiles']}"
+        + (f", eager fallback: {'; '.join(stats['fallbacks'])}" if stats["fallbacks"] else "")
+        + f" -> {where}"
+    )

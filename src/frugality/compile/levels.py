@@ -1,0 +1,91 @@
+"""Compile levels: what `compile.level` compiles, and how.
+
+| level | what runs compiled                          | Inductor mode                 | compile time |
+|-------|---------------------------------------------|-------------------------------|--------------|
+| `O0`  | nothing (eager)                             | -                             | none         |
+| `O1`  | each transformer block, forward + backward  | default                       | one block    |
+| `O2`  | the same                                    | `max-autotune-no-cudagraphs`  | one block, plus autotuning |
+
+Only the blocks are compiled ("regional compilation"): all layers share one block graph, so
+the compile cost does not grow with depth, and the state-dict keys stay as they are (no
+`_orig_mod.` prefix). The embedding lookup stays eager, as does the output layer with its
+cross-entropy, which `frugality.models.loss` already fuses by hand. Shapes are static
+(`dynamic=False`): the data path only ever produces (micro_batch_size, seq_len) batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+LEVELS = ("O0", "O1", "O2")
+
+
+@dataclass(frozen=True)
+class CompileLevel:
+    name: str
+    mode: str | None  # torch.compile mode; None = eager
+    description: str
+    options: dict = field(default_factory=dict)
+
+
+_LEVELS = {
+    "O0": CompileLevel("O0", None, "eager: no compilation"),
+    "O1": CompileLevel("O1", "default", "transformer blocks compiled with Inductor's defaults"),
+    "O2": CompileLevel("O2", "max-autotune-no-cudagraphs",
+                       "transformer blocks compiled with autotuned matrix-product templates"),
+}
+
+
+def get_level(name: str) -> CompileLevel:
+    return _LEVELS[name]
+
+
+def inductor_options(device: torch.device, compute_dtype: torch.dtype) -> dict:
+    """Inductor options by device and dtype (part of the cache key through Inductor's own
+    config hash).
+
+    On CPU with bf16, torch 2.13's C++ code generator declares the same variable twice when
+    one kernel stores two identical bf16 reductions (two bias gradients of a parallel-residual
+    block are both the sum of the residual gradient): "conflicting declaration
+    'auto at_BFloat16_tmp_acc0_vec'" (pytorch/pytorch#194706). Not fusing reductions
+    horizontally keeps each one in its own kernel; it costs nothing measurable here.
+    """
+    if device.type == "cpu" and compute_dtype == torch.bfloat16:
+        return {"cpp.max_horizontal_fusion_size": 1}
+    return {}
+
+
+def compile_targets(model: nn.Module) -> list[nn.Module]:
+    """The modules a level compiles: the model's transformer blocks."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise TypeError(f"{type(model).__name__} has no `layers` list of blocks to compile")
+    return list(layers)
+
+
+def graph_name(model: nn.Module) -> str:
+    block = compile_targets(model)[0]
+    return f"{type(model).__name__} block ({type(block).__module__}.{type(block).__qualname__})"
+
+
+def apply_level(model: nn.Module, level: CompileLevel, options: dict) -> None:
+    """Compile the blocks in place with `nn.Module.compile` (lazily: on their first call)."""
+    if level.mode is None:
+        return
+    mode = None if level.mode == "default" else level.mode
+    for block in compile_targets(model):
+        if options and mode is not None:
+            # torch.compile takes a mode or options, not both: spell the mode out.
+            merged = torch._inductor.list_mode_options(mode) | options
+            block.compile(dynamic=False, options=merged)
+        else:
+            block.compile(dynamic=False, mode=mode, options=options or None)
+
+
+def revert_to_eager(model: nn.Module) -> None:
+    """Undo `apply_level`: the blocks run their eager forward again."""
+    for block in compile_targets(model):
+        block._compiled_call_impl = None  # what nn.Module.compile sets; None = eager
