@@ -7,3 +7,8 @@ is written. Everything else is a bug and keeps its traceback.
 
 class UserError(Exception):
     """Bad input: the message names what is wrong and where."""
+
+
+class FrugalityWarning(UserWarning):
+    """Something the user should know that does not stop the run (a cache entry skipped, a
+    graph running eagerly, a recompilation). The CLI prints these as `warning: ...`."""

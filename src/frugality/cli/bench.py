@@ -53,3 +53,51 @@ def bench_train(recipe, precisions, batch, seq, steps, warmup, only, no_memory, 
         Path(markdown_path).write_text(table + "\n")
     if json_path:
         Path(json_path).write_text(rows_json(rows) + "\n")
+
+
+@bench.command("compile")
+@click.argument("recipe", required=False)
+@click.option("--level", "levels", default="O0,O1,O2", show_default=True, help="Comma-separated compile levels.")
+@click.option("--precision", "precisions", default="fp32,amp-bf16,bf16-sr,bf16", show_default=True,
+              help="Comma-separated precision policies.")
+@click.option("--batch", type=int, help="Sequences per step [default: the recipe's micro_batch_size].")
+@click.option("--seq", type=int, help="Tokens per sequence [default: the recipe's seq_len].")
+@click.option("--steps", default=5, show_default=True, help="Timed steps of the warm process.")
+@click.option("--cache", help="Cache URL to go through (s3://..., a directory) [default: a fresh "
+                              "temporary directory per level].")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
+@click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
+@click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
+def bench_compile(recipe, levels, precisions, batch, seq, steps, cache, overrides, json_path,
+                  markdown_path) -> None:
+    """Cold compile time, warm-start time to the first step and tokens/s per compile level,
+    each measured in fresh processes (a cold one with an empty cache, then a warm one that
+    fetches what the cold one published)."""
+    from frugality.bench.compile import bench_compile as run, markdown_table, rows_json
+    from frugality.compile.levels import LEVELS
+    from frugality.config.recipe import load_recipe
+    from frugality.errors import UserError
+    from frugality.precision import get_policy
+
+    resolved = load_recipe(recipe, list(overrides))
+    names = [p.strip() for p in precisions.split(",") if p.strip()]
+    for name in names:
+        get_policy(name)
+    level_names = [lv.strip() for lv in levels.split(",") if lv.strip()]
+    for name in level_names:
+        if name not in LEVELS:
+            raise UserError(f"--level {name}: choose from {', '.join(LEVELS)}")
+    batch = batch or resolved.data.micro_batch_size
+    seq = seq or resolved.data.seq_len
+    if seq > resolved.model.max_seq_len:
+        raise UserError(f"--seq {seq} exceeds model.max_seq_len ({resolved.model.max_seq_len})")
+    if steps < 1 or batch < 1:
+        raise UserError("--steps and --batch must be positive")
+    rows = run(resolved, names, level_names, batch, seq, steps=steps, cache=cache,
+               log=lambda line: click.echo(line, err=True))
+    table = markdown_table(rows)
+    click.echo(table)
+    if markdown_path:
+        Path(markdown_path).write_text(table + "\n")
+    if json_path:
+        Path(json_path).write_text(rows_json(rows) + "\n")

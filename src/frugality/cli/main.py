@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 import click
 
@@ -13,7 +14,7 @@ from frugality.cli.data import data
 from frugality.cli.interop import export, import_
 from frugality.cli.recipes import recipes
 from frugality.cli.train import train
-from frugality.errors import UserError
+from frugality.errors import FrugalityWarning, UserError
 
 USER_ERROR_EXIT = 2
 
@@ -34,7 +35,21 @@ cli.add_command(import_)
 cli.add_command(export)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """frugality's own warnings as one `warning: ...` line; others as Python prints them."""
+    if issubclass(category, FrugalityWarning):
+        from tqdm import tqdm
+
+        tqdm.write(f"warning: {message}", file=sys.stderr)
+    else:
+        _default_show_warning(message, category, filename, lineno, file, line)
+
+
+_default_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _show_warning
     try:
         cli.main(args=argv, prog_name="frugality", standalone_mode=False)
     except UserError as e:

@@ -38,13 +38,14 @@ import torch
 
 from frugality import __version__
 from frugality.cache import cache_dir
+from frugality.errors import FrugalityWarning
 
 ENTRY_FORMAT = 1
 MANIFEST = "manifest.json"
 ENV_VAR = "FRUGALITY_COMPILE_CACHE"
 
 
-class CompileCacheWarning(UserWarning):
+class CompileCacheWarning(FrugalityWarning):
     """An entry at the cache URL was skipped (foreign, stale or corrupt) or could not be written."""
 
 
@@ -62,12 +63,11 @@ def device_fingerprint(device: torch.device) -> dict:
                 "cuda": torch.version.cuda}
     info = {"type": device.type, "machine": platform.machine()}
     if device.type == "cpu":
-        try:  # the instruction set Inductor's C++ is built for (AMX, AVX-512, AVX2, ...)
-            from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-            info["isa"] = str(pick_vec_isa())
-        except Exception:  # noqa: BLE001 - the public, coarser name is good enough
-            info["isa"] = torch.backends.cpu.get_cpu_capability()
+        # The instruction sets Inductor's C++ may be built for (AMX, AVX-512, ...), and the
+        # thread count, which Inductor writes into its OpenMP pragmas. Probing the ISA the way
+        # Inductor does builds test programs (seconds each); the CPU's flags say the same.
+        info["isa"] = sorted(k for k, v in torch.cpu.get_capabilities().items() if v is True)
+        info["threads"] = torch.get_num_threads()
     return info
 
 
@@ -165,6 +165,7 @@ class CompileCache:
 
     def _read_manifest(self, quiet: bool = False) -> dict | None:
         path = f"{self.entry}/{MANIFEST}"
+        self.fs.invalidate_cache(self.entry)  # another process may have published since
         if not self.fs.exists(path):
             return None
         try:

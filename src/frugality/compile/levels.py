@@ -52,10 +52,14 @@ def inductor_options(device: torch.device, compute_dtype: torch.dtype) -> dict:
     block are both the sum of the residual gradient): "conflicting declaration
     'auto at_BFloat16_tmp_acc0_vec'" (pytorch/pytorch#194706). Not fusing reductions
     horizontally keeps each one in its own kernel; it costs nothing measurable here.
+    On CPU, no precompiled header: see `frugality.compile.session`.
     """
-    if device.type == "cpu" and compute_dtype == torch.bfloat16:
-        return {"cpp.max_horizontal_fusion_size": 1}
-    return {}
+    options = {}
+    if device.type == "cpu":
+        options["cpp_cache_precompile_headers"] = False  # see frugality.compile.session
+        if compute_dtype == torch.bfloat16:
+            options["cpp.max_horizontal_fusion_size"] = 1
+    return options
 
 
 def compile_targets(model: nn.Module) -> list[nn.Module]:

@@ -203,16 +203,18 @@ def _train_loop(recipe, model, optimizer, policy, device, stream, val_batches, c
     autocast = policy.autocast_context(device)
     memory: dict[str, float] = {}
 
-    if compiled.enabled:
-        _warm_up(compiled, model, optimizer, device, autocast, recipe.data.micro_batch_size,
-                 recipe.data.seq_len)
-        logger.log("compile", start, _compile_record(compiled.stats))
-        if progress:
-            tqdm.write(_compile_line(compiled.stats))
+    def warmed_up(phase: str, step: int, fn):
+        """Compiled phases say how their warm-up went once, after their first call."""
+        first = compiled.enabled and phase not in compiled.warmed
+        out = compiled.run(phase, step, fn, reset=lambda: optimizer.zero_grad(set_to_none=True))
+        if first:
+            logger.log("compile", step, _compile_record(compiled.stats))
+            if progress:
+                tqdm.write(_compile_line(phase, compiled.stats))
+        return out
 
     def evaluate(step: int) -> float:
-        with compiled.guarded(step):
-            loss = _evaluate(model, val_batches, device, autocast)
+        loss = warmed_up("eval", step, lambda: _evaluate(model, val_batches, device, autocast))
         logger.log("eval", step, {"loss": loss, "perplexity": _perplexity(loss)})
         result.evals[step] = loss
         return loss
@@ -229,10 +231,9 @@ def _train_loop(recipe, model, optimizer, policy, device, stream, val_batches, c
             lr = learning_rate(step, total, recipe.optim.lr, recipe.optim.min_lr, recipe.optim.warmup_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            with compiled.guarded(step + 1):
-                train_loss, grad_norm = train_step(
-                    model, optimizer, stream.next_step(), device, autocast, recipe.optim.grad_clip
-                )
+            batches = stream.next_step()
+            train_loss, grad_norm = warmed_up("train", step + 1, lambda: train_step(
+                model, optimizer, batches, device, autocast, recipe.optim.grad_clip))
             elapsed = time.perf_counter() - t0
             step_times.append(elapsed)
             done = step + 1
@@ -283,24 +284,15 @@ def _train_loop(recipe, model, optimizer, policy, device, stream, val_batches, c
     return result
 
 
-def _warm_up(compiled, model, optimizer, device, autocast, micro_batch_size, seq_len) -> None:
-    """Compile the run's graphs on a zero batch of its shape; no parameter changes."""
-    batch = torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.int64)
-    compiled.warm_up(
-        train_forward=lambda: _forward_loss(model, batch, device, autocast),
-        eval_forward=lambda: _evaluate(model, [batch], device, autocast),
-        zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
-    )
-
-
 def _compile_record(stats) -> dict:
     return {k: v for k, v in stats.as_dict().items() if isinstance(v, (int, float))}
 
 
-def _compile_line(stats) -> str:
-    source = "fetched from" if stats.fetched else "nothing cached at"
-    line = (f"compile {stats.level}: {stats.graphs} graphs, {stats.cache_hits} from the cache, "
-            f"{stats.cache_misses} compiled, {stats.compile_s:.1f} s ({source} {stats.cache})")
+def _compile_line(phase: str, stats) -> str:
+    source = "cache entry fetched from" if stats.fetched else "no cache entry at"
+    line = (f"compile {stats.level}, {phase} ready: {stats.graphs} graphs so far, {stats.cache_hits} "
+            f"from the cache, {stats.cache_misses} compiled, {stats.compile_s:.1f} s ({source} "
+            f"{stats.cache})")
     if stats.fallbacks:
         line += f"; eager fallback for {', '.join(stats.fallbacks)}"
     return line

@@ -1,0 +1,166 @@
+"""`frugality bench compile`: what each compile level costs and buys.
+
+For each precision and level, two fresh processes train on synthetic batches of the given
+shape through the same code path as `frugality train` (CompileSession, warm-up, guard):
+
+- cold: an empty cache; its compile time is what dynamo, AOTAutograd and Inductor report;
+- warm: another fresh process, with empty temporary and Inductor directories, fetching the
+  entry the cold one published to the cache URL.
+
+Time to the first step is measured from the moment the parent launches the process, so it
+includes interpreter start-up, imports and the cache fetch. Tokens/s is the median of the
+timed steps of the warm process; recompiles count compilations after warm-up in both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from frugality.config.recipe import Recipe
+
+
+@dataclass
+class CompileRow:
+    level: str
+    precision: str
+    batch: int
+    seq: int
+    cold_compile_s: float
+    cold_first_step_s: float
+    warm_first_step_s: float
+    warm_compile_s: float
+    warm_cache_hits: int
+    tokens_per_s: float
+    step_time_s: float
+    recompiles: int
+    fallbacks: str
+    device: str
+
+    @property
+    def warm_over_cold(self) -> float | None:
+        return self.warm_first_step_s / self.cold_compile_s if self.cold_compile_s else None
+
+
+def bench_compile(recipe: Recipe, precisions: list[str], levels: list[str], batch: int, seq: int,
+                  steps: int = 5, cache: str | None = None, log=print) -> list[CompileRow]:
+    rows = []
+    for precision in precisions:
+        for level in levels:
+            url = cache or tempfile.mkdtemp(prefix="frugality-bench-cache-")
+            spec = {"recipe": recipe.model_dump(mode="json"), "precision": precision, "level": level,
+                    "batch": batch, "seq": seq, "steps": steps, "cache": url}
+            cold = _run_worker(spec | {"steps": 0} if level != "O0" else spec)
+            warm = _run_worker(spec) if level != "O0" else cold
+            median = statistics.median(warm["step_times"])
+            stats_cold, stats_warm = cold["compile"], warm["compile"]
+            rows.append(CompileRow(
+                level=level, precision=precision, batch=batch, seq=seq,
+                cold_compile_s=stats_cold.get("compile_s", 0.0),
+                cold_first_step_s=round(cold["first_step_s"], 2),
+                warm_first_step_s=round(warm["first_step_s"], 2),
+                warm_compile_s=stats_warm.get("compile_s", 0.0),
+                warm_cache_hits=stats_warm.get("cache_hits", 0),
+                tokens_per_s=round(batch * seq / median, 1), step_time_s=round(median, 4),
+                recompiles=stats_cold.get("recompiles", 0) + stats_warm.get("recompiles", 0),
+                fallbacks="; ".join(stats_cold.get("fallbacks", [])), device=warm["device"],
+            ))
+            r = rows[-1]
+            log(f"{precision:9} {level}: cold compile {r.cold_compile_s:6.1f} s, first step "
+                f"cold {r.cold_first_step_s:6.1f} s / warm {r.warm_first_step_s:5.1f} s, "
+                f"{r.tokens_per_s:8.1f} tokens/s" + (f", fallback: {r.fallbacks}" if r.fallbacks else ""))
+    return rows
+
+
+def _run_worker(spec: dict) -> dict:
+    """One fresh process, with its own empty temporary directory."""
+    with tempfile.TemporaryDirectory(prefix="frugality-bench-tmp-") as tmp:
+        env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"TMPDIR": tmp}
+        launched = time.time()
+        done = subprocess.run([sys.executable, "-m", "frugality.bench.compile"], input=json.dumps(spec),
+                              capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark worker failed ({spec['precision']}, {spec['level']}):\n"
+                           f"{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["first_step_s"] = result.pop("first_step_done") - launched
+    return result
+
+
+def markdown_table(rows: list[CompileRow]) -> str:
+    lines = ["| precision | level | cold compile (s) | first step, cold (s) | first step, warm (s) | "
+             "warm / cold compile | tokens/s | recompiles | eager fallback |",
+             "|" + "---|" * 9]
+    for r in rows:
+        ratio = f"{r.warm_over_cold:.0%}" if r.warm_over_cold is not None else "-"
+        lines.append(f"| {r.precision} | {r.level} | {r.cold_compile_s:.1f} | {r.cold_first_step_s:.1f} | "
+                     f"{r.warm_first_step_s:.1f} | {ratio} | {r.tokens_per_s:,.0f} | {r.recompiles} | "
+                     f"{r.fallbacks or '-'} |")
+    return "\n".join(lines)
+
+
+def rows_json(rows: list[CompileRow]) -> str:
+    return json.dumps([asdict(r) for r in rows], indent=1)
+
+
+def _worker() -> None:
+    """Child process: the first step (which compiles or loads the graphs), then the timed
+    steps; no evaluation, so only the training graphs are compiled."""
+    import torch
+
+    from frugality.compile.session import CompileSession
+    from frugality.config.recipe import CompileConfig
+    from frugality.metrics.peak import device_name
+    from frugality.models import build_model
+    from frugality.precision import get_policy
+    from frugality.training.optim import build_optimizer
+    from frugality.training.trainer import resolve_device, train_step
+
+    spec = json.loads(sys.stdin.read())
+    recipe = Recipe.model_validate(spec["recipe"])
+    batch, seq = spec["batch"], spec["seq"]
+    recipe = recipe.model_copy(update={
+        "data": recipe.data.model_copy(update={"micro_batch_size": batch, "global_batch_size": batch,
+                                               "seq_len": seq}),
+        "train": recipe.train.model_copy(update={"precision": spec["precision"]}),
+        "compile": CompileConfig(level=spec["level"], cache=spec["cache"]),
+    })
+    device = resolve_device(recipe.train.device)
+    policy = get_policy(recipe.train.precision)
+    torch.manual_seed(recipe.seed)
+    with device:
+        model = policy.prepare_model(build_model(recipe.model))
+    optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
+                                fused=recipe.train.fused_optimizer)
+    autocast = policy.autocast_context(device)
+    session = CompileSession.for_recipe(recipe, device, policy.compute_dtype)
+    session.start(model)
+
+    def step(i: int) -> float:
+        data = torch.randint(0, recipe.model.vocab_size, (batch, seq + 1),
+                             generator=torch.Generator().manual_seed(i)).to(device)
+        t0 = time.perf_counter()
+        session.run("train", i + 1,
+                    lambda: train_step(model, optimizer, [data], device, autocast, recipe.optim.grad_clip),
+                    reset=lambda: optimizer.zero_grad(set_to_none=True))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    first = step(0)
+    first_done = time.time()
+    times = [step(i) for i in range(1, spec["steps"] + 1)] or [first]
+    session.close()
+    session.cleanup()
+    print(json.dumps({"first_step_done": first_done, "step_times": times,
+                      "compile": session.stats.as_dict(), "device": device_name(device)}))
+
+
+if __name__ == "__main__":
+    _worker()

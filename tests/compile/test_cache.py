@@ -1,0 +1,153 @@
+"""The compile cache: fingerprints, and entries at a directory and at a real S3 endpoint on
+loopback (moto's server through s3fs, as s3fs's own tests do)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+
+import pytest
+import torch
+
+from frugality.compile.cache import CompileCache, CompileCacheWarning, entry_name, fingerprint
+from frugality.compile.session import CompileSession
+from frugality.config.recipe import load_recipe
+
+
+def _fp(**changes) -> dict:
+    args = dict(model={"family": "gpt-neox", "hidden_size": 32}, micro_batch_size=2, seq_len=32,
+                precision="fp32", level="O1", device=torch.device("cpu"), options={})
+    return fingerprint(**(args | changes))
+
+
+def _key(recipe) -> str:
+    session = CompileSession.for_recipe(recipe, torch.device("cpu"), torch.float32)
+    return session.cache.name
+
+
+def test_fingerprint_keys_what_changes_graphs_and_nothing_else(micro_recipe_file):
+    base = load_recipe(str(micro_recipe_file), ["compile.level=O1"])
+    same = [["train.steps=3"], ["optim.lr=5e-3"], ["train.eval_batches=1"], ['compile.cache="/elsewhere"'],
+            ["data.global_batch_size=8"], ["name=other"]]
+    other = [["data.micro_batch_size=4", "data.global_batch_size=4"], ["data.seq_len=16"],
+             ["model.hidden_size=64"], ["train.precision=bf16-sr"], ["compile.level=O2"]]
+    for extra in same:
+        assert _key(load_recipe(str(micro_recipe_file), ["compile.level=O1", *extra])) == _key(base), extra
+    for extra in other:
+        assert _key(load_recipe(str(micro_recipe_file), ["compile.level=O1", *extra])) != _key(base), extra
+    assert entry_name(_fp()).startswith("gpt-neox-O1-fp32-")
+    assert entry_name(_fp()) != entry_name(_fp(options={"cpp.max_horizontal_fusion_size": 1}))
+
+
+def _inductor_like_dir(root):
+    (root / "fxgraph" / "ab").mkdir(parents=True)
+    (root / "fxgraph" / "ab" / "entry").write_bytes(os.urandom(1000))
+    (root / "cd").mkdir()
+    (root / "cd" / "kernel.so").write_bytes(b"\x7fELF" + os.urandom(5000))
+    (root / "locks").mkdir()
+    (root / "locks" / "x.lock").write_text("")
+    return {"fxgraph/ab/entry", "cd/kernel.so"}
+
+
+def _files(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _round_trip(url, tmp_path):
+    source = tmp_path / "compiled"
+    expected = _inductor_like_dir(source)
+    cache = CompileCache(url, _fp())
+    assert not cache.fetch(tmp_path / "empty").found  # nothing published yet: a plain miss
+    archive = cache.publish(source)
+    assert archive is not None
+    fetched = CompileCache(url, _fp()).fetch(tmp_path / "fresh")
+    assert fetched.found and fetched.files == len(expected)
+    got = _files(tmp_path / "fresh")
+    assert set(got) == expected  # lock files stay behind
+    assert all(got[name] == (source / name).read_bytes() for name in expected)
+    return cache
+
+
+def test_round_trip_through_a_directory(tmp_path):
+    cache = _round_trip(str(tmp_path / "shared"), tmp_path)
+    listing = sorted(p.name for p in (tmp_path / "shared" / cache.name).iterdir())
+    assert listing[-1] == "manifest.json" and listing[0].startswith("inductor-")
+    assert len(listing) == 2  # the staged manifest was renamed into place
+
+
+def test_republishing_replaces_the_archive(tmp_path):
+    cache = _round_trip(f"file://{tmp_path / 'shared'}", tmp_path)
+    (tmp_path / "compiled" / "cd" / "more.so").write_bytes(b"new")
+    cache.publish(tmp_path / "compiled")
+    entry = tmp_path / "shared" / cache.name
+    assert len([p for p in entry.iterdir() if p.name.startswith("inductor-")]) == 1
+    assert CompileCache(str(tmp_path / "shared"), _fp()).fetch(tmp_path / "again").files == 3
+
+
+def test_corrupt_foreign_and_half_written_entries_are_ignored_with_a_warning(tmp_path):
+    url = str(tmp_path / "shared")
+    cache = _round_trip(url, tmp_path)
+    entry = tmp_path / "shared" / cache.name
+    manifest = json.loads((entry / "manifest.json").read_text())
+
+    archive = entry / manifest["archive"]
+    good = archive.read_bytes()
+    archive.write_bytes(good[:-10] + b"0123456789")  # same size, other bytes
+    with pytest.warns(CompileCacheWarning, match="does not match its manifest"):
+        assert not CompileCache(url, _fp()).fetch(tmp_path / "a").found
+    archive.write_bytes(good)
+
+    foreign = manifest | {"fingerprint": _fp(precision="bf16-sr")}
+    (entry / "manifest.json").write_text(json.dumps(foreign))
+    with pytest.warns(CompileCacheWarning, match="another configuration"):
+        assert not CompileCache(url, _fp()).fetch(tmp_path / "b").found
+
+    (entry / "manifest.json").write_text('{"archive": "inductor-')
+    with pytest.warns(CompileCacheWarning, match="unreadable manifest"):
+        assert not CompileCache(url, _fp()).fetch(tmp_path / "c").found
+
+    (entry / "manifest.json").unlink()  # an archive without a manifest: an upload in flight
+    assert not CompileCache(url, _fp()).fetch(tmp_path / "d").found
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
+
+
+@pytest.fixture
+def s3_url(monkeypatch):
+    """A bucket on a real S3 endpoint on loopback (moto's threaded server)."""
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3_ENDPOINT_URL": endpoint}.items():
+        monkeypatch.setenv(key, value)
+    import fsspec
+    import fsspec.config
+
+    monkeypatch.setattr(fsspec.config, "conf", {})
+    fsspec.config.set_conf_env(fsspec.config.conf)  # how users point fsspec at an endpoint
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = f"frugality-{uuid.uuid4().hex[:12]}"  # moto's state outlives one server
+    fs.mkdir(bucket)
+    yield f"s3://{bucket}/compiled"
+    server.stop()
+
+
+def test_round_trip_through_s3(s3_url, tmp_path):
+    cache = _round_trip(s3_url, tmp_path)
+    names = sorted(name.rsplit("/", 1)[-1] for name in cache.fs.ls(cache.entry, refresh=True))
+    assert names[-1] == "manifest.json" and len(names) == 2
+
+
+def test_corrupt_entry_on_s3_is_ignored_with_a_warning(s3_url, tmp_path):
+    cache = _round_trip(s3_url, tmp_path)
+    manifest = json.loads(cache.fs.cat_file(f"{cache.entry}/manifest.json"))
+    cache.fs.pipe_file(f"{cache.entry}/{manifest['archive']}", b"truncated")
+    with pytest.warns(CompileCacheWarning, match="does not match its manifest"):
+        assert not CompileCache(s3_url, _fp()).fetch(tmp_path / "x").found

@@ -1,0 +1,140 @@
+"""Compilation in a run: ahead-of-time warm-up, a warm start that compiles nothing, the
+recompilation guard and the eager fallback. Real torch.compile (Inductor, C++ on the CPU)
+on the micro recipe; the cold compile is paid once per module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from frugality.compile.ahead import compile_ahead
+from frugality.compile.session import (
+    CompileError,
+    CompileFallbackWarning,
+    CompileSession,
+    RecompileError,
+    RecompileWarning,
+)
+from frugality.config.recipe import load_recipe
+from frugality.errors import UserError
+from frugality.models import build_model
+from frugality.precision import get_policy
+from frugality.training.optim import build_optimizer
+from frugality.training.trainer import _evaluate, train, train_step
+
+
+@pytest.fixture(scope="module")
+def compiled_cache(tmp_path_factory):
+    """The micro recipe compiled ahead of time into a fresh cache directory."""
+    return tmp_path_factory.mktemp("compile-cache")
+
+
+def _recipe(micro_recipe_file, cache, *extra):
+    return load_recipe(str(micro_recipe_file), ["compile.level=O1", f'compile.cache="{cache}"', *extra])
+
+
+def test_compile_ahead_then_train_compiles_nothing(micro_recipe_file, compiled_cache, tmp_path):
+    recipe = _recipe(micro_recipe_file, compiled_cache)
+    cold = compile_ahead(recipe, progress=False)
+    # training forward, its backward, the evaluation forward
+    assert cold["graphs"] == 3 and cold["cache_misses"] == 3 and cold["published"]
+    assert cold["recompiles"] == 0 and not cold["fallbacks"]
+
+    result = train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
+    warm = result.summary["compile"]
+    assert warm["fetched"] and warm["cache_hits"] == 3
+    assert warm["cache_misses"] == 0  # nothing generated or built: all of it came from the cache
+    assert warm["recompiles"] == 0 and not warm["published"]
+    assert result.final_step == recipe.train.steps
+    assert result.summary["final_val_loss"] < result.summary["first_val_loss"]
+
+
+def _session(recipe, device=torch.device("cpu")):
+    """What train() builds, and its two phases as calls through the session."""
+    policy = get_policy(recipe.train.precision)
+    torch.manual_seed(0)
+    model = policy.prepare_model(build_model(recipe.model))
+    optimizer = build_optimizer(model, recipe.optim, policy)
+    session = CompileSession.for_recipe(recipe, device, policy.compute_dtype)
+    session.start(model)
+    autocast = policy.autocast_context(device)
+    reset = lambda: optimizer.zero_grad(set_to_none=True)
+
+    def step(number, batch):
+        return session.run("train", number, lambda: train_step(model, optimizer, [batch], device,
+                                                               autocast, 1.0), reset)
+
+    def evaluate(number, batch):
+        return session.run("eval", number, lambda: _evaluate(model, [batch], device, autocast), reset)
+
+    return session, step, evaluate
+
+
+def _batch(recipe, rows):
+    return torch.randint(0, 1000, (rows, recipe.data.seq_len + 1))
+
+
+@pytest.mark.parametrize("mode", ["error", "warn"])
+def test_a_changed_batch_shape_after_warm_up_is_reported_with_its_reason(
+        micro_recipe_file, compiled_cache, mode):
+    recipe = _recipe(micro_recipe_file, compiled_cache, f"compile.on_recompile={mode}")
+    session, step, evaluate = _session(recipe)
+    try:
+        evaluate(0, _batch(recipe, 2))
+        step(1, _batch(recipe, 2))
+        step(2, _batch(recipe, 2))  # the warmed-up shape: no compilation
+        assert session.stats.cache_misses == 0 and session.stats.cache_hits == 3  # from the cache
+        assert session.stats.recompiles == 0
+        if mode == "error":
+            with pytest.raises(RecompileError, match=r"at step 3: .*size mismatch at index 0\. expected 2, actual 3"):
+                step(3, _batch(recipe, 3))
+        else:
+            with pytest.warns(RecompileWarning, match=r"at step 3: .*size mismatch at index 0\. expected 2, actual 3"):
+                step(3, _batch(recipe, 3))
+        assert session.stats.graphs > 3  # the new shape's graph (compiled, or cached by the other mode)
+        assert session.stats.recompiles == 1
+        assert "expected 2, actual 3" in session.stats.recompile_reasons[0]
+    finally:
+        session.close()
+        session.cleanup()
+
+
+@pytest.fixture
+def broken_compiler():
+    """A machine without a working C++ compiler: Inductor's build step fails for real."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/bin/g++")}):
+        yield
+
+
+def test_a_graph_that_fails_to_compile_runs_eagerly_with_a_warning(micro_recipe_file, tmp_path,
+                                                                     broken_compiler):
+    recipe = _recipe(micro_recipe_file, tmp_path / "empty-cache")
+    session, step, _ = _session(recipe)
+    try:
+        with pytest.warns(CompileFallbackWarning, match=r"GPTNeoX block .*\(train\) failed to compile: "
+                                                         r".*No working C\+\+ compiler.*; running it eagerly"):
+            first = step(1, _batch(recipe, 2))[0]
+        assert session.stats.fallbacks == ["GPTNeoX block (frugality.models.gpt_neox.Block) (train)"]
+        losses = [first] + [step(i, _batch(recipe, 2))[0] for i in (2, 3)]
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert session.stats.recompiles == 0 and not session.stats.published
+    finally:
+        session.close()
+        session.cleanup()
+
+
+def test_compile_failure_is_fatal_without_fallback(micro_recipe_file, tmp_path, broken_compiler):
+    recipe = _recipe(micro_recipe_file, tmp_path / "empty-cache", "compile.fallback=false")
+    with pytest.raises(CompileError) as caught:
+        train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
+    message = str(caught.value)
+    assert message.startswith("compile: the GPTNeoX block") and "compile.fallback = false" in message
+    assert "\n" not in message
+    assert isinstance(caught.value, UserError)
+
+
+def test_compile_refuses_eager_recipes(micro_recipe_file):
+    with pytest.raises(UserError, match="nothing to compile"):
+        compile_ahead(load_recipe(str(micro_recipe_file)), progress=False)
