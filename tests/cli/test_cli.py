@@ -9,13 +9,13 @@ import pytest
 from frugality.cli.main import main
 
 COMMANDS = [["train"], ["data"], ["data", "prepare"], ["data", "inspect"], ["recipes"], ["bench"],
-            ["bench", "train"], ["import"], ["import", "hf"], ["export"], ["export", "hf"]]
+            ["bench", "train"], ["bench", "compile"], ["compile"], ["import"], ["import", "hf"], ["export"], ["export", "hf"]]
 
 
 def test_help_lists_every_command(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name in ("train", "data", "recipes", "bench", "import", "export"):
+    for name in ("train", "compile", "data", "recipes", "bench", "import", "export"):
         assert name in out
 
 

@@ -9,7 +9,10 @@ shape through the same code path as `frugality train` (CompileSession, warm-up, 
 
 Time to the first step is measured from the moment the parent launches the process, so it
 includes interpreter start-up, imports and the cache fetch. Tokens/s is the median of the
-timed steps of the warm process; recompiles count compilations after warm-up in both.
+timed steps of the warm process, which also trains an eager copy of the same model,
+alternating steps (A B A B ...), so the speed-up over eager is measured under the same
+machine conditions (this machine's step times drift by 10-15% between processes).
+Recompiles count compilations after warm-up in both processes.
 """
 
 from __future__ import annotations
@@ -39,9 +42,14 @@ class CompileRow:
     warm_cache_hits: int
     tokens_per_s: float
     step_time_s: float
+    eager_tokens_per_s: float
     recompiles: int
     fallbacks: str
     device: str
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_s / self.eager_tokens_per_s
 
     @property
     def warm_over_cold(self) -> float | None:
@@ -59,6 +67,7 @@ def bench_compile(recipe: Recipe, precisions: list[str], levels: list[str], batc
             cold = _run_worker(spec | {"steps": 0} if level != "O0" else spec)
             warm = _run_worker(spec) if level != "O0" else cold
             median = statistics.median(warm["step_times"])
+            eager_median = statistics.median(warm["eager_step_times"] or warm["step_times"])
             stats_cold, stats_warm = cold["compile"], warm["compile"]
             rows.append(CompileRow(
                 level=level, precision=precision, batch=batch, seq=seq,
@@ -68,13 +77,14 @@ def bench_compile(recipe: Recipe, precisions: list[str], levels: list[str], batc
                 warm_compile_s=stats_warm.get("compile_s", 0.0),
                 warm_cache_hits=stats_warm.get("cache_hits", 0),
                 tokens_per_s=round(batch * seq / median, 1), step_time_s=round(median, 4),
+                eager_tokens_per_s=round(batch * seq / eager_median, 1),
                 recompiles=stats_cold.get("recompiles", 0) + stats_warm.get("recompiles", 0),
                 fallbacks="; ".join(stats_cold.get("fallbacks", [])), device=warm["device"],
             ))
             r = rows[-1]
             log(f"{precision:9} {level}: cold compile {r.cold_compile_s:6.1f} s, first step "
                 f"cold {r.cold_first_step_s:6.1f} s / warm {r.warm_first_step_s:5.1f} s, "
-                f"{r.tokens_per_s:8.1f} tokens/s" + (f", fallback: {r.fallbacks}" if r.fallbacks else ""))
+                f"{r.tokens_per_s:8.1f} tokens/s ({r.speedup:.2f}x eager)" + (f", fallback: {r.fallbacks}" if r.fallbacks else ""))
     return rows
 
 
@@ -95,12 +105,13 @@ def _run_worker(spec: dict) -> dict:
 
 def markdown_table(rows: list[CompileRow]) -> str:
     lines = ["| precision | level | cold compile (s) | first step, cold (s) | first step, warm (s) | "
-             "warm / cold compile | tokens/s | recompiles | eager fallback |",
-             "|" + "---|" * 9]
+             "warm / cold compile | tokens/s | vs eager, same process | recompiles | eager fallback |",
+             "|" + "---|" * 10]
     for r in rows:
         ratio = f"{r.warm_over_cold:.0%}" if r.warm_over_cold is not None else "-"
         lines.append(f"| {r.precision} | {r.level} | {r.cold_compile_s:.1f} | {r.cold_first_step_s:.1f} | "
-                     f"{r.warm_first_step_s:.1f} | {ratio} | {r.tokens_per_s:,.0f} | {r.recompiles} | "
+                     f"{r.warm_first_step_s:.1f} | {ratio} | {r.tokens_per_s:,.0f} | {r.speedup:.2f}× | "
+                     f"{r.recompiles} | "
                      f"{r.fallbacks or '-'} |")
     return "\n".join(lines)
 
@@ -133,33 +144,47 @@ def _worker() -> None:
     })
     device = resolve_device(recipe.train.device)
     policy = get_policy(recipe.train.precision)
-    torch.manual_seed(recipe.seed)
-    with device:
-        model = policy.prepare_model(build_model(recipe.model))
-    optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
-                                fused=recipe.train.fused_optimizer)
     autocast = policy.autocast_context(device)
+
+    def build():
+        torch.manual_seed(recipe.seed)
+        with device:
+            model = policy.prepare_model(build_model(recipe.model))
+        return model, build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
+                                      fused=recipe.train.fused_optimizer)
+
+    model, optimizer = build()
     session = CompileSession.for_recipe(recipe, device, policy.compute_dtype)
     session.start(model)
+    eager = build() if session.enabled and spec["steps"] else None
 
-    def step(i: int) -> float:
+    def step(i: int, model=model, optimizer=optimizer, session=session) -> float:
         data = torch.randint(0, recipe.model.vocab_size, (batch, seq + 1),
                              generator=torch.Generator().manual_seed(i)).to(device)
+        run = lambda: train_step(model, optimizer, [data], device, autocast, recipe.optim.grad_clip)
         t0 = time.perf_counter()
-        session.run("train", i + 1,
-                    lambda: train_step(model, optimizer, [data], device, autocast, recipe.optim.grad_clip),
-                    reset=lambda: optimizer.zero_grad(set_to_none=True))
+        if session is None:
+            run()
+        else:
+            session.run("train", i + 1, run, reset=lambda: optimizer.zero_grad(set_to_none=True))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 
     first = step(0)
     first_done = time.time()
-    times = [step(i) for i in range(1, spec["steps"] + 1)] or [first]
+    if eager is not None:
+        step(0, *eager, session=None)  # its own first step: allocator warm-up, not timed
+    times, eager_times = [], []
+    for i in range(1, spec["steps"] + 1):  # A B A B ...
+        times.append(step(i))
+        if eager is not None:
+            eager_times.append(step(i, *eager, session=None))
     session.close()
     session.cleanup()
-    print(json.dumps({"first_step_done": first_done, "step_times": times,
-                      "compile": session.stats.as_dict(), "device": device_name(device)}))
+    print(json.dumps({"first_step_done": first_done, "step_times": times or [first],
+                      "eager_step_times": eager_times, "compile": session.stats.as_dict(),
+                      "device": device_name(device)}))
 
 
 if __name__ == "__main__":

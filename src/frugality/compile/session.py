@@ -66,7 +66,7 @@ class CompileStats:
     cache_hits: int = 0  # graphs loaded from the cache, nothing generated or built
     cache_misses: int = 0  # graphs generated and built here
     compile_s: float = 0.0  # time in dynamo + AOTAutograd + Inductor, cache loads included
-    warm_up_s: float = 0.0  # wall time of the warm-up trial
+    warm_up_s: float = 0.0  # wall time of each phase's first call (compiling and computing)
     recompiles: int = 0
     fallbacks: list[str] = field(default_factory=list)
     recompile_reasons: list[str] = field(default_factory=list)
@@ -109,7 +109,6 @@ class CompileSession:
         self.warmed: set[str] = set()  # phases past their first call
         self._seen_metrics: list = []
         self._start_metrics: list = []
-        self._phase = ""
         self._published_misses = 0
 
     @classmethod

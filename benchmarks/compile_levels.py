@@ -1,0 +1,70 @@
+"""Compile levels: cold compile time, warm-start time to the first step, tokens/s.
+
+Pythia-70m architecture, batch 4 x 512 tokens, every precision policy and compile level.
+Each (precision, level) runs in two fresh processes: a cold one with an empty cache, then a
+warm one with empty temporary and Inductor directories that fetches what the cold one
+published from the cache URL (a fresh local directory; --cache s3://... to go through S3).
+Writes a Markdown table and the JSON rows to benchmarks/results/, named by model, machine
+and date.
+
+    .venv/bin/python benchmarks/compile_levels.py [--steps 5] [--level O0,O1,O2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from frugality.bench.compile import bench_compile, markdown_table, rows_json
+from frugality.config.recipe import load_recipe
+from frugality.metrics.peak import device_name
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="pythia-70m")
+    parser.add_argument("--precision", default="fp32,amp-bf16,bf16-sr,bf16")
+    parser.add_argument("--level", default="O0,O1,O2")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--cache", help="cache URL [default: a fresh temporary directory per level]")
+    args = parser.parse_args()
+
+    recipe = load_recipe(args.recipe)
+    rows = bench_compile(recipe, args.precision.split(","), args.level.split(","), args.batch,
+                         args.seq, steps=args.steps, cache=args.cache,
+                         log=lambda line: print(line, file=sys.stderr, flush=True))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    machine = device_name(device)
+    date = datetime.date.today().isoformat()
+    header = (
+        f"# Compile levels, {args.recipe} architecture, batch {args.batch} x {args.seq}\n\n"
+        f"Machine: {machine}, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads), "
+        f"{platform.system()} {platform.machine()}; torch {torch.__version__}; {date}.\n"
+        f"Cold: a fresh process with an empty cache; compile time as dynamo, AOTAutograd and "
+        f"Inductor report it. Warm: a fresh process with empty temporary and Inductor "
+        f"directories, fetching the cold run's entry from the cache URL. First step: seconds "
+        f"from process launch to the end of the first training step (interpreter start, "
+        f"imports, model build, cache fetch and load, the step itself). Tokens/s: median of "
+        f"{args.steps} steps of the warm process. Recompiles: compilations after warm-up, "
+        f"both processes.\n\n"
+    )
+    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    stem = Path(__file__).parent / "results" / f"compile_levels-{args.recipe}-{slug}-{date}"
+    stem.with_suffix(".md").write_text(header + markdown_table(rows) + "\n")
+    stem.with_suffix(".json").write_text(rows_json(rows) + "\n")
+    print(header + markdown_table(rows))
+    print(f"\nwrote {stem}.md and .json", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

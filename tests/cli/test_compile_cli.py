@@ -1,0 +1,51 @@
+"""`frugality compile` then `frugality train`, as separate processes the way a user runs
+them: the full `tiny` run after the ahead-of-time compile compiles nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from frugality.cli.main import main
+
+FRUGALITY = str(Path(sys.executable).with_name("frugality"))
+
+
+def _run(*args, env):
+    return subprocess.run([FRUGALITY, *args], capture_output=True, text=True, env=env)
+
+
+def test_compile_then_a_full_tiny_run_compiles_nothing(tmp_path):
+    env = os.environ | {"FRUGALITY_COMPILE_CACHE": str(tmp_path / "compile-cache")}
+    done = _run("compile", "tiny", "--level", "O1", "--no-progress", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "3 graphs (0 already cached, 3 compiled)" in done.stdout
+    assert "recompiles 0" in done.stdout
+    assert not list(Path.cwd().glob("runs/tiny*"))  # throwaway state only
+
+    run_dir = tmp_path / "run"
+    done = _run("train", "tiny", "--set", "compile.level=O1", "--run-dir", str(run_dir),
+                "--no-progress", env=env)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    compiled = summary["compile"]
+    assert compiled["fetched"] and compiled["cache_hits"] == 3
+    assert compiled["cache_misses"] == 0 and compiled["recompiles"] == 0  # the guard saw nothing
+    assert summary["final_step"] == 100
+    assert summary["final_val_loss"] < 0.6 * summary["first_val_loss"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "compile"] == [0, 1, 100]
+
+
+def test_bad_compile_settings_are_one_line(micro_recipe_file, tmp_path, capsys):
+    assert main(["train", str(micro_recipe_file), "--set", "compile.on_recompile=sometimes",
+                 "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --set compile.on_recompile=sometimes: compile.on_recompile: Input should be "
+                   "'warn' or 'error' (got 'sometimes')"]
+    assert not (tmp_path / "run").exists()
+    assert main(["compile", str(micro_recipe_file)]) == 2
+    assert "nothing to compile" in capsys.readouterr().err
