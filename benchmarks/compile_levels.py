@@ -13,18 +13,12 @@ and date.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import re
 import sys
 from pathlib import Path
 
-import torch
-
 from frugality.bench.compile import bench_compile, markdown_table, rows_json
+from frugality.bench.results import machine_line, write_results
 from frugality.config.recipe import load_recipe
-from frugality.metrics.peak import device_name
 
 
 def main() -> int:
@@ -42,27 +36,20 @@ def main() -> int:
     rows = bench_compile(recipe, args.precision.split(","), args.level.split(","), args.batch,
                          args.seq, steps=args.steps, cache=args.cache,
                          log=lambda line: print(line, file=sys.stderr, flush=True))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    machine = device_name(device)
-    date = datetime.date.today().isoformat()
     header = (
         f"# Compile levels, {args.recipe} architecture, batch {args.batch} x {args.seq}\n\n"
-        f"Machine: {machine}, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads), "
-        f"{platform.system()} {platform.machine()}; torch {torch.__version__}; {date}.\n"
+        f"{machine_line()}\n"
         f"Cold: a fresh process with an empty cache; compile time as dynamo, AOTAutograd and "
         f"Inductor report it. Warm: a fresh process with empty temporary and Inductor "
         f"directories, fetching the cold run's entry from the cache URL. First step: seconds "
         f"from process launch to the end of the first training step (interpreter start, "
         f"imports, model build, cache fetch and load, the step itself). Tokens/s: median of "
-        f"{args.steps} steps of the warm process. Recompiles: compilations after warm-up, "
+        f"{args.steps} steps of the warm process, which alternates them with steps of an eager "
+        f"copy of the model (the speed-up column). Recompiles: compilations after warm-up, "
         f"both processes.\n\n"
     )
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
-    stem = Path(__file__).parent / "results" / f"compile_levels-{args.recipe}-{slug}-{date}"
-    stem.with_suffix(".md").write_text(header + markdown_table(rows) + "\n")
-    stem.with_suffix(".json").write_text(rows_json(rows) + "\n")
-    print(header + markdown_table(rows))
-    print(f"\nwrote {stem}.md and .json", file=sys.stderr)
+    write_results(Path(__file__).parent / "results", "compile_levels", args.recipe, header,
+                  markdown_table(rows), rows_json(rows))
     return 0
 
 

@@ -11,18 +11,14 @@ JSON rows to benchmarks/results/, named by model, machine and date.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import re
 import sys
 from pathlib import Path
 
 import torch
 
 from frugality.bench.train import bench_train, markdown_table, rows_json
+from frugality.bench.results import machine_line, write_results
 from frugality.config.recipe import load_recipe
-from frugality.metrics.peak import device_name
 
 
 def main() -> int:
@@ -39,25 +35,17 @@ def main() -> int:
     rows = bench_train(recipe, args.precision.split(","), args.batch, args.seq, args.steps,
                        args.warmup, log=lambda line: print(line, file=sys.stderr))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    machine = device_name(device)
-    threads = torch.get_num_threads()
-    date = datetime.date.today().isoformat()
     header = (
         f"# Training throughput, {args.recipe} architecture, batch {args.batch} x {args.seq}\n\n"
-        f"Machine: {machine}, {os.cpu_count()} cores ({threads} torch threads), "
-        f"{platform.system()} {platform.machine()}; torch {torch.__version__}; {date}.\n"
+        f"{machine_line()}\n"
         f"frugality and transformers alternate step by step in one process; medians of "
         f"{args.steps} timed steps after {args.warmup} warm-up steps. MFU against the "
         f"measured matmul peak of the compute dtype (fp32 for fp32, bf16 otherwise). "
         f"Peak memory: a fresh process training two steps of one implementation "
         f"({'allocator peak' if device.type == 'cuda' else 'peak resident set'}).\n\n"
     )
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
-    stem = Path(__file__).parent / "results" / f"train_throughput-{args.recipe}-{slug}-{date}"
-    stem.with_suffix(".md").write_text(header + markdown_table(rows) + "\n")
-    stem.with_suffix(".json").write_text(rows_json(rows) + "\n")
-    print(header + markdown_table(rows))
-    print(f"\nwrote {stem}.md and .json", file=sys.stderr)
+    write_results(Path(__file__).parent / "results", "train_throughput", args.recipe, header,
+                  markdown_table(rows), rows_json(rows))
     return 0
 
 

@@ -12,6 +12,33 @@ def bench() -> None:
     """Benchmarks against reference implementations."""
 
 
+def _resolve(recipe, overrides, precisions, batch, seq):
+    """The recipe, the precision names, and the batch shape (the recipe's by default)."""
+    from frugality.config.recipe import load_recipe
+    from frugality.errors import UserError
+    from frugality.precision import get_policy
+
+    resolved = load_recipe(recipe, list(overrides))
+    names = [p.strip() for p in precisions.split(",") if p.strip()]
+    for name in names:
+        get_policy(name)
+    batch = batch or resolved.data.micro_batch_size
+    seq = seq or resolved.data.seq_len
+    if seq > resolved.model.max_seq_len:
+        raise UserError(f"--seq {seq} exceeds model.max_seq_len ({resolved.model.max_seq_len})")
+    if batch < 1:
+        raise UserError("--batch must be positive")
+    return resolved, names, batch, seq
+
+
+def _write(table: str, rows_json: str, markdown_path, json_path) -> None:
+    click.echo(table)
+    if markdown_path:
+        Path(markdown_path).write_text(table + "\n")
+    if json_path:
+        Path(json_path).write_text(rows_json + "\n")
+
+
 @bench.command("train")
 @click.argument("recipe", required=False)
 @click.option("--precision", "precisions", default="fp32,amp-bf16,bf16-sr,bf16", show_default=True,
@@ -30,29 +57,15 @@ def bench_train(recipe, precisions, batch, seq, steps, warmup, only, no_memory, 
     """Training throughput of frugality and transformers' GPTNeoXForCausalLM + AdamW on
     RECIPE's architecture, alternating steps in one process; medians of --steps."""
     from frugality.bench.train import bench_train as run, markdown_table, rows_json
-    from frugality.config.recipe import load_recipe
     from frugality.errors import UserError
-    from frugality.precision import get_policy
 
-    resolved = load_recipe(recipe, list(overrides))
-    names = [p.strip() for p in precisions.split(",") if p.strip()]
-    for name in names:
-        get_policy(name)
-    batch = batch or resolved.data.micro_batch_size
-    seq = seq or resolved.data.seq_len
-    if seq > resolved.model.max_seq_len:
-        raise UserError(f"--seq {seq} exceeds model.max_seq_len ({resolved.model.max_seq_len})")
-    if steps < 1 or warmup < 0 or batch < 1:
-        raise UserError("--steps and --batch must be positive, --warmup not negative")
+    resolved, names, batch, seq = _resolve(recipe, overrides, precisions, batch, seq)
+    if steps < 1 or warmup < 0:
+        raise UserError("--steps must be positive, --warmup not negative")
     impls = (only,) if only else ("frugality", "transformers")
     rows = run(resolved, names, batch, seq, steps=steps, warmup=warmup, impls=impls,
                memory=not no_memory, log=lambda line: click.echo(line, err=True))
-    table = markdown_table(rows)
-    click.echo(table)
-    if markdown_path:
-        Path(markdown_path).write_text(table + "\n")
-    if json_path:
-        Path(json_path).write_text(rows_json(rows) + "\n")
+    _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 
 @bench.command("compile")
@@ -75,29 +88,15 @@ def bench_compile(recipe, levels, precisions, batch, seq, steps, cache, override
     fetches what the cold one published)."""
     from frugality.bench.compile import bench_compile as run, markdown_table, rows_json
     from frugality.compile.levels import LEVELS
-    from frugality.config.recipe import load_recipe
     from frugality.errors import UserError
-    from frugality.precision import get_policy
 
-    resolved = load_recipe(recipe, list(overrides))
-    names = [p.strip() for p in precisions.split(",") if p.strip()]
-    for name in names:
-        get_policy(name)
+    resolved, names, batch, seq = _resolve(recipe, overrides, precisions, batch, seq)
     level_names = [lv.strip() for lv in levels.split(",") if lv.strip()]
     for name in level_names:
         if name not in LEVELS:
             raise UserError(f"--level {name}: choose from {', '.join(LEVELS)}")
-    batch = batch or resolved.data.micro_batch_size
-    seq = seq or resolved.data.seq_len
-    if seq > resolved.model.max_seq_len:
-        raise UserError(f"--seq {seq} exceeds model.max_seq_len ({resolved.model.max_seq_len})")
-    if steps < 1 or batch < 1:
-        raise UserError("--steps and --batch must be positive")
+    if steps < 1:
+        raise UserError("--steps must be positive")
     rows = run(resolved, names, level_names, batch, seq, steps=steps, cache=cache,
                log=lambda line: click.echo(line, err=True))
-    table = markdown_table(rows)
-    click.echo(table)
-    if markdown_path:
-        Path(markdown_path).write_text(table + "\n")
-    if json_path:
-        Path(json_path).write_text(rows_json(rows) + "\n")
+    _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)

@@ -1,0 +1,34 @@
+"""Where the benchmark scripts write their tables: benchmarks/results/<kind>-<recipe>-<machine>-<date>."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from frugality.metrics.peak import device_name
+
+
+def machine_line() -> str:
+    """The machine, its threads, the OS and torch, today: the first line under a table's title."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return (f"Machine: {device_name(device)}, {os.cpu_count()} cores ({torch.get_num_threads()} torch "
+            f"threads), {platform.system()} {platform.machine()}; torch {torch.__version__}; "
+            f"{datetime.date.today().isoformat()}.")
+
+
+def write_results(folder: Path, kind: str, recipe: str, header: str, table: str, rows_json: str) -> Path:
+    """Write `<stem>.md` (header + table) and `<stem>.json`, print the table; returns the stem."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
+    stem = folder / f"{kind}-{recipe}-{slug}-{datetime.date.today().isoformat()}"
+    stem.with_suffix(".md").write_text(header + table + "\n")
+    stem.with_suffix(".json").write_text(rows_json + "\n")
+    print(header + table)
+    print(f"\nwrote {stem}.md and .json", file=sys.stderr)
+    return stem
