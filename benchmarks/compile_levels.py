@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from frugality.bench.compile import bench_compile, markdown_table, rows_json
+from frugality.bench.compile import bench_compile, markdown_table, rows_from_json, rows_json
 from frugality.bench.results import machine_line, write_results
 from frugality.config.recipe import load_recipe
 
@@ -30,12 +30,15 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--cache", help="cache URL [default: a fresh temporary directory per level]")
+    parser.add_argument("--from-json", help="re-render the table of an earlier run's JSON rows")
     args = parser.parse_args()
 
-    recipe = load_recipe(args.recipe)
-    rows = bench_compile(recipe, args.precision.split(","), args.level.split(","), args.batch,
-                         args.seq, steps=args.steps, cache=args.cache,
-                         log=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.from_json:
+        rows = rows_from_json(Path(args.from_json).read_text())
+    else:
+        rows = bench_compile(load_recipe(args.recipe), args.precision.split(","), args.level.split(","),
+                             args.batch, args.seq, steps=args.steps, cache=args.cache,
+                             log=lambda line: print(line, file=sys.stderr, flush=True))
     header = (
         f"# Compile levels, {args.recipe} architecture, batch {args.batch} x {args.seq}\n\n"
         f"{machine_line()}\n"
