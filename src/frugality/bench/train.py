@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from frugality.bench.reference import build_transformers, transformers_step
+from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
 from frugality.cache import cache_dir
 from frugality.metrics.flops import training_flops_per_token
@@ -45,8 +46,9 @@ class BenchRow:
     device: str
 
 
-def _make(impl: str, recipe: Recipe, precision: str, device: torch.device):
-    """A `step(batch) -> loss` closure and the objects it trains."""
+def _make(impl: str, recipe: Recipe, precision: str, device: torch.device, batch: int, seq: int):
+    """A `step(batch) -> loss` closure and the objects it trains. frugality runs at the
+    recipe's `compile.level`, through the same compile session as `frugality train`."""
     torch.manual_seed(recipe.seed)
     if impl == "frugality":
         policy = get_policy(precision)
@@ -56,11 +58,20 @@ def _make(impl: str, recipe: Recipe, precision: str, device: torch.device):
         optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
                                     fused=recipe.train.fused_optimizer)
         autocast = policy.autocast_context(device)
-        step = lambda b: train_step(model, optimizer, [b], device, autocast, recipe.optim.grad_clip)[0]
+        c = recipe.compile
+        session = CompileSession(c.level, cache=c.cache, on_recompile=c.on_recompile, fallback=c.fallback,
+                                 model_config=recipe.model.model_dump(mode="json"), micro_batch_size=batch,
+                                 seq_len=seq, precision=precision, compute_dtype=policy.compute_dtype,
+                                 device=device)
+        session.start(model)
+        reset = lambda: optimizer.zero_grad(set_to_none=True)
+        step = lambda b: session.run("train", 0, lambda: train_step(
+            model, optimizer, [b], device, autocast, recipe.optim.grad_clip), reset)[0]
     else:
         model, optimizer, autocast = build_transformers(recipe, precision, device)
         step = lambda b: transformers_step(model, optimizer, autocast, b, recipe.optim.grad_clip)
-    return step, model, optimizer
+        session = None
+    return step, model, optimizer, session
 
 
 def _batch(recipe: Recipe, batch: int, seq: int, device: torch.device, i: int) -> torch.Tensor:
@@ -81,7 +92,7 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
     for precision in precisions:
         policy = get_policy(precision)
         peak = peak_flops(device, policy.compute_dtype, cache_dir() / "peak_flops.json")
-        runners = {impl: _make(impl, recipe, precision, device) for impl in impls}
+        runners = {impl: _make(impl, recipe, precision, device, batch, seq) for impl in impls}
         flops_per_token = training_flops_per_token(
             runners[impls[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq
         )
@@ -97,7 +108,7 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
                 if i >= warmup:
                     times[impl].append(time.perf_counter() - t0)
         for impl in impls:
-            _, model, optimizer = runners[impl]
+            _, model, optimizer, _ = runners[impl]
             median = statistics.median(times[impl])
             tokens_per_s = batch * seq / median
             mem = _peak_memory_subprocess(impl, recipe, precision, batch, seq) if memory else None
@@ -110,6 +121,10 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
                 steps=steps, device=device_name(device),
             ))
             log(f"{impl:12} {precision:9} {tokens_per_s:9.1f} tokens/s  MFU {rows[-1].mfu:.1%}")
+        for _, _, _, session in runners.values():
+            if session is not None:
+                session.close()
+                session.cleanup()
         del runners
     return rows
 
@@ -143,7 +158,7 @@ def _memory_probe() -> None:
     impl, precision, batch, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     recipe = Recipe.model_validate_json(sys.stdin.read())
     device = resolve_device(recipe.train.device)
-    step, _, _ = _make(impl, recipe, precision, device)
+    step, _, _, _ = _make(impl, recipe, precision, device, batch, seq)
     for i in range(2):
         step(_batch(recipe, batch, seq, device, i))
     print(json.dumps({"peak_memory_bytes": peak_memory_bytes(device)}))
