@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -33,11 +34,13 @@ def _cache_key(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:
-    """Best FLOP/s of `size`-square matmuls (2·n³ FLOPs each) over a short timed loop."""
+    """FLOP/s of `size`-square matmuls (2·n³ FLOPs each): the median of five timed calls after
+    a warm-up call. Not the best call: one mistimed call on a shared machine once read 2.3x
+    the sustained rate here and would have halved every MFU computed against it."""
     n = size or (8192 if device.type == "cuda" else 2048)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    best = 0.0
+    rates = []
     for i in range(6):
         _sync(device)
         t0 = time.perf_counter()
@@ -45,8 +48,8 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | Non
         _sync(device)
         elapsed = time.perf_counter() - t0
         if i:  # the first call warms up the kernel and the allocator
-            best = max(best, 2.0 * n**3 / elapsed)
-    return best
+            rates.append(2.0 * n**3 / elapsed)
+    return statistics.median(rates)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, cache_file: Path) -> float:
