@@ -95,7 +95,6 @@ class CompileSession:
         self.enabled = self.level.mode is not None
         self.on_recompile = on_recompile
         self.fallback = fallback
-        self.device = device
         self.stats = CompileStats(level=level)
         self.cache: CompileCache | None = None
         if self.enabled:
