@@ -9,6 +9,7 @@ models living in it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
@@ -65,7 +66,8 @@ def _make(impl: str, recipe: Recipe, precision: str, device: torch.device, batch
                                  device=device)
         session.start(model)
         reset = lambda: optimizer.zero_grad(set_to_none=True)
-        step = lambda b: session.run("train", 0, lambda: train_step(
+        numbers = itertools.count(1)  # step numbers for the guard's messages
+        step = lambda b: session.run("train", next(numbers), lambda: train_step(
             model, optimizer, [b], device, autocast, recipe.optim.grad_clip), reset)[0]
     else:
         model, optimizer, autocast = build_transformers(recipe, precision, device)

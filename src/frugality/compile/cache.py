@@ -96,9 +96,7 @@ def entry_name(fp: dict) -> str:
 @dataclass
 class FetchResult:
     found: bool
-    files: int = 0
-    bytes: int = 0
-    archive: str | None = None
+    files: int = 0  # files unpacked
 
 
 class CompileCache:
@@ -132,7 +130,7 @@ class CompileCache:
                            "or partly written)")
                 return FetchResult(False)
             files = _unpack(data, into)
-            return FetchResult(True, files, len(data), manifest["archive"])
+            return FetchResult(True, files)
         except Exception as e:  # noqa: BLE001 - a cache must never stop a run
             self._warn(f"could not be read ({type(e).__name__}: {e})")
             return FetchResult(False)
