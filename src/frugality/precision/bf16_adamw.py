@@ -6,7 +6,7 @@ buffers; every parameter, its `.grad` and its state entries are views into them.
 step is then one elementwise pass per group: read the four buffers, compute AdamW in
 float32, write weights and moments back to bf16 — with stochastic rounding (`bf16-sr`) or
 round-to-nearest (`bf16`). The pass runs, in order of preference: on CPUs, a small C
-kernel (adamw_bf16_cpu.c, built on first use); elsewhere, `torch.compile` of `_update`
+kernel (frugality/kernels/adamw_bf16_cpu.c, built on first use); elsewhere, `torch.compile` of `_update`
 (one fused loop, the rounding noise generated in registers); and eager torch ops in
 chunks if neither is available or `fused=False`. All compute the same formula with the
 same noise; the C kernel and eager ops give identical bits.
@@ -23,7 +23,7 @@ from typing import Callable, Literal
 import numpy as np
 import torch
 
-from frugality.precision import cpu_kernel
+from frugality import kernels
 from frugality.precision.stochastic_rounding import mix_key, noise16x3, round_to_bf16
 
 Rounding = Literal["stochastic", "nearest"]
@@ -164,7 +164,7 @@ class BF16AdamW(torch.optim.Optimizer):
     def _run(self, flat: dict, scalars: dict, stochastic: bool) -> None:
         buffers = [flat[n] for n in ("param", "grad", "exp_avg", "exp_avg_sq")]
         device = buffers[0].device
-        if self._fused and device.type == "cpu" and (kernel := cpu_kernel.load()) is not None:
+        if self._fused and device.type == "cpu" and (kernel := kernels.adamw_bf16_step()) is not None:
             kernel(*(b.data_ptr() for b in buffers), buffers[0].numel(), 0,
                    *(float(scalars[k]) for k in _FLOAT_SCALARS), scalars["key"], int(stochastic),
                    torch.get_num_threads())

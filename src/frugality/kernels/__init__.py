@@ -1,0 +1,38 @@
+"""Small C kernels for CPUs, where one pass over memory beats a chain of torch ops.
+
+Each accessor returns a ctypes function, or None where no C compiler is available (the
+caller then uses its torch-ops path). Nothing is built until first use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from frugality.kernels.build import library
+
+_p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+def _function(library_name: str, symbol: str, restype, argtypes, extra_flags: tuple[str, ...] = ()):
+    lib = library(library_name, extra_flags)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.restype, fn.argtypes = restype, argtypes
+    return fn
+
+
+def adamw_bf16_step():
+    """adamw_bf16_step(p, g, m, v, n, start, lr, beta1, 1 - beta1, beta2, 1 - beta2, eps,
+    decay, bc1, sqrt(bc2), key, stochastic, threads): see adamw_bf16_cpu.c."""
+    return _function("adamw_bf16_cpu", "adamw_bf16_step", None,
+                     [_p] * 4 + [_i64] * 2 + [_f32] * 9 + [ctypes.c_uint32, _int, _int],
+                     # no fused multiply-adds: the kernel must give the torch formula's bits
+                     extra_flags=("-ffp-contract=off",))
+
+
+def cross_entropy(dtype_name: str):
+    """cross_entropy_{bf16,f32}(logits, rows, cols, ld, targets, scale, want_grad, losses,
+    threads) -> bad targets (or -1: out of memory): see cross_entropy_cpu.c."""
+    return _function("cross_entropy_cpu", f"cross_entropy_{dtype_name}", _i64,
+                     [_p, _i64, _i64, _i64, _p, _f32, _int, _p, _int])
