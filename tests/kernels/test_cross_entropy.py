@@ -1,0 +1,62 @@
+"""The C cross-entropy kernel against torch's own cross-entropy: loss, gradient, bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from frugality import kernels
+from frugality.models.loss import _rows_in_c, _rows_in_torch
+
+
+def _reference(logits: torch.Tensor, targets: torch.Tensor):
+    x = logits.double().requires_grad_()
+    losses = F.cross_entropy(x, targets, reduction="none")
+    (grad,) = torch.autograd.grad(losses.mean(), x)
+    return losses, grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_torch_cross_entropy(dtype):
+    assert kernels.cross_entropy("bf16") is not None, "the C kernel should build where a C compiler exists"
+    torch.manual_seed(0)
+    logits = (torch.randn(37, 1001) * 4).to(dtype)  # odd sizes: vector loops' remainders
+    targets = torch.randint(0, 1001, (37,))
+    ref_losses, ref_grad = _reference(logits, targets)
+    work = logits.clone()
+    losses = _rows_in_c(work, targets, 1.0 / 37, want_grad=True)
+    torch.testing.assert_close(losses.double(), ref_losses, rtol=1e-6, atol=1e-6)
+    tolerance = dict(rtol=1e-5, atol=1e-8) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    torch.testing.assert_close(work.double(), ref_grad, **tolerance)  # rounded once to dtype
+
+
+def test_without_grad_the_logits_are_left_alone():
+    logits = torch.randn(5, 300)
+    work = logits.clone()
+    _rows_in_c(work, torch.tensor([0, 1, 2, 3, 299]), 0.2, want_grad=False)
+    assert torch.equal(work, logits)
+
+
+def test_strided_rows_and_agreement_with_the_torch_ops_path():
+    torch.manual_seed(1)
+    big = torch.randn(6, 700, dtype=torch.bfloat16)
+    tail = big[:, 500:].clone()
+    targets = torch.randint(0, 500, (6,))
+    expected = big[:, :500].clone()
+    expected_losses = _rows_in_torch(expected, targets, 0.5, True)
+    losses = _rows_in_c(big[:, :500], targets, 0.5, True)  # rows 700 elements apart
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(big[:, :500].float(), expected.float(), rtol=8e-3, atol=1e-6)
+    assert torch.equal(big[:, 500:], tail)  # columns past the view untouched
+
+
+def test_a_nan_row_gives_a_nan_loss_and_leaves_other_rows_finite():
+    logits = torch.randn(3, 64)
+    logits[1, 5] = float("nan")
+    losses = _rows_in_c(logits, torch.tensor([0, 0, 0]), 1 / 3, True)
+    assert torch.isnan(losses[1]) and torch.isfinite(losses[[0, 2]]).all()
+    assert torch.isnan(logits[1]).all() and torch.isfinite(logits[[0, 2]]).all()
+
+
+def test_a_target_outside_the_vocabulary_is_an_error():
+    with pytest.raises(IndexError, match=r"1 target\(s\) outside the vocabulary \[0, 64\)"):
+        _rows_in_c(torch.randn(3, 64), torch.tensor([0, 64, 1]), 1 / 3, True)
