@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from frugality.models.cpu_attention import CausalAttention
+
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embeddings (RoFormer; GPT-NeoX and Llama layout) on the first `dim`
@@ -48,12 +50,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal self-attention over (batch, heads, seq, head_size) tensors.
+    """Causal self-attention over (batch, heads, seq, head_size) tensors; k and v may have
+    fewer heads than q (grouped-query attention), each serving a contiguous group of q's.
 
     SDPA picks the fused kernel the device has (flash / memory-efficient on CUDA, the
-    flash-style C++ kernel on CPU); the scale is the default head_size ** -0.5.
+    flash-style C++ kernel on CPU); the scale is the default head_size ** -0.5. Training on
+    a CPU inside a compiled region takes `CausalAttention` instead, whose backward pass is
+    faster there (see frugality.models.cpu_attention).
     """
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grouped = k.shape[1] != q.shape[1]
+    if (q.device.type == "cpu" and torch.compiler.is_compiling() and torch.is_grad_enabled()
+            and q.requires_grad):
+        if grouped:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return CausalAttention.apply(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
 
 
 def check_length(input_ids: torch.Tensor, max_seq_len: int) -> None:

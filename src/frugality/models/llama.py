@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
-from frugality.models.layers import RotaryEmbedding, check_length
+from frugality.models.layers import RotaryEmbedding, causal_attention, check_length
 from frugality.models.loss import logits_or_loss
 
 
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         k = self.k(x).view(b, t, self.kv_heads, self.head_size).transpose(1, 2)
         v = self.v(x).view(b, t, self.kv_heads, self.head_size).transpose(1, 2)
         q, k = self.rotary(q), self.rotary(k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        y = causal_attention(q, k, v)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
