@@ -19,8 +19,21 @@ def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
         assert r["peak_memory_bytes"] > 0
     assert rows[0]["state_bytes_per_param"] == 16 and rows[2]["state_bytes_per_param"] == 8  # rounded
-    assert "| frugality | bf16-sr | 2 × 16 |" in (tmp_path / "table.md").read_text()
+    assert rows[2]["speedup"] == round(rows[2]["tokens_per_s"] / rows[3]["tokens_per_s"], 3)
+    assert rows[2]["compile_level"] == "O0" and rows[3]["compile_level"] is None
+    assert "| frugality | bf16-sr | O0 | 2 × 16 |" in (tmp_path / "table.md").read_text()
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_bench_train_baseline_runs_transformers_at_another_precision(micro_recipe_file, tmp_path):
+    out = tmp_path / "rows.json"
+    args = ["bench", "train", str(micro_recipe_file), "--precision", "bf16-sr", "--baseline", "amp-bf16",
+            "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0", "--no-memory",
+            "--json", str(out)]
+    assert main(args) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["impl"], r["precision"]) for r in rows] == [("frugality", "bf16-sr"), ("transformers", "amp-bf16")]
+    assert rows[1]["state_bytes_per_param"] == 16 and rows[0]["speedup"] > 0
 
 
 def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
@@ -28,3 +41,5 @@ def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
     assert "choose one of" in capsys.readouterr().err
     assert main(["bench", "train", str(micro_recipe_file), "--seq", "4096"]) == 2
     assert "exceeds model.max_seq_len" in capsys.readouterr().err
+    assert main(["bench", "train", str(micro_recipe_file), "--baseline", "fp17"]) == 2
+    assert "precision 'fp17'" in capsys.readouterr().err

@@ -45,6 +45,8 @@ class BenchRow:
     state_bytes_per_param: float
     steps: int
     device: str
+    compile_level: str | None = None  # frugality's; transformers runs eagerly
+    speedup: float | None = None  # frugality's tokens/s over transformers' in the same pass
 
 
 def _make(impl: str, recipe: Recipe, precision: str, device: torch.device, batch: int, seq: int):
@@ -88,13 +90,16 @@ def _sync(device: torch.device) -> None:
 
 def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, steps: int = 5,
                 warmup: int = 2, impls=("frugality", "transformers"), memory: bool = True,
-                log=print) -> list[BenchRow]:
+                baseline: str | None = None, log=print) -> list[BenchRow]:
+    """One pass per precision, the implementations alternating within it. transformers runs
+    at `baseline` when given (e.g. frugality's bf16-sr against transformers' amp-bf16, the
+    usual way to train it), else at the pass's precision."""
     device = resolve_device(recipe.train.device)
     rows = []
     for precision in precisions:
-        policy = get_policy(precision)
-        peak = peak_flops(device, policy.compute_dtype, cache_dir() / "peak_flops.json")
-        runners = {impl: _make(impl, recipe, precision, device, batch, seq) for impl in impls}
+        impl_precision = {impl: baseline if impl == "transformers" and baseline else precision
+                          for impl in impls}
+        runners = {impl: _make(impl, recipe, impl_precision[impl], device, batch, seq) for impl in impls}
         flops_per_token = training_flops_per_token(
             runners[impls[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq
         )
@@ -113,16 +118,24 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
             _, model, optimizer, _ = runners[impl]
             median = statistics.median(times[impl])
             tokens_per_s = batch * seq / median
-            mem = _peak_memory_subprocess(impl, recipe, precision, batch, seq) if memory else None
+            impl_policy = get_policy(impl_precision[impl])
+            peak = peak_flops(device, impl_policy.compute_dtype, cache_dir() / "peak_flops.json")
+            mem = (_peak_memory_subprocess(impl, recipe, impl_precision[impl], batch, seq)
+                   if memory else None)
             rows.append(BenchRow(
-                impl=impl, precision=precision, batch=batch, seq=seq,
+                impl=impl, precision=impl_precision[impl], batch=batch, seq=seq,
                 tokens_per_s=round(tokens_per_s, 1), step_time_s=round(median, 4),
                 mfu=round(flops_per_token * tokens_per_s / peak, 4), peak_memory_bytes=mem,
                 state_bytes_per_param=round(
                     training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2),
                 steps=steps, device=device_name(device),
+                compile_level=recipe.compile.level if impl == "frugality" else None,
             ))
-            log(f"{impl:12} {precision:9} {tokens_per_s:9.1f} tokens/s  MFU {rows[-1].mfu:.1%}")
+            log(f"{impl:12} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {rows[-1].mfu:.1%}")
+        pass_rows = {r.impl: r for r in rows[-len(impls):]}
+        if "frugality" in pass_rows and "transformers" in pass_rows:
+            pass_rows["frugality"].speedup = round(
+                pass_rows["frugality"].tokens_per_s / pass_rows["transformers"].tokens_per_s, 3)
         for _, _, _, session in runners.values():
             if session is not None:
                 session.close()
@@ -141,13 +154,15 @@ def _peak_memory_subprocess(impl, recipe, precision, batch, seq) -> int | None:
 
 
 def markdown_table(rows: list[BenchRow]) -> str:
-    header = ("| impl | precision | batch × seq | tokens/s | step time (s) | MFU | "
-              "state bytes/param | peak memory (GiB) |")
-    lines = [header, "|" + "---|" * 8]
+    header = ("| impl | precision | compile | batch × seq | tokens/s | vs transformers | step time (s) "
+              "| MFU | state bytes/param | peak memory (GiB) |")
+    lines = [header, "|" + "---|" * 10]
     for r in rows:
         mem = f"{r.peak_memory_bytes / 2**30:.2f}" if r.peak_memory_bytes else "n/a"
-        lines.append(f"| {r.impl} | {r.precision} | {r.batch} × {r.seq} | {r.tokens_per_s:,.0f} | "
-                     f"{r.step_time_s:.3f} | {r.mfu:.1%} | {r.state_bytes_per_param:g} | {mem} |")
+        speedup = f"{r.speedup:.2f}×" if r.speedup else ""
+        lines.append(f"| {r.impl} | {r.precision} | {r.compile_level or 'eager'} | {r.batch} × {r.seq} | "
+                     f"{r.tokens_per_s:,.0f} | {speedup} | {r.step_time_s:.3f} | {r.mfu:.1%} | "
+                     f"{r.state_bytes_per_param:g} | {mem} |")
     return "\n".join(lines)
 
 
