@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 
+import torch
+
 from frugality.kernels.build import library
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -36,3 +38,20 @@ def cross_entropy(dtype_name: str):
     threads) -> bad targets (or -1: out of memory): see cross_entropy_cpu.c."""
     return _function("cross_entropy_cpu", f"cross_entropy_{dtype_name}", _i64,
                      [_p, _i64, _i64, _i64, _p, _f32, _int, _p, _int])
+
+
+def transpose_2byte():
+    """transpose_2byte(src, rows, cols, ld_src, dst, ld_dst, threads): see transpose_cpu.c."""
+    return _function("transpose_cpu", "transpose_2byte", None, [_p, _i64, _i64, _i64, _p, _i64, _int])
+
+
+def transposed(x: torch.Tensor) -> torch.Tensor:
+    """`x.t().contiguous()` for a 2-D tensor, through the C kernel where it applies (CPU,
+    2-byte dtypes, rows contiguous)."""
+    if (x.device.type == "cpu" and x.dim() == 2 and x.element_size() == 2 and x.stride(1) == 1
+            and (kernel := transpose_2byte()) is not None):
+        out = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype)
+        kernel(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), out.stride(0),
+               torch.get_num_threads())
+        return out
+    return x.t().contiguous()

@@ -51,7 +51,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = _workspace((hidden.shape[0], weight.shape[0]), hidden.dtype, hidden.device)
-        torch.mm(hidden, weight.t(), out=logits)
+        amx_layout = _transpose_first(hidden)
+        torch.mm(hidden, kernels.transposed(weight) if amx_layout else weight.t(), out=logits)
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         n = logits.shape[0]
         # Over the rows, in place: the loss per row, and (softmax - onehot) / n if wanted.
@@ -60,7 +61,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             row_losses = _rows_in_torch(logits, targets, 1.0 / n, want_grad)
         if want_grad:
             grad_logits = logits  # now holds d(mean loss)/d(logits)
-            ctx.save_for_backward(grad_logits @ weight, grad_logits.t() @ hidden)
+            if amx_layout:  # (hidden^T @ grad_logits)^T: the same product, laid out for AMX
+                grad_weight = kernels.transposed(kernels.transposed(hidden) @ grad_logits)
+            else:
+                grad_weight = grad_logits.t() @ hidden
+            ctx.save_for_backward(grad_logits @ weight, grad_weight)
         return row_losses.sum() / n
 
     @staticmethod
@@ -72,6 +77,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None
         scale = grad_output.to(grad_hidden.dtype)
         return (grad_hidden * scale).to(hidden_dtype), (grad_weight * scale).to(weight_dtype), None
+
+
+def _transpose_first(hidden: torch.Tensor) -> bool:
+    """Whether to hand oneDNN the (d, vocab) layout: for 2-byte dtypes on CPUs its AMX
+    products took 150 ms instead of 270 (forward) and 200 instead of 350 (weight gradient)
+    on a 2-core Xeon at 2048 tokens x 512 x 50k, for 20 ms of transposing each."""
+    return hidden.device.type == "cpu" and hidden.element_size() == 2
 
 
 def _rows_in_c(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_grad: bool):
