@@ -89,9 +89,11 @@ def _three_steps(fused: bool, rounding: str = "stochastic"):
     params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
     opt = BF16AdamW(params, lr=1e-2, weight_decay=0.1, seed=9, rounding=rounding, fused=fused)
     torch.manual_seed(0)
-    for _ in range(3):
+    for step in range(3):
         for p in params:
             p.grad.copy_(torch.randn_like(p))
+        if step == 1:
+            opt.clip_grad_norm_(0.5)  # one clipped step: its scale goes through both paths
         opt.step()
     return [p.detach() for p in params] + [opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
 
@@ -111,3 +113,20 @@ def test_compiled_update_matches_eager(monkeypatch):
         # which can move a value across a rounding boundary now and then.
         assert (a != b).float().mean().item() < 0.01
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_clipping_is_folded_into_the_next_step_in_float32():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
+    opt = BF16AdamW(params, lr=1e-2, betas=(0.9, 0.999), seed=1, rounding="nearest")
+    grads = [torch.randn_like(p) * 3 for p in params]
+    for p, g in zip(params, grads):
+        p.grad.copy_(g)
+    norm = opt.clip_grad_norm_(1.0)
+    reference = torch.nn.utils.get_total_norm([p.grad.double() for p in params])
+    assert norm.item() == pytest.approx(reference.item(), rel=1e-2)  # bf16 partial norms
+    opt.step()
+    assert opt._grad_scale == 1.0  # applied once, then reset
+    for p in params:  # first moment after one step: (1 - beta1) * clipped gradient
+        expected = 0.1 * p.grad.float() / reference.float()
+        torch.testing.assert_close(opt.state[p]["exp_avg"].float(), expected, rtol=1e-2, atol=1e-6)

@@ -26,9 +26,9 @@ def _function(library_name: str, symbol: str, restype, argtypes, extra_flags: tu
 
 def adamw_bf16_step():
     """adamw_bf16_step(p, g, m, v, n, start, lr, beta1, 1 - beta1, beta2, 1 - beta2, eps,
-    decay, bc1, sqrt(bc2), key, stochastic, threads): see adamw_bf16_cpu.c."""
+    decay, bc1, sqrt(bc2), grad_scale, key, stochastic, threads): see adamw_bf16_cpu.c."""
     return _function("adamw_bf16_cpu", "adamw_bf16_step", None,
-                     [_p] * 4 + [_i64] * 2 + [_f32] * 9 + [ctypes.c_uint32, _int, _int],
+                     [_p] * 4 + [_i64] * 2 + [_f32] * 10 + [ctypes.c_uint32, _int, _int],
                      # no fused multiply-adds: the kernel must give the torch formula's bits
                      extra_flags=("-ffp-contract=off",))
 

@@ -49,7 +49,7 @@ static inline uint32_t mix32(uint32_t x) {
 
 /* The AdamW arithmetic shared by both rounding modes, in torch's operation order. */
 #define ADAMW_ELEMENT                                                                       \
-    float g32 = bf16_to_f32(g[i]);                                                          \
+    float g32 = bf16_to_f32(g[i]) * grad_scale;                                             \
     float m32 = bf16_to_f32(m[i]) * beta1 + g32 * one_minus_beta1;                          \
     float v32 = bf16_to_f32(v[i]) * beta2 + (g32 * g32) * one_minus_beta2;                  \
     float update = (m32 / bc1) / (sqrtf(v32) / bc2_sqrt + eps);                             \
@@ -57,7 +57,7 @@ static inline uint32_t mix32(uint32_t x) {
 
 void adamw_bf16_step(uint16_t *p, const uint16_t *g, uint16_t *m, uint16_t *v, int64_t n,
                      int64_t start, float lr, float beta1, float one_minus_beta1, float beta2,
-                     float one_minus_beta2, float eps, float decay, float bc1, float bc2_sqrt,
+                     float one_minus_beta2, float eps, float decay, float bc1, float bc2_sqrt, float grad_scale,
                      uint32_t key, int stochastic, int threads) {
     /* Two loops rather than a branch inside one, so that each vectorises. */
     if (stochastic) {

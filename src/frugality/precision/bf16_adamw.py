@@ -17,6 +17,7 @@ gradients and moments (the `fp32` and `amp-bf16` policies).
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable, Literal
 
@@ -29,19 +30,19 @@ from frugality.precision.stochastic_rounding import mix_key, noise16x3, round_to
 Rounding = Literal["stochastic", "nearest"]
 _EAGER_CHUNK = 1 << 20  # bounds the eager path's temporaries to a few MB
 _FLOAT_SCALARS = ("lr", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay",
-                  "bc1", "bc2_sqrt")
+                  "bc1", "bc2_sqrt", "grad_scale")
 
 
 def _update(
     p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
     lr: torch.Tensor, beta1: torch.Tensor, one_minus_beta1: torch.Tensor, beta2: torch.Tensor,
     one_minus_beta2: torch.Tensor, eps: torch.Tensor, decay: torch.Tensor, bc1: torch.Tensor,
-    bc2_sqrt: torch.Tensor, key: torch.Tensor, stochastic: bool,
+    bc2_sqrt: torch.Tensor, grad_scale: torch.Tensor, key: torch.Tensor, stochastic: bool,
 ) -> None:
     """One AdamW step on flat bf16 buffers, in place. Scalars are 0-dim float32 tensors
     computed once by the caller (so a changing learning rate never recompiles), and the
     operations and their order are exactly those of adamw_bf16_cpu.c."""
-    g32 = g.float()
+    g32 = g.float() * grad_scale
     m32 = m.float() * beta1 + g32 * one_minus_beta1
     v32 = v.float() * beta2 + (g32 * g32) * one_minus_beta2
     update = (m32 / bc1) / (v32.sqrt() / bc2_sqrt + eps)
@@ -81,6 +82,7 @@ class BF16AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._compiled: Callable | None = None
         self._fused = fused
+        self._grad_scale = 1.0  # set by clip_grad_norm_, applied and reset by the next step
         self._flat: list[dict[str, torch.Tensor]] = []
         for group in self.param_groups:
             self._flat.append(self._flatten(group))
@@ -144,11 +146,24 @@ class BF16AdamW(torch.optim.Optimizer):
             counter = self.state[group["params"][0]]["step"]  # shared by the group
             step = int(counter.item()) + 1
             counter.fill_(step)
-            self._run(flat, self._scalars(group, k, step), group["rounding"] == "stochastic")
+            self._run(flat, self._scalars(group, k, step, self._grad_scale),
+                      group["rounding"] == "stochastic")
+        self._grad_scale = 1.0
         return loss
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm (as torch.nn.utils.clip_grad_norm_ returns it), and
+        clipping to `max_norm` folded into the next step: each gradient is scaled in float32
+        as the update reads it, instead of in a separate bf16 pass over all of them."""
+        norms = [torch.linalg.vector_norm(flat["grad"]) for flat in self._flat if flat]
+        total = torch.linalg.vector_norm(torch.stack(norms).float())
+        coefficient = max_norm / (float(total) + 1e-6)  # torch's formula, clamped to 1
+        self._grad_scale = min(coefficient, 1.0) if math.isfinite(float(total)) else float("nan")
+        return total
+
     @staticmethod
-    def _scalars(group: dict, index: int, step: int) -> dict[str, float]:
+    def _scalars(group: dict, index: int, step: int, grad_scale: float = 1.0) -> dict[str, float]:
         """Every scalar of the update, rounded to float32 once, so that all paths (C,
         compiled, eager) compute with identical values."""
         f32 = np.float32
@@ -157,7 +172,7 @@ class BF16AdamW(torch.optim.Optimizer):
         return dict(
             lr=lr, beta1=f32(beta1), one_minus_beta1=f32(1) - f32(beta1), beta2=f32(beta2),
             one_minus_beta2=f32(1) - f32(beta2), eps=f32(group["eps"]), decay=f32(1) - lr * wd,
-            bc1=f32(1 - beta1**step), bc2_sqrt=f32((1 - beta2**step) ** 0.5),
+            bc1=f32(1 - beta1**step), bc2_sqrt=f32((1 - beta2**step) ** 0.5), grad_scale=f32(grad_scale),
             key=mix_key(group["seed"], index, step),
         )
 

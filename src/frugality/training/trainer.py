@@ -330,9 +330,11 @@ def train_step(model, optimizer, micro_batches, device, autocast, grad_clip) -> 
         loss = _forward_loss(model, batch, device, autocast)
         (loss / accum).backward()
         total += loss.detach()
-    norm = torch.nn.utils.clip_grad_norm_(
-        model.parameters(), grad_clip if grad_clip > 0 else float("inf"), foreach=True
-    )
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    if hasattr(optimizer, "clip_grad_norm_"):  # BF16AdamW: clipping folded into its update
+        norm = optimizer.clip_grad_norm_(max_norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return (total / accum).item(), norm.item()
