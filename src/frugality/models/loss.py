@@ -7,9 +7,9 @@ computes the loss and the gradient with respect to the logits together, row by r
 float32, overwriting the logits buffer with its own gradient, and finishes both weight and
 input gradients with two matrix products; the backward pass only scales them (when the
 loss was scaled at all). On CPUs the rows go through a C kernel (kernels/
-cross_entropy_cpu.c: one read and one write of the logits, 4x faster than torch ops here);
-elsewhere through torch ops a few rows at a time. Memory: one tokens x vocab buffer in the compute dtype
-instead of four, half of them float32.
+cross_entropy_cpu.c: one read and one write of the logits, about twice as fast as torch
+ops here); elsewhere through torch ops a few rows at a time. Memory: one tokens x vocab
+buffer in the compute dtype instead of four, half of them float32.
 
 The gradient is (softmax(logits) - onehot(target)) / tokens, the exact derivative of the
 mean cross-entropy; the loss is computed in float32 whatever the compute dtype.
@@ -81,8 +81,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def _transpose_first(hidden: torch.Tensor) -> bool:
     """Whether to hand oneDNN the (d, vocab) layout: for 2-byte dtypes on CPUs its AMX
-    products took 150 ms instead of 270 (forward) and 200 instead of 350 (weight gradient)
-    on a 2-core Xeon at 2048 tokens x 512 x 50k, for 20 ms of transposing each."""
+    products took 150-170 ms instead of 270 (forward) and 200-250 instead of 280-350
+    (weight gradient) on a 2-core Xeon at 2048 tokens x 512 x 50k, for 20 ms of
+    transposing each."""
     return hidden.device.type == "cpu" and hidden.element_size() == 2
 
 

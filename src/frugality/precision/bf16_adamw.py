@@ -6,9 +6,9 @@ buffers; every parameter, its `.grad` and its state entries are views into them.
 step is then one elementwise pass per group: read the four buffers, compute AdamW in
 float32, write weights and moments back to bf16 — with stochastic rounding (`bf16-sr`) or
 round-to-nearest (`bf16`). The pass runs, in order of preference: on CPUs, a small C
-kernel (frugality/kernels/adamw_bf16_cpu.c, built on first use); elsewhere, `torch.compile` of `_update`
-(one fused loop, the rounding noise generated in registers); and eager torch ops in
-chunks if neither is available or `fused=False`. All compute the same formula with the
+kernel (frugality/kernels/adamw_bf16_cpu.c, built on first use); elsewhere,
+`torch.compile` of `_update` (one fused loop, the rounding noise generated in registers);
+and eager torch ops in chunks if neither is available or `fused=False`. All compute the same formula with the
 same noise; the C kernel and eager ops give identical bits.
 
 Memory: 2 + 2 + 2 + 2 = 8 bytes per parameter, against 16 for fp32 master weights,
@@ -156,10 +156,15 @@ class BF16AdamW(torch.optim.Optimizer):
         """The global gradient norm (as torch.nn.utils.clip_grad_norm_ returns it), and
         clipping to `max_norm` folded into the next step: each gradient is scaled in float32
         as the update reads it, instead of in a separate bf16 pass over all of them."""
-        norms = [torch.linalg.vector_norm(flat["grad"]) for flat in self._flat if flat]
+        norms = []
+        for group, flat in zip(self.param_groups, self._flat):
+            if flat:
+                self._relink_grads(group, flat)
+                norms.append(torch.linalg.vector_norm(flat["grad"]))
         total = torch.linalg.vector_norm(torch.stack(norms).float())
-        coefficient = max_norm / (float(total) + 1e-6)  # torch's formula, clamped to 1
-        self._grad_scale = min(coefficient, 1.0) if math.isfinite(float(total)) else float("nan")
+        value = float(total)
+        # torch's formula, clamped to 1; a non-finite norm poisons the step, as it does there
+        self._grad_scale = min(max_norm / (value + 1e-6), 1.0) if math.isfinite(value) else math.nan
         return total
 
     @staticmethod
