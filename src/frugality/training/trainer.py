@@ -40,6 +40,7 @@ from frugality.metrics.peak import peak_flops
 from frugality.models import DECODERS, build_model
 from frugality.precision import get_policy
 from frugality.training import run_dir as rundir
+from frugality.training.host_memory import keep_freed_memory
 from frugality.training.optim import build_optimizer
 from frugality.training.schedule import learning_rate
 
@@ -55,14 +56,19 @@ class TrainResult:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device `train.device` names, ready to train on: on CPUs, the host allocator
+    keeps freed blocks for the next step (see frugality.training.host_memory)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"train.device: {name!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise UserError(f"train.device: {name!r} is not a device (cpu, cuda, cuda:1, ...)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"train.device: {name!r} requested but this torch build sees no CUDA device")
+    if device.type == "cpu":
+        keep_freed_memory()
     return device
 
 
