@@ -22,7 +22,9 @@ import torch
 
 from frugality.bench.train import bench_train, markdown_table, rows_json
 from frugality.bench.results import machine_line, write_results
+from frugality.cache import cache_dir
 from frugality.config.recipe import load_recipe
+from frugality.metrics.peak import peak_flops
 
 
 def main() -> int:
@@ -46,13 +48,17 @@ def main() -> int:
     policies = run(args.level, args.precision.split(","))
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peaks = ", ".join(f"{dtype}: {peak_flops(device, getattr(torch, dtype), cache_dir() / 'peak_flops.json') / 1e9:,.0f} "
+                      f"GFLOP/s cached" for dtype in ("float32", "bfloat16"))
     header = (
         f"# Training throughput, {args.recipe} architecture, batch {args.batch} x {args.seq}\n\n"
         f"{machine_line()}\n"
         f"Each pass alternates frugality and transformers step by step in one process; medians of "
         f"{args.steps} timed steps after {args.warmup} warm-up steps (frugality's compilation "
         f"happens in the warm-up). MFU against the measured matmul peak of the compute dtype "
-        f"(fp32 for fp32, bf16 otherwise), 6N + 12·L·H·T FLOPs per token. Peak memory: a fresh "
+        f"(fp32 for fp32, bf16 otherwise; {peaks}), 6N + 12·L·H·T FLOPs per token; "
+        f"the next column against the same probe sampled after every timed step pair of the pass "
+        f"(median), since this machine's speed drifts. Peak memory: a fresh "
         f"process training two steps of one implementation "
         f"({'allocator peak' if device.type == 'cuda' else 'peak resident set'}).\n\n"
         f"## bf16-sr against transformers with autocast bf16\n\n"

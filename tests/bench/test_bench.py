@@ -17,11 +17,13 @@ def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp
     for r in rows:
         assert r["batch"] == 2 and r["seq"] == 16
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+        assert r["pass_peak_flops"] > 0 and 0 < r["mfu_vs_pass_peak"] < 1
         assert r["peak_memory_bytes"] > 0
     assert rows[0]["state_bytes_per_param"] == 16 and rows[2]["state_bytes_per_param"] == 8  # rounded
     assert rows[2]["speedup"] == round(rows[2]["tokens_per_s"] / rows[3]["tokens_per_s"], 3)
     assert rows[2]["compile_level"] == "O0" and rows[3]["compile_level"] is None
     assert "| frugality | bf16-sr | O0 | 2 × 16 |" in (tmp_path / "table.md").read_text()
+    assert "GFLOP/s) |" in (tmp_path / "table.md").read_text()  # the pass's probe, per row
     assert "tokens/s" in capsys.readouterr().out
 
 

@@ -25,7 +25,7 @@ from frugality.config.recipe import Recipe
 from frugality.cache import cache_dir
 from frugality.metrics.flops import training_flops_per_token
 from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
-from frugality.metrics.peak import device_name, peak_flops
+from frugality.metrics.peak import PeakProbe, device_name, peak_flops
 from frugality.models import build_model
 from frugality.precision import get_policy
 from frugality.training.optim import build_optimizer
@@ -47,6 +47,10 @@ class BenchRow:
     device: str
     compile_level: str | None = None  # frugality's; transformers runs eagerly
     speedup: float | None = None  # frugality's tokens/s over transformers' in the same pass
+    # MFU against the matmul probe sampled between this pass's steps, rather than against
+    # the cached peak: on a shared machine whose speed drifts, the peak of the moment
+    pass_peak_flops: float | None = None
+    mfu_vs_pass_peak: float | None = None
 
 
 def _make(impl: str, recipe: Recipe, precision: str, device: torch.device, batch: int, seq: int):
@@ -104,6 +108,9 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
             runners[impls[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq
         )
         times: dict[str, list[float]] = {impl: [] for impl in impls}
+        dtypes = {impl: get_policy(impl_precision[impl]).compute_dtype for impl in impls}
+        probes = {dtype: PeakProbe(device, dtype) for dtype in set(dtypes.values())}
+        probe_rates: dict[torch.dtype, list[float]] = {dtype: [] for dtype in probes}
         for i in range(warmup + steps):
             data = _batch(recipe, batch, seq, device, i)
             for impl in impls:  # A B A B ...: the same conditions for both
@@ -114,12 +121,17 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
                 _sync(device)
                 if i >= warmup:
                     times[impl].append(time.perf_counter() - t0)
+            if i >= warmup:
+                for dtype, probe in probes.items():
+                    probe_rates[dtype].append(probe.sample())
+        del probes
         for impl in impls:
             _, model, optimizer, _ = runners[impl]
             median = statistics.median(times[impl])
             tokens_per_s = batch * seq / median
             impl_policy = get_policy(impl_precision[impl])
             peak = peak_flops(device, impl_policy.compute_dtype, cache_dir() / "peak_flops.json")
+            pass_peak = statistics.median(probe_rates[dtypes[impl]])
             mem = (_peak_memory_subprocess(impl, recipe, impl_precision[impl], batch, seq)
                    if memory else None)
             rows.append(BenchRow(
@@ -130,8 +142,10 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
                     training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2),
                 steps=steps, device=device_name(device),
                 compile_level=recipe.compile.level if impl == "frugality" else None,
+                pass_peak_flops=round(pass_peak), mfu_vs_pass_peak=round(flops_per_token * tokens_per_s / pass_peak, 4),
             ))
-            log(f"{impl:12} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {rows[-1].mfu:.1%}")
+            log(f"{impl:12} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {rows[-1].mfu:.1%} "
+                f"(vs the pass's probe: {rows[-1].mfu_vs_pass_peak:.1%})")
         pass_rows = {r.impl: r for r in rows[-len(impls):]}
         if "frugality" in pass_rows and "transformers" in pass_rows:
             pass_rows["frugality"].speedup = round(
@@ -155,15 +169,24 @@ def _peak_memory_subprocess(impl, recipe, precision, batch, seq) -> int | None:
 
 def markdown_table(rows: list[BenchRow]) -> str:
     header = ("| impl | precision | compile | batch × seq | tokens/s | vs transformers | step time (s) "
-              "| MFU | state bytes/param | peak memory (GiB) |")
-    lines = [header, "|" + "---|" * 10]
+              "| MFU | MFU vs the pass's probe | state bytes/param | peak memory (GiB) |")
+    lines = [header, "|" + "---|" * 11]
     for r in rows:
         mem = f"{r.peak_memory_bytes / 2**30:.2f}" if r.peak_memory_bytes else "n/a"
         speedup = f"{r.speedup:.2f}×" if r.speedup else ""
         lines.append(f"| {r.impl} | {r.precision} | {r.compile_level or 'eager'} | {r.batch} × {r.seq} | "
                      f"{r.tokens_per_s:,.0f} | {speedup} | {r.step_time_s:.3f} | {r.mfu:.1%} | "
+                     f"{_percent(r.mfu_vs_pass_peak)} ({_gflops(r.pass_peak_flops)}) | "
                      f"{r.state_bytes_per_param:g} | {mem} |")
     return "\n".join(lines)
+
+
+def _percent(x: float | None) -> str:
+    return f"{x:.1%}" if x is not None else "n/a"
+
+
+def _gflops(x: float | None) -> str:
+    return f"{x / 1e9:,.0f} GFLOP/s" if x is not None else "n/a"
 
 
 def rows_json(rows: list[BenchRow]) -> str:

@@ -2,7 +2,11 @@
 
 A table of vendor peaks goes stale and is wrong for shared or throttled machines (nanoGPT
 #464 reports 104% MFU). We time large square matmuls in the training dtype once per
-machine, torch version, thread count and dtype, and cache the best rate.
+machine, torch version, thread count and dtype, and cache the median rate.
+
+On a shared VM the same probe can read 30% lower or higher an hour later, so a benchmark
+can also sample the probe between its own steps (`PeakProbe`) and report MFU against the
+peak of that moment beside the cached one.
 """
 
 from __future__ import annotations
@@ -33,23 +37,30 @@ def _cache_key(device: torch.device, dtype: torch.dtype) -> str:
     return f"{device_name(device)}|{device.type}|torch {torch.__version__}|threads {threads}|{dtype}"
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:
-    """FLOP/s of `size`-square matmuls (2·n³ FLOPs each): the median of five timed calls after
-    a warm-up call. Not the best call: one mistimed call on a shared machine once read 2.3x
-    the sustained rate here and would have halved every MFU computed against it."""
-    n = size or (8192 if device.type == "cuda" else 2048)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    rates = []
-    for i in range(6):
-        _sync(device)
+class PeakProbe:
+    """Times `size`-square matmuls (2·n³ FLOPs each) in `dtype`, one call per `sample()`."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, size: int | None = None) -> None:
+        self.device = device
+        self.n = size or (8192 if device.type == "cuda" else 2048)
+        self.a = torch.randn(self.n, self.n, device=device, dtype=dtype)
+        self.b = torch.randn(self.n, self.n, device=device, dtype=dtype)
+        torch.mm(self.a, self.b)  # warms up the kernel and the allocator
+
+    def sample(self) -> float:
+        _sync(self.device)
         t0 = time.perf_counter()
-        torch.mm(a, b)
-        _sync(device)
-        elapsed = time.perf_counter() - t0
-        if i:  # the first call warms up the kernel and the allocator
-            rates.append(2.0 * n**3 / elapsed)
-    return statistics.median(rates)
+        torch.mm(self.a, self.b)
+        _sync(self.device)
+        return 2.0 * self.n**3 / (time.perf_counter() - t0)
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:
+    """FLOP/s of square matmuls: the median of five timed calls after a warm-up call. Not
+    the best call: one mistimed call on a shared machine once read 2.3x the sustained rate
+    here and would have halved every MFU computed against it."""
+    probe = PeakProbe(device, dtype, size)
+    return statistics.median(probe.sample() for _ in range(5))
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, cache_file: Path) -> float:
