@@ -75,7 +75,7 @@ class Attention(nn.Module):
         # so a tensor-parallel split of the rows keeps whole heads together.
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_seq_len, cfg.rotary_base)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_seq_len, cfg.rotary_base, cfg.head_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x.shape

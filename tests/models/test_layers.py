@@ -1,0 +1,43 @@
+"""Rotary embeddings: the whole-head form equals the rotate-half formula of RoFormer / GPT-NeoX."""
+
+import pytest
+import torch
+
+from frugality.models.layers import RotaryEmbedding
+
+
+def _rotate_half_reference(x, dim, base, positions):
+    """The textbook form: rotate the first `dim` channels by slicing, pass the rest through."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.outer(positions.double(), inv_freq)
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    rot, rest = x[..., :dim].double(), x[..., dim:].double()
+    half = dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), -1)
+    return torch.cat((rot * cos + rotated * sin, rest), -1)
+
+
+@pytest.mark.parametrize("dim, head_size", [(16, 64), (64, 64), (6, 10)])
+@pytest.mark.parametrize("product", [True, False])
+def test_matches_the_rotate_half_formula(dim, head_size, product, monkeypatch):
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(dim, max_seq_len=40, base=500.0, head_size=head_size)
+    x = torch.randn(2, 3, 32, head_size)
+    swap = rotary.swap_halves
+    monkeypatch.setattr(rotary, "swap_halves", lambda t, by_product: swap(t, product))  # both ways
+    expected = _rotate_half_reference(x, dim, 500.0, torch.arange(32))
+    torch.testing.assert_close(rotary(x).double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(rotary(x)[..., dim:], x[..., dim:])  # past `dim`, exactly unchanged
+
+
+def test_swapping_by_product_and_by_slicing_agree_exactly_in_bf16():
+    rotary = RotaryEmbedding(16, max_seq_len=8, head_size=64)
+    x = torch.randn(4, 8, 64).to(torch.bfloat16)
+    assert torch.equal(rotary.swap_halves(x, by_product=True), rotary.swap_halves(x, by_product=False))
+
+
+def test_rejects_an_odd_or_oversized_rotary_dimension():
+    with pytest.raises(ValueError, match="even"):
+        RotaryEmbedding(5, 8, head_size=8)
+    with pytest.raises(ValueError, match="at most the head size"):
+        RotaryEmbedding(16, 8, head_size=8)
