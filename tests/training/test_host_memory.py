@@ -28,10 +28,13 @@ def _faults() -> int:
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_repeated_steps_reuse_freed_blocks_instead_of_faulting_them_in():
     assert keep_freed_memory()
-    for _ in range(4):  # the heap grows to the steps' high-water mark, then stays
+    for _ in range(6):  # the heap grows to the steps' high-water mark (2-3 steps here), then stays
         _step()
-    before = _faults()
-    _step()
-    faults = _faults() - before
-    # Fresh pages would be ~100,000 faults (397 MB); glibc's defaults fault nearly all of them.
-    assert faults < 2_000
+    faults = []
+    for _ in range(3):
+        before = _faults()
+        _step()
+        faults.append(_faults() - before)
+    # Fresh pages would be ~100,000 faults (397 MB) a step; glibc's defaults fault nearly all
+    # of them every step. (In a test process other allocations can shift the heap once more.)
+    assert min(faults) < 2_000, faults
