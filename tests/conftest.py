@@ -10,6 +10,19 @@ import pytest
 import torch
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (run where one is present; skipped elsewhere)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Keep tests off ~/.cache; the bundled corpus is tokenized once per session."""

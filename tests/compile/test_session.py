@@ -30,7 +30,9 @@ def compiled_cache(tmp_path_factory):
 
 
 def _recipe(micro_recipe_file, cache, *extra):
-    return load_recipe(str(micro_recipe_file), ["compile.level=O1", f'compile.cache="{cache}"', *extra])
+    # On the CPU wherever the tests run: they exercise Inductor's C++ path and its cache.
+    return load_recipe(str(micro_recipe_file), ["compile.level=O1", "train.device=cpu",
+                                                f'compile.cache="{cache}"', *extra])
 
 
 def test_compile_ahead_then_train_compiles_nothing(micro_recipe_file, compiled_cache, tmp_path):

@@ -1,11 +1,12 @@
-"""The C cross-entropy kernel against torch's own cross-entropy: loss, gradient, bad input."""
+"""The cross-entropy row kernels (C on CPUs, a compiled graph on GPUs) against torch's own
+cross-entropy: loss, gradient, bad input."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from frugality import kernels
-from frugality.models.loss import _rows_in_c, _rows_in_torch
+from frugality.models.loss import _rows_compiled, _rows_fused, _rows_in_c, _rows_in_torch
 
 
 def _reference(logits: torch.Tensor, targets: torch.Tensor):
@@ -60,3 +61,39 @@ def test_a_nan_row_gives_a_nan_loss_and_leaves_other_rows_finite():
 def test_a_target_outside_the_vocabulary_is_an_error():
     with pytest.raises(IndexError, match=r"1 target\(s\) outside the vocabulary \[0, 64\)"):
         _rows_in_c(torch.randn(3, 64), torch.tensor([0, 64, 1]), 1 / 3, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_graph_gpus_compile_matches_torch_cross_entropy(dtype):
+    """`_rows_fused` run eagerly: the math that GPUs compile (the compiled form is checked
+    on a GPU below; on CPUs the C kernel serves instead)."""
+    torch.manual_seed(0)
+    logits = (torch.randn(37, 1001) * 4).to(dtype)
+    targets = torch.randint(0, 1001, (37,))
+    ref_losses, ref_grad = _reference(logits, targets)
+    work = logits.clone()
+    losses = _rows_fused(work, targets, torch.tensor(1.0 / 37), want_grad=True)
+    torch.testing.assert_close(losses.double(), ref_losses, rtol=1e-6, atol=1e-6)
+    tolerance = dict(rtol=1e-5, atol=1e-8) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    torch.testing.assert_close(work.double(), ref_grad, **tolerance)
+    assert _rows_compiled(logits.clone(), targets, 1.0 / 37, True) is None  # not on CPUs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rows_on_cuda_match_torch_cross_entropy(dtype):
+    torch.manual_seed(0)
+    logits = (torch.randn(300, 50304) * 4).to(dtype)
+    targets = torch.randint(0, 50304, (300,))
+    ref_losses, ref_grad = _reference(logits, targets)
+    work = logits.cuda()
+    losses = _rows_compiled(work, targets.cuda(), 1.0 / 300, want_grad=True)
+    assert losses is not None, "the compiled path should serve on a GPU"
+    torch.testing.assert_close(losses.cpu().double(), ref_losses, rtol=1e-5, atol=1e-5)
+    tolerance = dict(rtol=1e-4, atol=1e-9) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-7)
+    torch.testing.assert_close(work.cpu().double(), ref_grad, **tolerance)
+    # the chunked torch-ops fallback agrees with it
+    chunked = logits.cuda()
+    torch.testing.assert_close(_rows_in_torch(chunked, targets.cuda(), 1.0 / 300, True), losses,
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked.float(), work.float(), rtol=8e-3, atol=1e-7)

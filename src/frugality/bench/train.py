@@ -136,13 +136,13 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
                    if memory else None)
             rows.append(BenchRow(
                 impl=impl, precision=impl_precision[impl], batch=batch, seq=seq,
-                tokens_per_s=round(tokens_per_s, 1), step_time_s=round(median, 4),
-                mfu=round(flops_per_token * tokens_per_s / peak, 4), peak_memory_bytes=mem,
+                tokens_per_s=round(tokens_per_s, 1), step_time_s=_significant(median),
+                mfu=_significant(flops_per_token * tokens_per_s / peak), peak_memory_bytes=mem,
                 state_bytes_per_param=round(
                     training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2),
                 steps=steps, device=device_name(device),
                 compile_level=recipe.compile.level if impl == "frugality" else None,
-                pass_peak_flops=round(pass_peak), mfu_vs_pass_peak=round(flops_per_token * tokens_per_s / pass_peak, 4),
+                pass_peak_flops=round(pass_peak), mfu_vs_pass_peak=_significant(flops_per_token * tokens_per_s / pass_peak),
             ))
             log(f"{impl:12} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {rows[-1].mfu:.1%} "
                 f"(vs the pass's probe: {rows[-1].mfu_vs_pass_peak:.1%})")
@@ -165,6 +165,12 @@ def _peak_memory_subprocess(impl, recipe, precision, batch, seq) -> int | None:
     if done.returncode != 0:
         return None
     return int(json.loads(done.stdout.strip().splitlines()[-1])["peak_memory_bytes"])
+
+
+def _significant(x: float, digits: int = 4) -> float:
+    """Rounded to significant digits, not decimals: a small model on a large GPU has an MFU
+    of 1e-5, which four decimals would report as 0."""
+    return float(f"{x:.{digits}g}")
 
 
 def markdown_table(rows: list[BenchRow]) -> str:

@@ -8,8 +8,10 @@ float32, overwriting the logits buffer with its own gradient, and finishes both 
 input gradients with two matrix products; the backward pass only scales them (when the
 loss was scaled at all). On CPUs the rows go through a C kernel (kernels/
 cross_entropy_cpu.c: one read and one write of the logits, about twice as fast as torch
-ops here); elsewhere through torch ops a few rows at a time. Memory: one tokens x vocab
-buffer in the compute dtype instead of four, half of them float32.
+ops here); on GPUs through one compiled (Triton) function over all rows, which reads the
+logits twice and writes their gradient in place; failing both, through torch ops in
+chunks of rows. Memory: one tokens x vocab buffer in the compute dtype instead of four,
+half of them float32.
 
 The gradient is (softmax(logits) - onehot(target)) / tokens, the exact derivative of the
 mean cross-entropy; the loss is computed in float32 whatever the compute dtype.
@@ -17,11 +19,15 @@ mean cross-entropy; the loss is computed in float32 whatever the compute dtype.
 
 from __future__ import annotations
 
+import warnings
+from typing import Callable
+
 import torch
 
 from frugality import kernels
 
 _ROWS_PER_CHUNK = 64  # 64 x 50k float32 = 12.9 MB: within a server CPU's L3
+_CHUNK_BYTES_OFF_CPU = 256 << 20  # GPUs: few, large chunks (each chunk is ~10 kernel launches)
 
 
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
@@ -57,6 +63,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n = logits.shape[0]
         # Over the rows, in place: the loss per row, and (softmax - onehot) / n if wanted.
         row_losses = _rows_in_c(logits, targets, 1.0 / n, want_grad)
+        if row_losses is None:
+            row_losses = _rows_compiled(logits, targets, 1.0 / n, want_grad)
         if row_losses is None:
             row_losses = _rows_in_torch(logits, targets, 1.0 / n, want_grad)
         if want_grad:
@@ -107,18 +115,57 @@ def _rows_in_c(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_g
     return losses
 
 
+def _rows_fused(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
+                want_grad: bool) -> torch.Tensor:
+    """The rows' losses, and their gradient written over `logits`, as one graph for
+    torch.compile: a reduction (max, then the sum of exponentials) and one elementwise
+    pass, both reading the logits in their own dtype and computing in float32."""
+    x = logits.float()
+    shift = x.amax(dim=-1, keepdim=True)
+    log_sum_exp = (x - shift).exp().sum(dim=-1, keepdim=True).log() + shift
+    losses = (log_sum_exp - x.gather(1, targets[:, None])).squeeze(1)
+    if want_grad:
+        onehot = torch.arange(x.shape[1], device=x.device) == targets[:, None]
+        logits.copy_(((x - log_sum_exp).exp() - onehot.to(x.dtype)) * scale)
+    return losses
+
+
+_COMPILED: dict[str, Callable | None] = {}
+
+
+def _rows_compiled(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_grad: bool):
+    """`_rows_fused` compiled, off CPUs (where the C kernel serves); None if it does not
+    apply or failed to compile once in this process (the caller then uses torch ops)."""
+    if logits.device.type == "cpu":
+        return None
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(_rows_fused, dynamic=False, fullgraph=True)
+    if _COMPILED["fn"] is None:
+        return None
+    scale_tensor = torch.tensor(scale, dtype=torch.float32, device=logits.device)  # no recompile per n
+    try:
+        return _COMPILED["fn"](logits, targets.to(torch.int64), scale_tensor, want_grad)
+    except Exception as e:  # e.g. no Triton for this GPU; nothing was written before the failure
+        warnings.warn(f"compiled cross-entropy failed ({type(e).__name__}: {e}); using torch ops "
+                      "for the rest of this run")
+        _COMPILED["fn"] = None
+        return None
+
+
 def _rows_in_torch(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_grad: bool):
-    """The same with torch ops, a few rows at a time in float32 (chunks small enough to
-    stay in cache)."""
+    """The same with torch ops, in chunks of rows in float32: on CPUs small enough to stay
+    in cache, elsewhere large enough that kernel launches don't dominate."""
     n = logits.shape[0]
+    rows_per_chunk = (_ROWS_PER_CHUNK if logits.device.type == "cpu"
+                      else max(_ROWS_PER_CHUNK, _CHUNK_BYTES_OFF_CPU // (4 * logits.shape[1])))
     losses = torch.empty(n, dtype=torch.float32, device=logits.device)
-    buffer = torch.empty(min(n, _ROWS_PER_CHUNK), logits.shape[1], dtype=torch.float32,
+    buffer = torch.empty(min(n, rows_per_chunk), logits.shape[1], dtype=torch.float32,
                          device=logits.device)
-    for start in range(0, n, _ROWS_PER_CHUNK):
-        rows = logits[start : start + _ROWS_PER_CHUNK]
+    for start in range(0, n, rows_per_chunk):
+        rows = logits[start : start + rows_per_chunk]
         x = buffer[: rows.shape[0]]
         x.copy_(rows)  # float32 working copy, reused so no chunk allocates
-        target = targets[start : start + _ROWS_PER_CHUNK, None]
+        target = targets[start : start + rows_per_chunk, None]
         shift = x.amax(dim=-1, keepdim=True)
         target_logit = x.gather(1, target)
         x.sub_(shift).exp_()
