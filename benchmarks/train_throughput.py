@@ -32,7 +32,7 @@ def main() -> int:
     parser.add_argument("--recipe", default="pythia-70m")
     parser.add_argument("--precision", default="fp32,amp-bf16,bf16-sr,bf16")
     parser.add_argument("--level", default="O1", help="frugality's compile level (transformers runs eagerly)")
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)  # 4 x 512 on the CPU; 16 x 2048 on a GPU
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
@@ -45,9 +45,12 @@ def main() -> int:
     headline = []
     for level in dict.fromkeys(["O0", args.level]):
         headline += run(level, ["bf16-sr"], baseline="amp-bf16")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    if fp8:  # float8 linears (torchao) where the GPU has float8 tensor cores
+        headline += run(args.level, ["fp8"], baseline="amp-bf16")
     policies = run(args.level, args.precision.split(","))
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peaks = ", ".join(f"{dtype}: {peak_flops(device, getattr(torch, dtype), cache_dir() / 'peak_flops.json') / 1e9:,.0f} "
                       f"GFLOP/s cached" for dtype in ("float32", "bfloat16"))
     header = (
@@ -61,7 +64,9 @@ def main() -> int:
         f"(median), since this machine's speed drifts. Peak memory: a fresh "
         f"process training two steps of one implementation "
         f"({'allocator peak' if device.type == 'cuda' else 'peak resident set'}).\n\n"
-        f"## bf16-sr against transformers with autocast bf16\n\n"
+        f"## bf16-sr{' and fp8' if fp8 else ''} against transformers with autocast bf16\n\n"
+        + (f"fp8 rows: MFU against the bf16 peak, though their linears run float8 products "
+           f"(up to twice the bf16 rate on this GPU).\n\n" if fp8 else "") +
         f"{markdown_table(headline)}\n\n"
         f"## Every policy against transformers at the same precision (frugality at {args.level})\n\n"
     )
