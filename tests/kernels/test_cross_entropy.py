@@ -97,3 +97,9 @@ def test_compiled_rows_on_cuda_match_torch_cross_entropy(dtype):
     torch.testing.assert_close(_rows_in_torch(chunked, targets.cuda(), 1.0 / 300, True), losses,
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chunked.float(), work.float(), rtol=8e-3, atol=1e-7)
+
+
+@pytest.mark.cuda
+def test_a_target_outside_the_vocabulary_is_an_error_on_cuda_too():
+    with pytest.raises(IndexError, match=r"1 target\(s\) outside the vocabulary \[0, 64\)"):
+        _rows_compiled(torch.randn(3, 64, device="cuda"), torch.tensor([0, 64, 1], device="cuda"), 1 / 3, True)

@@ -138,6 +138,12 @@ def _rows_compiled(logits: torch.Tensor, targets: torch.Tensor, scale: float, wa
     apply or failed to compile once in this process (the caller then uses torch ops)."""
     if logits.device.type == "cpu":
         return None
+    # An index past the vocabulary would stop the GPU with a device-side assert (in this
+    # path and in the torch-ops fallback); say so instead, as the CPU kernel does (one
+    # small reduction and a sync per step).
+    bad = int(((targets < 0) | (targets >= logits.shape[1])).sum())
+    if bad:
+        raise IndexError(f"cross-entropy: {bad} target(s) outside the vocabulary [0, {logits.shape[1]})")
     if "fn" not in _COMPILED:
         _COMPILED["fn"] = torch.compile(_rows_fused, dynamic=False, fullgraph=True)
     if _COMPILED["fn"] is None:
