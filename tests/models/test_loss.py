@@ -33,6 +33,25 @@ def test_no_grad_and_bf16():
     assert loss.item() == pytest.approx(F.cross_entropy(h @ w.t(), y).item(), rel=2e-2)
 
 
+def test_without_grad_mode_no_gradient_is_computed():
+    """needs_input_grad is True under torch.no_grad() too: evaluation must not pay for the
+    gradient pass and its two matrix products. The reused logits buffer shows which ran."""
+    from frugality.models import loss as loss_module
+
+    torch.manual_seed(0)
+    h = torch.randn(40, 32, requires_grad=True)
+    w = torch.randn(300, 32, requires_grad=True)
+    y = torch.randint(0, 300, (40,))
+    with torch.no_grad():
+        linear_cross_entropy(h, w, y)
+    (buffer,) = loss_module._WORKSPACE.values()
+    torch.testing.assert_close(buffer, h.detach() @ w.detach().t())  # still the logits
+    loss = linear_cross_entropy(h, w, y)
+    (buffer,) = loss_module._WORKSPACE.values()
+    assert loss.requires_grad
+    torch.testing.assert_close(buffer.sum(dim=1), torch.zeros(40), atol=1e-5, rtol=0)  # softmax - onehot
+
+
 def test_under_autocast_the_products_run_in_bf16_and_grads_keep_their_dtype():
     torch.manual_seed(0)
     h = torch.randn(70, 32, requires_grad=True)

@@ -46,20 +46,24 @@ def _workspace(shape: tuple[int, int], dtype: torch.dtype, device: torch.device)
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                grad_mode: bool) -> torch.Tensor:
         device_type = hidden.device.type
         dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                  else hidden.dtype)
         ctx.dtypes = hidden.dtype, weight.dtype
+        # needs_input_grad says True under torch.no_grad() too; without the caller's grad
+        # mode, evaluation would pay for the gradient's two products (2/3 of the layer).
+        want_grad = grad_mode and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         with torch.autocast(device_type, enabled=False):  # casts are explicit below
-            return _LinearCrossEntropy._forward(ctx, hidden.to(dtype), weight.to(dtype), targets)
+            return _LinearCrossEntropy._forward(ctx, hidden.to(dtype), weight.to(dtype), targets, want_grad)
 
     @staticmethod
-    def _forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                 want_grad: bool) -> torch.Tensor:
         logits = _workspace((hidden.shape[0], weight.shape[0]), hidden.dtype, hidden.device)
         amx_layout = _transpose_first(hidden)
         torch.mm(hidden, kernels.transposed(weight) if amx_layout else weight.t(), out=logits)
-        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         n = logits.shape[0]
         # Over the rows, in place: the loss per row, and (softmax - onehot) / n if wanted.
         row_losses = _rows_in_c(logits, targets, 1.0 / n, want_grad)
@@ -82,9 +86,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden_dtype, weight_dtype = ctx.dtypes
         if grad_output.device.type == "cpu" and grad_output.item() == 1.0:
             # the usual case: scaling two 25M-element tensors by one would cost ~30 ms
-            return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None
+            return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None
         scale = grad_output.to(grad_hidden.dtype)
-        return (grad_hidden * scale).to(hidden_dtype), (grad_weight * scale).to(weight_dtype), None
+        return (grad_hidden * scale).to(hidden_dtype), (grad_weight * scale).to(weight_dtype), None, None
 
 
 def _transpose_first(hidden: torch.Tensor) -> bool:
@@ -188,7 +192,7 @@ def _rows_in_torch(logits: torch.Tensor, targets: torch.Tensor, scale: float, wa
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, without materialising
     float32 logits. hidden: (tokens, d); weight: (vocab, d); targets: (tokens,) int64."""
-    return _LinearCrossEntropy.apply(hidden, weight, targets)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, torch.is_grad_enabled())
 
 
 def logits_or_loss(hidden: torch.Tensor, output: torch.nn.Linear, targets: torch.Tensor | None) -> torch.Tensor:
