@@ -1,6 +1,8 @@
 """The cross-entropy row kernels (C on CPUs, a compiled graph on GPUs) against torch's own
 cross-entropy: loss, gradient, bad input."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,3 +105,16 @@ def test_compiled_rows_on_cuda_match_torch_cross_entropy(dtype):
 def test_a_target_outside_the_vocabulary_is_an_error_on_cuda_too():
     with pytest.raises(IndexError, match=r"1 target\(s\) outside the vocabulary \[0, 64\)"):
         _rows_compiled(torch.randn(3, 64, device="cuda"), torch.tensor([0, 64, 1], device="cuda"), 1 / 3, True)
+
+
+@pytest.mark.cuda
+def test_the_compiled_rows_serve_many_shapes_without_recompiling_per_shape():
+    """One process may train several models (a benchmark, a test session): dynamo allows 8
+    compilations per function, so the graph must not be specialised to each shape."""
+    for tokens, vocab in [(3, 64), (5, 100), (17, 1000), (40, 333), (64, 50304), (7, 8), (9, 65), (11, 512),
+                          (13, 2048)]:
+        logits = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="compiled cross-entropy failed")  # the fallback's
+            losses = _rows_compiled(logits, torch.randint(0, vocab, (tokens,), device="cuda"), 1.0 / tokens, True)
+        assert losses is not None and losses.shape == (tokens,)

@@ -154,7 +154,11 @@ def _rows_compiled(logits: torch.Tensor, targets: torch.Tensor, scale: float, wa
         return None
     scale_tensor = torch.tensor(scale, dtype=torch.float32, device=logits.device)  # no recompile per n
     try:
-        return _COMPILED["fn"](logits, targets.to(torch.int64), scale_tensor, want_grad)
+        # Static shapes (symbolic ones made the step 3-4 ms slower on an H100): a graph per
+        # token count, vocabulary, dtype and gradient mode. A process that trains several
+        # models (a benchmark, a test session) needs more than dynamo's default of 8.
+        with torch._dynamo.config.patch(recompile_limit=64):
+            return _COMPILED["fn"](logits, targets.to(torch.int64), scale_tensor, want_grad)
     except Exception as e:  # e.g. no Triton for this GPU; nothing was written before the failure
         warnings.warn(f"compiled cross-entropy failed ({type(e).__name__}: {e}); using torch ops "
                       "for the rest of this run")
