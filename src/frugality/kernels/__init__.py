@@ -33,6 +33,12 @@ def adamw_bf16_step():
                      extra_flags=("-ffp-contract=off",))
 
 
+def bf16_sum_squares():
+    """bf16_sum_squares(x, n, threads) -> double: see adamw_bf16_cpu.c."""
+    return _function("adamw_bf16_cpu", "bf16_sum_squares", ctypes.c_double, [_p, _i64, _int],
+                     extra_flags=("-ffp-contract=off",))  # the same library as adamw_bf16_step
+
+
 def cross_entropy(dtype_name: str):
     """cross_entropy_{bf16,f32}(logits, rows, cols, ld, targets, scale, want_grad, losses,
     threads) -> bad targets (or -1: out of memory): see cross_entropy_cpu.c."""

@@ -156,12 +156,20 @@ class BF16AdamW(torch.optim.Optimizer):
         """The global gradient norm (as torch.nn.utils.clip_grad_norm_ returns it), and
         clipping to `max_norm` folded into the next step: each gradient is scaled in float32
         as the update reads it, instead of in a separate bf16 pass over all of them."""
-        norms = []
+        grads = []
         for group, flat in zip(self.param_groups, self._flat):
             if flat:
                 self._relink_grads(group, flat)
-                norms.append(torch.linalg.vector_norm(flat["grad"]))
-        total = torch.linalg.vector_norm(torch.stack(norms).float())
+                grads.append(flat["grad"])
+        # On CPUs a C kernel (whatever `fused` says: every update path then clips by the
+        # same scale): one read of the buffers, where torch's bf16 norm ran at ~4 GB/s.
+        kernel = kernels.bf16_sum_squares() if grads[0].device.type == "cpu" else None
+        if kernel is not None:
+            total = torch.tensor(math.sqrt(sum(kernel(g.data_ptr(), g.numel(), torch.get_num_threads())
+                                               for g in grads)), dtype=torch.float32)
+        else:
+            total = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
         value = float(total)
         # torch's formula, clamped to 1; a non-finite norm poisons the step, as it does there
         self._grad_scale = min(max_norm / (value + 1e-6), 1.0) if math.isfinite(value) else math.nan
