@@ -1,14 +1,17 @@
 """Training throughput: frugality vs transformers' GPTNeoXForCausalLM + torch AdamW.
 
-Pythia-70m architecture, batch 4 x 512 tokens. Two tables, each pass alternating the two
-implementations step by step in one process (medians of the timed steps):
+Pythia-70m architecture, batch 4 x 512 tokens by default (16 x 2048 for the GPU table). Two
+tables, each pass alternating the two implementations step by step in one process (medians
+of the timed steps):
 1. the headline: frugality's bf16-sr against transformers' amp-bf16 (autocast, the usual
-   way to train it in bf16), once with frugality eager and once at --level;
+   way to train it in bf16), once with frugality eager and once at --level; on GPUs of
+   compute capability 8.9 or later also frugality's fp8 at --level;
 2. every precision policy against transformers at the same precision, frugality at --level.
 Peak memory from a fresh subprocess per implementation. Writes Markdown and JSON to
 benchmarks/results/, named by model, machine and date.
 
     .venv/bin/python benchmarks/train_throughput.py [--level O1] [--steps 7] [--warmup 2]
+        [--batch 4 --seq 512]
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def main() -> int:
     parser.add_argument("--recipe", default="pythia-70m")
     parser.add_argument("--precision", default="fp32,amp-bf16,bf16-sr,bf16")
     parser.add_argument("--level", default="O1", help="frugality's compile level (transformers runs eagerly)")
-    parser.add_argument("--batch", type=int, default=4)  # 4 x 512 on the CPU; 16 x 2048 on a GPU
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
