@@ -58,3 +58,68 @@ def test_eager_and_inference_keep_sdpa():
     with torch.no_grad():
         torch.testing.assert_close(causal_attention(q, k, v),
                                    F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+amx = pytest.mark.skipif(not cpu_attention._amx_kernel_runs(),
+                         reason="the C attention kernel needs a CPU with AMX (and a C compiler)")
+
+
+@amx
+@pytest.mark.parametrize("heads, kv_heads, seq, head_size", [(3, 3, 96, 32), (4, 2, 64, 64), (2, 2, 128, 128)])
+def test_amx_kernel_is_as_close_to_float64_as_torch(heads, kv_heads, seq, head_size):
+    """Forward, log-sum-exp and all three gradients, against float64; the bar is torch's own
+    bf16 attention's error (96 rows: a last block of 32; 4 over 2 heads: grouped)."""
+    q, k, v, grad = _inputs(torch.bfloat16, heads, kv_heads, seq, head_size)
+    assert cpu_attention.amx_attention_applies(q, k, v)
+    out = causal_attention(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref_out, ref_grads = _reference(q, k, v, grad)
+    q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    torch_out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=kv_heads != heads)
+    torch_grads = torch.autograd.grad(torch_out, (q_, k_, v_), grad)
+    ours = _relative_errors([out, *grads], [ref_out, *ref_grads])
+    theirs = _relative_errors([torch_out, *torch_grads], [ref_out, *ref_grads])
+    assert all(o < 1.25 * t + 1e-3 for o, t in zip(ours, theirs)), (ours, theirs)
+
+    group = heads // kv_heads
+    _, lse = cpu_attention._amx_forward(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+    scores = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)) * head_size**-0.5
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-3, rtol=0)
+
+
+@amx
+def test_amx_kernel_in_compiled_training_is_one_op_without_graph_breaks():
+    q, k, v, grad = _inputs(torch.bfloat16, seq=64, head_size=32)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return aot_eager(gm, example_inputs)
+
+    out = torch.compile(causal_attention, backend=backend, fullgraph=True)(q, k, v)
+    assert "amx_attention" in graphs[0] and "scaled_dot_product_attention" not in graphs[0]
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    eager_grads = torch.autograd.grad(causal_attention(q, k, v), (q, k, v), grad)
+    for a, b in zip(grads, eager_grads):
+        assert torch.equal(a, b)  # the same kernel, compiled or not
+
+
+@amx
+def test_amx_kernel_leaves_onednn_products_correct():
+    """The kernel configures AMX tiles on torch's threads; oneDNN's bf16 products (AMX too)
+    must be unaffected afterwards."""
+    q, k, v, _ = _inputs(torch.bfloat16, seq=64, head_size=32)
+    a, b = torch.randn(256, 512, dtype=torch.bfloat16), torch.randn(512, 384, dtype=torch.bfloat16)
+    before = a @ b
+    causal_attention(q, k, v).sum().backward()
+    torch.testing.assert_close(a @ b, before, rtol=0, atol=0)
+    torch.testing.assert_close((a @ b).float(), a.float() @ b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_shapes_the_kernel_does_not_take_go_to_sdpa():
+    q, k, v, _ = _inputs(torch.bfloat16, seq=40, head_size=16)  # neither a multiple of 32
+    assert not cpu_attention.amx_attention_applies(q, k, v)
+    with torch.no_grad():
+        torch.testing.assert_close(causal_attention(q, k, v),
+                                   F.scaled_dot_product_attention(q, k, v, is_causal=True))

@@ -61,3 +61,15 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
                torch.get_num_threads())
         return out
     return x.t().contiguous()
+
+
+def attention_forward_bf16():
+    """attention_forward_bf16(q, k, v, out, lse, heads, seq, dim, scale, threads) -> 0, -1
+    (no AVX512-BF16) or -2 (out of memory): see attention_cpu.c."""
+    return _function("attention_cpu", "attention_forward_bf16", _i64, [_p] * 5 + [_i64] * 3 + [_f32, _int])
+
+
+def attention_backward_bf16():
+    """attention_backward_bf16(q, k, v, out, lse, dout, dq, dk, dv, heads, seq, dim, scale,
+    threads) -> as attention_forward_bf16: see attention_cpu.c."""
+    return _function("attention_cpu", "attention_backward_bf16", _i64, [_p] * 9 + [_i64] * 3 + [_f32, _int])

@@ -47,9 +47,13 @@ def library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    source = (resources.files("frugality") / "kernels" / f"{name}.c").read_bytes()
+    here = resources.files("frugality") / "kernels"
+    source = (here / f"{name}.c").read_bytes()
+    # the shared headers are part of what is built: a change to one rebuilds every kernel
+    headers = b"".join(h.read_bytes() for h in sorted(here.iterdir(), key=lambda h: h.name)
+                       if h.name.endswith(".h"))
     flags = [*_FLAGS, *extra_flags]
-    key = hashlib.sha256(source + " ".join(flags).encode() + compiler.encode()
+    key = hashlib.sha256(source + headers + " ".join(flags).encode() + compiler.encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"{name}-{key}.so"
     if not path.exists():
@@ -58,7 +62,7 @@ def library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         tmp = path.with_suffix(f".{os.getpid()}.so")
         src.write_bytes(source)
         try:
-            done = subprocess.run([compiler, *flags, str(src), "-o", str(tmp), "-lm"],
+            done = subprocess.run([compiler, *flags, f"-I{here}", str(src), "-o", str(tmp), "-lm"],
                                   capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
             warnings.warn(f"could not build the C kernel {name} ({e}); using torch ops")

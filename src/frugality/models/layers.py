@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from frugality.models.cpu_attention import CausalAttention
+from frugality.models.cpu_attention import CausalAttention, amx_attention, amx_attention_applies
 
 
 class RotaryEmbedding(nn.Module):
@@ -74,17 +74,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     fewer heads than q (grouped-query attention), each serving a contiguous group of q's.
 
     SDPA picks the fused kernel the device has (flash / memory-efficient on CUDA, the
-    flash-style C++ kernel on CPU); the scale is the default head_size ** -0.5. Training on
-    a CPU inside a compiled region takes `CausalAttention` instead, whose backward pass is
-    faster there (see frugality.models.cpu_attention).
+    flash-style C++ kernel on CPU); the scale is the default head_size ** -0.5. On CPUs two
+    paths are faster (see frugality.models.cpu_attention): bf16 with AMX takes the C kernel
+    `amx_attention`; other training inside a compiled region takes `CausalAttention`.
     """
     grouped = k.shape[1] != q.shape[1]
-    if (q.device.type == "cpu" and torch.compiler.is_compiling() and torch.is_grad_enabled()
-            and q.requires_grad):
-        if grouped:
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return CausalAttention.apply(q, k, v)
+    if q.device.type == "cpu":
+        fast = (amx_attention if amx_attention_applies(q, k, v)
+                else CausalAttention.apply if (torch.compiler.is_compiling() and torch.is_grad_enabled()
+                                               and q.requires_grad)
+                else None)
+        if fast is not None:
+            if grouped:  # both take as many key and value heads as query heads
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            return fast(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
 
 

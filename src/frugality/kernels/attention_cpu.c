@@ -1,0 +1,253 @@
+/* Causal self-attention for bf16 on CPUs with AVX512-BF16: forward and backward, one head
+ * at a time per thread. The CPU kernel behind frugality.models.cpu_attention.
+ *
+ * Why: PyTorch's CPU flash attention runs at about 95 GFLOP/s forward and 35-60 backward
+ * on a 2-core Xeon (heads of 512 x 64: many small products per head). Here every product
+ * is one register-blocked loop of vdpbf16ps (bf16 pairs multiplied, summed into float32)
+ * over operands laid out once per head, and a head's whole working set (scores of a block
+ * of 64 query rows against the keys before them, the re-laid-out K, V, Q, dO) stays in L2.
+ *
+ * Numerics follow the flash kernels: scores, softmax and its gradient in float32 (from
+ * bf16 inputs, accumulated in float32); the probabilities and dS rounded to bf16 (nearest
+ * even) as inputs of the products that take them; dK and dV accumulated in float32 over
+ * all query blocks and rounded once. Causal: query i sees keys 0..i; blocks skip the keys
+ * past their last row. `lse` is the natural log-sum-exp of each query row's scaled scores.
+ *
+ * Shapes: q, k, v, out, dout, dq, dk, dv are [heads][seq][dim] contiguous bf16; lse is
+ * [heads][seq] float32; seq % 32 == 0 and dim % 32 == 0 (the caller checks and otherwise
+ * uses torch's kernel). Without AVX512-BF16 both functions return -1 and do nothing.
+ *
+ * The product's layout: C[M][N] (float32) += A[M][K] B[K][N], A bf16 row-major, B in
+ * "pair" layout: Bp[k/2][n][2] = (B[k][n], B[k+1][n]) -- the operand vdpbf16ps multiplies
+ * against a broadcast pair (A[m][k], A[m][k+1]).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16_math.h"
+#include "transpose.h"
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define MB 64 /* query rows per block */
+
+/* Linux hands out AMX's register state only on request (once per process). */
+static int amx_permitted(void) {
+    static int state = 0; /* 0 not asked yet, 1 granted, -1 refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* Eight tiles of 16 rows x 64 bytes: 0-3 a 32 x 32 float32 block of C, 4-5 two 16 x 32
+ * bf16 blocks of A, 6-7 two 16-pair x 16 blocks of B. Per thread; released after use, so
+ * oneDNN (which configures its own before each product) finds the state as it expects. */
+static void configure_tiles(void) {
+    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } config = {0};
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+}
+
+/* C[M][N] (+)= A[M][K] Bp with AMX; M, N, K multiples of 32. ldb counts the bf16 elements
+ * of one pair row (2 x its columns). Blocks of 32 x 32, tiles kept in registers over K. */
+static void product(const uint16_t *A, int64_t lda, const uint16_t *Bp, int64_t ldb,
+                    float *C, int64_t ldc, int64_t M, int64_t N, int64_t K, int accumulate) {
+    for (int64_t n = 0; n < N; n += 32)
+        for (int64_t m = 0; m < M; m += 32) {
+            float *c = C + m * ldc + n;
+            if (accumulate) {
+                _tile_loadd(0, c, ldc * 4); _tile_loadd(1, c + 16, ldc * 4);
+                _tile_loadd(2, c + 16 * ldc, ldc * 4); _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+            } else {
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            }
+            for (int64_t k = 0; k < K; k += 32) {
+                _tile_loadd(4, A + m * lda + k, lda * 2);
+                _tile_loadd(5, A + (m + 16) * lda + k, lda * 2);
+                _tile_loadd(6, Bp + (k / 2) * ldb + 2 * n, ldb * 2);
+                _tile_loadd(7, Bp + (k / 2) * ldb + 2 * (n + 16), ldb * 2);
+                _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c, ldc * 4); _tile_stored(1, c + 16, ldc * 4);
+            _tile_stored(2, c + 16 * ldc, ldc * 4); _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+        }
+}
+
+/* Pair layout of X^T for X [rows][cols] bf16: out[c/2][r][2] = (X[r][c], X[r][c+1]) --
+ * a transpose of X read as 32-bit words. */
+static void pairs_of_columns(const uint16_t *X, int64_t rows, int64_t cols, uint16_t *out) {
+    transpose32((const uint32_t *)X, rows, cols / 2, (uint32_t *)out);
+}
+
+/* Pair layout of X [rows][cols] itself: out[r/2][c][2] = (X[r][c], X[r+1][c]). */
+static void pairs_of_rows(const uint16_t *X, int64_t rows, int64_t cols, uint16_t *out) {
+    for (int64_t r = 0; r < rows; r += 2)
+        for (int64_t c = 0; c < cols; c++) {
+            out[r * cols + 2 * c] = X[r * cols + c];
+            out[r * cols + 2 * c + 1] = X[(r + 1) * cols + c];
+        }
+}
+
+static void transpose(const uint16_t *X, int64_t rows, int64_t cols, uint16_t *out) {
+    transpose_tile16(X, cols, out, rows, 0, rows, 0, cols);
+}
+
+/* Two float32 rows a, b (n % 16 == 0) rounded to bf16 and interleaved: out[2j] = a[j],
+ * out[2j+1] = b[j] (one pair row of the pair layout). */
+static inline void store_pair_row(const float *a, const float *b, int64_t n, uint16_t *out) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t j = 0; j < n; j += 16) {
+        __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(b + j), _mm512_loadu_ps(a + j));
+        _mm512_storeu_si512(out + 2 * j, _mm512_permutexvar_epi16(order, ab));
+    }
+}
+
+static inline void store_row(const float *a, float scale, int64_t n, uint16_t *out) {
+    for (int64_t j = 0; j < n; j += 16)
+        _mm256_storeu_si256((__m256i *)(out + j),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(a + j), _mm512_set1_ps(scale))));
+}
+
+static void *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                               float *lse, int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+    if (!amx_permitted()) return -1;
+    int64_t no_memory = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : no_memory)
+    {
+        configure_tiles();
+        uint16_t *kp = scratch(seq * dim * 2), *vp = scratch(seq * dim * 2), *p = scratch(MB * seq * 2);
+        float *s = scratch(MB * seq * 4), *o = scratch(MB * dim * 4);
+        float inv_sum[MB];
+        int ok = kp && vp && p && s && o;
+        no_memory += !ok;
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < heads; h++) {
+            if (!ok) continue;
+            const uint16_t *Q = q + h * seq * dim, *K = k + h * seq * dim, *V = v + h * seq * dim;
+            pairs_of_columns(K, seq, dim, kp); /* K^T's pairs: S = Q K^T */
+            pairs_of_rows(V, seq, dim, vp);    /* V's pairs: O = P V */
+            for (int64_t i0 = 0; i0 < seq; i0 += MB) {
+                int64_t rows = seq - i0 < MB ? seq - i0 : MB, keys = i0 + rows;
+                product(Q + i0 * dim, dim, kp, 2 * seq, s, seq, rows, keys, dim, 0);
+                for (int64_t r = 0; r < rows; r++) {
+                    float *x = s + r * seq;
+                    int64_t seen = i0 + r + 1;
+                    float max = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : max)
+                    for (int64_t j = 0; j < seen; j++) max = x[j] * scale > max ? x[j] * scale : max;
+#pragma omp simd reduction(+ : sum)
+                    for (int64_t j = 0; j < seen; j++) {
+                        x[j] = exp_nonpositive(x[j] * scale - max);
+                        sum += x[j];
+                    }
+                    for (int64_t j = seen; j < keys; j++) x[j] = 0.0f;
+                    lse[h * seq + i0 + r] = max + logf(sum);
+                    inv_sum[r] = 1.0f / sum;
+                    store_row(x, 1.0f, keys, p + r * seq);
+                }
+                product(p, seq, vp, 2 * dim, o, dim, rows, dim, keys, 0);
+                for (int64_t r = 0; r < rows; r++)
+                    store_row(o + r * dim, inv_sum[r], dim, out + (h * seq + i0 + r) * dim);
+            }
+        }
+        _tile_release();
+        free(kp), free(vp), free(p), free(s), free(o);
+    }
+    return no_memory ? -2 : 0;
+}
+
+int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
+                                const float *lse, const uint16_t *dout, uint16_t *dq, uint16_t *dk,
+                                uint16_t *dv, int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+    if (!amx_permitted()) return -1;
+    int64_t no_memory = 0;
+    size_t plane = seq * dim;
+#pragma omp parallel num_threads(threads) reduction(+ : no_memory)
+    {
+        configure_tiles();
+        uint16_t *kp = scratch(plane * 2), *vp = scratch(plane * 2), *k_rows = scratch(plane * 2);
+        uint16_t *qt = scratch(plane * 2), *dot = scratch(plane * 2);
+        uint16_t *pp = scratch(MB * seq * 2), *dsp = scratch(MB * seq * 2), *ds = scratch(MB * seq * 2);
+        float *dkt = scratch(plane * 4), *dvt = scratch(plane * 4), *delta = scratch(seq * 4);
+        float *s = scratch(MB * seq * 4), *dp = scratch(MB * seq * 4), *acc = scratch(MB * dim * 4);
+        int ok = kp && vp && k_rows && qt && dot && pp && dsp && ds && dkt && dvt && delta && s && dp && acc;
+        no_memory += !ok;
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < heads; h++) {
+            if (!ok) continue;
+            size_t at = h * plane;
+            const uint16_t *Q = q + at, *K = k + at, *V = v + at, *O = out + at, *dO = dout + at;
+            const float *L = lse + h * seq;
+            pairs_of_columns(K, seq, dim, kp); /* S = Q K^T */
+            pairs_of_columns(V, seq, dim, vp); /* dP = dO V^T */
+            pairs_of_rows(K, seq, dim, k_rows); /* dQ = dS K */
+            transpose(Q, seq, dim, qt);         /* dK^T = Q^T dS */
+            transpose(dO, seq, dim, dot);       /* dV^T = dO^T P */
+            memset(dkt, 0, plane * 4);
+            memset(dvt, 0, plane * 4);
+            for (int64_t i = 0; i < seq; i++) { /* softmax backward's row term: sum_d dO O */
+                float sum = 0.0f;
+                for (int64_t d = 0; d < dim; d++) sum += bf16_to_f32(dO[i * dim + d]) * bf16_to_f32(O[i * dim + d]);
+                delta[i] = sum;
+            }
+            for (int64_t i0 = 0; i0 < seq; i0 += MB) {
+                int64_t rows = seq - i0 < MB ? seq - i0 : MB, keys = i0 + rows;
+                product(Q + i0 * dim, dim, kp, 2 * seq, s, seq, rows, keys, dim, 0);
+                product(dO + i0 * dim, dim, vp, 2 * seq, dp, seq, rows, keys, dim, 0);
+                for (int64_t r = 0; r < rows; r++) {
+                    float *x = s + r * seq, *y = dp + r * seq;
+                    int64_t seen = i0 + r + 1;
+                    float row_lse = L[i0 + r], row_delta = delta[i0 + r];
+#pragma omp simd
+                    for (int64_t j = 0; j < seen; j++) {
+                        float prob = exp_nonpositive(x[j] * scale - row_lse);
+                        x[j] = prob;                                  /* P */
+                        y[j] = prob * (y[j] - row_delta) * scale;      /* dS */
+                    }
+                    for (int64_t j = seen; j < keys; j++) x[j] = y[j] = 0.0f;
+                    store_row(y, 1.0f, keys, ds + r * seq);
+                }
+                for (int64_t r = 0; r < rows; r += 2) {
+                    store_pair_row(s + r * seq, s + (r + 1) * seq, keys, pp + r * seq);
+                    store_pair_row(dp + r * seq, dp + (r + 1) * seq, keys, dsp + r * seq);
+                }
+                product(ds, seq, k_rows, 2 * dim, acc, dim, rows, dim, keys, 0);
+                for (int64_t r = 0; r < rows; r++) store_row(acc + r * dim, 1.0f, dim, dq + at + (i0 + r) * dim);
+                product(dot + i0, seq, pp, 2 * seq, dvt, seq, dim, keys, rows, 1);
+                product(qt + i0, seq, dsp, 2 * seq, dkt, seq, dim, keys, rows, 1);
+            }
+            /* dK^T and dV^T rounded to bf16 (into the layouts' scratch, free now), then laid
+             * out as [seq][dim] */
+            store_row(dkt, 1.0f, plane, qt);
+            store_row(dvt, 1.0f, plane, dot);
+            transpose(qt, dim, seq, dk + at);
+            transpose(dot, dim, seq, dv + at);
+        }
+        _tile_release();
+        free(kp), free(vp), free(k_rows), free(qt), free(dot), free(pp), free(dsp), free(ds);
+        free(dkt), free(dvt), free(delta), free(s), free(dp), free(acc);
+    }
+    return no_memory ? -2 : 0;
+}
+
+#else /* no AVX512-BF16: the caller uses torch's kernel */
+
+int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                               float *lse, int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+    return -1;
+}
+
+int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
+                                const float *lse, const uint16_t *dout, uint16_t *dq, uint16_t *dk,
+                                uint16_t *dv, int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+    return -1;
+}
+#endif
