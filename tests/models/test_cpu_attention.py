@@ -123,3 +123,35 @@ def test_shapes_the_kernel_does_not_take_go_to_sdpa():
     with torch.no_grad():
         torch.testing.assert_close(causal_attention(q, k, v),
                                    F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@amx
+def test_amx_kernel_reads_views_of_a_fused_projection_and_gives_the_same_bits():
+    """q, k, v as the models slice them from one QKV projection (rows 3 x heads x dim apart):
+    no copies, and the same results as from contiguous copies. The output comes laid out
+    (batch, seq, heads, dim), so merging the heads is a view."""
+    torch.manual_seed(0)
+    batch, seq, heads, dim = 2, 64, 3, 32
+    qkv = torch.randn(batch, seq, heads, 3, dim, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(batch, heads, seq, dim, dtype=torch.bfloat16)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
+    out = causal_attention(q, k, v)
+    assert out.transpose(1, 2).is_contiguous()
+    (d_qkv,) = torch.autograd.grad(out, qkv, grad)
+    copies = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    out2 = causal_attention(*copies)
+    grads2 = torch.autograd.grad(out2, copies, grad)
+    assert torch.equal(out, out2)
+    assert torch.equal(d_qkv, torch.stack([g.transpose(1, 2) for g in grads2], dim=3))
+
+
+@amx
+def test_amx_ops_pass_torch_opcheck():
+    """Schema, fake (meta) kernels, autograd registration and AOT dispatch of both custom ops,
+    as torch.compile relies on them."""
+    q, k, v, grad = _inputs(torch.bfloat16, seq=64, head_size=32)
+    torch.library.opcheck(cpu_attention._amx_forward, (q, k, v))
+    out, lse = cpu_attention._amx_forward(q, k, v)
+    args = (q, k, v, out.transpose(1, 2), lse, grad)
+    # no double backward: the backward op's inputs carry no gradient
+    torch.library.opcheck(cpu_attention._amx_backward, tuple(t.detach() for t in args))

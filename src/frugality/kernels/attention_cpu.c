@@ -1,9 +1,9 @@
-/* Causal self-attention for bf16 on CPUs with AVX512-BF16: forward and backward, one head
+/* Causal self-attention for bf16 on CPUs with AMX: forward and backward, one head
  * at a time per thread. The CPU kernel behind frugality.models.cpu_attention.
  *
  * Why: PyTorch's CPU flash attention runs at about 95 GFLOP/s forward and 35-60 backward
  * on a 2-core Xeon (heads of 512 x 64: many small products per head). Here every product
- * is one register-blocked loop of vdpbf16ps (bf16 pairs multiplied, summed into float32)
+ * is one loop of AMX tile products (32 x 32 float32 blocks of the result held in tiles)
  * over operands laid out once per head, and a head's whole working set (scores of a block
  * of 64 query rows against the keys before them, the re-laid-out K, V, Q, dO) stays in L2.
  *
@@ -13,13 +13,17 @@
  * all query blocks and rounded once. Causal: query i sees keys 0..i; blocks skip the keys
  * past their last row. `lse` is the natural log-sum-exp of each query row's scaled scores.
  *
- * Shapes: q, k, v, out, dout, dq, dk, dv are [heads][seq][dim] contiguous bf16; lse is
- * [heads][seq] float32; seq % 32 == 0 and dim % 32 == 0 (the caller checks and otherwise
- * uses torch's kernel). Without AVX512-BF16 both functions return -1 and do nothing.
+ * Layouts: q, k, v, out, dout, dq, dk, dv are bf16 (batch, heads, seq, dim) tensors with
+ * any batch, head and row strides and contiguous rows (`st`: three strides per tensor), so
+ * that views into a fused QKV projection and outputs laid out (batch, seq, heads, dim)
+ * need no copies; lse is (batch, heads, seq) float32, contiguous. seq % 32 == 0 and
+ * dim % 32 == 0 (the caller checks and otherwise uses torch's kernel). Without AMX, or
+ * when Linux refuses it, both functions return -1 and do nothing.
  *
  * The product's layout: C[M][N] (float32) += A[M][K] B[K][N], A bf16 row-major, B in
- * "pair" layout: Bp[k/2][n][2] = (B[k][n], B[k+1][n]) -- the operand vdpbf16ps multiplies
- * against a broadcast pair (A[m][k], A[m][k+1]).
+ * "pair" layout: Bp[k/2][n][2] = (B[k][n], B[k+1][n]), the layout AMX's bf16 product takes
+ * its second operand in. (AVX512-BF16's vdpbf16ps takes the same, but measured here it
+ * ran at 55 GFLOP/s a core against AMX's 350-430: no faster than float32 FMA.)
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -80,21 +84,22 @@ static void product(const uint16_t *A, int64_t lda, const uint16_t *Bp, int64_t 
 
 /* Pair layout of X^T for X [rows][cols] bf16: out[c/2][r][2] = (X[r][c], X[r][c+1]) --
  * a transpose of X read as 32-bit words. */
-static void pairs_of_columns(const uint16_t *X, int64_t rows, int64_t cols, uint16_t *out) {
-    transpose32((const uint32_t *)X, rows, cols / 2, (uint32_t *)out);
+static void pairs_of_columns(const uint16_t *X, int64_t ld, int64_t rows, int64_t cols, uint16_t *out) {
+    transpose32((const uint32_t *)X, ld / 2, rows, cols / 2, (uint32_t *)out);
 }
 
 /* Pair layout of X [rows][cols] itself: out[r/2][c][2] = (X[r][c], X[r+1][c]). */
-static void pairs_of_rows(const uint16_t *X, int64_t rows, int64_t cols, uint16_t *out) {
+static void pairs_of_rows(const uint16_t *X, int64_t ld, int64_t rows, int64_t cols, uint16_t *out) {
     for (int64_t r = 0; r < rows; r += 2)
         for (int64_t c = 0; c < cols; c++) {
-            out[r * cols + 2 * c] = X[r * cols + c];
-            out[r * cols + 2 * c + 1] = X[(r + 1) * cols + c];
+            out[r * cols + 2 * c] = X[r * ld + c];
+            out[r * cols + 2 * c + 1] = X[(r + 1) * ld + c];
         }
 }
 
-static void transpose(const uint16_t *X, int64_t rows, int64_t cols, uint16_t *out) {
-    transpose_tile16(X, cols, out, rows, 0, rows, 0, cols);
+/* out[c * ld_out + r] = X[r * ld + c] */
+static void transpose(const uint16_t *X, int64_t ld, int64_t rows, int64_t cols, uint16_t *out, int64_t ld_out) {
+    transpose_tile16(X, ld, out, ld_out, 0, rows, 0, cols);
 }
 
 /* Two float32 rows a, b (n % 16 == 0) rounded to bf16 and interleaved: out[2j] = a[j],
@@ -116,10 +121,14 @@ static inline void store_row(const float *a, float scale, int64_t n, uint16_t *o
 
 static void *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
+/* Element (b, h, t, d) of tensor i lies at its pointer + b * st[3i] + h * st[3i+1] + t * st[3i+2] + d. */
+static inline int64_t offset(const int64_t *st, int i, int64_t b, int64_t h) { return b * st[3 * i] + h * st[3 * i + 1]; }
+
 int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                               float *lse, int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+                               float *lse, int64_t batch, int64_t heads, int64_t seq, int64_t dim,
+                               const int64_t *st /* q, k, v, out */, float scale, int threads) {
     if (!amx_permitted()) return -1;
-    int64_t no_memory = 0;
+    int64_t no_memory = 0, lq = st[2], lk = st[5], lv = st[8], lo = st[11];
 #pragma omp parallel num_threads(threads) reduction(+ : no_memory)
     {
         configure_tiles();
@@ -129,14 +138,16 @@ int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint1
         int ok = kp && vp && p && s && o;
         no_memory += !ok;
 #pragma omp for schedule(static)
-        for (int64_t h = 0; h < heads; h++) {
+        for (int64_t bh = 0; bh < batch * heads; bh++) {
             if (!ok) continue;
-            const uint16_t *Q = q + h * seq * dim, *K = k + h * seq * dim, *V = v + h * seq * dim;
-            pairs_of_columns(K, seq, dim, kp); /* K^T's pairs: S = Q K^T */
-            pairs_of_rows(V, seq, dim, vp);    /* V's pairs: O = P V */
+            int64_t b = bh / heads, h = bh % heads;
+            const uint16_t *Q = q + offset(st, 0, b, h), *K = k + offset(st, 1, b, h), *V = v + offset(st, 2, b, h);
+            uint16_t *Out = out + offset(st, 3, b, h);
+            pairs_of_columns(K, lk, seq, dim, kp); /* K^T's pairs: S = Q K^T */
+            pairs_of_rows(V, lv, seq, dim, vp);    /* V's pairs: O = P V */
             for (int64_t i0 = 0; i0 < seq; i0 += MB) {
                 int64_t rows = seq - i0 < MB ? seq - i0 : MB, keys = i0 + rows;
-                product(Q + i0 * dim, dim, kp, 2 * seq, s, seq, rows, keys, dim, 0);
+                product(Q + i0 * lq, lq, kp, 2 * seq, s, seq, rows, keys, dim, 0);
                 for (int64_t r = 0; r < rows; r++) {
                     float *x = s + r * seq;
                     int64_t seen = i0 + r + 1;
@@ -149,13 +160,12 @@ int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint1
                         sum += x[j];
                     }
                     for (int64_t j = seen; j < keys; j++) x[j] = 0.0f;
-                    lse[h * seq + i0 + r] = max + logf(sum);
+                    lse[bh * seq + i0 + r] = max + logf(sum);
                     inv_sum[r] = 1.0f / sum;
                     store_row(x, 1.0f, keys, p + r * seq);
                 }
                 product(p, seq, vp, 2 * dim, o, dim, rows, dim, keys, 0);
-                for (int64_t r = 0; r < rows; r++)
-                    store_row(o + r * dim, inv_sum[r], dim, out + (h * seq + i0 + r) * dim);
+                for (int64_t r = 0; r < rows; r++) store_row(o + r * dim, inv_sum[r], dim, Out + (i0 + r) * lo);
             }
         }
         _tile_release();
@@ -165,10 +175,12 @@ int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint1
 }
 
 int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
-                                const float *lse, const uint16_t *dout, uint16_t *dq, uint16_t *dk,
-                                uint16_t *dv, int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+                                const float *lse, const uint16_t *dout, uint16_t *dq, uint16_t *dk, uint16_t *dv,
+                                int64_t batch, int64_t heads, int64_t seq, int64_t dim,
+                                const int64_t *st /* q, k, v, out, dout, dq, dk, dv */, float scale, int threads) {
     if (!amx_permitted()) return -1;
-    int64_t no_memory = 0;
+    int64_t no_memory = 0, lq = st[2], lk = st[5], lv = st[8], lo = st[11], ldo = st[14];
+    int64_t ldq = st[17], ldk = st[20], ldv = st[23];
     size_t plane = seq * dim;
 #pragma omp parallel num_threads(threads) reduction(+ : no_memory)
     {
@@ -181,27 +193,30 @@ int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint
         int ok = kp && vp && k_rows && qt && dot && pp && dsp && ds && dkt && dvt && delta && s && dp && acc;
         no_memory += !ok;
 #pragma omp for schedule(static)
-        for (int64_t h = 0; h < heads; h++) {
+        for (int64_t bh = 0; bh < batch * heads; bh++) {
             if (!ok) continue;
-            size_t at = h * plane;
-            const uint16_t *Q = q + at, *K = k + at, *V = v + at, *O = out + at, *dO = dout + at;
-            const float *L = lse + h * seq;
-            pairs_of_columns(K, seq, dim, kp); /* S = Q K^T */
-            pairs_of_columns(V, seq, dim, vp); /* dP = dO V^T */
-            pairs_of_rows(K, seq, dim, k_rows); /* dQ = dS K */
-            transpose(Q, seq, dim, qt);         /* dK^T = Q^T dS */
-            transpose(dO, seq, dim, dot);       /* dV^T = dO^T P */
+            int64_t b = bh / heads, h = bh % heads;
+            const uint16_t *Q = q + offset(st, 0, b, h), *K = k + offset(st, 1, b, h), *V = v + offset(st, 2, b, h);
+            const uint16_t *O = out + offset(st, 3, b, h), *dO = dout + offset(st, 4, b, h);
+            uint16_t *dQ = dq + offset(st, 5, b, h), *dK = dk + offset(st, 6, b, h), *dV = dv + offset(st, 7, b, h);
+            const float *L = lse + bh * seq;
+            pairs_of_columns(K, lk, seq, dim, kp);  /* S = Q K^T */
+            pairs_of_columns(V, lv, seq, dim, vp);  /* dP = dO V^T */
+            pairs_of_rows(K, lk, seq, dim, k_rows); /* dQ = dS K */
+            transpose(Q, lq, seq, dim, qt, seq);    /* dK^T = Q^T dS */
+            transpose(dO, ldo, seq, dim, dot, seq); /* dV^T = dO^T P */
             memset(dkt, 0, plane * 4);
             memset(dvt, 0, plane * 4);
             for (int64_t i = 0; i < seq; i++) { /* softmax backward's row term: sum_d dO O */
                 float sum = 0.0f;
-                for (int64_t d = 0; d < dim; d++) sum += bf16_to_f32(dO[i * dim + d]) * bf16_to_f32(O[i * dim + d]);
+#pragma omp simd reduction(+ : sum)
+                for (int64_t d = 0; d < dim; d++) sum += bf16_to_f32(dO[i * ldo + d]) * bf16_to_f32(O[i * lo + d]);
                 delta[i] = sum;
             }
             for (int64_t i0 = 0; i0 < seq; i0 += MB) {
                 int64_t rows = seq - i0 < MB ? seq - i0 : MB, keys = i0 + rows;
-                product(Q + i0 * dim, dim, kp, 2 * seq, s, seq, rows, keys, dim, 0);
-                product(dO + i0 * dim, dim, vp, 2 * seq, dp, seq, rows, keys, dim, 0);
+                product(Q + i0 * lq, lq, kp, 2 * seq, s, seq, rows, keys, dim, 0);
+                product(dO + i0 * ldo, ldo, vp, 2 * seq, dp, seq, rows, keys, dim, 0);
                 for (int64_t r = 0; r < rows; r++) {
                     float *x = s + r * seq, *y = dp + r * seq;
                     int64_t seen = i0 + r + 1;
@@ -209,8 +224,8 @@ int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint
 #pragma omp simd
                     for (int64_t j = 0; j < seen; j++) {
                         float prob = exp_nonpositive(x[j] * scale - row_lse);
-                        x[j] = prob;                                  /* P */
-                        y[j] = prob * (y[j] - row_delta) * scale;      /* dS */
+                        x[j] = prob;                             /* P */
+                        y[j] = prob * (y[j] - row_delta) * scale; /* dS */
                     }
                     for (int64_t j = seen; j < keys; j++) x[j] = y[j] = 0.0f;
                     store_row(y, 1.0f, keys, ds + r * seq);
@@ -220,16 +235,16 @@ int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint
                     store_pair_row(dp + r * seq, dp + (r + 1) * seq, keys, dsp + r * seq);
                 }
                 product(ds, seq, k_rows, 2 * dim, acc, dim, rows, dim, keys, 0);
-                for (int64_t r = 0; r < rows; r++) store_row(acc + r * dim, 1.0f, dim, dq + at + (i0 + r) * dim);
+                for (int64_t r = 0; r < rows; r++) store_row(acc + r * dim, 1.0f, dim, dQ + (i0 + r) * ldq);
                 product(dot + i0, seq, pp, 2 * seq, dvt, seq, dim, keys, rows, 1);
                 product(qt + i0, seq, dsp, 2 * seq, dkt, seq, dim, keys, rows, 1);
             }
             /* dK^T and dV^T rounded to bf16 (into the layouts' scratch, free now), then laid
-             * out as [seq][dim] */
+             * out as rows */
             store_row(dkt, 1.0f, plane, qt);
             store_row(dvt, 1.0f, plane, dot);
-            transpose(qt, dim, seq, dk + at);
-            transpose(dot, dim, seq, dv + at);
+            transpose(qt, seq, dim, seq, dK, ldk);
+            transpose(dot, seq, dim, seq, dV, ldv);
         }
         _tile_release();
         free(kp), free(vp), free(k_rows), free(qt), free(dot), free(pp), free(dsp), free(ds);
@@ -238,16 +253,18 @@ int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint
     return no_memory ? -2 : 0;
 }
 
-#else /* no AVX512-BF16: the caller uses torch's kernel */
+#else /* no AMX: the caller uses torch's kernel */
 
 int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                               float *lse, int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+                               float *lse, int64_t batch, int64_t heads, int64_t seq, int64_t dim,
+                               const int64_t *st, float scale, int threads) {
     return -1;
 }
 
 int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
-                                const float *lse, const uint16_t *dout, uint16_t *dq, uint16_t *dk,
-                                uint16_t *dv, int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+                                const float *lse, const uint16_t *dout, uint16_t *dq, uint16_t *dk, uint16_t *dv,
+                                int64_t batch, int64_t heads, int64_t seq, int64_t dim,
+                                const int64_t *st, float scale, int threads) {
     return -1;
 }
 #endif

@@ -63,9 +63,11 @@ static void transpose_tile16(const uint16_t *restrict src, int64_t ld_src, uint1
         for (int64_t j = (i < i8 ? j8 : j0); j < j1; j++) dst[j * ld_dst + i] = src[i * ld_src + j];
 }
 
-/* The same for 4-byte elements, in 4 x 4 blocks; rows and cols multiples of 4. */
-static void transpose32(const uint32_t *restrict src, int64_t rows, int64_t cols, uint32_t *restrict dst) {
+/* dst[j * rows + i] = src[i * ld_src + j] for 4-byte elements, in 4 x 4 blocks; rows and
+ * cols multiples of 4. */
+static void transpose32(const uint32_t *restrict src, int64_t ld_src, int64_t rows, int64_t cols,
+                        uint32_t *restrict dst) {
     for (int64_t i = 0; i < rows; i += 4)
-        for (int64_t j = 0; j < cols; j += 4) block4x32(src + i * cols + j, cols, dst + j * rows + i, rows);
+        for (int64_t j = 0; j < cols; j += 4) block4x32(src + i * ld_src + j, ld_src, dst + j * rows + i, rows);
 }
 #endif

@@ -86,20 +86,35 @@ def _amx_kernel_runs() -> bool:
     """The kernel builds, the CPU has AMX and the OS grants it: tried once on a tiny input."""
     if "runs" not in _AMX:
         q = torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16)
-        _AMX["runs"] = _amx_forward_into(q, q, q, torch.empty_like(q), torch.empty(1, 1, 32)) == 0
+        kernel = kernels.attention_forward_bf16()
+        _AMX["runs"] = kernel is not None and _call(kernel, q, q, q, torch.empty_like(q),
+                                                     torch.empty(1, 1, 32), tensors=(q, q, q, q)) == 0
     return _AMX["runs"]
 
 
 _AMX: dict[str, bool] = {}
 
 
-def _amx_forward_into(q, k, v, out, lse) -> int:
-    kernel = kernels.attention_forward_bf16()
-    if kernel is None:
-        return -1
-    batch, heads, seq, head_size = q.shape
-    return kernel(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                  batch * heads, seq, head_size, head_size**-0.5, torch.get_num_threads())
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t with contiguous rows (the kernel takes any other strides)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _seq_major(q: torch.Tensor) -> torch.Tensor:
+    """An empty (batch, seq, heads, dim) tensor for attention's output or an input gradient:
+    seen through .transpose(1, 2) it is a (batch, heads, seq, dim) result whose heads merge
+    back into (batch, seq, hidden) as a view, not a copy. (The custom ops return it
+    contiguous and the transposing view happens outside them, where compilers expect it.)"""
+    batch, heads, seq, dim = q.shape
+    return torch.empty(batch, seq, heads, dim, dtype=q.dtype, device=q.device)
+
+
+def _call(kernel, *pointers_from: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> int:
+    """kernel(pointers..., batch, heads, seq, dim, strides of `tensors`, scale, threads)."""
+    batch, heads, seq, dim = tensors[0].shape
+    strides = torch.tensor([t.stride()[:3] for t in tensors], dtype=torch.int64)
+    return kernel(*(t.data_ptr() for t in pointers_from), batch, heads, seq, dim, strides.data_ptr(),
+                  dim**-0.5, torch.get_num_threads())
 
 
 def _check(code: int) -> None:
@@ -111,33 +126,33 @@ def _check(code: int) -> None:
 
 @torch.library.custom_op("frugality::amx_attention", mutates_args=())
 def _amx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32)
-    _check(_amx_forward_into(q, k, v, out, lse))
+    """(output laid out (batch, seq, heads, dim), log-sum-exp (batch, heads, seq))."""
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    out, lse = _seq_major(q), torch.empty(q.shape[:-1], dtype=torch.float32)
+    _check(_call(kernels.attention_forward_bf16(), q, k, v, out, lse, tensors=(q, k, v, out.transpose(1, 2))))
     return out, lse
 
 
 @_amx_forward.register_fake
 def _(q, k, v):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return _seq_major(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("frugality::amx_attention_backward", mutates_args=())
 def _amx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
-    batch, heads, seq, head_size = q.shape
-    _check(kernels.attention_backward_bf16()(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), grad_out.data_ptr(),
-        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), batch * heads, seq, head_size, head_size**-0.5,
-        torch.get_num_threads()))
+    """dq, dk, dv, each laid out (batch, seq, heads, dim); all arguments (batch, heads, seq, dim)
+    but lse."""
+    q, k, v, out, grad_out = _rows(q), _rows(k), _rows(v), _rows(out), _rows(grad_out)
+    dq, dk, dv = _seq_major(q), _seq_major(q), _seq_major(q)
+    _check(_call(kernels.attention_backward_bf16(), q, k, v, out, lse, grad_out, dq, dk, dv,
+                 tensors=(q, k, v, out, grad_out, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))))
     return dq, dk, dv
 
 
 @_amx_backward.register_fake
 def _(q, k, v, out, lse, grad_out):
-    return tuple(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(3))
+    return _seq_major(q), _seq_major(q), _seq_major(q)
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
@@ -146,7 +161,9 @@ def _save_for_backward(ctx, inputs, output) -> None:
 
 def _amx_gradients(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    return _amx_backward(q, k, v, out, lse, grad_out)
+    # grad_out is the gradient of the op's (batch, seq, heads, dim) output
+    grads = _amx_backward(q, k, v, out.transpose(1, 2), lse, grad_out.transpose(1, 2))
+    return tuple(g.transpose(1, 2) for g in grads)
 
 
 _amx_forward.register_autograd(_amx_gradients, setup_context=_save_for_backward)
@@ -155,4 +172,4 @@ _amx_forward.register_autograd(_amx_gradients, setup_context=_save_for_backward)
 def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention through the C kernel (see `amx_attention_applies`), k and v with
     q's heads; scale head_size ** -0.5."""
-    return _amx_forward(q, k, v)[0]
+    return _amx_forward(q, k, v)[0].transpose(1, 2)
