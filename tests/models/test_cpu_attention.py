@@ -7,7 +7,7 @@ from torch._dynamo.backends.debugging import aot_eager
 
 from frugality.models import cpu_attention
 from frugality.models.cpu_attention import CausalAttention
-from frugality.models.layers import causal_attention
+from frugality.models.layers import RotaryEmbedding, causal_attention
 
 
 def _inputs(dtype, heads=4, kv_heads=4, seq=40, head_size=16):
@@ -65,27 +65,39 @@ amx = pytest.mark.skipif(not cpu_attention._amx_kernel_runs(),
 
 
 @amx
-@pytest.mark.parametrize("heads, kv_heads, seq, head_size", [(3, 3, 96, 32), (4, 2, 64, 64), (2, 2, 128, 128)])
-def test_amx_kernel_is_as_close_to_float64_as_torch(heads, kv_heads, seq, head_size):
+@pytest.mark.parametrize("heads, kv_heads, seq, head_size, rotary_dim",
+                         [(3, 3, 96, 32, 0), (4, 2, 64, 64, 16), (2, 2, 128, 128, 128)])
+def test_amx_kernel_is_as_close_to_float64_as_torch(heads, kv_heads, seq, head_size, rotary_dim):
     """Forward, log-sum-exp and all three gradients, against float64; the bar is torch's own
-    bf16 attention's error (96 rows: a last block of 32; 4 over 2 heads: grouped)."""
+    bf16 rotary + attention's error (96 rows: a last block of 32; 4 over 2 heads: grouped;
+    rotary on a quarter of the channels as in Pythia, or on all as in Llama)."""
     q, k, v, grad = _inputs(torch.bfloat16, heads, kv_heads, seq, head_size)
+    rotary = RotaryEmbedding(rotary_dim, seq, head_size=head_size) if rotary_dim else None
     assert cpu_attention.amx_attention_applies(q, k, v)
-    out = causal_attention(q, k, v)
+    out = causal_attention(q, k, v, rotary)
     grads = torch.autograd.grad(out, (q, k, v), grad)
-    ref_out, ref_grads = _reference(q, k, v, grad)
+
+    def rotated(*tensors):
+        return tensors if rotary is None else (rotary(tensors[0]), rotary(tensors[1]), tensors[2])
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out = F.scaled_dot_product_attention(*rotated(q64, k64, v64), is_causal=True, enable_gqa=kv_heads != heads)
+    ref_grads = torch.autograd.grad(ref_out, (q64, k64, v64), grad.double())
     q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    torch_out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=kv_heads != heads)
+    torch_out = F.scaled_dot_product_attention(*rotated(q_, k_, v_), is_causal=True, enable_gqa=kv_heads != heads)
     torch_grads = torch.autograd.grad(torch_out, (q_, k_, v_), grad)
     ours = _relative_errors([out, *grads], [ref_out, *ref_grads])
     theirs = _relative_errors([torch_out, *torch_grads], [ref_out, *ref_grads])
     assert all(o < 1.25 * t + 1e-3 for o, t in zip(ours, theirs)), (ours, theirs)
 
-    group = heads // kv_heads
-    _, lse = cpu_attention._amx_forward(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
-    scores = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)) * head_size**-0.5
-    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
-    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-3, rtol=0)
+    if rotary is None:  # the log-sum-exp the backward pass starts from
+        group = heads // kv_heads
+        none = torch.empty(0)
+        _, lse = cpu_attention._amx_forward(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                            none, none, 0)
+        scores = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)) * head_size**-0.5
+        scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+        torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-3, rtol=0)
 
 
 @amx
@@ -150,8 +162,10 @@ def test_amx_ops_pass_torch_opcheck():
     """Schema, fake (meta) kernels, autograd registration and AOT dispatch of both custom ops,
     as torch.compile relies on them."""
     q, k, v, grad = _inputs(torch.bfloat16, seq=64, head_size=32)
-    torch.library.opcheck(cpu_attention._amx_forward, (q, k, v))
-    out, lse = cpu_attention._amx_forward(q, k, v)
-    args = (q, k, v, out.transpose(1, 2), lse, grad)
+    rotary = RotaryEmbedding(16, 64, head_size=32)
+    tables = (rotary.cos[:64], rotary.sin[:64], 16)
+    torch.library.opcheck(cpu_attention._amx_forward, (q, k, v, *tables))
+    out, lse = cpu_attention._amx_forward(q, k, v, *tables)
+    args = (q, k, v, out.transpose(1, 2), lse, grad, *tables)
     # no double backward: the backward op's inputs carry no gradient
-    torch.library.opcheck(cpu_attention._amx_backward, tuple(t.detach() for t in args))
+    torch.library.opcheck(cpu_attention._amx_backward, tuple(t.detach() if torch.is_tensor(t) else t for t in args))

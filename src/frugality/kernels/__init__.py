@@ -64,12 +64,15 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_forward_bf16():
-    """attention_forward_bf16(q, k, v, out, lse, batch, heads, seq, dim, strides, scale,
-    threads) -> 0, -1 (no AMX) or -2 (out of memory): see attention_cpu.c."""
-    return _function("attention_cpu", "attention_forward_bf16", _i64, [_p] * 5 + [_i64] * 4 + [_p, _f32, _int])
+    """attention_forward_bf16(q, k, v, out, lse, batch, heads, seq, dim, strides, cos, sin,
+    rotary_dim, scale, threads) -> 0, -1 (no AMX) or -2 (out of memory): see attention_cpu.c."""
+    return _function("attention_cpu", "attention_forward_bf16", _i64,
+                     [_p] * 5 + [_i64] * 4 + [_p] * 3 + [_i64, _f32, _int])
 
 
 def attention_backward_bf16():
     """attention_backward_bf16(q, k, v, out, lse, dout, dq, dk, dv, batch, heads, seq, dim,
-    strides, scale, threads) -> as attention_forward_bf16: see attention_cpu.c."""
-    return _function("attention_cpu", "attention_backward_bf16", _i64, [_p] * 9 + [_i64] * 4 + [_p, _f32, _int])
+    strides, cos, sin, rotary_dim, scale, threads) -> as attention_forward_bf16: see
+    attention_cpu.c."""
+    return _function("attention_cpu", "attention_backward_bf16", _i64,
+                     [_p] * 9 + [_i64] * 4 + [_p] * 3 + [_i64, _f32, _int])

@@ -121,27 +121,68 @@ static inline void store_row(const float *a, float scale, int64_t n, uint16_t *o
 
 static void *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
+/* Rotary embedding, rotate-half form, on one row of `dim` channels at position t: tables
+ * cos, sin [t][dim] float32 with cos = 1, sin = 0 past the rotary channels and the sign of
+ * the first half folded into sin, so that y = x cos + swap(x) sin, where swap exchanges
+ * channel i < half with i + half (half = rotary_dim / 2) and leaves the rest. */
+static inline void rotate_row(const uint16_t *restrict x, const float *restrict cos, const float *restrict sin,
+                              int64_t half, int64_t dim, uint16_t *restrict y) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++)
+        y[i] = f32_to_bf16(bf16_to_f32(x[i]) * cos[i] + bf16_to_f32(x[i + half]) * sin[i]);
+#pragma omp simd
+    for (int64_t i = half; i < 2 * half; i++)
+        y[i] = f32_to_bf16(bf16_to_f32(x[i]) * cos[i] + bf16_to_f32(x[i - half]) * sin[i]);
+    for (int64_t i = 2 * half; i < dim; i++) y[i] = x[i];
+}
+
+/* Its backward for a float32 gradient row g: dx = g cos + swap(g sin), rounded to bf16. */
+static inline void unrotate_row(const float *restrict g, const float *restrict cos, const float *restrict sin,
+                                int64_t half, int64_t dim, uint16_t *restrict dx) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) dx[i] = f32_to_bf16(g[i] * cos[i] + g[i + half] * sin[i + half]);
+#pragma omp simd
+    for (int64_t i = half; i < 2 * half; i++) dx[i] = f32_to_bf16(g[i] * cos[i] + g[i - half] * sin[i - half]);
+#pragma omp simd
+    for (int64_t i = 2 * half; i < dim; i++) dx[i] = f32_to_bf16(g[i]);
+}
+
+/* The head's q or k rows, rotated when half > 0 (into `scratch`, returned with row stride
+ * dim), else as they are (returned with their own stride, in *ld). */
+static const uint16_t *rotated(const uint16_t *X, int64_t *ld, int64_t seq, int64_t dim, const float *cos,
+                               const float *sin, int64_t half, uint16_t *scratch) {
+    if (half == 0) return X;
+    for (int64_t t = 0; t < seq; t++) rotate_row(X + t * *ld, cos + t * dim, sin + t * dim, half, dim, scratch + t * dim);
+    *ld = dim;
+    return scratch;
+}
+
 /* Element (b, h, t, d) of tensor i lies at its pointer + b * st[3i] + h * st[3i+1] + t * st[3i+2] + d. */
 static inline int64_t offset(const int64_t *st, int i, int64_t b, int64_t h) { return b * st[3 * i] + h * st[3 * i + 1]; }
 
 int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                                float *lse, int64_t batch, int64_t heads, int64_t seq, int64_t dim,
-                               const int64_t *st /* q, k, v, out */, float scale, int threads) {
+                               const int64_t *st /* q, k, v, out */, const float *cos, const float *sin,
+                               int64_t rotary_dim, float scale, int threads) {
     if (!amx_permitted()) return -1;
-    int64_t no_memory = 0, lq = st[2], lk = st[5], lv = st[8], lo = st[11];
+    int64_t no_memory = 0, lo = st[11], lv = st[8], half = rotary_dim / 2;
 #pragma omp parallel num_threads(threads) reduction(+ : no_memory)
     {
         configure_tiles();
         uint16_t *kp = scratch(seq * dim * 2), *vp = scratch(seq * dim * 2), *p = scratch(MB * seq * 2);
+        uint16_t *qr = scratch(seq * dim * 2), *kr = scratch(seq * dim * 2);
         float *s = scratch(MB * seq * 4), *o = scratch(MB * dim * 4);
         float inv_sum[MB];
-        int ok = kp && vp && p && s && o;
+        int ok = kp && vp && p && qr && kr && s && o;
         no_memory += !ok;
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < batch * heads; bh++) {
             if (!ok) continue;
             int64_t b = bh / heads, h = bh % heads;
-            const uint16_t *Q = q + offset(st, 0, b, h), *K = k + offset(st, 1, b, h), *V = v + offset(st, 2, b, h);
+            int64_t lq = st[2], lk = st[5];
+            const uint16_t *Q = rotated(q + offset(st, 0, b, h), &lq, seq, dim, cos, sin, half, qr);
+            const uint16_t *K = rotated(k + offset(st, 1, b, h), &lk, seq, dim, cos, sin, half, kr);
+            const uint16_t *V = v + offset(st, 2, b, h);
             uint16_t *Out = out + offset(st, 3, b, h);
             pairs_of_columns(K, lk, seq, dim, kp); /* K^T's pairs: S = Q K^T */
             pairs_of_rows(V, lv, seq, dim, vp);    /* V's pairs: O = P V */
@@ -169,7 +210,7 @@ int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint1
             }
         }
         _tile_release();
-        free(kp), free(vp), free(p), free(s), free(o);
+        free(kp), free(vp), free(p), free(qr), free(kr), free(s), free(o);
     }
     return no_memory ? -2 : 0;
 }
@@ -177,9 +218,10 @@ int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint1
 int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
                                 const float *lse, const uint16_t *dout, uint16_t *dq, uint16_t *dk, uint16_t *dv,
                                 int64_t batch, int64_t heads, int64_t seq, int64_t dim,
-                                const int64_t *st /* q, k, v, out, dout, dq, dk, dv */, float scale, int threads) {
+                                const int64_t *st /* q, k, v, out, dout, dq, dk, dv */, const float *cos,
+                                const float *sin, int64_t rotary_dim, float scale, int threads) {
     if (!amx_permitted()) return -1;
-    int64_t no_memory = 0, lq = st[2], lk = st[5], lv = st[8], lo = st[11], ldo = st[14];
+    int64_t no_memory = 0, lv = st[8], lo = st[11], ldo = st[14], half = rotary_dim / 2;
     int64_t ldq = st[17], ldk = st[20], ldv = st[23];
     size_t plane = seq * dim;
 #pragma omp parallel num_threads(threads) reduction(+ : no_memory)
@@ -190,13 +232,19 @@ int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint
         uint16_t *pp = scratch(MB * seq * 2), *dsp = scratch(MB * seq * 2), *ds = scratch(MB * seq * 2);
         float *dkt = scratch(plane * 4), *dvt = scratch(plane * 4), *delta = scratch(seq * 4);
         float *s = scratch(MB * seq * 4), *dp = scratch(MB * seq * 4), *acc = scratch(MB * dim * 4);
-        int ok = kp && vp && k_rows && qt && dot && pp && dsp && ds && dkt && dvt && delta && s && dp && acc;
+        uint16_t *qr = scratch(plane * 2), *kr = scratch(plane * 2);
+        float *dk_rows = scratch(plane * 4);
+        int ok = kp && vp && k_rows && qt && dot && pp && dsp && ds && dkt && dvt && delta && s && dp && acc
+                 && qr && kr && dk_rows;
         no_memory += !ok;
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < batch * heads; bh++) {
             if (!ok) continue;
             int64_t b = bh / heads, h = bh % heads;
-            const uint16_t *Q = q + offset(st, 0, b, h), *K = k + offset(st, 1, b, h), *V = v + offset(st, 2, b, h);
+            int64_t lq = st[2], lk = st[5];
+            const uint16_t *Q = rotated(q + offset(st, 0, b, h), &lq, seq, dim, cos, sin, half, qr);
+            const uint16_t *K = rotated(k + offset(st, 1, b, h), &lk, seq, dim, cos, sin, half, kr);
+            const uint16_t *V = v + offset(st, 2, b, h);
             const uint16_t *O = out + offset(st, 3, b, h), *dO = dout + offset(st, 4, b, h);
             uint16_t *dQ = dq + offset(st, 5, b, h), *dK = dk + offset(st, 6, b, h), *dV = dv + offset(st, 7, b, h);
             const float *L = lse + bh * seq;
@@ -235,20 +283,30 @@ int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint
                     store_pair_row(dp + r * seq, dp + (r + 1) * seq, keys, dsp + r * seq);
                 }
                 product(ds, seq, k_rows, 2 * dim, acc, dim, rows, dim, keys, 0);
-                for (int64_t r = 0; r < rows; r++) store_row(acc + r * dim, 1.0f, dim, dQ + (i0 + r) * ldq);
+                for (int64_t r = 0; r < rows; r++) {
+                    int64_t t = i0 + r;
+                    if (half) unrotate_row(acc + r * dim, cos + t * dim, sin + t * dim, half, dim, dQ + t * ldq);
+                    else store_row(acc + r * dim, 1.0f, dim, dQ + t * ldq);
+                }
                 product(dot + i0, seq, pp, 2 * seq, dvt, seq, dim, keys, rows, 1);
                 product(qt + i0, seq, dsp, 2 * seq, dkt, seq, dim, keys, rows, 1);
             }
             /* dK^T and dV^T rounded to bf16 (into the layouts' scratch, free now), then laid
-             * out as rows */
-            store_row(dkt, 1.0f, plane, qt);
+             * out as rows; with rotary, dK^T is laid out as float32 rows first and unrotated */
+            if (half) {
+                transpose32((const uint32_t *)dkt, seq, dim, seq, (uint32_t *)dk_rows);
+                for (int64_t t = 0; t < seq; t++)
+                    unrotate_row(dk_rows + t * dim, cos + t * dim, sin + t * dim, half, dim, dK + t * ldk);
+            } else {
+                store_row(dkt, 1.0f, plane, qt);
+                transpose(qt, seq, dim, seq, dK, ldk);
+            }
             store_row(dvt, 1.0f, plane, dot);
-            transpose(qt, seq, dim, seq, dK, ldk);
             transpose(dot, seq, dim, seq, dV, ldv);
         }
         _tile_release();
         free(kp), free(vp), free(k_rows), free(qt), free(dot), free(pp), free(dsp), free(ds);
-        free(dkt), free(dvt), free(delta), free(s), free(dp), free(acc);
+        free(dkt), free(dvt), free(delta), free(s), free(dp), free(acc), free(qr), free(kr), free(dk_rows);
     }
     return no_memory ? -2 : 0;
 }
@@ -257,14 +315,16 @@ int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint
 
 int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                                float *lse, int64_t batch, int64_t heads, int64_t seq, int64_t dim,
-                               const int64_t *st, float scale, int threads) {
+                               const int64_t *st, const float *cos, const float *sin, int64_t rotary_dim,
+                               float scale, int threads) {
     return -1;
 }
 
 int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
                                 const float *lse, const uint16_t *dout, uint16_t *dq, uint16_t *dk, uint16_t *dv,
                                 int64_t batch, int64_t heads, int64_t seq, int64_t dim,
-                                const int64_t *st, float scale, int threads) {
+                                const int64_t *st, const float *cos, const float *sin, int64_t rotary_dim,
+                               float scale, int threads) {
     return -1;
 }
 #endif

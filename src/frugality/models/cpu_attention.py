@@ -87,8 +87,9 @@ def _amx_kernel_runs() -> bool:
     if "runs" not in _AMX:
         q = torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16)
         kernel = kernels.attention_forward_bf16()
-        _AMX["runs"] = kernel is not None and _call(kernel, q, q, q, torch.empty_like(q),
-                                                     torch.empty(1, 1, 32), tensors=(q, q, q, q)) == 0
+        none = torch.empty(0)
+        _AMX["runs"] = kernel is not None and _call(kernel, q, q, q, torch.empty_like(q), torch.empty(1, 1, 32),
+                                                     tensors=(q, q, q, q), cos=none, sin=none, rotary_dim=0) == 0
     return _AMX["runs"]
 
 
@@ -109,12 +110,14 @@ def _seq_major(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(batch, seq, heads, dim, dtype=q.dtype, device=q.device)
 
 
-def _call(kernel, *pointers_from: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> int:
-    """kernel(pointers..., batch, heads, seq, dim, strides of `tensors`, scale, threads)."""
+def _call(kernel, *pointers_from: torch.Tensor, tensors: tuple[torch.Tensor, ...], cos: torch.Tensor,
+          sin: torch.Tensor, rotary_dim: int) -> int:
+    """kernel(pointers..., batch, heads, seq, dim, strides of `tensors`, cos, sin, rotary_dim,
+    scale, threads)."""
     batch, heads, seq, dim = tensors[0].shape
     strides = torch.tensor([t.stride()[:3] for t in tensors], dtype=torch.int64)
     return kernel(*(t.data_ptr() for t in pointers_from), batch, heads, seq, dim, strides.data_ptr(),
-                  dim**-0.5, torch.get_num_threads())
+                  cos.data_ptr(), sin.data_ptr(), rotary_dim, dim**-0.5, torch.get_num_threads())
 
 
 def _check(code: int) -> None:
@@ -124,52 +127,69 @@ def _check(code: int) -> None:
         raise RuntimeError(f"attention kernel failed (code {code})")
 
 
+# The ops take the rotary tables as RotaryEmbedding keeps them (float32 (seq, dim), cos 1
+# and sin 0 past `rotary_dim`, the first half's sign folded into sin) and rotate q and k
+# themselves; rotary_dim 0 (with any tables) for none.
+
+
 @torch.library.custom_op("frugality::amx_attention", mutates_args=())
-def _amx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _amx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(output laid out (batch, seq, heads, dim), log-sum-exp (batch, heads, seq))."""
     q, k, v = _rows(q), _rows(k), _rows(v)
     out, lse = _seq_major(q), torch.empty(q.shape[:-1], dtype=torch.float32)
-    _check(_call(kernels.attention_forward_bf16(), q, k, v, out, lse, tensors=(q, k, v, out.transpose(1, 2))))
+    _check(_call(kernels.attention_forward_bf16(), q, k, v, out, lse, tensors=(q, k, v, out.transpose(1, 2)),
+                 cos=cos, sin=sin, rotary_dim=rotary_dim))
     return out, lse
 
 
 @_amx_forward.register_fake
-def _(q, k, v):
+def _(q, k, v, cos, sin, rotary_dim):
     return _seq_major(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("frugality::amx_attention_backward", mutates_args=())
 def _amx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv, each laid out (batch, seq, heads, dim); all arguments (batch, heads, seq, dim)
-    but lse."""
+                  grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (with respect to q and k before rotation), each laid out (batch, seq, heads,
+    dim); q, k, v, out, grad_out (batch, heads, seq, dim)."""
     q, k, v, out, grad_out = _rows(q), _rows(k), _rows(v), _rows(out), _rows(grad_out)
     dq, dk, dv = _seq_major(q), _seq_major(q), _seq_major(q)
     _check(_call(kernels.attention_backward_bf16(), q, k, v, out, lse, grad_out, dq, dk, dv,
-                 tensors=(q, k, v, out, grad_out, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))))
+                 tensors=(q, k, v, out, grad_out, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)),
+                 cos=cos, sin=sin, rotary_dim=rotary_dim))
     return dq, dk, dv
 
 
 @_amx_backward.register_fake
-def _(q, k, v, out, lse, grad_out):
+def _(q, k, v, out, lse, grad_out, cos, sin, rotary_dim):
     return _seq_major(q), _seq_major(q), _seq_major(q)
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs, *output)
+    q, k, v, cos, sin, ctx.rotary_dim = inputs
+    ctx.save_for_backward(q, k, v, cos, sin, *output)
 
 
 def _amx_gradients(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, cos, sin, out, lse = ctx.saved_tensors
     # grad_out is the gradient of the op's (batch, seq, heads, dim) output
-    grads = _amx_backward(q, k, v, out.transpose(1, 2), lse, grad_out.transpose(1, 2))
-    return tuple(g.transpose(1, 2) for g in grads)
+    grads = _amx_backward(q, k, v, out.transpose(1, 2), lse, grad_out.transpose(1, 2), cos, sin, ctx.rotary_dim)
+    return *(g.transpose(1, 2) for g in grads), None, None, None
 
 
 _amx_forward.register_autograd(_amx_gradients, setup_context=_save_for_backward)
 
 
-def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary=None) -> torch.Tensor:
     """Causal attention through the C kernel (see `amx_attention_applies`), k and v with
-    q's heads; scale head_size ** -0.5."""
-    return _amx_forward(q, k, v)[0].transpose(1, 2)
+    q's heads, q and k rotated first by `rotary` (a RotaryEmbedding) if given; scale
+    head_size ** -0.5."""
+    seq = q.shape[-2]
+    if rotary is None or rotary.dim == 0:
+        cos = sin = q.new_empty(0, dtype=torch.float32)
+        return _amx_forward(q, k, v, cos, sin, 0)[0].transpose(1, 2)
+    # float32 even where a policy cast the model's buffers; rows of (max_seq_len, dim): contiguous
+    cos, sin = rotary.cos[:seq].float(), rotary.sin[:seq].float()
+    return _amx_forward(q, k, v, cos, sin, rotary.dim)[0].transpose(1, 2)

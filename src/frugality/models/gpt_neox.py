@@ -81,9 +81,7 @@ class Attention(nn.Module):
         batch, seq, hidden = x.shape
         qkv = self.qkv(x).view(batch, seq, self.num_heads, 3, self.head_size)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # (B, heads, T, head_size)
-        if self.rotary.dim:
-            q, k = self.rotary(q), self.rotary(k)
-        y = causal_attention(q, k, v)
+        y = causal_attention(q, k, v, self.rotary if self.rotary.dim else None)
         return self.out(y.transpose(1, 2).reshape(batch, seq, hidden))
 
 

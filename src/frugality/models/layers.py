@@ -69,27 +69,34 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x[..., half : self.dim], x[..., :half], x[..., self.dim :]), dim=-1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal self-attention over (batch, heads, seq, head_size) tensors; k and v may have
-    fewer heads than q (grouped-query attention), each serving a contiguous group of q's.
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+    """Causal self-attention over (batch, heads, seq, head_size) tensors, q and k rotated by
+    `rotary` first if given; k and v may have fewer heads than q (grouped-query attention),
+    each serving a contiguous group of q's.
 
     SDPA picks the fused kernel the device has (flash / memory-efficient on CUDA, the
     flash-style C++ kernel on CPU); the scale is the default head_size ** -0.5. On CPUs two
     paths are faster (see frugality.models.cpu_attention): bf16 with AMX takes the C kernel
-    `amx_attention`; other training inside a compiled region takes `CausalAttention`.
+    `amx_attention`, which applies the rotation itself (in float32, rounding once); other
+    training inside a compiled region takes `CausalAttention`.
     """
     grouped = k.shape[1] != q.shape[1]
-    if q.device.type == "cpu":
-        fast = (amx_attention if amx_attention_applies(q, k, v)
-                else CausalAttention.apply if (torch.compiler.is_compiling() and torch.is_grad_enabled()
-                                               and q.requires_grad)
-                else None)
-        if fast is not None:
-            if grouped:  # both take as many key and value heads as query heads
-                group = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            return fast(q, k, v)
+    if q.device.type == "cpu" and amx_attention_applies(q, k, v):
+        return amx_attention(q, *_repeat_kv(q, k, v), rotary)
+    if rotary is not None:
+        q, k = rotary(q), rotary(k)
+    if q.device.type == "cpu" and torch.compiler.is_compiling() and torch.is_grad_enabled() and q.requires_grad:
+        return CausalAttention.apply(q, *_repeat_kv(q, k, v))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+
+
+def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v with as many heads as q (each serving a contiguous group of q's heads)."""
+    group = q.shape[1] // k.shape[1]
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
 def check_length(input_ids: torch.Tensor, max_seq_len: int) -> None:

@@ -83,8 +83,7 @@ class Attention(nn.Module):
         q = self.q(x).view(b, t, self.heads, self.head_size).transpose(1, 2)
         k = self.k(x).view(b, t, self.kv_heads, self.head_size).transpose(1, 2)
         v = self.v(x).view(b, t, self.kv_heads, self.head_size).transpose(1, 2)
-        q, k = self.rotary(q), self.rotary(k)
-        y = causal_attention(q, k, v)
+        y = causal_attention(q, k, v, self.rotary)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
