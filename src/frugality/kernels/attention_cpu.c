@@ -160,12 +160,29 @@ static const uint16_t *rotated(const uint16_t *X, int64_t *ld, int64_t seq, int6
 /* Element (b, h, t, d) of tensor i lies at its pointer + b * st[3i] + h * st[3i+1] + t * st[3i+2] + d. */
 static inline int64_t offset(const int64_t *st, int i, int64_t b, int64_t h) { return b * st[3 * i] + h * st[3 * i + 1]; }
 
+/* One head's inputs: q and k rotated (into qr and kr) when rotary applies, v as it is,
+ * each with its row stride. */
+typedef struct {
+    const uint16_t *q, *k, *v;
+    int64_t lq, lk, lv;
+} head_inputs;
+
+static head_inputs head(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *st, int64_t b,
+                        int64_t h, int64_t seq, int64_t dim, const float *cos, const float *sin, int64_t half,
+                        uint16_t *qr, uint16_t *kr) {
+    head_inputs in = {.lq = st[2], .lk = st[5], .lv = st[8]};
+    in.q = rotated(q + offset(st, 0, b, h), &in.lq, seq, dim, cos, sin, half, qr);
+    in.k = rotated(k + offset(st, 1, b, h), &in.lk, seq, dim, cos, sin, half, kr);
+    in.v = v + offset(st, 2, b, h);
+    return in;
+}
+
 int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                                float *lse, int64_t batch, int64_t heads, int64_t seq, int64_t dim,
                                const int64_t *st /* q, k, v, out */, const float *cos, const float *sin,
                                int64_t rotary_dim, float scale, int threads) {
     if (!amx_permitted()) return -1;
-    int64_t no_memory = 0, lo = st[11], lv = st[8], half = rotary_dim / 2;
+    int64_t no_memory = 0, lo = st[11], half = rotary_dim / 2;
 #pragma omp parallel num_threads(threads) reduction(+ : no_memory)
     {
         configure_tiles();
@@ -179,10 +196,9 @@ int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint1
         for (int64_t bh = 0; bh < batch * heads; bh++) {
             if (!ok) continue;
             int64_t b = bh / heads, h = bh % heads;
-            int64_t lq = st[2], lk = st[5];
-            const uint16_t *Q = rotated(q + offset(st, 0, b, h), &lq, seq, dim, cos, sin, half, qr);
-            const uint16_t *K = rotated(k + offset(st, 1, b, h), &lk, seq, dim, cos, sin, half, kr);
-            const uint16_t *V = v + offset(st, 2, b, h);
+            head_inputs in = head(q, k, v, st, b, h, seq, dim, cos, sin, half, qr, kr);
+            const uint16_t *Q = in.q, *K = in.k, *V = in.v;
+            int64_t lq = in.lq, lk = in.lk, lv = in.lv;
             uint16_t *Out = out + offset(st, 3, b, h);
             pairs_of_columns(K, lk, seq, dim, kp); /* K^T's pairs: S = Q K^T */
             pairs_of_rows(V, lv, seq, dim, vp);    /* V's pairs: O = P V */
@@ -221,7 +237,7 @@ int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint
                                 const int64_t *st /* q, k, v, out, dout, dq, dk, dv */, const float *cos,
                                 const float *sin, int64_t rotary_dim, float scale, int threads) {
     if (!amx_permitted()) return -1;
-    int64_t no_memory = 0, lv = st[8], lo = st[11], ldo = st[14], half = rotary_dim / 2;
+    int64_t no_memory = 0, lo = st[11], ldo = st[14], half = rotary_dim / 2;
     int64_t ldq = st[17], ldk = st[20], ldv = st[23];
     size_t plane = seq * dim;
 #pragma omp parallel num_threads(threads) reduction(+ : no_memory)
@@ -241,10 +257,9 @@ int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint
         for (int64_t bh = 0; bh < batch * heads; bh++) {
             if (!ok) continue;
             int64_t b = bh / heads, h = bh % heads;
-            int64_t lq = st[2], lk = st[5];
-            const uint16_t *Q = rotated(q + offset(st, 0, b, h), &lq, seq, dim, cos, sin, half, qr);
-            const uint16_t *K = rotated(k + offset(st, 1, b, h), &lk, seq, dim, cos, sin, half, kr);
-            const uint16_t *V = v + offset(st, 2, b, h);
+            head_inputs in = head(q, k, v, st, b, h, seq, dim, cos, sin, half, qr, kr);
+            const uint16_t *Q = in.q, *K = in.k, *V = in.v;
+            int64_t lq = in.lq, lk = in.lk, lv = in.lv;
             const uint16_t *O = out + offset(st, 3, b, h), *dO = dout + offset(st, 4, b, h);
             uint16_t *dQ = dq + offset(st, 5, b, h), *dK = dk + offset(st, 6, b, h), *dV = dv + offset(st, 7, b, h);
             const float *L = lse + bh * seq;
