@@ -20,39 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from frugality import kernels
-from frugality.bench.results import machine_line, write_results
+from frugality.bench.results import machine_line, race, write_results
 from frugality.models import loss
 from frugality.training.host_memory import keep_freed_memory
 
 VOCAB, HIDDEN, PARAMS = 50304, 512, 70_426_624
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _race(device: torch.device, repeats: int, **paths) -> dict[str, float]:
-    """Median seconds of each path, alternating, after one warm-up call each."""
-    for fn in paths.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(repeats):
-        for name, fn in paths.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> int:
@@ -81,14 +59,14 @@ def main() -> int:
         finally:
             loss._CHUNK_BYTES_OFF_CPU = saved
 
-    t = _race(device, args.repeats, fast=lambda: fast(work, targets, scale, True), chunked=chunked)
+    t = race(device, args.repeats, fast=lambda: fast(work, targets, scale, True), chunked=chunked)
     rows.append((f"cross-entropy rows, {args.tokens} x {VOCAB}", fast_name, t["fast"], "torch ops, 64-row chunks",
                  t["chunked"], ""))
 
     hidden = torch.randn(args.tokens, HIDDEN, device=device, dtype=bf16, requires_grad=True)
     weight = (torch.randn(VOCAB, HIDDEN, device=device) * 0.02).to(bf16).requires_grad_()
     with torch.no_grad():
-        t = _race(device, args.repeats,
+        t = race(device, args.repeats,
                   new=lambda: loss._LinearCrossEntropy.apply(hidden, weight, targets, False),
                   old=lambda: loss._LinearCrossEntropy.apply(hidden, weight, targets, True))
     rows.append((f"output layer in evaluation, {args.tokens} tokens", "forward only", t["new"],
@@ -103,7 +81,7 @@ def main() -> int:
     else:
         new_name, new = "float32 torch norm", lambda: torch.linalg.vector_norm(grads, dtype=torch.float32).item()
     old = lambda: torch.linalg.vector_norm(grads).float().item()
-    t = _race(device, args.repeats, new=new, old=old)
+    t = race(device, args.repeats, new=new, old=old)
     error = lambda fn: f"{abs(fn() - reference) / reference:.1e} / {abs(old() - reference) / reference:.1e}"
     rows.append((f"gradient norm, {PARAMS / 1e6:.0f}M bf16", new_name, t["new"], "torch bf16 vector_norm",
                  t["old"], error(new)))

@@ -1,4 +1,5 @@
-"""Where the benchmark scripts write their tables: benchmarks/results/<kind>-<recipe>-<machine>-<date>."""
+"""Where the benchmark scripts write their tables (benchmarks/results/<kind>-<recipe>-<machine>-
+<date>), and how the per-path micro-benchmarks time their paths."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import datetime
 import os
 import platform
 import re
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,3 +35,21 @@ def write_results(folder: Path, kind: str, recipe: str, header: str, table: str,
     print(header + table)
     print(f"\nwrote {stem}.md and .json", file=sys.stderr)
     return stem
+
+
+def race(device: torch.device, repeats: int, **paths) -> dict[str, float]:
+    """Median seconds of each path (a callable), alternating, after one warm-up call each:
+    on a shared machine whose speed drifts, alternation makes the paths share the drift."""
+    for fn in paths.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, fn in paths.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
