@@ -12,9 +12,9 @@ benchmarks/attention.py).
    Same example: forward 7.7 ms, forward + backward 26 ms, closer to float64 than torch's.
 2. Elsewhere, while torch.compile traces training, `CausalAttention`: the flash forward and
    a backward written as batched matrix products over blocks of query rows, the elementwise
-   work between them fused by Inductor (forward + backward 51 ms in the example). Eagerly, without that
-   fusion, the elementwise passes cost more than they save, so `causal_attention` only
-   routes here while tracing.
+   work between them fused by Inductor (forward + backward 51 ms in the example). Eagerly,
+   without that fusion, the elementwise passes cost more than they save, so
+   `causal_attention` only routes here while tracing.
 
 The blocked backward recomputes the attention probabilities from the forward's
 log-sum-exp, block by block of `_BLOCK` query rows against only the keys at or before them
@@ -116,6 +116,10 @@ def _call(kernel, *pointers_from: torch.Tensor, tensors: tuple[torch.Tensor, ...
     """kernel(pointers..., batch, heads, seq, dim, strides of `tensors`, cos, sin, rotary_dim,
     scale, threads)."""
     batch, heads, seq, dim = tensors[0].shape
+    if rotary_dim and not all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == (seq, dim)
+                              for t in (cos, sin)):  # the kernel reads seq rows of dim floats
+        raise ValueError(f"attention: rotary tables must be contiguous float32 ({seq}, {dim}), "
+                         f"got {tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
     strides = torch.tensor([t.stride()[:3] for t in tensors], dtype=torch.int64)
     return kernel(*(t.data_ptr() for t in pointers_from), batch, heads, seq, dim, strides.data_ptr(),
                   cos.data_ptr(), sin.data_ptr(), rotary_dim, dim**-0.5, torch.get_num_threads())

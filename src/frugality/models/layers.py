@@ -86,7 +86,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return amx_attention(q, *_repeat_kv(q, k, v), rotary)
     if rotary is not None:
         q, k = rotary(q), rotary(k)
-    if q.device.type == "cpu" and torch.compiler.is_compiling() and torch.is_grad_enabled() and q.requires_grad:
+    training = torch.is_grad_enabled() and q.requires_grad
+    if q.device.type == "cpu" and torch.compiler.is_compiling() and training:
         return CausalAttention.apply(q, *_repeat_kv(q, k, v))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
 
