@@ -12,6 +12,9 @@
  * even) as inputs of the products that take them; dK and dV accumulated in float32 over
  * all query blocks and rounded once. Causal: query i sees keys 0..i; blocks skip the keys
  * past their last row. `lse` is the natural log-sum-exp of each query row's scaled scores.
+ * With `rotary_dim` > 0, q and k are rotated (rotary embedding, tables as the caller keeps
+ * them) in float32 as each head is laid out, rounded once; dq and dk are unrotated in
+ * float32 before their one rounding.
  *
  * Layouts: q, k, v, out, dout, dq, dk, dv are bf16 (batch, heads, seq, dim) tensors with
  * any batch, head and row strides and contiguous rows (`st`: three strides per tensor), so
