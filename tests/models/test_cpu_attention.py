@@ -1,4 +1,5 @@
-"""The CPU training attention (flash forward, blocked backward) against float64 attention."""
+"""CPU attention against float64 attention and torch: the AMX kernel ops (where the CPU has
+AMX) and the compiled blocked backward (everywhere)."""
 
 import pytest
 import torch
