@@ -25,7 +25,7 @@ def test_matches_torch_adamw_up_to_bf16_rounding():
     for step_grads in grads:
         for p, q, g in zip(ref_params, ours_params, step_grads):
             p.grad = g
-            q.grad.copy_(g.to(torch.bfloat16))
+            q.grad = g.to(torch.bfloat16)
         ref.step()
         ours.step()
     for p, q in zip(ref_params, ours_params):
@@ -33,18 +33,43 @@ def test_matches_torch_adamw_up_to_bf16_rounding():
     assert all(q.dtype == torch.bfloat16 for q in ours_params)
 
 
-def test_parameters_grads_and_moments_are_views_of_flat_buffers():
+def test_parameters_and_moments_are_views_of_flat_buffers_and_gradients_are_not():
     params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
     opt = BF16AdamW(params, fused=False)
     flat = opt._flat[0]
     assert params[0].data_ptr() == flat["param"].data_ptr()
-    assert params[1].grad.data_ptr() == flat["grad"][2100:].data_ptr()
+    assert params[1].data_ptr() == flat["param"][2100:].data_ptr()
     assert opt.state[params[1]]["exp_avg"].data_ptr() == flat["exp_avg"][2100:].data_ptr()
-    # backward accumulates into the views
+    # backward hands its gradient to .grad as is (no zeroed buffer to add into), and
+    # zero_grad frees it again
     (params[0].float().sum() * 2).backward()
-    assert torch.all(flat["grad"][:2100] == 2)
-    opt.zero_grad(set_to_none=True)
-    assert params[0].grad is not None and torch.all(flat["grad"] == 0)
+    assert params[0].grad.dtype == torch.bfloat16 and torch.all(params[0].grad == 2)
+    assert params[1].grad is None
+    opt.zero_grad()
+    assert params[0].grad is None
+
+
+def test_parameters_without_gradients_are_skipped_on_every_path(monkeypatch):
+    """As torch's AdamW: no update, no moment decay; and the parameters after a gap still
+    draw the noise of their own place in the flat buffer (the same bits on every path)."""
+    def run(fused):
+        params = [torch.nn.Parameter(torch.randn(n).to(torch.bfloat16)) for n in (100, 30, 70)]
+        before = [p.detach().clone() for p in params]
+        opt = BF16AdamW(params, lr=1e-2, weight_decay=0.1, seed=2, fused=fused)
+        for _ in range(2):
+            params[0].grad = torch.ones(100, dtype=torch.bfloat16)
+            params[2].grad = torch.full((70,), -0.5, dtype=torch.bfloat16)
+            opt.step()
+        assert torch.equal(params[1].detach(), before[1])
+        assert torch.all(opt.state[params[1]]["exp_avg"] == 0)
+        assert not torch.equal(params[2].detach(), before[2])
+        return [p.detach() for p in params]
+
+    torch.manual_seed(0)
+    kernel_run = run(True)
+    torch.manual_seed(0)
+    for a, b in zip(kernel_run, run(False)):
+        assert torch.equal(a, b)
 
 
 def test_small_updates_survive_only_with_stochastic_rounding():
@@ -56,7 +81,7 @@ def test_small_updates_survive_only_with_stochastic_rounding():
         opt = BF16AdamW([p], lr=2**-7 / 10, betas=(0.0, 0.0), eps=1e-30, rounding=rounding,
                         seed=3, fused=False)
         for _ in range(50):
-            p.grad.fill_(-1.0)  # always push upwards
+            p.grad = torch.full_like(p, -1.0)  # always push upwards
             opt.step()
         results[rounding] = p.float().mean().item()
     assert results["nearest"] == 1.0
@@ -77,7 +102,7 @@ def test_state_dict_round_trip_keeps_views_and_continues_identically():
                 assert opt.state[params[0]]["exp_avg"].data_ptr() == opt._flat[0]["exp_avg"].data_ptr()
             torch.manual_seed(step)
             for p in params:
-                p.grad.copy_(torch.randn_like(p))
+                p.grad = torch.randn_like(p)
             opt.step()
         return [p.detach() for p in params]
 
@@ -91,7 +116,7 @@ def _three_steps(fused: bool, rounding: str = "stochastic", device: str = "cpu",
     torch.manual_seed(0)
     for step in range(3):
         for p in params:
-            p.grad.copy_(torch.randn(p.shape))  # drawn on the CPU: the same numbers on any device
+            p.grad = torch.randn(p.shape).to(device, torch.bfloat16)  # drawn on the CPU: the same numbers on any device
         if step == 1 and clip:
             opt.clip_grad_norm_(0.5)  # one clipped step: its scale goes through both paths
         opt.step()
@@ -142,7 +167,7 @@ def test_clipping_is_folded_into_the_next_step_in_float32():
     opt = BF16AdamW(params, lr=1e-2, betas=(0.9, 0.999), seed=1, rounding="nearest")
     grads = [torch.randn_like(p) * 3 for p in params]
     for p, g in zip(params, grads):
-        p.grad.copy_(g)
+        p.grad = g
     norm = opt.clip_grad_norm_(1.0)
     reference = torch.nn.utils.get_total_norm([p.grad.double() for p in params])
     assert norm.item() == pytest.approx(reference.item(), rel=1e-6)  # the C kernel sums in double

@@ -1,4 +1,4 @@
-/* One AdamW step over flat bfloat16 buffers, float32 math, written back with stochastic
+/* One AdamW step over bfloat16 weights, gradients and moments, float32 math, written back with stochastic
  * rounding or round-to-nearest-even: the CPU kernel behind frugality's BF16AdamW.
  *
  * It computes exactly what `_update` in bf16_adamw.py computes with torch ops — the same
