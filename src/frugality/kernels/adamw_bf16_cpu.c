@@ -1,5 +1,6 @@
-/* One AdamW step over bfloat16 weights, gradients and moments, float32 math, written back with stochastic
- * rounding or round-to-nearest-even: the CPU kernel behind frugality's BF16AdamW.
+/* One AdamW step over bfloat16 weights, gradients and moments, float32 math, written back
+ * with stochastic rounding or round-to-nearest-even: the CPU kernel behind frugality's
+ * BF16AdamW.
  *
  * It computes exactly what `_update` in bf16_adamw.py computes with torch ops — the same
  * operations in the same order, no fused multiply-add (built with -ffp-contract=off), the
