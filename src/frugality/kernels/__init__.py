@@ -76,3 +76,9 @@ def attention_backward_bf16():
     attention_cpu.c."""
     return _function("attention_cpu", "attention_backward_bf16", _i64,
                      [_p] * 9 + [_i64] * 4 + [_p] * 3 + [_i64, _f32, _int])
+
+
+def weight_grad_bf16():
+    """weight_grad_bf16(g, ldg, x, ldx, dw, tokens, outputs, inputs, threads) -> 0, -1 (no AMX)
+    or -2 (out of memory): see weight_grad_cpu.c."""
+    return _function("weight_grad_cpu", "weight_grad_bf16", _i64, [_p, _i64, _p, _i64, _p, _i64, _i64, _i64, _int])

@@ -35,29 +35,9 @@
 #include "transpose.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 #define MB 64 /* query rows per block */
-
-/* Linux hands out AMX's register state only on request (once per process). */
-static int amx_permitted(void) {
-    static int state = 0; /* 0 not asked yet, 1 granted, -1 refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-/* Eight tiles of 16 rows x 64 bytes: 0-3 a 32 x 32 float32 block of C, 4-5 two 16 x 32
- * bf16 blocks of A, 6-7 two 16-pair x 16 blocks of B. Per thread; released after use, so
- * oneDNN (which configures its own before each product) finds the state as it expects. */
-static void configure_tiles(void) {
-    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } config = {0};
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
-}
 
 /* C[M][N] (+)= A[M][K] Bp with AMX; M, N, K multiples of 32. ldb counts the bf16 elements
  * of one pair row (2 x its columns). Blocks of 32 x 32, tiles kept in registers over K. */
@@ -108,21 +88,11 @@ static void transpose(const uint16_t *X, int64_t ld, int64_t rows, int64_t cols,
 /* Two float32 rows a, b (n % 16 == 0) rounded to bf16 and interleaved: out[2j] = a[j],
  * out[2j+1] = b[j] (one pair row of the pair layout). */
 static inline void store_pair_row(const float *a, const float *b, int64_t n, uint16_t *out) {
-    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t j = 0; j < n; j += 16) {
         __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(b + j), _mm512_loadu_ps(a + j));
-        _mm512_storeu_si512(out + 2 * j, _mm512_permutexvar_epi16(order, ab));
+        _mm512_storeu_si512(out + 2 * j, interleave_halves(ab));
     }
 }
-
-static inline void store_row(const float *a, float scale, int64_t n, uint16_t *out) {
-    for (int64_t j = 0; j < n; j += 16)
-        _mm256_storeu_si256((__m256i *)(out + j),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(a + j), _mm512_set1_ps(scale))));
-}
-
-static void *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
 /* Rotary embedding, rotate-half form, on one row of `dim` channels at position t: tables
  * cos, sin [t][dim] float32 with cos = 1, sin = 0 past the rotary channels and the sign of

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
+from frugality.models.cpu_linear import Linear
 from frugality.models.layers import RotaryEmbedding, causal_attention, check_length
 from frugality.models.loss import logits_or_loss
 
@@ -73,8 +74,8 @@ class Attention(nn.Module):
         self.head_size = cfg.head_size
         # Fused projection; rows are laid out [heads, (q, k, v), head_size] as in GPT-NeoX,
         # so a tensor-parallel split of the rows keeps whole heads together.
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.out = Linear(cfg.hidden_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_seq_len, cfg.rotary_base, cfg.head_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,8 +89,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTNeoXConfig) -> None:
         super().__init__()
-        self.up = nn.Linear(cfg.hidden_size, cfg.ffn_size)
-        self.down = nn.Linear(cfg.ffn_size, cfg.hidden_size)
+        self.up = Linear(cfg.hidden_size, cfg.ffn_size)
+        self.down = Linear(cfg.ffn_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))  # exact (erf) GELU, as Pythia was trained

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
+from frugality.models.cpu_linear import Linear
 from frugality.models.layers import RotaryEmbedding, causal_attention, check_length
 from frugality.models.loss import logits_or_loss
 
@@ -72,10 +73,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_size = cfg.num_heads, cfg.kv_heads, cfg.head_size
-        self.q = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_size, bias=False)
-        self.k = nn.Linear(cfg.hidden_size, cfg.kv_heads * cfg.head_size, bias=False)
-        self.v = nn.Linear(cfg.hidden_size, cfg.kv_heads * cfg.head_size, bias=False)
-        self.o = nn.Linear(cfg.num_heads * cfg.head_size, cfg.hidden_size, bias=False)
+        self.q = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_size, bias=False)
+        self.k = Linear(cfg.hidden_size, cfg.kv_heads * cfg.head_size, bias=False)
+        self.v = Linear(cfg.hidden_size, cfg.kv_heads * cfg.head_size, bias=False)
+        self.o = Linear(cfg.num_heads * cfg.head_size, cfg.hidden_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_size, cfg.max_seq_len, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,9 +91,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))  # SwiGLU (Shazeer, 2020)

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from frugality import kernels
+from frugality.models.cpu_linear import weight_grad, weight_grad_applies
 
 _ROWS_PER_CHUNK = 64  # 64 x 50k float32 = 12.9 MB: within a server CPU's L3
 _CHUNK_BYTES_OFF_CPU = 256 << 20  # GPUs: few, large chunks (each chunk is ~10 kernel launches)
@@ -73,7 +74,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             row_losses = _rows_in_torch(logits, targets, 1.0 / n, want_grad)
         if want_grad:
             grad_logits = logits  # now holds d(mean loss)/d(logits)
-            if amx_layout:  # (hidden^T @ grad_logits)^T: the same product, laid out for AMX
+            if weight_grad_applies(grad_logits, hidden):  # AMX: straight into the weight's layout
+                grad_weight = weight_grad(grad_logits, hidden)
+            elif amx_layout:  # (hidden^T @ grad_logits)^T: the same product, laid out for AMX
                 grad_weight = kernels.transposed(kernels.transposed(hidden) @ grad_logits)
             else:
                 grad_weight = grad_logits.t() @ hidden

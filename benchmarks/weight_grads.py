@@ -1,0 +1,76 @@
+"""Linear layers' weight gradients in bf16 on this CPU: the AMX kernel
+(frugality.models.cpu_linear.weight_grad) against the oneDNN product it replaced, at
+Pythia-70m's shapes and 2048 tokens (4 x 512): the four block layers, and the output
+layer, whose oneDNN path also transposed both operands' layouts (the product is faster
+that way round) and the result back.
+
+Medians of --repeats calls per path, alternating; relative error of each path's result
+against the float64 product (largest absolute difference / largest magnitude). Writes
+benchmarks/results/weight_grads-<machine>-<date>.md. Needs a CPU with AMX.
+
+    .venv/bin/python benchmarks/weight_grads.py [--tokens 2048] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from frugality import kernels
+from frugality.bench.results import machine_line, race, write_results
+from frugality.models.cpu_linear import weight_grad, weight_grad_applies
+from frugality.training.host_memory import keep_freed_memory
+
+SHAPES = [("attention qkv", 1536, 512), ("attention out", 512, 512), ("mlp up", 2048, 512),
+          ("mlp down", 512, 2048), ("output layer", 50304, 512)]  # (layer, outputs, inputs)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    keep_freed_memory()  # as in training
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    rows = []
+    for layer, outputs, inputs in SHAPES:
+        grad_out = (torch.randn(args.tokens, outputs) * 0.02).to(torch.bfloat16)
+        x = torch.randn(args.tokens, inputs).to(torch.bfloat16)
+        if not weight_grad_applies(grad_out, x):
+            print("the AMX kernel does not run on this machine", file=sys.stderr)
+            return 1
+        if outputs > 4096:  # the output layer's previous path (frugality.models.loss)
+            old_name = "oneDNN, operands and result transposed"
+            old = lambda: kernels.transposed(kernels.transposed(x) @ grad_out)
+        else:
+            old_name = "oneDNN (torch.mm)"
+            old = lambda: grad_out.t() @ x
+        new = lambda: weight_grad(grad_out, x)
+        t = race(device, args.repeats, new=new, old=old)
+        reference = grad_out.double().t() @ x.double()
+        error = lambda y: ((y.double() - reference).abs().max() / reference.abs().max()).item()
+        flops = 2 * args.tokens * outputs * inputs
+        rows.append(dict(layer=layer, shape=f"{outputs} x {inputs}", path="AMX kernel", ms=t["new"] * 1e3,
+                         gflops=flops / t["new"] / 1e9, replaced_path=old_name, replaced_ms=t["old"] * 1e3,
+                         replaced_gflops=flops / t["old"] / 1e9, error=error(new()), replaced_error=error(old())))
+    table = ("| layer | weight | path | ms | GFLOP/s | replaced path | ms | GFLOP/s | speed-up | "
+             "relative error vs float64 (path / replaced) |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    for r in rows:
+        table += (f"| {r['layer']} | {r['shape']} | {r['path']} | {r['ms']:.2f} | {r['gflops']:.0f} | "
+                  f"{r['replaced_path']} | {r['replaced_ms']:.2f} | {r['replaced_gflops']:.0f} | "
+                  f"{r['replaced_ms'] / r['ms']:.2f}× | {r['error']:.1e} / {r['replaced_error']:.1e} |\n")
+    header = (f"# Weight gradients of linear layers, Pythia-70m shapes, {args.tokens} tokens, bf16\n\n"
+              f"{machine_line()}\nMedians of {args.repeats} calls per path, alternating, after one "
+              "warm-up call each.\n\n")
+    write_results(Path(__file__).parent / "results", "weight_grads", "pythia-70m", header, table,
+                  json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

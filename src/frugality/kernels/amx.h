@@ -1,0 +1,46 @@
+/* AMX plumbing shared by the C kernels that use Intel's tile matrix unit: the OS
+ * permission, the tile configuration, and bf16 rows out of float32 results. Included only
+ * where __AMX_BF16__, __AMX_TILE__ and __AVX512BF16__ are defined. */
+#ifndef FRUGALITY_AMX_H
+#define FRUGALITY_AMX_H
+#include <stdint.h>
+#include <stdlib.h>
+#include <immintrin.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands out AMX's register state only on request (once per process). */
+static int amx_permitted(void) {
+    static int state = 0; /* 0 not asked yet, 1 granted, -1 refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* Eight tiles of 16 rows x 64 bytes: 0-3 a 32 x 32 float32 block of C, 4-5 two 16 x 32
+ * bf16 blocks of A, 6-7 two 16-pair x 16 blocks of B. Per thread; released after use, so
+ * oneDNN (which configures its own before each product) finds the state as it expects. */
+static void configure_tiles(void) {
+    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } config = {0};
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+}
+
+/* n float32 values (n % 16 == 0) times `scale`, rounded to bf16 (nearest even). */
+static inline void store_row(const float *a, float scale, int64_t n, uint16_t *out) {
+    for (int64_t j = 0; j < n; j += 16)
+        _mm256_storeu_si256((__m256i *)(out + j),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(a + j), _mm512_set1_ps(scale))));
+}
+
+/* (a0..a15, b0..b15) -> (a0, b0, a1, b1, ..., a15, b15): 16-bit elements of two rows
+ * interleaved into one pair row of the layout AMX's bf16 product takes its B operand in. */
+static inline __m512i interleave_halves(__m512i ab) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, ab);
+}
+
+static void *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+#endif

@@ -1,0 +1,111 @@
+"""Linear layers whose weight gradient runs through a C kernel for bf16 on CPUs with AMX.
+
+A linear layer's weight gradient, dW = dY^T X, reduces over the tokens, and both operands
+are laid out token-major. oneDNN runs that product at 350-490 GFLOP/s on a 2-core Xeon
+where it runs the forward products at 600-900; `weight_grad` (kernels/weight_grad_cpu.c)
+lays the operands out in AMX's blocked tile order first and ran Pythia-70m's four block
+shapes at 2048 tokens 1.14-1.41x faster, and the output layer's 50k x 512 gradient about as
+fast as oneDNN plus the transposes that product needed (1.03×), without them
+(benchmarks/output_layer.py). Elsewhere (other dtypes and devices, shapes that are not
+multiples of 32, CPUs without AMX) it is torch's product, so the kernel only ever changes
+speed, and the accumulation order within float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from frugality import kernels
+
+
+def weight_grad_applies(grad_out: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether `weight_grad` takes these (tokens, outputs) and (tokens, inputs) tensors."""
+    return (grad_out.device.type == "cpu" and grad_out.dtype == x.dtype == torch.bfloat16
+            and grad_out.dim() == x.dim() == 2 and grad_out.shape[0] == x.shape[0]
+            and grad_out.shape[0] % 32 == 0 and grad_out.shape[1] % 32 == 0 and x.shape[1] % 32 == 0
+            and _amx_kernel_runs())
+
+
+@torch.compiler.assume_constant_result  # asked once; compiled graphs keep the answer
+def _amx_kernel_runs() -> bool:
+    """The kernel builds, the CPU has AMX and the OS grants it: tried once on a tiny input."""
+    if "runs" not in _AMX:
+        x = torch.zeros(32, 32, dtype=torch.bfloat16)
+        kernel = kernels.weight_grad_bf16()
+        _AMX["runs"] = kernel is not None and _call(kernel, x, x, torch.empty(32, 32, dtype=torch.bfloat16)) == 0
+    return _AMX["runs"]
+
+
+_AMX: dict[str, bool] = {}
+
+
+def _call(kernel, grad_out: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> int:
+    return kernel(grad_out.data_ptr(), grad_out.stride(0), x.data_ptr(), x.stride(0), out.data_ptr(),
+                  grad_out.shape[0], grad_out.shape[1], x.shape[1], torch.get_num_threads())
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("frugality::weight_grad", mutates_args=())
+def weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad_out^T @ x, (outputs, inputs) contiguous: the weight gradient of a linear layer
+    from its output gradient (tokens, outputs) and input (tokens, inputs); see
+    `weight_grad_applies`."""
+    grad_out, x = _rows(grad_out), _rows(x)
+    out = torch.empty(grad_out.shape[1], x.shape[1], dtype=x.dtype)
+    code = _call(kernels.weight_grad_bf16(), grad_out, x, out)
+    if code == -2:
+        raise MemoryError("weight gradient: could not allocate the kernel's buffers")
+    if code != 0:
+        raise RuntimeError(f"weight gradient kernel failed (code {code})")
+    return out
+
+
+@weight_grad.register_fake
+def _(grad_out, x):
+    return x.new_empty(grad_out.shape[1], x.shape[1])
+
+
+class _Linear(torch.autograd.Function):
+    """F.linear, with the weight gradient through `weight_grad`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = weight_grad(g, x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; when its weight gradient will be wanted and `weight_grad` applies, through it."""
+    tokens = x.numel() // x.shape[-1] if x.dim() else 0
+    if (torch.is_grad_enabled() and weight.requires_grad and x.device.type == "cpu"
+            and not torch.is_autocast_enabled("cpu") and x.dtype == weight.dtype == torch.bfloat16
+            and (bias is None or bias.dtype == torch.bfloat16) and tokens % 32 == 0
+            and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0 and _amx_kernel_runs()):
+        return _Linear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state dict) through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

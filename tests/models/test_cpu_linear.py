@@ -1,0 +1,111 @@
+"""Linear layers' weight gradient through the AMX kernel (where the CPU has AMX): as close to
+float64 as torch's product, the same module and state dict as nn.Linear, one op inside
+compiled training, and torch's product wherever the kernel does not apply."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.backends.debugging import aot_eager
+
+from frugality.models import cpu_linear
+from frugality.models.cpu_linear import Linear, linear, weight_grad, weight_grad_applies
+
+amx = pytest.mark.skipif(not cpu_linear._amx_kernel_runs(),
+                         reason="the C weight-gradient kernel needs a CPU with AMX (and a C compiler)")
+
+
+def _relative_error(result, reference):
+    return ((result.double() - reference).abs().max() / reference.abs().max()).item()
+
+
+@amx
+@pytest.mark.parametrize("tokens, outputs, inputs", [(32, 32, 32), (96, 64, 160), (64, 800, 96), (256, 96, 64)])
+def test_kernel_is_as_close_to_float64_as_torch(tokens, outputs, inputs):
+    """Several token blocks, output panels (800: three panels and a partial one), input blocks."""
+    torch.manual_seed(tokens + outputs)
+    grad_out = torch.randn(tokens, outputs).to(torch.bfloat16)
+    x = torch.randn(tokens, inputs).to(torch.bfloat16)
+    assert weight_grad_applies(grad_out, x)
+    reference = grad_out.double().t() @ x.double()
+    result = weight_grad(grad_out, x)
+    assert result.shape == (outputs, inputs) and result.is_contiguous() and result.dtype == torch.bfloat16
+    assert _relative_error(result, reference) <= max(_relative_error(grad_out.t() @ x, reference), 2 ** -8)
+
+
+@amx
+def test_kernel_reads_rows_of_wider_tensors():
+    """Operands that are column slices (rows further apart than their length) give the
+    same bits as contiguous copies."""
+    torch.manual_seed(0)
+    wide_g = torch.randn(64, 160).to(torch.bfloat16)
+    wide_x = torch.randn(64, 96).to(torch.bfloat16)
+    g, x = wide_g[:, 32:96], wide_x[:, :64]
+    assert torch.equal(weight_grad(g, x), weight_grad(g.contiguous(), x.contiguous()))
+
+
+@amx
+def test_linear_module_matches_nn_linear_and_keeps_its_state_dict():
+    torch.manual_seed(0)
+    ours, reference = Linear(64, 96), nn.Linear(64, 96)
+    assert list(ours.state_dict()) == ["weight", "bias"]
+    reference.load_state_dict(ours.state_dict())
+    ours.bfloat16(), reference.bfloat16()
+    x = torch.randn(2, 16, 64).to(torch.bfloat16)
+    grad = torch.randn(2, 16, 96).to(torch.bfloat16)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [ours(xs[0]), reference(xs[1])]
+    assert torch.equal(outs[0], outs[1])  # the same forward product
+    outs[0].backward(grad), outs[1].backward(grad)
+    assert torch.equal(xs[0].grad, xs[1].grad) and torch.equal(ours.bias.grad, reference.bias.grad)
+    full = grad.double().flatten(0, 1).t() @ x.double().flatten(0, 1)
+    assert _relative_error(ours.weight.grad, full) <= max(_relative_error(reference.weight.grad, full), 2 ** -8)
+
+
+@amx
+def test_compiled_training_calls_the_kernel_without_graph_breaks():
+    torch.manual_seed(0)
+    layer = Linear(64, 64).bfloat16()
+    x = torch.randn(4, 32, 64).to(torch.bfloat16).requires_grad_()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    out = torch.compile(layer, backend=backend, fullgraph=True)(x)
+    out.sum().backward()
+    compiled_grad = layer.weight.grad.clone()
+    layer.weight.grad = None
+    layer(x).sum().backward()
+    assert torch.equal(compiled_grad, layer.weight.grad)  # the same kernel, compiled or not
+    assert len(graphs) == 1
+
+
+@amx
+def test_weight_grad_op_passes_torch_opcheck():
+    torch.manual_seed(0)
+    g, x = torch.randn(64, 96).to(torch.bfloat16), torch.randn(64, 32).to(torch.bfloat16)
+    torch.library.opcheck(weight_grad, (g, x))
+
+
+@amx
+def test_kernel_leaves_onednn_products_correct():
+    a, b = torch.randn(256, 512, dtype=torch.bfloat16), torch.randn(512, 384, dtype=torch.bfloat16)
+    before = a @ b
+    weight_grad(torch.randn(64, 64).to(torch.bfloat16), torch.randn(64, 32).to(torch.bfloat16))
+    torch.testing.assert_close(a @ b, before, rtol=0, atol=0)
+
+
+def test_other_dtypes_shapes_and_inference_take_torch_linear(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_linear._Linear, "apply", lambda *a: calls.append(a) or F.linear(*a))
+    weight = torch.randn(64, 64, requires_grad=True)
+    linear(torch.randn(32, 64), weight)  # float32
+    bf16 = weight.detach().bfloat16().requires_grad_()
+    linear(torch.randn(30, 64).to(torch.bfloat16), bf16)  # 30 tokens: not a multiple of 32
+    with torch.no_grad():
+        linear(torch.randn(32, 64).to(torch.bfloat16), bf16)  # no gradient wanted
+    assert calls == []
+    assert not weight_grad_applies(torch.randn(32, 64), torch.randn(32, 64))
+    assert not weight_grad_applies(torch.randn(32, 48).bfloat16(), torch.randn(32, 64).bfloat16())
