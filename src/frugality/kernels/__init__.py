@@ -79,6 +79,6 @@ def attention_backward_bf16():
 
 
 def weight_grad_bf16():
-    """weight_grad_bf16(g, ldg, x, ldx, dw, tokens, outputs, inputs, threads) -> 0, -1 (no AMX)
-    or -2 (out of memory): see weight_grad_cpu.c."""
-    return _function("weight_grad_cpu", "weight_grad_bf16", _i64, [_p, _i64, _p, _i64, _p, _i64, _i64, _i64, _int])
+    """weight_grad_bf16(g, ldg, x, ldx, dw, db or None, tokens, outputs, inputs, threads) -> 0,
+    -1 (no AMX) or -2 (out of memory): see weight_grad_cpu.c."""
+    return _function("weight_grad_cpu", "weight_grad_bf16", _i64, [_p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _int])

@@ -34,6 +34,11 @@ static inline void store_row(const float *a, float scale, int64_t n, uint16_t *o
                             (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(a + j), _mm512_set1_ps(scale))));
 }
 
+/* 16 bf16 values to float32 (exact: the bits move up by 16). */
+static inline __m512 bf16x16_to_f32(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* (a0..a15, b0..b15) -> (a0, b0, a1, b1, ..., a15, b15): 16-bit elements of two rows
  * interleaved into one pair row of the layout AMX's bf16 product takes its B operand in. */
 static inline __m512i interleave_halves(__m512i ab) {

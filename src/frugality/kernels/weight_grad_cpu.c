@@ -13,6 +13,9 @@
  * contiguous 1 KB tile blocks: strided tile loads put each of a tile's 16 rows in another
  * 4 KB page, and the TLB misses halved the speed.
  *
+ * With `db` (else NULL), also the bias gradient db[n] = sum_t G[t][n], summed in float32
+ * as G is packed and rounded once.
+ *
  * T, D, N multiples of 32; rows of G and X contiguous, `ldg`, `ldx` elements apart.
  * Returns 0, -1 without AMX (or when Linux refuses it), -2 when out of memory.
  */
@@ -33,8 +36,12 @@
 
 /* Pair layout, blocked: block (col/16, row/32) of `rows` x `cols` bf16 matrix M holds
  * M[r][c], M[r+1][c] interleaved for 16 row pairs and 16 columns. Contiguous reads of two
- * rows at a time; rows of `width` columns starting at column c0. */
-static void pack_pairs(const uint16_t *m, int64_t ld, int64_t rows, int64_t c0, int64_t width, uint16_t *out) {
+ * rows at a time; rows of `width` columns starting at column c0. The column sums (the
+ * bias gradient, when M is a layer's output gradient) come with the same reads, in
+ * float32 into `sums`. */
+static void pack_pairs(const uint16_t *m, int64_t ld, int64_t rows, int64_t c0, int64_t width, uint16_t *out,
+                       float *sums) {
+    for (int64_t c = 0; c < width; c++) sums[c] = 0.0f;
     int64_t kb = rows / 32;
     for (int64_t r = 0; r < rows; r += 2) {
         if (r + PREFETCH + 1 < rows) /* beyond what the hardware prefetcher follows */
@@ -47,12 +54,14 @@ static void pack_pairs(const uint16_t *m, int64_t ld, int64_t rows, int64_t c0, 
             __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)top)),
                                             _mm256_loadu_si256((const __m256i *)(top + ld)), 1);
             _mm512_storeu_si512(BLOCK(out, kb, c / 16, r / 32) + ((r % 32) / 2) * 32, interleave_halves(ab));
+            __m512 sum = _mm512_add_ps(_mm512_loadu_ps(sums + c), bf16x16_to_f32(_mm512_castsi512_si256(ab)));
+            _mm512_storeu_ps(sums + c, _mm512_add_ps(sum, bf16x16_to_f32(_mm512_extracti64x4_epi64(ab, 1))));
         }
     }
 }
 
 int64_t weight_grad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t ldx, uint16_t *dw,
-                         int64_t T, int64_t N, int64_t D, int threads) {
+                         uint16_t *db, int64_t T, int64_t N, int64_t D, int threads) {
     if (!amx_permitted()) return -1;
     int64_t kb = T / 32; /* 32-token blocks */
     /* xb: X^T blocked, the A operand: block (d/16, t/32) = X[t..t+32][d..d+16]^T */
@@ -67,14 +76,15 @@ int64_t weight_grad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x, int6
     {
         configure_tiles();
         uint16_t *gb = scratch((size_t)PANEL * T * 2);
-        float *c = scratch(32 * 32 * 4), *ct = scratch(32 * 32 * 4);
-        int ok = gb && c && ct;
+        float *c = scratch(32 * 32 * 4), *ct = scratch(32 * 32 * 4), *sums = scratch(PANEL * 4);
+        int ok = gb && c && ct && sums;
         no_memory += !ok;
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
             if (!ok) continue;
             int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
-            pack_pairs(g, ldg, T, n0, width, gb); /* the B operand: G's panel in pair layout */
+            pack_pairs(g, ldg, T, n0, width, gb, sums); /* the B operand: G's panel in pair layout */
+            if (db) store_row(sums, 1.0f, width, db + n0);
             for (int64_t d = 0; d < D; d += 32)
                 for (int64_t n = 0; n < width; n += 32) {
                     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -94,7 +104,7 @@ int64_t weight_grad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x, int6
                 }
         }
         _tile_release();
-        free(gb), free(c), free(ct);
+        free(gb), free(c), free(ct), free(sums);
     }
     free(xb);
     return no_memory ? -2 : 0;
@@ -103,7 +113,7 @@ int64_t weight_grad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x, int6
 #else /* no AMX: the caller uses torch's product */
 
 int64_t weight_grad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t ldx, uint16_t *dw,
-                         int64_t T, int64_t N, int64_t D, int threads) {
+                         uint16_t *db, int64_t T, int64_t N, int64_t D, int threads) {
     return -1;
 }
 #endif

@@ -34,16 +34,17 @@ def _amx_kernel_runs() -> bool:
     if "runs" not in _AMX:
         x = torch.zeros(32, 32, dtype=torch.bfloat16)
         kernel = kernels.weight_grad_bf16()
-        _AMX["runs"] = kernel is not None and _call(kernel, x, x, torch.empty(32, 32, dtype=torch.bfloat16)) == 0
+        _AMX["runs"] = kernel is not None and _call(kernel, x, x, torch.empty(32, 32, dtype=torch.bfloat16),
+                                                     torch.empty(32, dtype=torch.bfloat16)) == 0
     return _AMX["runs"]
 
 
 _AMX: dict[str, bool] = {}
 
 
-def _call(kernel, grad_out: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> int:
+def _call(kernel, grad_out: torch.Tensor, x: torch.Tensor, out: torch.Tensor, bias_out: torch.Tensor) -> int:
     return kernel(grad_out.data_ptr(), grad_out.stride(0), x.data_ptr(), x.stride(0), out.data_ptr(),
-                  grad_out.shape[0], grad_out.shape[1], x.shape[1], torch.get_num_threads())
+                  bias_out.data_ptr(), grad_out.shape[0], grad_out.shape[1], x.shape[1], torch.get_num_threads())
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -51,27 +52,29 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("frugality::weight_grad", mutates_args=())
-def weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """grad_out^T @ x, (outputs, inputs) contiguous: the weight gradient of a linear layer
-    from its output gradient (tokens, outputs) and input (tokens, inputs); see
-    `weight_grad_applies`."""
+def weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_out^T @ x, (outputs, inputs) contiguous; grad_out summed over the tokens): the
+    weight and bias gradients of a linear layer from its output gradient (tokens, outputs)
+    and input (tokens, inputs); see `weight_grad_applies`. The sum comes with the kernel's
+    one read of grad_out, instead of a pass of its own down the columns."""
     grad_out, x = _rows(grad_out), _rows(x)
     out = torch.empty(grad_out.shape[1], x.shape[1], dtype=x.dtype)
-    code = _call(kernels.weight_grad_bf16(), grad_out, x, out)
+    bias_out = torch.empty(grad_out.shape[1], dtype=x.dtype)
+    code = _call(kernels.weight_grad_bf16(), grad_out, x, out, bias_out)
     if code == -2:
         raise MemoryError("weight gradient: could not allocate the kernel's buffers")
     if code != 0:
         raise RuntimeError(f"weight gradient kernel failed (code {code})")
-    return out
+    return out, bias_out
 
 
 @weight_grad.register_fake
 def _(grad_out, x):
-    return x.new_empty(grad_out.shape[1], x.shape[1])
+    return x.new_empty(grad_out.shape[1], x.shape[1]), x.new_empty(grad_out.shape[1])
 
 
 class _Linear(torch.autograd.Function):
-    """F.linear, with the weight gradient through `weight_grad`."""
+    """F.linear, with the weight and bias gradients through `weight_grad`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -87,9 +90,11 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = (g @ weight).view(x.shape)
         if ctx.needs_input_grad[1]:
-            grad_w = weight_grad(g, x.reshape(-1, x.shape[-1]))
+            grad_w, grad_b = weight_grad(g, x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.sum(0)
+            grad_b = grad_b if ctx.needs_input_grad[1] else g.sum(0)
+        else:
+            grad_b = None
         return grad_x, grad_w, grad_b
 
 

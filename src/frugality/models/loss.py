@@ -75,7 +75,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if want_grad:
             grad_logits = logits  # now holds d(mean loss)/d(logits)
             if weight_grad_applies(grad_logits, hidden):  # AMX: straight into the weight's layout
-                grad_weight = weight_grad(grad_logits, hidden)
+                grad_weight = weight_grad(grad_logits, hidden)[0]
             elif amx_layout:  # (hidden^T @ grad_logits)^T: the same product, laid out for AMX
                 grad_weight = kernels.transposed(kernels.transposed(hidden) @ grad_logits)
             else:
