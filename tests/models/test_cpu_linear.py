@@ -115,3 +115,4 @@ def test_other_dtypes_shapes_and_inference_take_torch_linear(monkeypatch):
     assert calls == []
     assert not weight_grad_applies(torch.randn(32, 64), torch.randn(32, 64))
     assert not weight_grad_applies(torch.randn(32, 48).bfloat16(), torch.randn(32, 64).bfloat16())
+    assert not weight_grad_applies(torch.randn(0, 64).bfloat16(), torch.randn(0, 64).bfloat16())  # no tokens

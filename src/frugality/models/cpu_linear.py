@@ -5,8 +5,8 @@ are laid out token-major. oneDNN runs that product at 350-490 GFLOP/s on a 2-cor
 where it runs the forward products at 600-900; `weight_grad` (kernels/weight_grad_cpu.c)
 lays the operands out in AMX's blocked tile order first and ran Pythia-70m's four block
 shapes at 2048 tokens 1.14-1.41x faster, and the output layer's 50k x 512 gradient about as
-fast as oneDNN plus the transposes that product needed (1.03×), without them
-(benchmarks/output_layer.py). Elsewhere (other dtypes and devices, shapes that are not
+fast as oneDNN plus the transposes that product needed (1.03x), without them
+(benchmarks/weight_grads.py). Elsewhere (other dtypes and devices, shapes that are not
 multiples of 32, CPUs without AMX) it is torch's product, so the kernel only ever changes
 speed, and the accumulation order within float32.
 """
@@ -24,8 +24,8 @@ def weight_grad_applies(grad_out: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether `weight_grad` takes these (tokens, outputs) and (tokens, inputs) tensors."""
     return (grad_out.device.type == "cpu" and grad_out.dtype == x.dtype == torch.bfloat16
             and grad_out.dim() == x.dim() == 2 and grad_out.shape[0] == x.shape[0]
-            and grad_out.shape[0] % 32 == 0 and grad_out.shape[1] % 32 == 0 and x.shape[1] % 32 == 0
-            and _amx_kernel_runs())
+            and grad_out.shape[0] > 0 and grad_out.shape[0] % 32 == 0 and grad_out.shape[1] % 32 == 0
+            and x.shape[1] % 32 == 0 and _amx_kernel_runs())
 
 
 @torch.compiler.assume_constant_result  # asked once; compiled graphs keep the answer
@@ -100,11 +100,11 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; when its weight gradient will be wanted and `weight_grad` applies, through it."""
-    tokens = x.numel() // x.shape[-1] if x.dim() else 0
-    if (torch.is_grad_enabled() and weight.requires_grad and x.device.type == "cpu"
+    if (torch.is_grad_enabled() and weight.requires_grad and x.device.type == "cpu" and x.dim() >= 2
             and not torch.is_autocast_enabled("cpu") and x.dtype == weight.dtype == torch.bfloat16
-            and (bias is None or bias.dtype == torch.bfloat16) and tokens % 32 == 0
-            and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0 and _amx_kernel_runs()):
+            and (bias is None or bias.dtype == torch.bfloat16) and x.shape[:-1].numel() % 32 == 0
+            and x.numel() > 0 and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
+            and _amx_kernel_runs()):
         return _Linear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
