@@ -1,5 +1,6 @@
-/* AMX plumbing shared by the C kernels that use Intel's tile matrix unit: the OS
- * permission, the tile configuration, and bf16 rows out of float32 results. Included only
+/* AMX plumbing shared by the C kernels that use Intel's tile matrix unit
+ * (attention_cpu.c, weight_grad_cpu.c): the OS permission, the tile configuration, bf16 <->
+ * float32 rows, the pair interleave of AMX's B operand, aligned scratch. Included only
  * where __AMX_BF16__, __AMX_TILE__ and __AVX512BF16__ are defined. */
 #ifndef FRUGALITY_AMX_H
 #define FRUGALITY_AMX_H
