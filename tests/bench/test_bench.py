@@ -21,8 +21,11 @@ def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp
         assert r["peak_memory_bytes"] > 0
     assert rows[0]["state_bytes_per_param"] == 16 and rows[2]["state_bytes_per_param"] == 8  # rounded
     assert rows[2]["speedup"] == round(rows[2]["tokens_per_s"] / rows[3]["tokens_per_s"], 3)
+    q1, median, q3 = rows[2]["speedup_pairs"]  # per alternating step pair
+    assert 0 < q1 <= median <= q3 and rows[3]["speedup_pairs"] is None
     assert rows[2]["compile_level"] == "O0" and rows[3]["compile_level"] is None
     assert "| frugality | bf16-sr | O0 | 2 × 16 |" in (tmp_path / "table.md").read_text()
+    assert "× (pairs " in (tmp_path / "table.md").read_text()
     assert "GFLOP/s) |" in (tmp_path / "table.md").read_text()  # the pass's probe, per row
     assert "tokens/s" in capsys.readouterr().out
 

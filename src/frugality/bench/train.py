@@ -47,6 +47,9 @@ class BenchRow:
     device: str
     compile_level: str | None = None  # frugality's; transformers runs eagerly
     speedup: float | None = None  # frugality's tokens/s over transformers' in the same pass
+    # The same ratio step by step: transformers' step time over frugality's step just before
+    # it, whose conditions it shares; quartiles (q1, median, q3) over the timed pairs
+    speedup_pairs: tuple[float, float, float] | None = None
     # MFU against the matmul probe sampled between this pass's steps, rather than against
     # the cached peak: on a shared machine whose speed drifts, the peak of the moment
     pass_peak_flops: float | None = None
@@ -150,6 +153,8 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
         if "frugality" in pass_rows and "transformers" in pass_rows:
             pass_rows["frugality"].speedup = round(
                 pass_rows["frugality"].tokens_per_s / pass_rows["transformers"].tokens_per_s, 3)
+            ratios = [theirs / ours for ours, theirs in zip(times["frugality"], times["transformers"])]
+            pass_rows["frugality"].speedup_pairs = _quartiles(ratios)
         for _, _, _, session in runners.values():
             if session is not None:
                 session.close()
@@ -167,6 +172,12 @@ def _peak_memory_subprocess(impl, recipe, precision, batch, seq) -> int | None:
     return int(json.loads(done.stdout.strip().splitlines()[-1])["peak_memory_bytes"])
 
 
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(q1, median, q3), rounded to 3 decimals; one value gives it three times."""
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return tuple(round(v, 3) for v in q)
+
+
 def _significant(x: float, digits: int = 4) -> float:
     """Rounded to significant digits, not decimals: a small model on a large GPU has an MFU
     of 1e-5, which four decimals would report as 0."""
@@ -180,6 +191,9 @@ def markdown_table(rows: list[BenchRow]) -> str:
     for r in rows:
         mem = f"{r.peak_memory_bytes / 2**30:.2f}" if r.peak_memory_bytes else "n/a"
         speedup = f"{r.speedup:.2f}×" if r.speedup else ""
+        if r.speedup_pairs:
+            q1, median, q3 = r.speedup_pairs
+            speedup += f" (pairs {median:.2f}×, {q1:.2f}–{q3:.2f})"
         lines.append(f"| {r.impl} | {r.precision} | {r.compile_level or 'eager'} | {r.batch} × {r.seq} | "
                      f"{r.tokens_per_s:,.0f} | {speedup} | {r.step_time_s:.3f} | {r.mfu:.1%} | "
                      f"{_percent(r.mfu_vs_pass_peak)} ({_gflops(r.pass_peak_flops)}) | "
