@@ -5,23 +5,32 @@ layer, whose oneDNN path also transposed both operands' layouts (the product is 
 that way round) and the result back.
 
 Medians of --repeats calls per path, alternating; relative error of each path's result
-against the float64 product (largest absolute difference / largest magnitude). Writes
-benchmarks/results/weight_grads-<machine>-<date>.md. Needs a CPU with AMX.
+against the float64 product (largest absolute difference / largest magnitude). Then whole
+training steps: Pythia-70m, bf16-sr at compile level O1, 4 x 512 tokens, the model with
+the kernel's linear layers against the same model with plain nn.Linear (both built from
+the same seed, trained on the same batches), --steps steps each, alternating in one
+process after two warm-up steps. Writes benchmarks/results/weight_grads-<machine>-<date>.md.
+Needs a CPU with AMX.
 
-    .venv/bin/python benchmarks/weight_grads.py [--tokens 2048] [--repeats 15]
+    .venv/bin/python benchmarks/weight_grads.py [--tokens 2048] [--repeats 15] [--steps 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from frugality import kernels
 from frugality.bench.results import machine_line, race, write_results
+from frugality.bench.train import _batch, _make
+from frugality.config.recipe import load_recipe
+from frugality.models import cpu_linear
 from frugality.models.cpu_linear import weight_grad, weight_grad_applies
 from frugality.training.host_memory import keep_freed_memory
 
@@ -33,6 +42,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     keep_freed_memory()  # as in training
     device = torch.device("cpu")
@@ -64,12 +74,44 @@ def main() -> int:
         table += (f"| {r['layer']} | {r['shape']} | {r['path']} | {r['ms']:.2f} | {r['gflops']:.0f} | "
                   f"{r['replaced_path']} | {r['replaced_ms']:.2f} | {r['replaced_gflops']:.0f} | "
                   f"{r['replaced_ms'] / r['ms']:.2f}× | {r['error']:.1e} / {r['replaced_error']:.1e} |\n")
+    steps = _steps(args.steps)
+    table += ("\nWhole training steps (Pythia-70m, bf16-sr, O1, 4 x 512 tokens), "
+              f"{args.steps} per model, alternating:\n\n"
+              "| linear layers | median step (s) | first quartile (s) | fastest (s) | last loss |\n"
+              "|---|---|---|---|---|\n")
+    for name, times, loss in steps:
+        q1 = statistics.quantiles(times, n=4, method="inclusive")[0]
+        table += f"| {name} | {statistics.median(times):.3f} | {q1:.3f} | {min(times):.3f} | {loss:.4f} |\n"
     header = (f"# Weight gradients of linear layers, Pythia-70m shapes, {args.tokens} tokens, bf16\n\n"
               f"{machine_line()}\nMedians of {args.repeats} calls per path, alternating, after one "
               "warm-up call each.\n\n")
     write_results(Path(__file__).parent / "results", "weight_grads", "pythia-70m", header, table,
-                  json.dumps(rows, indent=1))
+                  json.dumps(dict(products=rows, steps=[dict(linear=n, seconds=t, last_loss=l) for n, t, l in steps]),
+                             indent=1))
     return 0
+
+
+def _steps(count: int) -> list[tuple[str, list[float], float]]:
+    """(linear layers, step times, last loss) for the model as built and for the same model
+    with its cpu_linear.Linear layers turned into plain nn.Linear."""
+    recipe = load_recipe("pythia-70m", ["compile.level=O1", "train.device=cpu"])
+    device = torch.device("cpu")
+    kernel_step = _make("frugality", recipe, "bf16-sr", device, 4, 512)[0]
+    plain_step, plain_model, *_ = _make("frugality", recipe, "bf16-sr", device, 4, 512)
+    for module in plain_model.modules():
+        if type(module) is cpu_linear.Linear:
+            module.__class__ = torch.nn.Linear  # the same parameters, torch's backward
+    paths = {"cpu_linear.Linear (AMX weight gradients)": kernel_step, "nn.Linear (oneDNN)": plain_step}
+    times = {name: [] for name in paths}
+    losses = {}
+    for i in range(2 + count):
+        batch = _batch(recipe, 4, 512, device, i)
+        for name, step in paths.items():
+            t0 = time.perf_counter()
+            losses[name] = step(batch)
+            if i >= 2:
+                times[name].append(time.perf_counter() - t0)
+    return [(name, times[name], losses[name]) for name in paths]
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ A linear layer's weight gradient, dW = dY^T X, reduces over the tokens, and both
 are laid out token-major. oneDNN runs that product at 350-490 GFLOP/s on a 2-core Xeon
 where it runs the forward products at 600-900; `weight_grad` (kernels/weight_grad_cpu.c)
 lays the operands out in AMX's blocked tile order first and ran Pythia-70m's four block
-shapes at 2048 tokens 1.14-1.41x faster, and the output layer's 50k x 512 gradient about as
-fast as oneDNN plus the transposes that product needed (1.03x), without them
+shapes at 2048 tokens 1.17-1.42x faster, and the output layer's 50k x 512 gradient about as
+fast as oneDNN plus the transposes that product needed (1.02x), without them
 (benchmarks/weight_grads.py). Elsewhere (other dtypes and devices, shapes that are not
 multiples of 32, CPUs without AMX) it is torch's product, so the kernel only ever changes
 speed, and the accumulation order within float32.
