@@ -48,5 +48,12 @@ static inline __m512i interleave_halves(__m512i ab) {
     return _mm512_permutexvar_epi16(order, ab);
 }
 
+/* Columns c..c+16 of rows `top` and `top + ld` as one pair row: (top[c], top[ld + c], ...). */
+static inline __m512i pair_row16(const uint16_t *top, int64_t ld) {
+    __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)top)),
+                                    _mm256_loadu_si256((const __m256i *)(top + ld)), 1);
+    return interleave_halves(ab);
+}
+
 static void *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 #endif

@@ -74,10 +74,7 @@ static void pairs_of_columns(const uint16_t *X, int64_t ld, int64_t rows, int64_
 /* Pair layout of X [rows][cols] itself: out[r/2][c][2] = (X[r][c], X[r+1][c]). */
 static void pairs_of_rows(const uint16_t *X, int64_t ld, int64_t rows, int64_t cols, uint16_t *out) {
     for (int64_t r = 0; r < rows; r += 2)
-        for (int64_t c = 0; c < cols; c++) {
-            out[r * cols + 2 * c] = X[r * ld + c];
-            out[r * cols + 2 * c + 1] = X[(r + 1) * ld + c];
-        }
+        for (int64_t c = 0; c < cols; c += 16) _mm512_storeu_si512(out + r * cols + 2 * c, pair_row16(X + r * ld + c, ld));
 }
 
 /* out[c * ld_out + r] = X[r * ld + c] */
@@ -85,13 +82,20 @@ static void transpose(const uint16_t *X, int64_t ld, int64_t rows, int64_t cols,
     transpose_tile16(X, ld, out, ld_out, 0, rows, 0, cols);
 }
 
-/* Two float32 rows a, b (n % 16 == 0) rounded to bf16 and interleaved: out[2j] = a[j],
- * out[2j+1] = b[j] (one pair row of the pair layout). */
-static inline void store_pair_row(const float *a, const float *b, int64_t n, uint16_t *out) {
-    for (int64_t j = 0; j < n; j += 16) {
-        __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(b + j), _mm512_loadu_ps(a + j));
-        _mm512_storeu_si512(out + 2 * j, interleave_halves(ab));
-    }
+/* The first n of 16 lanes (none for n <= 0). Rows and rotary halves are written with
+ * explicit 16-lane vectors: gcc vectorises loops of unknown length only in steps of 16 and
+ * runs their remainders (all of a Pythia rotary half of 8) one element at a time. */
+static inline __mmask16 first(int64_t n) { return n <= 0 ? 0 : n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
+
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) { return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p)); }
+
+static inline void store_bf16(uint16_t *p, __mmask16 m, __m512 v) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* a (lanes) and b rounded to bf16 and interleaved into 16 columns of a pair row. */
+static inline void store_pair16(uint16_t *out, __m512 a, __m512 b) {
+    _mm512_storeu_si512(out, interleave_halves((__m512i)_mm512_cvtne2ps_pbh(b, a)));
 }
 
 /* Rotary embedding, rotate-half form, on one row of `dim` channels at position t: tables
@@ -100,24 +104,32 @@ static inline void store_pair_row(const float *a, const float *b, int64_t n, uin
  * channel i < half with i + half (half = rotary_dim / 2) and leaves the rest. */
 static inline void rotate_row(const uint16_t *restrict x, const float *restrict cos, const float *restrict sin,
                               int64_t half, int64_t dim, uint16_t *restrict y) {
-#pragma omp simd
-    for (int64_t i = 0; i < half; i++)
-        y[i] = f32_to_bf16(bf16_to_f32(x[i]) * cos[i] + bf16_to_f32(x[i + half]) * sin[i]);
-#pragma omp simd
-    for (int64_t i = half; i < 2 * half; i++)
-        y[i] = f32_to_bf16(bf16_to_f32(x[i]) * cos[i] + bf16_to_f32(x[i - half]) * sin[i]);
-    for (int64_t i = 2 * half; i < dim; i++) y[i] = x[i];
+    for (int64_t i = 0; i < half; i += 16) {
+        __mmask16 m = first(half - i);
+        __m512 a = load_bf16(x + i, m), b = load_bf16(x + i + half, m);
+        store_bf16(y + i, m, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, cos + i),
+                                             _mm512_mul_ps(b, _mm512_maskz_loadu_ps(m, sin + i))));
+        store_bf16(y + i + half, m, _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(m, cos + i + half),
+                                                    _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, sin + i + half))));
+    }
+    memcpy(y + 2 * half, x + 2 * half, (size_t)(dim - 2 * half) * 2);
 }
 
 /* Its backward for a float32 gradient row g: dx = g cos + swap(g sin), rounded to bf16. */
 static inline void unrotate_row(const float *restrict g, const float *restrict cos, const float *restrict sin,
                                 int64_t half, int64_t dim, uint16_t *restrict dx) {
-#pragma omp simd
-    for (int64_t i = 0; i < half; i++) dx[i] = f32_to_bf16(g[i] * cos[i] + g[i + half] * sin[i + half]);
-#pragma omp simd
-    for (int64_t i = half; i < 2 * half; i++) dx[i] = f32_to_bf16(g[i] * cos[i] + g[i - half] * sin[i - half]);
-#pragma omp simd
-    for (int64_t i = 2 * half; i < dim; i++) dx[i] = f32_to_bf16(g[i]);
+    for (int64_t i = 0; i < half; i += 16) {
+        __mmask16 m = first(half - i);
+        __m512 a = _mm512_maskz_loadu_ps(m, g + i), b = _mm512_maskz_loadu_ps(m, g + i + half);
+        store_bf16(dx + i, m, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, cos + i),
+                                              _mm512_mul_ps(b, _mm512_maskz_loadu_ps(m, sin + i + half))));
+        store_bf16(dx + i + half, m, _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(m, cos + i + half),
+                                                     _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, sin + i))));
+    }
+    for (int64_t i = 2 * half; i < dim; i += 16) {
+        __mmask16 m = first(dim - i);
+        store_bf16(dx + i, m, _mm512_maskz_loadu_ps(m, g + i));
+    }
 }
 
 /* The head's q or k rows, rotated when half > 0 (into `scratch`, returned with row stride
@@ -178,21 +190,23 @@ int64_t attention_forward_bf16(const uint16_t *q, const uint16_t *k, const uint1
             for (int64_t i0 = 0; i0 < seq; i0 += MB) {
                 int64_t rows = seq - i0 < MB ? seq - i0 : MB, keys = i0 + rows;
                 product(Q + i0 * lq, lq, kp, 2 * seq, s, seq, rows, keys, dim, 0);
-                for (int64_t r = 0; r < rows; r++) {
-                    float *x = s + r * seq;
+                for (int64_t r = 0; r < rows; r++) { /* P, unnormalised, in bf16; zeros past the causal edge */
+                    const float *x = s + r * seq;
                     int64_t seen = i0 + r + 1;
-                    float max = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : max)
-                    for (int64_t j = 0; j < seen; j++) max = x[j] * scale > max ? x[j] * scale : max;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t j = 0; j < seen; j++) {
-                        x[j] = exp_nonpositive(x[j] * scale - max);
-                        sum += x[j];
+                    __m512 high = _mm512_set1_ps(-INFINITY), sums = _mm512_setzero_ps();
+                    for (int64_t j = 0; j < seen; j += 16) high = _mm512_max_ps(high, _mm512_mask_loadu_ps(high, first(seen - j), x + j));
+                    float max = _mm512_reduce_max_ps(high) * scale;
+                    for (int64_t j = 0; j < keys; j += 16) {
+                        __m512 e = _mm512_setzero_ps();
+                        if (j < seen)
+                            e = _mm512_maskz_mov_ps(first(seen - j), exp_nonpositive16(_mm512_fmsub_ps(
+                                _mm512_loadu_ps(x + j), _mm512_set1_ps(scale), _mm512_set1_ps(max))));
+                        sums = _mm512_add_ps(sums, e);
+                        store_bf16(p + r * seq + j, 0xFFFF, e);
                     }
-                    for (int64_t j = seen; j < keys; j++) x[j] = 0.0f;
+                    float sum = _mm512_reduce_add_ps(sums);
                     lse[bh * seq + i0 + r] = max + logf(sum);
                     inv_sum[r] = 1.0f / sum;
-                    store_row(x, 1.0f, keys, p + r * seq);
                 }
                 product(p, seq, vp, 2 * dim, o, dim, rows, dim, keys, 0);
                 for (int64_t r = 0; r < rows; r++) store_row(o + r * dim, inv_sum[r], dim, Out + (i0 + r) * lo);
@@ -253,22 +267,29 @@ int64_t attention_backward_bf16(const uint16_t *q, const uint16_t *k, const uint
                 int64_t rows = seq - i0 < MB ? seq - i0 : MB, keys = i0 + rows;
                 product(Q + i0 * lq, lq, kp, 2 * seq, s, seq, rows, keys, dim, 0);
                 product(dO + i0 * ldo, ldo, vp, 2 * seq, dp, seq, rows, keys, dim, 0);
-                for (int64_t r = 0; r < rows; r++) {
-                    float *x = s + r * seq, *y = dp + r * seq;
-                    int64_t seen = i0 + r + 1;
-                    float row_lse = L[i0 + r], row_delta = delta[i0 + r];
-#pragma omp simd
-                    for (int64_t j = 0; j < seen; j++) {
-                        float prob = exp_nonpositive(x[j] * scale - row_lse);
-                        x[j] = prob;                             /* P */
-                        y[j] = prob * (y[j] - row_delta) * scale; /* dS */
-                    }
-                    for (int64_t j = seen; j < keys; j++) x[j] = y[j] = 0.0f;
-                    store_row(y, 1.0f, keys, ds + r * seq);
-                }
+                /* P and dS = P (dP - delta) scale, zero past the causal edge: dS's rows in
+                 * bf16, and both in pair layout, two rows at a time */
                 for (int64_t r = 0; r < rows; r += 2) {
-                    store_pair_row(s + r * seq, s + (r + 1) * seq, keys, pp + r * seq);
-                    store_pair_row(dp + r * seq, dp + (r + 1) * seq, keys, dsp + r * seq);
+                    __m512 lse_a = _mm512_set1_ps(L[i0 + r]), lse_b = _mm512_set1_ps(L[i0 + r + 1]);
+                    __m512 delta_a = _mm512_set1_ps(delta[i0 + r]), delta_b = _mm512_set1_ps(delta[i0 + r + 1]);
+                    __m512 vscale = _mm512_set1_ps(scale);
+                    int64_t seen = i0 + r + 1; /* row r's; row r + 1 sees one more */
+                    for (int64_t j = 0; j < keys; j += 16) {
+                        __m512 pa = _mm512_setzero_ps(), pb = pa, dsa = pa, dsb = pa;
+                        if (j <= seen) {
+                            int64_t at = r * seq + j;
+                            pa = _mm512_maskz_mov_ps(first(seen - j), exp_nonpositive16(
+                                _mm512_fmsub_ps(_mm512_loadu_ps(s + at), vscale, lse_a)));
+                            pb = _mm512_maskz_mov_ps(first(seen + 1 - j), exp_nonpositive16(
+                                _mm512_fmsub_ps(_mm512_loadu_ps(s + at + seq), vscale, lse_b)));
+                            dsa = _mm512_maskz_mul_ps(first(seen - j), _mm512_mul_ps(pa, _mm512_sub_ps(_mm512_loadu_ps(dp + at), delta_a)), vscale);
+                            dsb = _mm512_maskz_mul_ps(first(seen + 1 - j), _mm512_mul_ps(pb, _mm512_sub_ps(_mm512_loadu_ps(dp + at + seq), delta_b)), vscale);
+                        }
+                        store_bf16(ds + r * seq + j, 0xFFFF, dsa);
+                        store_bf16(ds + (r + 1) * seq + j, 0xFFFF, dsb);
+                        store_pair16(pp + r * seq + 2 * j, pa, pb);
+                        store_pair16(dsp + r * seq + 2 * j, dsa, dsb);
+                    }
                 }
                 product(ds, seq, k_rows, 2 * dim, acc, dim, rows, dim, keys, 0);
                 for (int64_t r = 0; r < rows; r++) {

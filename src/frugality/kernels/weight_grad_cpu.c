@@ -51,11 +51,9 @@ static void pack_pairs(const uint16_t *m, int64_t ld, int64_t rows, int64_t c0, 
             }
         for (int64_t c = 0; c < width; c += 16) {
             const uint16_t *top = m + r * ld + c0 + c;
-            __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)top)),
-                                            _mm256_loadu_si256((const __m256i *)(top + ld)), 1);
-            _mm512_storeu_si512(BLOCK(out, kb, c / 16, r / 32) + ((r % 32) / 2) * 32, interleave_halves(ab));
-            __m512 sum = _mm512_add_ps(_mm512_loadu_ps(sums + c), bf16x16_to_f32(_mm512_castsi512_si256(ab)));
-            _mm512_storeu_ps(sums + c, _mm512_add_ps(sum, bf16x16_to_f32(_mm512_extracti64x4_epi64(ab, 1))));
+            _mm512_storeu_si512(BLOCK(out, kb, c / 16, r / 32) + ((r % 32) / 2) * 32, pair_row16(top, ld));
+            __m512 sum = _mm512_add_ps(_mm512_loadu_ps(sums + c), bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)top)));
+            _mm512_storeu_ps(sums + c, _mm512_add_ps(sum, bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(top + ld)))));
         }
     }
 }
