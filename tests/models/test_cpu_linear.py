@@ -1,6 +1,7 @@
-"""Linear layers' weight gradient through the AMX kernel (where the CPU has AMX): as close to
-float64 as torch's product, the same module and state dict as nn.Linear, one op inside
-compiled training, and torch's product wherever the kernel does not apply."""
+"""Linear layers' products through the AMX kernels (where the CPU has AMX): the weight
+gradient, the forward product and the input gradient as close to float64 as torch's
+products, the same module and state dict as nn.Linear, one op each inside compiled
+training, and torch's products wherever the kernels do not apply."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 from torch._dynamo.backends.debugging import aot_eager
 
 from frugality.models import cpu_linear
-from frugality.models.cpu_linear import Linear, linear, weight_grad, weight_grad_applies
+from frugality.models.cpu_linear import Linear, linear, product, product_applies, weight_grad, weight_grad_applies
 
 amx = pytest.mark.skipif(not cpu_linear._amx_kernel_runs(),
                          reason="the C weight-gradient kernel needs a CPU with AMX (and a C compiler)")
@@ -59,9 +60,11 @@ def test_linear_module_matches_nn_linear_and_keeps_its_state_dict():
     grad = torch.randn(2, 16, 96).to(torch.bfloat16)
     xs = [x.clone().requires_grad_() for _ in range(2)]
     outs = [ours(xs[0]), reference(xs[1])]
-    assert torch.equal(outs[0], outs[1])  # the same forward product
+    exact = x.double() @ ours.weight.double().t() + ours.bias.double()
+    assert _relative_error(outs[0], exact) <= max(_relative_error(outs[1], exact), 2 ** -8)
     outs[0].backward(grad), outs[1].backward(grad)
-    assert torch.equal(xs[0].grad, xs[1].grad)
+    exact_x = grad.double() @ ours.weight.double()
+    assert _relative_error(xs[0].grad, exact_x) <= max(_relative_error(xs[1].grad, exact_x), 2 ** -8)
     full = grad.double().flatten(0, 1).t() @ x.double().flatten(0, 1)
     assert _relative_error(ours.weight.grad, full) <= max(_relative_error(reference.weight.grad, full), 2 ** -8)
     bias = grad.double().sum((0, 1))
@@ -69,8 +72,11 @@ def test_linear_module_matches_nn_linear_and_keeps_its_state_dict():
 
 
 @amx
-def test_compiled_training_calls_the_kernel_without_graph_breaks():
+def test_compiled_training_calls_the_kernels_without_graph_breaks(monkeypatch):
     torch.manual_seed(0)
+    products = []
+    into = cpu_linear.product_into
+    monkeypatch.setattr(cpu_linear, "product_into", lambda *a: products.append(a[3]) or into(*a))
     layer = Linear(64, 64).bfloat16()
     x = torch.randn(4, 32, 64).to(torch.bfloat16).requires_grad_()
     graphs = []
@@ -81,10 +87,14 @@ def test_compiled_training_calls_the_kernel_without_graph_breaks():
 
     out = torch.compile(layer, backend=backend, fullgraph=True)(x)
     out.sum().backward()
-    compiled_grad = layer.weight.grad.clone()
-    layer.weight.grad = None
-    layer(x).sum().backward()
-    assert torch.equal(compiled_grad, layer.weight.grad)  # the same kernel, compiled or not
+    assert products == [True, False]  # the forward product, then the input gradient
+    compiled_grads = layer.weight.grad.clone(), x.grad.clone()
+    layer.weight.grad = x.grad = None
+    eager_out = layer(x)
+    eager_out.sum().backward()
+    # the same kernels, compiled or not
+    assert torch.equal(out, eager_out) and torch.equal(compiled_grads[0], layer.weight.grad)
+    assert torch.equal(compiled_grads[1], x.grad)
     assert len(graphs) == 1
 
 
@@ -96,10 +106,57 @@ def test_weight_grad_op_passes_torch_opcheck():
 
 
 @amx
+@pytest.mark.parametrize("rows, inputs, outputs, transposed, with_bias",
+                         [(32, 32, 32, True, True), (96, 64, 800, True, False), (64, 160, 96, False, False),
+                          (256, 2048, 64, True, True), (64, 4096, 32, False, False)])
+def test_product_is_as_close_to_float64_as_torch(rows, inputs, outputs, transposed, with_bias):
+    """The forward product (weight (outputs, inputs), bias) and the input gradient (weight
+    read as (K, N)); 800 outputs: two panels, the second partial; K up to the kernel's 4096."""
+    torch.manual_seed(rows + outputs)
+    a = torch.randn(rows, inputs).to(torch.bfloat16)
+    weight = (torch.randn(outputs, inputs) if transposed else torch.randn(inputs, outputs)).to(torch.bfloat16)
+    bias = torch.randn(outputs).to(torch.bfloat16) if with_bias else None
+    assert product_applies(a, weight, bias, transposed)
+    result = product(a, weight, bias, transposed)
+    w64 = weight.double().t() if transposed else weight.double()
+    reference = a.double() @ w64 + (bias.double() if with_bias else 0)
+    torch_result = F.linear(a, weight, bias) if transposed else a @ weight
+    assert result.shape == (rows, outputs) and result.dtype == torch.bfloat16
+    assert _relative_error(result, reference) <= max(_relative_error(torch_result, reference), 2 ** -8)
+
+
+@amx
+def test_product_reads_rows_of_wider_tensors():
+    torch.manual_seed(0)
+    wide_a, wide_w = torch.randn(64, 160).to(torch.bfloat16), torch.randn(96, 128).to(torch.bfloat16)
+    a, w = wide_a[:, 32:96], wide_w[:, :64]
+    assert torch.equal(product(a, w, None, True), product(a.contiguous(), w.contiguous(), None, True))
+
+
+@amx
+def test_product_op_passes_torch_opcheck():
+    torch.manual_seed(0)
+    a, w, b = (torch.randn(*s).to(torch.bfloat16) for s in ((64, 96), (32, 96), (32,)))
+    torch.library.opcheck(product, (a, w, b, True))
+    torch.library.opcheck(product, (a, w.t().contiguous(), None, False))
+
+
+def test_product_takes_only_what_the_kernel_does():
+    bf16 = lambda *s: torch.randn(*s).to(torch.bfloat16)
+    assert not product_applies(torch.randn(32, 64), torch.randn(32, 64), None, True)  # float32
+    assert not product_applies(bf16(32, 48), bf16(32, 48), None, True)  # K not a multiple of 32
+    assert not product_applies(bf16(32, 64), bf16(48, 64), None, True)  # N not a multiple of 32
+    assert not product_applies(bf16(32, 8192), bf16(32, 8192), None, True)  # K past the kernel's panels
+    assert not product_applies(bf16(32, 64), bf16(64, 32), None, True)  # shapes that do not chain
+    assert not product_applies(bf16(32, 64), bf16(32, 64), torch.randn(32), True)  # float32 bias
+
+
+@amx
 def test_kernel_leaves_onednn_products_correct():
     a, b = torch.randn(256, 512, dtype=torch.bfloat16), torch.randn(512, 384, dtype=torch.bfloat16)
     before = a @ b
     weight_grad(torch.randn(64, 64).to(torch.bfloat16), torch.randn(64, 32).to(torch.bfloat16))
+    product(torch.randn(64, 64).to(torch.bfloat16), torch.randn(32, 64).to(torch.bfloat16), None, True)
     torch.testing.assert_close(a @ b, before, rtol=0, atol=0)
 
 

@@ -82,3 +82,9 @@ def weight_grad_bf16():
     """weight_grad_bf16(g, ldg, x, ldx, dw, db or None, tokens, outputs, inputs, threads) -> 0,
     -1 (no AMX) or -2 (out of memory): see weight_grad_cpu.c."""
     return _function("weight_grad_cpu", "weight_grad_bf16", _i64, [_p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _int])
+
+
+def matmul_bf16():
+    """matmul_bf16(a, lda, w, ldw, w_rows_are_outputs, bias or None, out, ldo, M, N, K,
+    threads) -> 0, -1 (no AMX), -2 (out of memory) or -3 (K too large): see matmul_cpu.c."""
+    return _function("matmul_cpu", "matmul_bf16", _i64, [_p, _i64, _p, _i64, _int, _p, _p, _i64, _i64, _i64, _i64, _int])

@@ -1,4 +1,4 @@
-"""Linear layers whose weight gradient runs through a C kernel for bf16 on CPUs with AMX.
+"""Linear layers whose products run through C kernels for bf16 on CPUs with AMX.
 
 A linear layer's weight gradient, dW = dY^T X, reduces over the tokens, and both operands
 are laid out token-major. oneDNN runs that product at 350-490 GFLOP/s on a 2-core Xeon
@@ -6,9 +6,11 @@ where it runs the forward products at 600-900; `weight_grad` (kernels/weight_gra
 lays the operands out in AMX's blocked tile order first and ran Pythia-70m's four block
 shapes at 2048 tokens 1.17-1.42x faster, and the output layer's 50k x 512 gradient about as
 fast as oneDNN plus the transposes that product needed (1.02x), without them
-(benchmarks/weight_grads.py). Elsewhere (other dtypes and devices, shapes that are not
-multiples of 32, CPUs without AMX) it is torch's product, so the kernel only ever changes
-speed, and the accumulation order within float32.
+(benchmarks/weight_grads.py). The forward product x W^T and the input gradient dY W go
+through `product` (kernels/matmul_cpu.c), which rounds each finished block to bf16 while
+the tile unit computes the next (benchmarks/linear_products.py). Elsewhere (other dtypes
+and devices, shapes that are not multiples of 32, CPUs without AMX) it is torch's
+product, so the kernels only ever change speed, and the accumulation order within float32.
 """
 
 from __future__ import annotations
@@ -47,6 +49,49 @@ def _call(kernel, grad_out: torch.Tensor, x: torch.Tensor, out: torch.Tensor, bi
                   bias_out.data_ptr(), grad_out.shape[0], grad_out.shape[1], x.shape[1], torch.get_num_threads())
 
 
+def product_applies(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> bool:
+    """Whether `product` takes a (rows, K) and the weight (N, K) if `transposed`, else (K, N)."""
+    return (a.device.type == weight.device.type == "cpu" and a.dtype == weight.dtype == torch.bfloat16
+            and (bias is None or bias.dtype == torch.bfloat16) and a.dim() == weight.dim() == 2
+            and a.shape[0] > 0 and a.shape[0] % 32 == 0 and a.shape[1] % 32 == 0
+            and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
+            and a.shape[1] == weight.shape[1 if transposed else 0] and a.shape[1] <= _PRODUCT_MAX_K
+            and _amx_kernel_runs())
+
+
+_PRODUCT_MAX_K = 4096  # matmul_cpu.c's KMAX: its packed panels of the weight must stay in L2
+
+
+def product_into(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+                 out: torch.Tensor) -> torch.Tensor:
+    """out = a @ weight^T + bias if `transposed` (the forward product, weight (N, K)), else
+    a @ weight (the input gradient, weight (K, N)); see `product_applies`. `out`: (rows, N),
+    contiguous rows."""
+    a, weight = _rows(a), _rows(weight)
+    bias = None if bias is None else bias.contiguous()
+    n = weight.shape[0] if transposed else weight.shape[1]
+    code = kernels.matmul_bf16()(a.data_ptr(), a.stride(0), weight.data_ptr(), weight.stride(0), int(transposed),
+                                  None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+                                  a.shape[0], n, a.shape[1], torch.get_num_threads())
+    if code == -2:
+        raise MemoryError("linear product: could not allocate the kernel's buffers")
+    if code != 0:
+        raise RuntimeError(f"linear product kernel failed (code {code})")
+    return out
+
+
+@torch.library.custom_op("frugality::linear_product", mutates_args=())
+def product(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """`product_into` a new (rows, N) tensor."""
+    n = weight.shape[0] if transposed else weight.shape[1]
+    return product_into(a, weight, bias, transposed, torch.empty(a.shape[0], n, dtype=a.dtype))
+
+
+@product.register_fake
+def _(a, weight, bias, transposed):
+    return a.new_empty(a.shape[0], weight.shape[0] if transposed else weight.shape[1])
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -74,12 +119,16 @@ def _(grad_out, x):
 
 
 class _Linear(torch.autograd.Function):
-    """F.linear, with the weight and bias gradients through `weight_grad`."""
+    """F.linear, with the weight and bias gradients through `weight_grad` and the two other
+    products through `product` where they apply."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        rows = x.reshape(-1, x.shape[-1])
+        if product_applies(rows, weight, bias, transposed=True):
+            return product(rows, weight, bias, True).view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -88,7 +137,8 @@ class _Linear(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = (g @ weight).view(x.shape)
+            grad_x = (product(g, weight, None, False) if product_applies(g, weight, None, transposed=False)
+                      else g @ weight).view(x.shape)
         if ctx.needs_input_grad[1]:
             grad_w, grad_b = weight_grad(g, x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:

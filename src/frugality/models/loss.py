@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from frugality import kernels
-from frugality.models.cpu_linear import weight_grad, weight_grad_applies
+from frugality.models.cpu_linear import product_applies, product_into, weight_grad, weight_grad_applies
 
 _ROWS_PER_CHUNK = 64  # 64 x 50k float32 = 12.9 MB: within a server CPU's L3
 _CHUNK_BYTES_OFF_CPU = 256 << 20  # GPUs: few, large chunks (each chunk is ~10 kernel launches)
@@ -64,7 +64,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                  want_grad: bool) -> torch.Tensor:
         logits = _workspace((hidden.shape[0], weight.shape[0]), hidden.dtype, hidden.device)
         amx_layout = _transpose_first(hidden)
-        torch.mm(hidden, kernels.transposed(weight) if amx_layout else weight.t(), out=logits)
+        if product_applies(hidden, weight, None, transposed=True):  # AMX: the weight as it is
+            product_into(hidden, weight, None, True, logits)
+        else:
+            torch.mm(hidden, kernels.transposed(weight) if amx_layout else weight.t(), out=logits)
         n = logits.shape[0]
         # Over the rows, in place: the loss per row, and (softmax - onehot) / n if wanted.
         row_losses = _rows_in_c(logits, targets, 1.0 / n, want_grad)
