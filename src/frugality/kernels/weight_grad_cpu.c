@@ -58,6 +58,25 @@ static void pack_pairs(const uint16_t *m, int64_t ld, int64_t rows, int64_t c0, 
     }
 }
 
+/* A finished 32 x 32 block of dW^T (c[d][n], float32) on its way into dW's rows, `row`
+ * of them (n) done: four at a time, transposed in registers and rounded. It is finished a
+ * few rows at a time during the next block's tile products, which the tile unit runs
+ * alongside. */
+typedef struct {
+    const float *c;
+    uint16_t *dw; /* dW[n][d] of the block's first n and d */
+    int64_t ld;
+    int row;
+} epilogue;
+
+static inline void finish_rows(epilogue *e, int upto) {
+    float t[4 * 32];
+    for (; e->row < upto; e->row += 4) {
+        for (int i = 0; i < 32; i += 4) block4x32((const uint32_t *)(e->c + i * 32 + e->row), 32, (uint32_t *)(t + i), 32);
+        for (int j = 0; j < 4; j++) store_row(t + j * 32, 1.0f, 32, e->dw + (e->row + j) * e->ld);
+    }
+}
+
 int64_t weight_grad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t ldx, uint16_t *dw,
                          uint16_t *db, int64_t T, int64_t N, int64_t D, int threads) {
     if (!amx_permitted()) return -1;
@@ -74,9 +93,11 @@ int64_t weight_grad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x, int6
     {
         configure_tiles();
         uint16_t *gb = scratch((size_t)PANEL * T * 2);
-        float *c = scratch(32 * 32 * 4), *ct = scratch(32 * 32 * 4), *sums = scratch(PANEL * 4);
-        int ok = gb && c && ct && sums;
+        float *cbuf = scratch(2 * 32 * 32 * 4), *sums = scratch(PANEL * 4);
+        int ok = gb && cbuf && sums, half = 0;
         no_memory += !ok;
+        epilogue done = {.c = cbuf, .row = 32};
+        int64_t every = kb >= 8 ? kb / 8 : 1; /* k steps per four rows of the epilogue */
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
             if (!ok) continue;
@@ -93,16 +114,19 @@ int64_t weight_grad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x, int6
                         _tile_loadd(7, BLOCK(gb, kb, n / 16 + 1, k), 64);
                         _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
                         _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                        if (k % every == every - 1 && done.row < 32) finish_rows(&done, done.row + 4);
                     }
-                    /* c[d][n] -> ct[n][d] -> rows of dW */
+                    finish_rows(&done, 32);
+                    float *c = cbuf + half * 32 * 32; /* two buffers: this block's and the one being finished */
+                    half ^= 1;
                     _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128);
                     _tile_stored(2, c + 16 * 32, 128); _tile_stored(3, c + 16 * 32 + 16, 128);
-                    transpose32((const uint32_t *)c, 32, 32, 32, (uint32_t *)ct);
-                    for (int r = 0; r < 32; r++) store_row(ct + r * 32, 1.0f, 32, dw + (n0 + n + r) * D + d);
+                    done = (epilogue){.c = c, .dw = dw + (n0 + n) * D + d, .ld = D};
                 }
         }
+        finish_rows(&done, 32);
         _tile_release();
-        free(gb), free(c), free(ct), free(sums);
+        free(gb), free(cbuf), free(sums);
     }
     free(xb);
     return no_memory ? -2 : 0;
