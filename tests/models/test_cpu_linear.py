@@ -108,10 +108,13 @@ def test_weight_grad_op_passes_torch_opcheck():
 @amx
 @pytest.mark.parametrize("rows, inputs, outputs, transposed, with_bias",
                          [(32, 32, 32, True, True), (96, 64, 800, True, False), (64, 160, 96, False, False),
-                          (256, 2048, 64, True, True), (64, 4096, 32, False, False)])
+                          (256, 2048, 64, True, True), (64, 4096, 32, False, False),
+                          (288, 4640, 64, False, False), (64, 8192, 96, False, False)])
 def test_product_is_as_close_to_float64_as_torch(rows, inputs, outputs, transposed, with_bias):
     """The forward product (weight (outputs, inputs), bias) and the input gradient (weight
-    read as (K, N)); 800 outputs: two panels, the second partial; K up to the kernel's 4096."""
+    read as (K, N)); 800 outputs: two panels, the second partial; K up to the kernel's 4096,
+    and past it the chunked input gradient (288 rows: a partial group of rows; 4640: a
+    partial chunk of K)."""
     torch.manual_seed(rows + outputs)
     a = torch.randn(rows, inputs).to(torch.bfloat16)
     weight = (torch.randn(outputs, inputs) if transposed else torch.randn(inputs, outputs)).to(torch.bfloat16)
@@ -147,6 +150,7 @@ def test_product_takes_only_what_the_kernel_does():
     assert not product_applies(bf16(32, 48), bf16(32, 48), None, True)  # K not a multiple of 32
     assert not product_applies(bf16(32, 64), bf16(48, 64), None, True)  # N not a multiple of 32
     assert not product_applies(bf16(32, 8192), bf16(32, 8192), None, True)  # K past the kernel's panels
+    assert product_applies(bf16(32, 8192), bf16(8192, 32), None, False)  # input gradient: chunked
     assert not product_applies(bf16(32, 64), bf16(64, 32), None, True)  # shapes that do not chain
     assert not product_applies(bf16(32, 64), bf16(32, 64), torch.randn(32), True)  # float32 bias
 

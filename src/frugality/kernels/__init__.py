@@ -88,3 +88,9 @@ def matmul_bf16():
     """matmul_bf16(a, lda, w, ldw, w_rows_are_outputs, bias or None, out, ldo, M, N, K,
     threads) -> 0, -1 (no AMX), -2 (out of memory) or -3 (K too large): see matmul_cpu.c."""
     return _function("matmul_cpu", "matmul_bf16", _i64, [_p, _i64, _p, _i64, _int, _p, _p, _i64, _i64, _i64, _i64, _int])
+
+
+def matmul_long_bf16():
+    """matmul_long_bf16(a, lda, w, ldw, out, ldo, M, N, K, threads) -> 0, -1 (no AMX) or -2
+    (out of memory): the input-gradient product for K past matmul_bf16's: see matmul_cpu.c."""
+    return _function("matmul_cpu", "matmul_long_bf16", _i64, [_p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _int])

@@ -133,11 +133,90 @@ int64_t matmul_bf16(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t l
     return no_memory ? -2 : 0;
 }
 
+/* The input gradient of a wide layer (K past KMAX: the output layer's 50k outputs):
+ * out[m][n] = sum_k A[m][k] W[k][n]. W is packed once into the pair layout (KC-row chunks
+ * of contiguous tile blocks, all N columns); each thread takes groups of MG rows of A and
+ * accumulates their float32 result (MG x N) over chunks of KC columns of A, each packed
+ * into tile blocks first (A's rows may lie 100 KB apart: strided tile loads would touch
+ * 16 pages each). Per chunk, a 32-row slab of A (32 KB) stays in L1 while the chunk of W
+ * (L2) runs past it. */
+#ifndef MG
+#define MG 256
+#endif
+#ifndef KC
+#define KC 512
+#endif
+
+int64_t matmul_long_bf16(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t ldw, uint16_t *out,
+                         int64_t ldo, int64_t M, int64_t N, int64_t K, int threads) {
+    if (!amx_permitted()) return -1;
+    uint16_t *wp = scratch((size_t)K * N * 2);
+    if (!wp) return -2;
+    int64_t chunks = (K + KC - 1) / KC, no_memory = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t k0 = c * KC, kc = K - k0 < KC ? K - k0 : KC;
+        pack_rows_k(w + k0 * ldw, ldw, 0, N, kc, wp + k0 * N);
+    }
+#pragma omp parallel num_threads(threads) reduction(+ : no_memory)
+    {
+        configure_tiles();
+        uint16_t *ap = scratch((size_t)MG * KC * 2);
+        float *acc = scratch((size_t)MG * N * 4);
+        int ok = ap && acc;
+        no_memory += !ok;
+#pragma omp for schedule(dynamic)
+        for (int64_t m0 = 0; m0 < M; m0 += MG) {
+            if (!ok) continue;
+            int64_t rows = M - m0 < MG ? M - m0 : MG;
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                int64_t kc = K - k0 < KC ? K - k0 : KC, kb = kc / 32;
+                const uint16_t *wc = wp + k0 * N; /* this chunk of W: blocks (n/16, k/32), kb per 16 columns */
+                for (int64_t m = 0; m < rows; m += 16)
+                    for (int64_t k = 0; k < kc; k += 32)
+                        for (int r = 0; r < 16; r++)
+                            _mm512_storeu_si512(BLOCK(ap, kb, m / 16, k / 32) + r * 32,
+                                                _mm512_loadu_si512(a + (m0 + m + r) * lda + k0 + k));
+                for (int64_t m = 0; m < rows; m += 32)
+                    for (int64_t n = 0; n < N; n += 32) {
+                        float *c = acc + m * N + n;
+                        if (k0 == 0) {
+                            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                        } else {
+                            _tile_loadd(0, c, N * 4); _tile_loadd(1, c + 16, N * 4);
+                            _tile_loadd(2, c + 16 * N, N * 4); _tile_loadd(3, c + 16 * N + 16, N * 4);
+                        }
+                        for (int64_t k = 0; k < kb; k++) {
+                            _tile_loadd(4, BLOCK(ap, kb, m / 16, k), 64);
+                            _tile_loadd(5, BLOCK(ap, kb, m / 16 + 1, k), 64);
+                            _tile_loadd(6, BLOCK(wc, kb, n / 16, k), 64);
+                            _tile_loadd(7, BLOCK(wc, kb, n / 16 + 1, k), 64);
+                            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                        }
+                        _tile_stored(0, c, N * 4); _tile_stored(1, c + 16, N * 4);
+                        _tile_stored(2, c + 16 * N, N * 4); _tile_stored(3, c + 16 * N + 16, N * 4);
+                    }
+            }
+            for (int64_t r = 0; r < rows; r++) store_row(acc + r * N, 1.0f, N, out + (m0 + r) * ldo);
+        }
+        _tile_release();
+        free(ap), free(acc);
+    }
+    free(wp);
+    return no_memory ? -2 : 0;
+}
+
 #else /* no AMX: the caller uses torch's product */
 
 int64_t matmul_bf16(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t ldw, int b_rows_n,
                     const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t M, int64_t N, int64_t K,
                     int threads) {
+    return -1;
+}
+
+int64_t matmul_long_bf16(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t ldw, uint16_t *out,
+                         int64_t ldo, int64_t M, int64_t N, int64_t K, int threads) {
     return -1;
 }
 #endif

@@ -55,11 +55,13 @@ def product_applies(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             and (bias is None or bias.dtype == torch.bfloat16) and a.dim() == weight.dim() == 2
             and a.shape[0] > 0 and a.shape[0] % 32 == 0 and a.shape[1] % 32 == 0
             and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
-            and a.shape[1] == weight.shape[1 if transposed else 0] and a.shape[1] <= _PRODUCT_MAX_K
-            and _amx_kernel_runs())
+            and a.shape[1] == weight.shape[1 if transposed else 0]
+            and (a.shape[1] <= _PRODUCT_MAX_K or (not transposed and bias is None)) and _amx_kernel_runs())
 
 
-_PRODUCT_MAX_K = 4096  # matmul_cpu.c's KMAX: its packed panels of the weight must stay in L2
+# matmul_cpu.c's KMAX: its packed panels of the weight must stay in L2; past it, input
+# gradients (an output layer's: K = its vocabulary) take the kernel's chunked variant
+_PRODUCT_MAX_K = 4096
 
 
 def product_into(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
@@ -70,9 +72,14 @@ def product_into(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     a, weight = _rows(a), _rows(weight)
     bias = None if bias is None else bias.contiguous()
     n = weight.shape[0] if transposed else weight.shape[1]
-    code = kernels.matmul_bf16()(a.data_ptr(), a.stride(0), weight.data_ptr(), weight.stride(0), int(transposed),
-                                  None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                                  a.shape[0], n, a.shape[1], torch.get_num_threads())
+    if a.shape[1] > _PRODUCT_MAX_K:
+        code = kernels.matmul_long_bf16()(a.data_ptr(), a.stride(0), weight.data_ptr(), weight.stride(0),
+                                          out.data_ptr(), out.stride(0), a.shape[0], n, a.shape[1],
+                                          torch.get_num_threads())
+    else:
+        code = kernels.matmul_bf16()(a.data_ptr(), a.stride(0), weight.data_ptr(), weight.stride(0),
+                                      int(transposed), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                      out.stride(0), a.shape[0], n, a.shape[1], torch.get_num_threads())
     if code == -2:
         raise MemoryError("linear product: could not allocate the kernel's buffers")
     if code != 0:

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from frugality import kernels
-from frugality.models.cpu_linear import product_applies, product_into, weight_grad, weight_grad_applies
+from frugality.models.cpu_linear import product, product_applies, product_into, weight_grad, weight_grad_applies
 
 _ROWS_PER_CHUNK = 64  # 64 x 50k float32 = 12.9 MB: within a server CPU's L3
 _CHUNK_BYTES_OFF_CPU = 256 << 20  # GPUs: few, large chunks (each chunk is ~10 kernel launches)
@@ -83,7 +83,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight = kernels.transposed(kernels.transposed(hidden) @ grad_logits)
             else:
                 grad_weight = grad_logits.t() @ hidden
-            ctx.save_for_backward(grad_logits @ weight, grad_weight)
+            grad_hidden = (product(grad_logits, weight, None, False)
+                           if product_applies(grad_logits, weight, None, transposed=False) else grad_logits @ weight)
+            ctx.save_for_backward(grad_hidden, grad_weight)
         return row_losses.sum() / n
 
     @staticmethod
