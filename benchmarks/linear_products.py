@@ -1,18 +1,20 @@
-"""Linear layers' weight gradients in bf16 on this CPU: the AMX kernel
-(frugality.models.cpu_linear.weight_grad) against the oneDNN product it replaced, at
-Pythia-70m's shapes and 2048 tokens (4 x 512): the four block layers, and the output
-layer, whose oneDNN path also transposed both operands' layouts (the product is faster
-that way round) and the result back.
+"""Linear layers' three products in bf16 on this CPU: the AMX kernels of
+frugality.models.cpu_linear against the oneDNN products they replaced, at Pythia-70m's
+shapes and 2048 tokens (4 x 512): the forward product x W^T + b (`product`), the input
+gradient dY W (`product`) and the weight gradient dY^T X (`weight_grad`), for the four
+block layers and the output layer (its input gradient, K = 50k, through the kernel's
+chunked variant). The output layer's oneDNN paths transposed the weight (forward) or both
+operands and the result (weight gradient): oneDNN is faster that way round.
 
 Medians of --repeats calls per path, alternating; relative error of each path's result
 against the float64 product (largest absolute difference / largest magnitude). Then whole
 training steps: Pythia-70m, bf16-sr at compile level O1, 4 x 512 tokens, the model with
-the kernel's linear layers against the same model with plain nn.Linear (both built from
-the same seed, trained on the same batches), --steps steps each, alternating in one
-process after two warm-up steps. Writes benchmarks/results/weight_grads-<machine>-<date>.md.
-Needs a CPU with AMX.
+the kernels' linear layers against the same model with plain nn.Linear in its blocks (both
+built from the same seed, trained on the same batches; the output layer the same in both),
+--steps steps each, alternating in one process after two warm-up steps. Writes
+benchmarks/results/linear_products-<machine>-<date>.md. Needs a CPU with AMX.
 
-    .venv/bin/python benchmarks/weight_grads.py [--tokens 2048] [--repeats 15] [--steps 20]
+    .venv/bin/python benchmarks/linear_products.py [--tokens 2048] [--repeats 15] [--steps 20]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from frugality.bench.results import machine_line, race, write_results
 from frugality.bench.train import _batch, _make
 from frugality.config.recipe import load_recipe
 from frugality.models import cpu_linear
-from frugality.models.cpu_linear import weight_grad, weight_grad_applies
+from frugality.models.cpu_linear import product, product_applies, weight_grad, weight_grad_applies
 from frugality.training.host_memory import keep_freed_memory
 
 SHAPES = [("attention qkv", 1536, 512), ("attention out", 512, 512), ("mlp up", 2048, 512),
@@ -49,29 +51,40 @@ def main() -> int:
     torch.manual_seed(0)
     rows = []
     for layer, outputs, inputs in SHAPES:
-        grad_out = (torch.randn(args.tokens, outputs) * 0.02).to(torch.bfloat16)
         x = torch.randn(args.tokens, inputs).to(torch.bfloat16)
-        if not weight_grad_applies(grad_out, x):
-            print("the AMX kernel does not run on this machine", file=sys.stderr)
+        weight = (torch.randn(outputs, inputs) * inputs ** -0.5).to(torch.bfloat16)
+        bias = None if outputs > 4096 else (torch.randn(outputs) * 0.02).to(torch.bfloat16)
+        grad_out = (torch.randn(args.tokens, outputs) * 0.02).to(torch.bfloat16)
+        if not (weight_grad_applies(grad_out, x) and product_applies(x, weight, bias, True)):
+            print("the AMX kernels do not run on this machine", file=sys.stderr)
             return 1
-        if outputs > 4096:  # the output layer's previous path (frugality.models.loss)
-            old_name = "oneDNN, operands and result transposed"
-            old = lambda: kernels.transposed(kernels.transposed(x) @ grad_out)
-        else:
-            old_name = "oneDNN (torch.mm)"
-            old = lambda: grad_out.t() @ x
-        new = lambda: weight_grad(grad_out, x)[0]
-        t = race(device, args.repeats, new=new, old=old)
-        reference = grad_out.double().t() @ x.double()
-        error = lambda y: ((y.double() - reference).abs().max() / reference.abs().max()).item()
-        flops = 2 * args.tokens * outputs * inputs
-        rows.append(dict(layer=layer, shape=f"{outputs} x {inputs}", path="AMX kernel", ms=t["new"] * 1e3,
-                         gflops=flops / t["new"] / 1e9, replaced_path=old_name, replaced_ms=t["old"] * 1e3,
-                         replaced_gflops=flops / t["old"] / 1e9, error=error(new()), replaced_error=error(old())))
-    table = ("| layer | weight | path | ms | GFLOP/s | replaced path | ms | GFLOP/s | speed-up | "
-             "relative error vs float64 (path / replaced) |\n|---|---|---|---|---|---|---|---|---|---|\n")
+        wide = outputs > 4096  # the output layer: its previous paths (frugality.models.loss)
+        cases = [("forward", lambda: product(x, weight, bias, True),
+                  ("oneDNN, weight transposed", lambda: x @ kernels.transposed(weight)) if wide
+                  else ("oneDNN (F.linear)", lambda: torch.nn.functional.linear(x, weight, bias)),
+                  lambda: x.double() @ weight.double().t() + (0 if bias is None else bias.double())),
+                 ("weight gradient", lambda: weight_grad(grad_out, x)[0],
+                  ("oneDNN, operands and result transposed",
+                   lambda: kernels.transposed(kernels.transposed(x) @ grad_out)) if wide
+                  else ("oneDNN (torch.mm)", lambda: grad_out.t() @ x),
+                  lambda: grad_out.double().t() @ x.double())]
+        if product_applies(grad_out, weight, None, False):
+            cases.insert(1, ("input gradient", lambda: product(grad_out, weight, None, False),
+                             ("oneDNN (torch.mm)", lambda: grad_out @ weight),
+                             lambda: grad_out.double() @ weight.double()))
+        for product_name, new, (old_name, old), exact in cases:
+            t = race(device, args.repeats, new=new, old=old)
+            reference = exact()
+            error = lambda y: ((y.double() - reference).abs().max() / reference.abs().max()).item()
+            flops = 2 * args.tokens * outputs * inputs
+            rows.append(dict(layer=layer, shape=f"{outputs} x {inputs}", product=product_name, path="AMX kernel",
+                             ms=t["new"] * 1e3, gflops=flops / t["new"] / 1e9, replaced_path=old_name,
+                             replaced_ms=t["old"] * 1e3, replaced_gflops=flops / t["old"] / 1e9,
+                             error=error(new()), replaced_error=error(old())))
+    table = ("| layer | weight | product | path | ms | GFLOP/s | replaced path | ms | GFLOP/s | speed-up | "
+             "relative error vs float64 (path / replaced) |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     for r in rows:
-        table += (f"| {r['layer']} | {r['shape']} | {r['path']} | {r['ms']:.2f} | {r['gflops']:.0f} | "
+        table += (f"| {r['layer']} | {r['shape']} | {r['product']} | {r['path']} | {r['ms']:.2f} | {r['gflops']:.0f} | "
                   f"{r['replaced_path']} | {r['replaced_ms']:.2f} | {r['replaced_gflops']:.0f} | "
                   f"{r['replaced_ms'] / r['ms']:.2f}× | {r['error']:.1e} / {r['replaced_error']:.1e} |\n")
     steps = _steps(args.steps)
@@ -82,10 +95,10 @@ def main() -> int:
     for name, times, loss in steps:
         q1 = statistics.quantiles(times, n=4, method="inclusive")[0]
         table += f"| {name} | {statistics.median(times):.3f} | {q1:.3f} | {min(times):.3f} | {loss:.4f} |\n"
-    header = (f"# Weight gradients of linear layers, Pythia-70m shapes, {args.tokens} tokens, bf16\n\n"
+    header = (f"# Products of linear layers, Pythia-70m shapes, {args.tokens} tokens, bf16\n\n"
               f"{machine_line()}\nMedians of {args.repeats} calls per path, alternating, after one "
               "warm-up call each.\n\n")
-    write_results(Path(__file__).parent / "results", "weight_grads", "pythia-70m", header, table,
+    write_results(Path(__file__).parent / "results", "linear_products", "pythia-70m", header, table,
                   json.dumps(dict(products=rows, steps=[dict(linear=n, seconds=t, last_loss=l) for n, t, l in steps]),
                              indent=1))
     return 0
@@ -101,7 +114,7 @@ def _steps(count: int) -> list[tuple[str, list[float], float]]:
     for module in plain_model.modules():
         if type(module) is cpu_linear.Linear:
             module.__class__ = torch.nn.Linear  # the same parameters, torch's backward
-    paths = {"cpu_linear.Linear (AMX weight gradients)": kernel_step, "nn.Linear (oneDNN)": plain_step}
+    paths = {"cpu_linear.Linear (AMX kernels)": kernel_step, "nn.Linear (oneDNN)": plain_step}
     times = {name: [] for name in paths}
     losses = {}
     for i in range(2 + count):

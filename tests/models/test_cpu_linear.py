@@ -164,16 +164,36 @@ def test_kernel_leaves_onednn_products_correct():
     torch.testing.assert_close(a @ b, before, rtol=0, atol=0)
 
 
-def test_other_dtypes_shapes_and_inference_take_torch_linear(monkeypatch):
+def test_other_dtypes_and_shapes_take_torch_linear(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_linear._Linear, "apply", lambda *a: calls.append(a) or F.linear(*a))
+    monkeypatch.setattr(cpu_linear, "product", lambda *a: calls.append(a))
     weight = torch.randn(64, 64, requires_grad=True)
     linear(torch.randn(32, 64), weight)  # float32
     bf16 = weight.detach().bfloat16().requires_grad_()
     linear(torch.randn(30, 64).to(torch.bfloat16), bf16)  # 30 tokens: not a multiple of 32
     with torch.no_grad():
-        linear(torch.randn(32, 64).to(torch.bfloat16), bf16)  # no gradient wanted
+        linear(torch.randn(30, 64).to(torch.bfloat16), bf16)
+    frozen = weight.detach().bfloat16()  # a frozen weight, an input that wants its gradient:
+    x = torch.randn(32, 64).to(torch.bfloat16).requires_grad_()
+    linear(x, frozen).sum().backward()  # torch's op, whose backward reaches x
+    assert x.grad is not None
     assert calls == []
     assert not weight_grad_applies(torch.randn(32, 64), torch.randn(32, 64))
     assert not weight_grad_applies(torch.randn(32, 48).bfloat16(), torch.randn(32, 64).bfloat16())
     assert not weight_grad_applies(torch.randn(0, 64).bfloat16(), torch.randn(0, 64).bfloat16())  # no tokens
+
+
+@amx
+def test_inference_takes_the_forward_product(monkeypatch):
+    """No gradient wanted: the product kernel alone, as close to float64 as F.linear."""
+    taken = []
+    into = cpu_linear.product_into
+    monkeypatch.setattr(cpu_linear, "product_into", lambda *a: taken.append(a[3]) or into(*a))
+    layer = Linear(64, 96).bfloat16()
+    x = torch.randn(2, 16, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        out = layer(x)
+    assert taken == [True] and out.shape == (2, 16, 96)
+    exact = x.double() @ layer.weight.double().t() + layer.bias.double()
+    assert _relative_error(out, exact) <= max(_relative_error(F.linear(x, layer.weight, layer.bias), exact), 2 ** -8)

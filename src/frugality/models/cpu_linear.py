@@ -156,13 +156,19 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; when its weight gradient will be wanted and `weight_grad` applies, through it."""
-    if (torch.is_grad_enabled() and weight.requires_grad and x.device.type == "cpu" and x.dim() >= 2
-            and not torch.is_autocast_enabled("cpu") and x.dtype == weight.dtype == torch.bfloat16
-            and (bias is None or bias.dtype == torch.bfloat16) and x.shape[:-1].numel() % 32 == 0
-            and x.numel() > 0 and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
-            and _amx_kernel_runs()):
-        return _Linear.apply(x, weight, bias)
+    """F.linear; for bf16 on CPUs with AMX through the kernels: `_Linear` (all three
+    products) when the weight's gradient will be wanted, `product` when no gradient is
+    (evaluation, inference)."""
+    if (x.device.type == "cpu" and x.dim() >= 2 and not torch.is_autocast_enabled("cpu")
+            and x.dtype == weight.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
+            and x.shape[:-1].numel() % 32 == 0 and x.numel() > 0 and weight.shape[0] % 32 == 0
+            and weight.shape[1] % 32 == 0 and _amx_kernel_runs()):
+        if torch.is_grad_enabled() and weight.requires_grad:
+            return _Linear.apply(x, weight, bias)
+        wanted = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+        rows = x.reshape(-1, x.shape[-1])
+        if not wanted and product_applies(rows, weight, bias, transposed=True):
+            return product(rows, weight, bias, True).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
