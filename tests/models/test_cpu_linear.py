@@ -87,7 +87,7 @@ def test_compiled_training_calls_the_kernels_without_graph_breaks(monkeypatch):
 
     out = torch.compile(layer, backend=backend, fullgraph=True)(x)
     out.sum().backward()
-    assert products == [True, False]  # the forward product, then the input gradient
+    assert products == [True]  # the forward product; the input gradient (K = 64) is oneDNN's
     compiled_grads = layer.weight.grad.clone(), x.grad.clone()
     layer.weight.grad = x.grad = None
     eager_out = layer(x)
@@ -182,6 +182,22 @@ def test_other_dtypes_and_shapes_take_torch_linear(monkeypatch):
     assert not weight_grad_applies(torch.randn(32, 64), torch.randn(32, 64))
     assert not weight_grad_applies(torch.randn(32, 48).bfloat16(), torch.randn(32, 64).bfloat16())
     assert not weight_grad_applies(torch.randn(0, 64).bfloat16(), torch.randn(0, 64).bfloat16())  # no tokens
+
+
+@amx
+def test_wide_layers_take_the_chunked_input_gradient(monkeypatch):
+    """K past 4096 (an output layer's vocabulary): the input gradient through the kernel."""
+    taken = []
+    into = cpu_linear.product_into
+    monkeypatch.setattr(cpu_linear, "product_into", lambda *a: taken.append(a[3]) or into(*a))
+    torch.manual_seed(0)
+    layer = Linear(64, 4128, bias=False).bfloat16()
+    x = torch.randn(32, 64).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(32, 4128).to(torch.bfloat16)
+    layer(x).backward(grad)
+    assert taken == [True, False]
+    exact = grad.double() @ layer.weight.double()
+    assert _relative_error(x.grad, exact) <= max(_relative_error(grad @ layer.weight, exact), 2 ** -8)
 
 
 @amx

@@ -1,13 +1,13 @@
-/* The forward and input-gradient products of linear layers in bf16 on CPUs with AMX:
+/* The forward products of linear layers in bf16 on CPUs with AMX (and input gradients,
+ * which the models use only past KMAX, through matmul_long_bf16):
  * out[m][n] = sum_k A[m][k] B[k][n] (+ bias[n]), float32 accumulation over all of K in
  * tiles, plus the bias, rounded once to bf16 (nearest even).
  *
- * Why: oneDNN ran these products at 400-700 GFLOP/s on a 2-core Xeon where AMX tile
- * products from L2 run at 900-1000 (a loop of them, same process, same minute); the gap is
- * mostly each 32 x 32 block's epilogue (tile stores, bias, rounding, 32 row stores: about a
- * quarter of the block's time at K = 512), which here runs while the next block's tile
- * products do: AMX works alongside the vector units, so the rounding of block i is spread
- * over the k loop of block i + 1.
+ * Why: oneDNN ran these products at 400-700 GFLOP/s on a 2-core Xeon where a loop of AMX
+ * tile products from L2 ran at 900-1000 (same process, same minute). Each 32 x 32 block
+ * ends with an epilogue (tile stores, bias, rounding, 32 row stores) of about a quarter of
+ * the block's time at K = 512 if done in turn; AMX works alongside the vector units, so
+ * here the epilogue of block i is spread over the k loop of block i + 1.
  *
  * B is a layer's weight, as W[n][k] (the forward product x W^T: `b_rows_n` = 1) or as
  * W[k][n] (the input gradient dY W: `b_rows_n` = 0). Each thread takes panels of B's
@@ -140,12 +140,8 @@ int64_t matmul_bf16(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t l
  * into tile blocks first (A's rows may lie 100 KB apart: strided tile loads would touch
  * 16 pages each). Per chunk, a 32-row slab of A (32 KB) stays in L1 while the chunk of W
  * (L2) runs past it. */
-#ifndef MG
-#define MG 256
-#endif
-#ifndef KC
-#define KC 512
-#endif
+#define MG 256  /* rows of A per group: their float32 result, MG x N, stays in L2 */
+#define KC 512  /* columns of A per chunk: a 32-row slab of them (32 KB) stays in L1 */
 
 int64_t matmul_long_bf16(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t ldw, uint16_t *out,
                          int64_t ldo, int64_t M, int64_t N, int64_t K, int threads) {

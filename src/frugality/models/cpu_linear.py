@@ -1,16 +1,18 @@
 """Linear layers whose products run through C kernels for bf16 on CPUs with AMX.
 
 A linear layer's weight gradient, dW = dY^T X, reduces over the tokens, and both operands
-are laid out token-major. oneDNN runs that product at 350-490 GFLOP/s on a 2-core Xeon
-where it runs the forward products at 600-900; `weight_grad` (kernels/weight_grad_cpu.c)
-lays the operands out in AMX's blocked tile order first and ran Pythia-70m's four block
-shapes at 2048 tokens 1.17-1.42x faster, and the output layer's 50k x 512 gradient about as
-fast as oneDNN plus the transposes that product needed (1.02x), without them
-(benchmarks/weight_grads.py). The forward product x W^T and the input gradient dY W go
-through `product` (kernels/matmul_cpu.c), which rounds each finished block to bf16 while
-the tile unit computes the next (benchmarks/linear_products.py). Elsewhere (other dtypes
-and devices, shapes that are not multiples of 32, CPUs without AMX) it is torch's
-product, so the kernels only ever change speed, and the accumulation order within float32.
+are laid out token-major, the layout oneDNN's AMX products handle worst. `weight_grad`
+(kernels/weight_grad_cpu.c) lays the operands out in AMX's blocked tile order first: at
+Pythia-70m's block shapes and 2048 tokens 1.13-1.37x oneDNN, and the output layer's 50k x
+512 gradient 1.04x oneDNN plus the transposes that product needed, without them. The
+forward product x W^T goes through `product` (kernels/matmul_cpu.c), which rounds each
+finished block to bf16 while the tile unit computes the next: 1.0-1.3x oneDNN on the block
+shapes, 1.7x on the output layer's. Input gradients dY W stay oneDNN's (0.85-0.96x with
+the kernel), except past K = 4096 (an output layer's, K = its vocabulary: 1.26x with the
+kernel's chunked variant). Figures: benchmarks/linear_products.py, one alternating run.
+Elsewhere (other dtypes and devices, shapes that are not multiples of 32, CPUs without
+AMX) it is torch's product, so the kernels only ever change speed, and the accumulation
+order within float32.
 """
 
 from __future__ import annotations
@@ -143,9 +145,9 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (product(g, weight, None, False) if product_applies(g, weight, None, transposed=False)
-                      else g @ weight).view(x.shape)
+        if ctx.needs_input_grad[0]:  # oneDNN's, unless K is wide (benchmarks/linear_products.py)
+            wide = g.shape[-1] > _PRODUCT_MAX_K and product_applies(g, weight, None, transposed=False)
+            grad_x = (product(g, weight, None, False) if wide else g @ weight).view(x.shape)
         if ctx.needs_input_grad[1]:
             grad_w, grad_b = weight_grad(g, x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
