@@ -94,3 +94,13 @@ def matmul_long_bf16():
     """matmul_long_bf16(a, lda, w, ldw, out, ldo, M, N, K, threads) -> 0, -1 (no AMX) or -2
     (out of memory): the input-gradient product for K past matmul_bf16's: see matmul_cpu.c."""
     return _function("matmul_cpu", "matmul_long_bf16", _i64, [_p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _int])
+
+
+def gelu_bf16():
+    """gelu_bf16(x, y, n, threads) -> 0, or -1 without AVX-512: see gelu_cpu.c."""
+    return _function("gelu_cpu", "gelu_bf16", _i64, [_p, _p, _i64, _int])
+
+
+def gelu_backward_bf16():
+    """gelu_backward_bf16(dy, x, dx, n, threads) -> 0, or -1 without AVX-512: see gelu_cpu.c."""
+    return _function("gelu_cpu", "gelu_backward_bf16", _i64, [_p, _p, _p, _i64, _int])

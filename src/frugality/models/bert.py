@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
+from frugality.models.cpu_gelu import gelu
 from frugality.models.cpu_linear import Linear
 from frugality.models.layers import check_length
 
@@ -83,7 +84,7 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         h = self.attn_norm(h + self.attn(h, mask))  # post-LN
-        return self.mlp_norm(h + self.down(F.gelu(self.up(h))))
+        return self.mlp_norm(h + self.down(gelu(self.up(h))))
 
 
 class MaskedLMHead(nn.Module):
@@ -95,7 +96,7 @@ class MaskedLMHead(nn.Module):
         self.decoder.weight = word_embeddings.weight  # tied, as in BERT
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.norm(F.gelu(self.dense(h))))
+        return self.decoder(self.norm(gelu(self.dense(h))))
 
 
 class Bert(nn.Module):

@@ -13,10 +13,10 @@ import math
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
+from frugality.models.cpu_gelu import gelu
 from frugality.models.cpu_linear import Linear
 from frugality.models.layers import RotaryEmbedding, causal_attention, check_length
 from frugality.models.loss import logits_or_loss
@@ -93,7 +93,7 @@ class MLP(nn.Module):
         self.down = Linear(cfg.ffn_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))  # exact (erf) GELU, as Pythia was trained
+        return self.down(gelu(self.up(x)))  # exact (erf) GELU, as Pythia was trained
 
 
 class Block(nn.Module):
