@@ -2,17 +2,18 @@
 
 A linear layer's weight gradient, dW = dY^T X, reduces over the tokens, and both operands
 are laid out token-major, the layout oneDNN's AMX products handle worst. `weight_grad`
-(kernels/weight_grad_cpu.c) lays the operands out in AMX's blocked tile order first: at
-Pythia-70m's block shapes and 2048 tokens 1.13-1.37x oneDNN, and the output layer's 50k x
-512 gradient 1.04x oneDNN plus the transposes that product needed, without them. The
+(kernels/weight_grad_cpu.c) lays the operands out in AMX's blocked tile order first. The
 forward product x W^T goes through `product` (kernels/matmul_cpu.c), which rounds each
-finished block to bf16 while the tile unit computes the next: 1.0-1.3x oneDNN on the block
-shapes, 1.7x on the output layer's. Input gradients dY W stay oneDNN's (0.85-0.96x with
-the kernel), except past K = 4096 (an output layer's, K = its vocabulary: 1.26x with the
-kernel's chunked variant). Figures: benchmarks/linear_products.py, one alternating run.
-Elsewhere (other dtypes and devices, shapes that are not multiples of 32, CPUs without
-AMX) it is torch's product, so the kernels only ever change speed, and the accumulation
-order within float32.
+finished block to bf16 while the tile unit computes the next. Input gradients dY W stay
+oneDNN's, except past K = 4096 (an output layer's, K = its vocabulary), where the kernel's
+chunked variant takes them. Measured against oneDNN at Pythia-70m's shapes and 2048 tokens
+(benchmarks/linear_products.py, two runs one night on a shared 2-core Xeon): weight
+gradients 1.11-1.37x on the block shapes, 1.04-1.05x on the output layer's (against
+oneDNN plus the transposes that product needed); forward products 1.0-1.4x on the block
+shapes, 1.18-1.68x on the output layer's; the block shapes' input gradients 0.85-1.06x
+(so oneDNN's), the output layer's 0.97-1.26x. Elsewhere (other dtypes and devices, shapes
+that are not multiples of 32, CPUs without AMX) it is torch's product, so the kernels only
+ever change speed, and the accumulation order within float32.
 """
 
 from __future__ import annotations
