@@ -28,6 +28,30 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
+/* The 32 x 32 float32 block of C in tiles 0-3 (rows 16 apart, `ld` floats a row): zeroed,
+ * loaded, stored. */
+static inline void zero_block(void) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+
+static inline void load_block(const float *c, int64_t ld) {
+    _tile_loadd(0, c, ld * 4); _tile_loadd(1, c + 16, ld * 4);
+    _tile_loadd(2, c + 16 * ld, ld * 4); _tile_loadd(3, c + 16 * ld + 16, ld * 4);
+}
+
+static inline void store_block(float *c, int64_t ld) {
+    _tile_stored(0, c, ld * 4); _tile_stored(1, c + 16, ld * 4);
+    _tile_stored(2, c + 16 * ld, ld * 4); _tile_stored(3, c + 16 * ld + 16, ld * 4);
+}
+
+/* One step of K (32) for the block: A's two 16-row tiles a0, a1 (rows `a_stride` bytes
+ * apart) against B's two 16-column pair tiles b0, b1 (`b_stride`). */
+static inline void block_step(const void *a0, const void *a1, int64_t a_stride, const void *b0, const void *b1,
+                              int64_t b_stride) {
+    _tile_loadd(4, a0, a_stride); _tile_loadd(5, a1, a_stride);
+    _tile_loadd(6, b0, b_stride); _tile_loadd(7, b1, b_stride);
+    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+}
+
 /* n float32 values (n % 16 == 0) times `scale`, rounded to bf16 (nearest even). */
 static inline void store_row(const float *a, float scale, int64_t n, uint16_t *out) {
     for (int64_t j = 0; j < n; j += 16)

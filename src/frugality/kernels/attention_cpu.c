@@ -46,22 +46,12 @@ static void product(const uint16_t *A, int64_t lda, const uint16_t *Bp, int64_t 
     for (int64_t n = 0; n < N; n += 32)
         for (int64_t m = 0; m < M; m += 32) {
             float *c = C + m * ldc + n;
-            if (accumulate) {
-                _tile_loadd(0, c, ldc * 4); _tile_loadd(1, c + 16, ldc * 4);
-                _tile_loadd(2, c + 16 * ldc, ldc * 4); _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
-            } else {
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            }
-            for (int64_t k = 0; k < K; k += 32) {
-                _tile_loadd(4, A + m * lda + k, lda * 2);
-                _tile_loadd(5, A + (m + 16) * lda + k, lda * 2);
-                _tile_loadd(6, Bp + (k / 2) * ldb + 2 * n, ldb * 2);
-                _tile_loadd(7, Bp + (k / 2) * ldb + 2 * (n + 16), ldb * 2);
-                _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-            }
-            _tile_stored(0, c, ldc * 4); _tile_stored(1, c + 16, ldc * 4);
-            _tile_stored(2, c + 16 * ldc, ldc * 4); _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+            if (accumulate) load_block(c, ldc);
+            else zero_block();
+            for (int64_t k = 0; k < K; k += 32)
+                block_step(A + m * lda + k, A + (m + 16) * lda + k, lda * 2, Bp + (k / 2) * ldb + 2 * n,
+                           Bp + (k / 2) * ldb + 2 * (n + 16), ldb * 2);
+            store_block(c, ldc);
         }
 }
 

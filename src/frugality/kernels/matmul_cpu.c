@@ -107,21 +107,16 @@ int64_t matmul_bf16(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t l
             for (int64_t m = 0; m < M; m += 32)
                 for (int64_t n = 0; n < width; n += 32) {
                     const uint16_t *a0 = a + m * lda, *a1 = a0 + 16 * lda;
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    zero_block();
                     for (int64_t k = 0; k < kb; k++) {
-                        _tile_loadd(4, a0 + k * 32, lda * 2);
-                        _tile_loadd(5, a1 + k * 32, lda * 2);
-                        _tile_loadd(6, BLOCK(wb, kb, n / 16, k), 64);
-                        _tile_loadd(7, BLOCK(wb, kb, n / 16 + 1, k), 64);
-                        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                        block_step(a0 + k * 32, a1 + k * 32, lda * 2, BLOCK(wb, kb, n / 16, k),
+                                   BLOCK(wb, kb, n / 16 + 1, k), 64);
                         finish_rows(&done, done.row + per_step < 32 ? done.row + per_step : 32);
                     }
                     finish_rows(&done, 32);
                     float *c = cbuf + half * 32 * 32; /* two buffers: this block's and the one being finished */
                     half ^= 1;
-                    _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128);
-                    _tile_stored(2, c + 16 * 32, 128); _tile_stored(3, c + 16 * 32 + 16, 128);
+                    store_block(c, 32);
                     done = (epilogue){.c = c, .out = out + m * ldo + n0 + n, .ldo = ldo,
                                       .bias_lo = _mm512_loadu_ps(bias32 + n), .bias_hi = _mm512_loadu_ps(bias32 + n + 16)};
                 }
@@ -176,22 +171,12 @@ int64_t matmul_long_bf16(const uint16_t *a, int64_t lda, const uint16_t *w, int6
                 for (int64_t m = 0; m < rows; m += 32)
                     for (int64_t n = 0; n < N; n += 32) {
                         float *c = acc + m * N + n;
-                        if (k0 == 0) {
-                            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                        } else {
-                            _tile_loadd(0, c, N * 4); _tile_loadd(1, c + 16, N * 4);
-                            _tile_loadd(2, c + 16 * N, N * 4); _tile_loadd(3, c + 16 * N + 16, N * 4);
-                        }
-                        for (int64_t k = 0; k < kb; k++) {
-                            _tile_loadd(4, BLOCK(ap, kb, m / 16, k), 64);
-                            _tile_loadd(5, BLOCK(ap, kb, m / 16 + 1, k), 64);
-                            _tile_loadd(6, BLOCK(wc, kb, n / 16, k), 64);
-                            _tile_loadd(7, BLOCK(wc, kb, n / 16 + 1, k), 64);
-                            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-                            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-                        }
-                        _tile_stored(0, c, N * 4); _tile_stored(1, c + 16, N * 4);
-                        _tile_stored(2, c + 16 * N, N * 4); _tile_stored(3, c + 16 * N + 16, N * 4);
+                        if (k0 == 0) zero_block();
+                        else load_block(c, N);
+                        for (int64_t k = 0; k < kb; k++)
+                            block_step(BLOCK(ap, kb, m / 16, k), BLOCK(ap, kb, m / 16 + 1, k), 64,
+                                       BLOCK(wc, kb, n / 16, k), BLOCK(wc, kb, n / 16 + 1, k), 64);
+                        store_block(c, N);
                     }
             }
             for (int64_t r = 0; r < rows; r++) store_row(acc + r * N, 1.0f, N, out + (m0 + r) * ldo);

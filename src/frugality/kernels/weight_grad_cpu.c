@@ -106,21 +106,16 @@ int64_t weight_grad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x, int6
             if (db) store_row(sums, 1.0f, width, db + n0);
             for (int64_t d = 0; d < D; d += 32)
                 for (int64_t n = 0; n < width; n += 32) {
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    zero_block();
                     for (int64_t k = 0; k < kb; k++) {
-                        _tile_loadd(4, BLOCK(xb, kb, d / 16, k), 64);
-                        _tile_loadd(5, BLOCK(xb, kb, d / 16 + 1, k), 64);
-                        _tile_loadd(6, BLOCK(gb, kb, n / 16, k), 64);
-                        _tile_loadd(7, BLOCK(gb, kb, n / 16 + 1, k), 64);
-                        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                        block_step(BLOCK(xb, kb, d / 16, k), BLOCK(xb, kb, d / 16 + 1, k), 64, BLOCK(gb, kb, n / 16, k),
+                                   BLOCK(gb, kb, n / 16 + 1, k), 64);
                         if (k % every == every - 1 && done.row < 32) finish_rows(&done, done.row + 4);
                     }
                     finish_rows(&done, 32);
                     float *c = cbuf + half * 32 * 32; /* two buffers: this block's and the one being finished */
                     half ^= 1;
-                    _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128);
-                    _tile_stored(2, c + 16 * 32, 128); _tile_stored(3, c + 16 * 32 + 16, 128);
+                    store_block(c, 32);
                     done = (epilogue){.c = c, .dw = dw + (n0 + n) * D + d, .ld = D};
                 }
         }
