@@ -134,6 +134,8 @@ def test_product_reads_rows_of_wider_tensors():
     wide_a, wide_w = torch.randn(64, 160).to(torch.bfloat16), torch.randn(96, 128).to(torch.bfloat16)
     a, w = wide_a[:, 32:96], wide_w[:, :64]
     assert torch.equal(product(a, w, None, True), product(a.contiguous(), w.contiguous(), None, True))
+    odd = torch.randn(96, 97).to(torch.bfloat16)[:, :64]  # rows an odd number of elements apart
+    assert torch.equal(product(a, odd, None, True), product(a.contiguous(), odd.contiguous(), None, True))
 
 
 @amx

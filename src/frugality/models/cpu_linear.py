@@ -73,6 +73,8 @@ def product_into(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     a @ weight (the input gradient, weight (K, N)); see `product_applies`. `out`: (rows, N),
     contiguous rows."""
     a, weight = _rows(a), _rows(weight)
+    if transposed and weight.stride(0) % 2:  # the kernel reads its rows as 4-byte pairs
+        weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     n = weight.shape[0] if transposed else weight.shape[1]
     if a.shape[1] > _PRODUCT_MAX_K:
@@ -129,8 +131,8 @@ def _(grad_out, x):
 
 
 class _Linear(torch.autograd.Function):
-    """F.linear, with the weight and bias gradients through `weight_grad` and the two other
-    products through `product` where they apply."""
+    """F.linear, with the weight and bias gradients through `weight_grad`, the forward
+    product through `product` where it applies, and the input gradient too where K is wide."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
