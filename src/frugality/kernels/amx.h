@@ -28,6 +28,11 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
+/* The 1 KB tile block (i16, k32) of an operand packed in contiguous blocks: 16 rows of its
+ * outer dimension x 32 of K (or 16 pairs of K x 16 columns x 2), `row_blocks_k` blocks per
+ * 16 rows. Contiguous blocks keep a tile load within one page. */
+#define BLOCK(base, row_blocks_k, i16, k32) ((base) + (((i16) * (row_blocks_k) + (k32)) << 9))
+
 /* The 32 x 32 float32 block of C in tiles 0-3 (rows 16 apart, `ld` floats a row): zeroed,
  * loaded, stored. */
 static inline void zero_block(void) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }

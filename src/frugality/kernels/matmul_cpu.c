@@ -32,8 +32,6 @@
 #define PANEL_BYTES (1 << 20) /* a packed panel of B: L2 is 2 MB a core */
 #define PANEL_MAX 1024
 
-#define BLOCK(base, row_blocks_k, i16, k32) ((base) + (((i16) * (row_blocks_k) + (k32)) << 9))
-
 /* Panel of W[n][k] (rows n0.. of `width`): block (n/16, k/32) row j holds (W[n][k + 2j],
  * W[n][k + 2j + 1]) for its 16 n: a 16 x 16 transpose of 4-byte pairs. */
 static void pack_rows_n(const uint16_t *w, int64_t ldw, int64_t n0, int64_t width, int64_t K, uint16_t *out) {

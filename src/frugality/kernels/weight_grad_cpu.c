@@ -30,10 +30,6 @@
 #define PANEL 256   /* outputs per panel: a packed panel is PANEL x T bf16 (1 MB at 2048 tokens), in L2 */
 #define PREFETCH 8  /* token-row pairs ahead: G's rows can be far apart (100 KB in the output layer) */
 
-/* The 1 KB tile block (i16, k32) of a packed operand: 16 rows of its outer dimension x
- * 32 tokens (or 16 token pairs x 16 columns x 2), `row_blocks_k` blocks per 16 rows. */
-#define BLOCK(base, row_blocks_k, i16, k32) ((base) + (((i16) * (row_blocks_k) + (k32)) << 9))
-
 /* Pair layout, blocked: block (col/16, row/32) of `rows` x `cols` bf16 matrix M holds
  * M[r][c], M[r+1][c] interleaved for 16 row pairs and 16 columns. Contiguous reads of two
  * rows at a time; rows of `width` columns starting at column c0. The column sums (the
