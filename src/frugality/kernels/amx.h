@@ -1,7 +1,9 @@
 /* AMX plumbing shared by the C kernels that use Intel's tile matrix unit
- * (attention_cpu.c, weight_grad_cpu.c): the OS permission, the tile configuration, bf16 <->
- * float32 rows, the pair interleave of AMX's B operand, aligned scratch. Included only
- * where __AMX_BF16__, __AMX_TILE__ and __AVX512BF16__ are defined. */
+ * (attention_cpu.c, weight_grad_cpu.c, matmul_cpu.c): the OS permission, the tile
+ * configuration, the packed tile-block address, the 2 x 2 tile block of C (zero, load,
+ * store, one step of K), bf16 <-> float32 rows, the pair interleave of AMX's B operand,
+ * aligned scratch. Included only where __AMX_BF16__, __AMX_TILE__ and __AVX512BF16__ are
+ * defined. */
 #ifndef FRUGALITY_AMX_H
 #define FRUGALITY_AMX_H
 #include <stdint.h>
