@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from frugality.bench.results import machine_line, race, write_results
-from frugality.models import cpu_attention
-from frugality.models.cpu_attention import CausalAttention
-from frugality.models.layers import RotaryEmbedding, causal_attention
+from frugality.kernels import attention as cpu_attention
+from frugality.kernels.attention import BlockedBackwardAttention, causal_attention
+from frugality.models.layers import RotaryEmbedding
 from frugality.training.host_memory import keep_freed_memory
 
 HEADS, HEAD_SIZE, ROTARY = 8, 64, 16
@@ -39,7 +39,7 @@ def _torch_path(rotary):
 
 
 def _blocked_path(rotary):
-    return torch.compile(lambda q, k, v: CausalAttention.apply(rotary(q), rotary(k), v), fullgraph=True)
+    return torch.compile(lambda q, k, v: BlockedBackwardAttention.apply(rotary(q), rotary(k), v), fullgraph=True)
 
 
 def _errors(fn, q, k, v, grad, rotary) -> str:

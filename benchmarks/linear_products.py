@@ -1,5 +1,5 @@
 """Linear layers' three products in bf16 on this CPU: the AMX kernels of
-frugality.models.cpu_linear against the oneDNN products they replaced, at Pythia-70m's
+frugality.kernels.linear against the oneDNN products they replaced, at Pythia-70m's
 shapes and 2048 tokens (4 x 512): the forward product x W^T + b (`product`), the input
 gradient dY W (`product`) and the weight gradient dY^T X (`weight_grad`), for the four
 block layers and the output layer (its input gradient, K = 50k, through the kernel's
@@ -32,8 +32,8 @@ from frugality import kernels
 from frugality.bench.results import machine_line, race, write_results
 from frugality.bench.train import _batch, _make
 from frugality.config.recipe import load_recipe
-from frugality.models import cpu_linear
-from frugality.models.cpu_linear import product, product_applies, weight_grad, weight_grad_applies
+from frugality.kernels import linear as cpu_linear
+from frugality.kernels.linear import product, product_applies, weight_grad, weight_grad_applies
 from frugality.training.host_memory import keep_freed_memory
 
 SHAPES = [("attention qkv", 1536, 512), ("attention out", 512, 512), ("mlp up", 2048, 512),
@@ -58,7 +58,7 @@ def main() -> int:
         if not (weight_grad_applies(grad_out, x) and product_applies(x, weight, bias, True)):
             print("the AMX kernels do not run on this machine", file=sys.stderr)
             return 1
-        wide = outputs > 4096  # the output layer: its previous paths (frugality.models.loss)
+        wide = outputs > 4096  # the output layer: its previous paths (frugality.kernels.output_loss)
         cases = [("forward", lambda: product(x, weight, bias, True),
                   ("oneDNN, weight transposed", lambda: x @ kernels.transposed(weight)) if wide
                   else ("oneDNN (F.linear)", lambda: torch.nn.functional.linear(x, weight, bias)),
@@ -106,15 +106,15 @@ def main() -> int:
 
 def _steps(count: int) -> list[tuple[str, list[float], float]]:
     """(linear layers, step times, last loss) for the model as built and for the same model
-    with its cpu_linear.Linear layers turned into plain nn.Linear."""
+    with its AMXLinear layers turned into plain nn.Linear."""
     recipe = load_recipe("pythia-70m", ["compile.level=O1", "train.device=cpu"])
     device = torch.device("cpu")
     kernel_step = _make("frugality", recipe, "bf16-sr", device, 4, 512)[0]
     plain_step, plain_model, *_ = _make("frugality", recipe, "bf16-sr", device, 4, 512)
     for module in plain_model.modules():
-        if type(module) is cpu_linear.Linear:
+        if type(module) is cpu_linear.AMXLinear:
             module.__class__ = torch.nn.Linear  # the same parameters, torch's backward
-    paths = {"cpu_linear.Linear (AMX kernels)": kernel_step, "nn.Linear (oneDNN)": plain_step}
+    paths = {"AMXLinear (AMX kernels)": kernel_step, "nn.Linear (oneDNN)": plain_step}
     times = {name: [] for name in paths}
     losses = {}
     for i in range(2 + count):

@@ -27,7 +27,7 @@ import torch
 
 from frugality import kernels
 from frugality.bench.results import machine_line, race, write_results
-from frugality.models import loss
+from frugality.kernels import output_loss as loss
 from frugality.training.host_memory import keep_freed_memory
 
 VOCAB, HIDDEN, PARAMS = 50304, 512, 70_426_624
@@ -67,8 +67,8 @@ def main() -> int:
     weight = (torch.randn(VOCAB, HIDDEN, device=device) * 0.02).to(bf16).requires_grad_()
     with torch.no_grad():
         t = race(device, args.repeats,
-                  new=lambda: loss._LinearCrossEntropy.apply(hidden, weight, targets, False),
-                  old=lambda: loss._LinearCrossEntropy.apply(hidden, weight, targets, True))
+                  new=lambda: loss._LinearCrossEntropy.apply(hidden, weight, targets, False, None),
+                  old=lambda: loss._LinearCrossEntropy.apply(hidden, weight, targets, True, None))
     rows.append((f"output layer in evaluation, {args.tokens} tokens", "forward only", t["new"],
                  "with the gradient's two products", t["old"], ""))
     del hidden, weight, logits, work

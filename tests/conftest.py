@@ -62,6 +62,7 @@ min_lr = 1e-3
 warmup_steps = 2
 
 [train]
+precision = "fp32"  # the same on every machine; `auto` has tests of its own
 steps = 8
 eval_interval = 4
 eval_batches = 2

@@ -16,8 +16,11 @@ def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp
         ("frugality", "fp32"), ("transformers", "fp32"), ("frugality", "bf16-sr"), ("transformers", "bf16-sr")]
     for r in rows:
         assert r["batch"] == 2 and r["seq"] == 16
-        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
-        assert r["pass_peak_flops"] > 0 and 0 < r["mfu_vs_pass_peak"] < 1
+        assert r["tokens_per_s"] > 0 and r["pass_peak_flops"] > 0
+        # never above 100%: unknown (None) where the peak cannot be right
+        assert all(m is None or 0 < m <= 1 for m in (r["mfu"], r["mfu_vs_pass_peak"]))
+        if r["impl"] == "frugality":  # its peak is of the dtype its products run in
+            assert r["mfu"] is not None and r["mfu_vs_pass_peak"] is not None
         assert r["peak_memory_bytes"] > 0
     assert rows[0]["state_bytes_per_param"] == 16 and rows[2]["state_bytes_per_param"] == 8  # rounded
     assert rows[2]["speedup"] == round(rows[2]["tokens_per_s"] / rows[3]["tokens_per_s"], 3)

@@ -1,5 +1,6 @@
 """`frugality compile` then `frugality train`, as separate processes the way a user runs
-them: the full `tiny` run after the ahead-of-time compile compiles nothing."""
+them: a `tiny` run after the ahead-of-time compile compiles nothing (its step count is
+not part of the graphs' key, so a shortened run proves what the full one would)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def _run(*args, env):
     return subprocess.run([FRUGALITY, *args], capture_output=True, text=True, env=env)
 
 
-def test_compile_then_a_full_tiny_run_compiles_nothing(tmp_path):
+def test_compile_then_a_tiny_run_compiles_nothing(tmp_path):
     env = os.environ | {"FRUGALITY_COMPILE_CACHE": str(tmp_path / "compile-cache")}
     done = _run("compile", "tiny", "--level", "O1", "--no-progress", env=env)
     assert done.returncode == 0, done.stderr
@@ -32,17 +33,17 @@ def test_compile_then_a_full_tiny_run_compiles_nothing(tmp_path):
     assert not list(Path.cwd().glob("runs/tiny*"))  # throwaway state only
 
     run_dir = tmp_path / "run"
-    done = _run("train", "tiny", "--set", "compile.level=O1", "--run-dir", str(run_dir),
-                "--no-progress", env=env)
+    done = _run("train", "tiny", "--set", "compile.level=O1", "--set", "train.steps=24", "--set",
+                "train.eval_interval=12", "--run-dir", str(run_dir), "--no-progress", env=env)
     assert done.returncode == 0, done.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     compiled = summary["compile"]
     assert compiled["fetched"] and compiled["cache_hits"] == graphs
     assert compiled["cache_misses"] == 0 and compiled["recompiles"] == 0  # the guard saw nothing
-    assert summary["final_step"] == 100
-    assert summary["final_val_loss"] < 0.6 * summary["first_val_loss"]
+    assert summary["final_step"] == 24
+    assert summary["final_val_loss"] < 0.9 * summary["first_val_loss"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["kind"] == "compile"] == [0, 1, 100]
+    assert [r["step"] for r in records if r["kind"] == "compile"] == [0, 1, 24]
 
 
 def test_bad_compile_settings_are_one_line(micro_recipe_file, tmp_path, capsys):

@@ -14,6 +14,7 @@ import torch
 from frugality.compile.cache import CompileCache, CompileCacheWarning, entry_name, fingerprint
 from frugality.compile.session import CompileSession
 from frugality.config.recipe import load_recipe
+from frugality.precision import resolve_policy
 
 
 def _fp(**changes) -> dict:
@@ -23,7 +24,8 @@ def _fp(**changes) -> dict:
 
 
 def _key(recipe) -> str:
-    session = CompileSession.for_recipe(recipe, torch.device("cpu"), torch.float32)
+    cpu = torch.device("cpu")
+    session = CompileSession.for_recipe(recipe, cpu, resolve_policy(recipe.train.precision, cpu)[0])
     return session.cache.name
 
 

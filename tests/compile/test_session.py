@@ -17,8 +17,8 @@ from frugality.compile.session import (
 )
 from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
-from frugality.models import build_model
-from frugality.precision import get_policy
+from frugality.precision import resolve_policy
+from frugality.training.build import build_training_model
 from frugality.training.optim import build_optimizer
 from frugality.training.trainer import _evaluate, train, train_step
 
@@ -53,11 +53,11 @@ def test_compile_ahead_then_train_compiles_nothing(micro_recipe_file, compiled_c
 
 def _session(recipe, device=torch.device("cpu")):
     """What train() builds, and its two phases as calls through the session."""
-    policy = get_policy(recipe.train.precision)
+    policy = resolve_policy(recipe.train.precision, device)[0]
     torch.manual_seed(0)
-    model = policy.prepare_model(build_model(recipe.model))
+    model = build_training_model(recipe.model, policy, device)[0]
     optimizer = build_optimizer(model, recipe.optim, policy)
-    session = CompileSession.for_recipe(recipe, device, policy.compute_dtype)
+    session = CompileSession.for_recipe(recipe, device, policy)
     session.start(model)
     autocast = policy.autocast_context(device)
     reset = lambda: optimizer.zero_grad(set_to_none=True)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from frugality import kernels
-from frugality.models.loss import _rows_compiled, _rows_fused, _rows_in_c, _rows_in_torch
+from frugality.kernels.output_loss import _rows_compiled, _rows_fused, _rows_in_c, _rows_in_torch
 
 
 def _reference(logits: torch.Tensor, targets: torch.Tensor):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from frugality.kernels.attention import ProductRotaryEmbedding
 from frugality.models.layers import RotaryEmbedding
 
 
@@ -19,21 +20,28 @@ def _rotate_half_reference(x, dim, base, positions):
 
 @pytest.mark.parametrize("dim, head_size", [(16, 64), (64, 64), (6, 10)])
 @pytest.mark.parametrize("product", [True, False])
-def test_matches_the_rotate_half_formula(dim, head_size, product, monkeypatch):
+def test_matches_the_rotate_half_formula(dim, head_size, product):
     torch.manual_seed(0)
-    rotary = RotaryEmbedding(dim, max_seq_len=40, base=500.0, head_size=head_size)
+    rotary = _rotary(product, dim, max_seq_len=40, base=500.0, head_size=head_size)
     x = torch.randn(2, 3, 32, head_size)
-    swap = rotary.swap_halves
-    monkeypatch.setattr(rotary, "swap_halves", lambda t, by_product: swap(t, product))  # both ways
     expected = _rotate_half_reference(x, dim, 500.0, torch.arange(32))
     torch.testing.assert_close(rotary(x).double(), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(rotary(x)[..., dim:], x[..., dim:])  # past `dim`, exactly unchanged
 
 
+def _rotary(product: bool, *args, **kwargs) -> RotaryEmbedding:
+    """The plain layer (slicing), or the CPU kernels' version (a product) swapped in."""
+    rotary = RotaryEmbedding(*args, **kwargs)
+    if product:
+        rotary.__class__ = ProductRotaryEmbedding
+        rotary.specialize()
+    return rotary
+
+
 def test_swapping_by_product_and_by_slicing_agree_exactly_in_bf16():
-    rotary = RotaryEmbedding(16, max_seq_len=8, head_size=64)
     x = torch.randn(4, 8, 64).to(torch.bfloat16)
-    assert torch.equal(rotary.swap_halves(x, by_product=True), rotary.swap_halves(x, by_product=False))
+    sliced, product = (_rotary(p, 16, max_seq_len=8, head_size=64) for p in (False, True))
+    assert torch.equal(product.swap_halves(x), sliced.swap_halves(x))
 
 
 def test_rejects_an_odd_or_oversized_rotary_dimension():

@@ -140,8 +140,8 @@ def _worker() -> None:
     from frugality.compile.session import CompileSession
     from frugality.config.recipe import CompileConfig
     from frugality.metrics.peak import device_name
-    from frugality.models import build_model
-    from frugality.precision import get_policy
+    from frugality.precision import resolve_policy
+    from frugality.training.build import build_training_model
     from frugality.training.optim import build_optimizer
     from frugality.training.trainer import resolve_device, train_step
 
@@ -155,18 +155,17 @@ def _worker() -> None:
         "compile": CompileConfig(level=spec["level"], cache=spec["cache"]),
     })
     device = resolve_device(recipe.train.device)
-    policy = get_policy(recipe.train.precision)
+    policy = resolve_policy(recipe.train.precision, device)[0]
     autocast = policy.autocast_context(device)
 
     def build():
         torch.manual_seed(recipe.seed)
-        with device:
-            model = policy.prepare_model(build_model(recipe.model))
+        model = build_training_model(recipe.model, policy, device)[0]
         return model, build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
                                       fused=recipe.train.fused_optimizer)
 
     model, optimizer = build()
-    session = CompileSession.for_recipe(recipe, device, policy.compute_dtype)
+    session = CompileSession.for_recipe(recipe, device, policy)
     session.start(model)
 
     def step(i: int, model=model, optimizer=optimizer, session=session) -> float:

@@ -25,9 +25,9 @@ from frugality.config.recipe import Recipe
 from frugality.cache import cache_dir
 from frugality.metrics.flops import training_flops_per_token
 from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
-from frugality.metrics.peak import PeakProbe, device_name, peak_flops
-from frugality.models import build_model
-from frugality.precision import get_policy
+from frugality.metrics.peak import PeakProbe, device_name, mfu, peak_flops
+from frugality.precision import get_policy, resolve_policy
+from frugality.training.build import build_training_model
 from frugality.training.optim import build_optimizer
 from frugality.training.trainer import train_step, resolve_device
 
@@ -40,7 +40,7 @@ class BenchRow:
     seq: int
     tokens_per_s: float
     step_time_s: float
-    mfu: float
+    mfu: float | None  # None where the peak is unknown or the ratio would pass 100%
     peak_memory_bytes: int | None
     state_bytes_per_param: float
     steps: int
@@ -61,17 +61,15 @@ def _make(impl: str, recipe: Recipe, precision: str, device: torch.device, batch
     recipe's `compile.level`, through the same compile session as `frugality train`."""
     torch.manual_seed(recipe.seed)
     if impl == "frugality":
-        policy = get_policy(precision)
-        policy.check_device(device)
-        with device:
-            model = policy.prepare_model(build_model(recipe.model))
+        policy = resolve_policy(precision, device)[0]
+        model = build_training_model(recipe.model, policy, device)[0]
         optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
                                     fused=recipe.train.fused_optimizer)
         autocast = policy.autocast_context(device)
         c = recipe.compile
         session = CompileSession(c.level, cache=c.cache, on_recompile=c.on_recompile, fallback=c.fallback,
                                  model_config=recipe.model.model_dump(mode="json"), micro_batch_size=batch,
-                                 seq_len=seq, precision=precision, compute_dtype=policy.compute_dtype,
+                                 seq_len=seq, precision=policy.label, compute_dtype=policy.compute_dtype,
                                  device=device)
         session.start(model)
         reset = lambda: optimizer.zero_grad(set_to_none=True)
@@ -111,7 +109,7 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
             runners[impls[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq
         )
         times: dict[str, list[float]] = {impl: [] for impl in impls}
-        dtypes = {impl: get_policy(impl_precision[impl]).compute_dtype for impl in impls}
+        dtypes = {impl: _policy(impl, impl_precision[impl], device).compute_dtype for impl in impls}
         probes = {dtype: PeakProbe(device, dtype) for dtype in set(dtypes.values())}
         probe_rates: dict[torch.dtype, list[float]] = {dtype: [] for dtype in probes}
         for i in range(warmup + steps):
@@ -132,23 +130,23 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
             _, model, optimizer, _ = runners[impl]
             median = statistics.median(times[impl])
             tokens_per_s = batch * seq / median
-            impl_policy = get_policy(impl_precision[impl])
-            peak = peak_flops(device, impl_policy.compute_dtype, cache_dir() / "peak_flops.json")
+            peak = peak_flops(device, dtypes[impl], cache_dir() / "peak_flops.json")
             pass_peak = statistics.median(probe_rates[dtypes[impl]])
             mem = (_peak_memory_subprocess(impl, recipe, impl_precision[impl], batch, seq)
                    if memory else None)
             rows.append(BenchRow(
                 impl=impl, precision=impl_precision[impl], batch=batch, seq=seq,
                 tokens_per_s=round(tokens_per_s, 1), step_time_s=_significant(median),
-                mfu=_significant(flops_per_token * tokens_per_s / peak), peak_memory_bytes=mem,
+                mfu=_significant(mfu(flops_per_token * tokens_per_s, peak)), peak_memory_bytes=mem,
                 state_bytes_per_param=round(
                     training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2),
                 steps=steps, device=device_name(device),
                 compile_level=recipe.compile.level if impl == "frugality" else None,
-                pass_peak_flops=round(pass_peak), mfu_vs_pass_peak=_significant(flops_per_token * tokens_per_s / pass_peak),
+                pass_peak_flops=round(pass_peak),
+                mfu_vs_pass_peak=_significant(mfu(flops_per_token * tokens_per_s, pass_peak)),
             ))
-            log(f"{impl:12} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {rows[-1].mfu:.1%} "
-                f"(vs the pass's probe: {rows[-1].mfu_vs_pass_peak:.1%})")
+            log(f"{impl:12} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {_percent(rows[-1].mfu)} "
+                f"(vs the pass's probe: {_percent(rows[-1].mfu_vs_pass_peak)})")
         pass_rows = {r.impl: r for r in rows[-len(impls):]}
         if "frugality" in pass_rows and "transformers" in pass_rows:
             pass_rows["frugality"].speedup = round(
@@ -178,10 +176,15 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return tuple(round(v, 3) for v in q)
 
 
-def _significant(x: float, digits: int = 4) -> float:
+def _significant(x: float | None, digits: int = 4) -> float | None:
     """Rounded to significant digits, not decimals: a small model on a large GPU has an MFU
     of 1e-5, which four decimals would report as 0."""
-    return float(f"{x:.{digits}g}")
+    return None if x is None else float(f"{x:.{digits}g}")
+
+
+def _policy(impl: str, precision: str, device: torch.device):
+    """frugality's policy fitted to the device; transformers runs the policy as named."""
+    return resolve_policy(precision, device)[0] if impl == "frugality" else get_policy(precision)
 
 
 def markdown_table(rows: list[BenchRow]) -> str:
@@ -195,7 +198,7 @@ def markdown_table(rows: list[BenchRow]) -> str:
             q1, median, q3 = r.speedup_pairs
             speedup += f" (pairs {median:.2f}×, {q1:.2f}–{q3:.2f})"
         lines.append(f"| {r.impl} | {r.precision} | {r.compile_level or 'eager'} | {r.batch} × {r.seq} | "
-                     f"{r.tokens_per_s:,.0f} | {speedup} | {r.step_time_s:.3f} | {r.mfu:.1%} | "
+                     f"{r.tokens_per_s:,.0f} | {speedup} | {r.step_time_s:.3f} | {_percent(r.mfu)} | "
                      f"{_percent(r.mfu_vs_pass_peak)} ({_gflops(r.pass_peak_flops)}) | "
                      f"{r.state_bytes_per_param:g} | {mem} |")
     return "\n".join(lines)

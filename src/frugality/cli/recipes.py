@@ -19,6 +19,19 @@ def recipes(name) -> None:
         m = r.model
         click.echo(f"{recipe_name:14} {m.family:9} layers {m.num_layers:3}  hidden {m.hidden_size:5}  "
                    f"heads {m.num_heads:3}  seq {r.data.seq_len:5}  {r.description}")
+    _machine()
+
+
+def _machine() -> None:
+    """What this machine is, and what `train.precision = "auto"` picks on it."""
+    import torch
+
+    from frugality.hardware import probe
+    from frugality.precision import resolve_policy
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    click.echo(f"\nthis machine: {probe(device).describe()}")
+    click.echo(resolve_policy("auto", device)[1])
 
 
 def _size_order(name: str) -> tuple:

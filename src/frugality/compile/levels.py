@@ -9,7 +9,7 @@
 Only the blocks are compiled ("regional compilation"): all layers share one block graph, so
 the compile cost does not grow with depth, and the state-dict keys stay as they are (no
 `_orig_mod.` prefix). The embedding lookup stays eager, as does the output layer with its
-cross-entropy, which `frugality.models.loss` already fuses by hand. Shapes are static
+cross-entropy, which `frugality.kernels.output_loss` already fuses by hand. Shapes are static
 (`dynamic=False`): the data path only ever produces (micro_batch_size, seq_len) batches.
 """
 

@@ -111,12 +111,13 @@ class CompileSession:
         self._published_misses = 0
 
     @classmethod
-    def for_recipe(cls, recipe, device: torch.device, compute_dtype: torch.dtype) -> "CompileSession":
+    def for_recipe(cls, recipe, device: torch.device, policy) -> "CompileSession":
+        """The session `recipe` asks for, under the resolved precision `policy`."""
         c = recipe.compile
         return cls(c.level, cache=c.cache, on_recompile=c.on_recompile, fallback=c.fallback,
                    model_config=recipe.model.model_dump(mode="json"),
                    micro_batch_size=recipe.data.micro_batch_size, seq_len=recipe.data.seq_len,
-                   precision=recipe.train.precision, compute_dtype=compute_dtype, device=device)
+                   precision=policy.label, compute_dtype=policy.compute_dtype, device=device)
 
     # -- 1. start ---------------------------------------------------------------------------
     def start(self, model: torch.nn.Module) -> None:

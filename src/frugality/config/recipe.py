@@ -86,8 +86,10 @@ class TrainConfig(_Section):
     save_interval: PositiveInt = 1000
     keep_checkpoints: PositiveInt = Field(default=2, description="newest checkpoints to keep")
     log_interval: PositiveInt = 1
-    precision: Literal["fp32", "amp-bf16", "bf16-sr", "bf16", "fp8"] = Field(
-        default="fp32", description="see frugality.precision and docs/precision.md"
+    precision: Literal["auto", "fp32", "amp-bf16", "bf16-sr", "bf16", "fp8"] = Field(
+        default="auto",
+        description="auto: bf16-sr where bf16 products are native (AMX, AVX512-BF16, CUDA 8.0+), "
+        "fp32 elsewhere; see frugality.precision and docs/precision.md",
     )
     fused_optimizer: bool = Field(
         default=True,

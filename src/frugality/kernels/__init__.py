@@ -1,7 +1,10 @@
-"""Small C kernels for CPUs, where one pass over memory beats a chain of torch ops.
+"""Device-specific code, kept out of the model files: C kernels for CPUs and the modules
+that use them, applied to a plain model by `frugality.kernels.specialize`.
 
-Each accessor returns a ctypes function, or None where no C compiler is available (the
-caller then uses its torch-ops path). Nothing is built until first use.
+This file holds the ctypes side: each accessor returns a C function, or None where the
+kernel may not run here (`frugality.kernels.dispatch`: missing instruction sets, switched
+off by the environment) or no C compiler is available; the caller then takes its torch
+path. Nothing is built until first use.
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ import ctypes
 import torch
 
 from frugality.kernels.build import library
+from frugality.kernels.dispatch import allowed
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 
-def _function(library_name: str, symbol: str, restype, argtypes, extra_flags: tuple[str, ...] = ()):
+def _function(kernel: str, library_name: str, symbol: str, restype, argtypes, extra_flags: tuple[str, ...] = ()):
+    if not allowed(kernel)[0]:
+        return None
     lib = library(library_name, extra_flags)
     if lib is None:
         return None
@@ -27,7 +33,7 @@ def _function(library_name: str, symbol: str, restype, argtypes, extra_flags: tu
 def adamw_bf16_step():
     """adamw_bf16_step(p, g, m, v, n, start, lr, beta1, 1 - beta1, beta2, 1 - beta2, eps,
     decay, bc1, sqrt(bc2), grad_scale, key, stochastic, threads): see adamw_bf16_cpu.c."""
-    return _function("adamw_bf16_cpu", "adamw_bf16_step", None,
+    return _function("adamw", "adamw_bf16_cpu", "adamw_bf16_step", None,
                      [_p] * 4 + [_i64] * 2 + [_f32] * 10 + [ctypes.c_uint32, _int, _int],
                      # no fused multiply-adds: the kernel must give the torch formula's bits
                      extra_flags=("-ffp-contract=off",))
@@ -35,20 +41,20 @@ def adamw_bf16_step():
 
 def bf16_sum_squares():
     """bf16_sum_squares(x, n, threads) -> double: see adamw_bf16_cpu.c."""
-    return _function("adamw_bf16_cpu", "bf16_sum_squares", ctypes.c_double, [_p, _i64, _int],
+    return _function("adamw", "adamw_bf16_cpu", "bf16_sum_squares", ctypes.c_double, [_p, _i64, _int],
                      extra_flags=("-ffp-contract=off",))  # the same library as adamw_bf16_step
 
 
 def cross_entropy(dtype_name: str):
     """cross_entropy_{bf16,f32}(logits, rows, cols, ld, targets, scale, want_grad, losses,
     threads) -> bad targets (or -1: out of memory): see cross_entropy_cpu.c."""
-    return _function("cross_entropy_cpu", f"cross_entropy_{dtype_name}", _i64,
+    return _function("cross-entropy", "cross_entropy_cpu", f"cross_entropy_{dtype_name}", _i64,
                      [_p, _i64, _i64, _i64, _p, _f32, _int, _p, _int])
 
 
 def transpose_2byte():
     """transpose_2byte(src, rows, cols, ld_src, dst, ld_dst, threads): see transpose_cpu.c."""
-    return _function("transpose_cpu", "transpose_2byte", None, [_p, _i64, _i64, _i64, _p, _i64, _int])
+    return _function("transpose", "transpose_cpu", "transpose_2byte", None, [_p, _i64, _i64, _i64, _p, _i64, _int])
 
 
 def transposed(x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +72,7 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
 def attention_forward_bf16():
     """attention_forward_bf16(q, k, v, out, lse, batch, heads, seq, dim, strides, cos, sin,
     rotary_dim, scale, threads) -> 0, -1 (no AMX) or -2 (out of memory): see attention_cpu.c."""
-    return _function("attention_cpu", "attention_forward_bf16", _i64,
+    return _function("amx-attention", "attention_cpu", "attention_forward_bf16", _i64,
                      [_p] * 5 + [_i64] * 4 + [_p] * 3 + [_i64, _f32, _int])
 
 
@@ -74,33 +80,33 @@ def attention_backward_bf16():
     """attention_backward_bf16(q, k, v, out, lse, dout, dq, dk, dv, batch, heads, seq, dim,
     strides, cos, sin, rotary_dim, scale, threads) -> as attention_forward_bf16: see
     attention_cpu.c."""
-    return _function("attention_cpu", "attention_backward_bf16", _i64,
+    return _function("amx-attention", "attention_cpu", "attention_backward_bf16", _i64,
                      [_p] * 9 + [_i64] * 4 + [_p] * 3 + [_i64, _f32, _int])
 
 
 def weight_grad_bf16():
     """weight_grad_bf16(g, ldg, x, ldx, dw, db or None, tokens, outputs, inputs, threads) -> 0,
     -1 (no AMX) or -2 (out of memory): see weight_grad_cpu.c."""
-    return _function("weight_grad_cpu", "weight_grad_bf16", _i64, [_p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _int])
+    return _function("amx-linear", "weight_grad_cpu", "weight_grad_bf16", _i64, [_p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _int])
 
 
 def matmul_bf16():
     """matmul_bf16(a, lda, w, ldw, w_rows_are_outputs, bias or None, out, ldo, M, N, K,
     threads) -> 0, -1 (no AMX), -2 (out of memory) or -3 (K too large): see matmul_cpu.c."""
-    return _function("matmul_cpu", "matmul_bf16", _i64, [_p, _i64, _p, _i64, _int, _p, _p, _i64, _i64, _i64, _i64, _int])
+    return _function("amx-linear", "matmul_cpu", "matmul_bf16", _i64, [_p, _i64, _p, _i64, _int, _p, _p, _i64, _i64, _i64, _i64, _int])
 
 
 def matmul_long_bf16():
     """matmul_long_bf16(a, lda, w, ldw, out, ldo, M, N, K, threads) -> 0, -1 (no AMX) or -2
     (out of memory): the input-gradient product for K past matmul_bf16's: see matmul_cpu.c."""
-    return _function("matmul_cpu", "matmul_long_bf16", _i64, [_p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _int])
+    return _function("amx-linear", "matmul_cpu", "matmul_long_bf16", _i64, [_p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _int])
 
 
 def gelu_bf16():
     """gelu_bf16(x, y, n, threads) -> 0, or -1 without AVX-512: see gelu_cpu.c."""
-    return _function("gelu_cpu", "gelu_bf16", _i64, [_p, _p, _i64, _int])
+    return _function("gelu", "gelu_cpu", "gelu_bf16", _i64, [_p, _p, _i64, _int])
 
 
 def gelu_backward_bf16():
     """gelu_backward_bf16(dy, x, dx, n, threads) -> 0, or -1 without AVX-512: see gelu_cpu.c."""
-    return _function("gelu_cpu", "gelu_backward_bf16", _i64, [_p, _p, _p, _i64, _int])
+    return _function("gelu", "gelu_cpu", "gelu_backward_bf16", _i64, [_p, _p, _p, _i64, _int])

@@ -1,5 +1,5 @@
 /* Softmax cross-entropy over rows of logits, and its gradient written over the logits:
- * the CPU kernel behind frugality.models.loss.
+ * the CPU kernel behind frugality.kernels.output_loss.
  *
  * Each row (one token's logits over the vocabulary) is read once into a float32 buffer
  * the size of one row (50k entries: 200 KB, in a core's L2), and everything else happens

@@ -7,11 +7,16 @@ machine, torch version, thread count and dtype, and cache the median rate.
 On a shared VM the same probe can read 30% lower or higher an hour later, so a benchmark
 can also sample the probe between its own steps (`PeakProbe`) and report MFU against the
 peak of that moment beside the cached one.
+
+A peak that cannot be measured, or an MFU above 100% (the peak read low, or was taken in
+another dtype than the products ran in), is reported as unknown (None), never as a wrong
+figure: `mfu()` is where every MFU is computed.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 import time
@@ -33,16 +38,27 @@ def device_name(device: torch.device) -> str:
 
 
 def _cache_key(device: torch.device, dtype: torch.dtype) -> str:
-    threads = torch.get_num_threads() if device.type == "cpu" else 0
-    return f"{device_name(device)}|{device.type}|torch {torch.__version__}|threads {threads}|{dtype}"
+    from frugality.hardware import fingerprint  # the ISA limits in force change the peak
+
+    return f"{fingerprint(device)}|{dtype}"
+
+
+def mfu(flops_per_s: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation, or None where the peak is unknown or the ratio impossible."""
+    if not peak or not math.isfinite(peak) or peak <= 0:
+        return None
+    ratio = flops_per_s / peak
+    return ratio if 0.0 <= ratio <= 1.0 else None
 
 
 class PeakProbe:
-    """Times `size`-square matmuls (2·n³ FLOPs each) in `dtype`, one call per `sample()`."""
+    """Times `size`-square matmuls (2·n³ FLOPs each) in `dtype`, one call per `sample()`.
+    Without a `size`: 8192 on GPUs, 2048 on CPUs, or smaller where the dtype is slow here
+    (emulated bf16 ran at 0.3 GFLOP/s: 57 s a call at 2048), so that a call stays short."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, size: int | None = None) -> None:
         self.device = device
-        self.n = size or (8192 if device.type == "cuda" else 2048)
+        self.n = size or (8192 if device.type == "cuda" else _cpu_size(dtype))
         self.a = torch.randn(self.n, self.n, device=device, dtype=dtype)
         self.b = torch.randn(self.n, self.n, device=device, dtype=dtype)
         torch.mm(self.a, self.b)  # warms up the kernel and the allocator
@@ -55,6 +71,20 @@ class PeakProbe:
         return 2.0 * self.n**3 / (time.perf_counter() - t0)
 
 
+def _cpu_size(dtype: torch.dtype, largest: int = 2048, seconds: float = 0.25) -> int:
+    """The largest power-of-two size up to `largest` whose product takes about `seconds` at
+    the rate a 256-square product shows."""
+    n = 256
+    a = torch.randn(n, n).to(dtype)
+    torch.mm(a, a)
+    t0 = time.perf_counter()
+    torch.mm(a, a)
+    rate = 2.0 * n**3 / max(time.perf_counter() - t0, 1e-9)
+    while n < largest and 2.0 * (2 * n) ** 3 / rate <= seconds:
+        n *= 2
+    return n
+
+
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:
     """FLOP/s of square matmuls: the median of five timed calls after a warm-up call. Not
     the best call: one mistimed call on a shared machine once read 2.3x the sustained rate
@@ -64,6 +94,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | Non
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, cache_file: Path) -> float:
+    """The cached probe's rate for `device` and `dtype`, measured on first use."""
     key = _cache_key(device, dtype)
     try:
         cached = json.loads(cache_file.read_text())

@@ -14,8 +14,6 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
-from frugality.models.cpu_gelu import gelu
-from frugality.models.cpu_linear import Linear
 from frugality.models.layers import check_length
 
 
@@ -60,10 +58,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.heads, self.head_size = cfg.num_heads, cfg.hidden_size // cfg.num_heads
-        self.query = Linear(cfg.hidden_size, cfg.hidden_size)
-        self.key = Linear(cfg.hidden_size, cfg.hidden_size)
-        self.value = Linear(cfg.hidden_size, cfg.hidden_size)
-        self.out = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, d = x.shape
@@ -78,25 +76,27 @@ class Block(nn.Module):
         super().__init__()
         self.attn = Attention(cfg)
         self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.up = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.act = nn.GELU()
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
         self.mlp_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         h = self.attn_norm(h + self.attn(h, mask))  # post-LN
-        return self.mlp_norm(h + self.down(gelu(self.up(h))))
+        return self.mlp_norm(h + self.down(self.act(self.up(h))))
 
 
 class MaskedLMHead(nn.Module):
     def __init__(self, cfg: BertConfig, word_embeddings: nn.Embedding) -> None:
         super().__init__()
-        self.dense = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.act = nn.GELU()
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.decoder = nn.Linear(cfg.hidden_size, cfg.vocab_size)
         self.decoder.weight = word_embeddings.weight  # tied, as in BERT
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.norm(gelu(self.dense(h))))
+        return self.decoder(self.norm(self.act(self.dense(h))))
 
 
 class Bert(nn.Module):

@@ -16,10 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
-from frugality.models.cpu_gelu import gelu
-from frugality.models.cpu_linear import Linear
-from frugality.models.layers import RotaryEmbedding, causal_attention, check_length
-from frugality.models.loss import logits_or_loss
+from frugality.models.layers import CausalAttention, OutputLayer, RotaryEmbedding, check_length
 
 
 class GPTNeoXConfig(BaseModel):
@@ -74,26 +71,28 @@ class Attention(nn.Module):
         self.head_size = cfg.head_size
         # Fused projection; rows are laid out [heads, (q, k, v), head_size] as in GPT-NeoX,
         # so a tensor-parallel split of the rows keeps whole heads together.
-        self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.out = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_seq_len, cfg.rotary_base, cfg.head_size)
+        self.attend = CausalAttention()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x.shape
         qkv = self.qkv(x).view(batch, seq, self.num_heads, 3, self.head_size)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # (B, heads, T, head_size)
-        y = causal_attention(q, k, v, self.rotary if self.rotary.dim else None)
+        y = self.attend(q, k, v, self.rotary if self.rotary.dim else None)
         return self.out(y.transpose(1, 2).reshape(batch, seq, hidden))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTNeoXConfig) -> None:
         super().__init__()
-        self.up = Linear(cfg.hidden_size, cfg.ffn_size)
-        self.down = Linear(cfg.ffn_size, cfg.hidden_size)
+        self.up = nn.Linear(cfg.hidden_size, cfg.ffn_size)
+        self.act = nn.GELU()  # exact (erf) GELU, as Pythia was trained
+        self.down = nn.Linear(cfg.ffn_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(gelu(self.up(x)))  # exact (erf) GELU, as Pythia was trained
+        return self.down(self.act(self.up(x)))
 
 
 class Block(nn.Module):
@@ -121,7 +120,7 @@ class GPTNeoX(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.output = OutputLayer(cfg.hidden_size, cfg.vocab_size)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -142,10 +141,9 @@ class GPTNeoX(nn.Module):
                 p.normal_(0.0, small)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab); or, given next-token `targets` (B, T), the mean
-        cross-entropy, computed without materialising the logits in float32."""
+        """Logits (B, T, vocab); or, given next-token `targets` (B, T), the mean cross-entropy."""
         check_length(input_ids, self.config.max_seq_len)
         h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(h)
-        return logits_or_loss(self.final_norm(h), self.output, targets)
+        return self.output.logits_or_loss(self.final_norm(h), targets)

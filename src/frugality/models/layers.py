@@ -1,7 +1,11 @@
-"""Layers shared by the model families: rotary position embeddings and causal attention.
+"""Layers shared by the model families: rotary position embeddings, causal attention and
+the language-model output layer.
 
-Model code here is single-device. Parallelism (DDP, FSDP, tensor parallel) wraps the
-modules from outside, so nothing in this package knows about process groups.
+Model code here is single-device, plain PyTorch. Faster device-specific versions of these
+layers (C kernels for CPUs, a fused output-layer loss) live in `frugality.kernels` and are
+swapped in from outside by `frugality.kernels.specialize`, as parallelism (DDP, FSDP,
+tensor parallel) wraps the modules from outside: nothing in this package knows about
+either.
 """
 
 from __future__ import annotations
@@ -10,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from frugality.models.cpu_attention import CausalAttention, amx_attention, amx_attention_applies
-
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embeddings (RoFormer; GPT-NeoX and Llama layout) on the first `dim`
@@ -19,12 +21,8 @@ class RotaryEmbedding(nn.Module):
 
     Channel i < dim/2 pairs with i + dim/2: out_i = x_i cos - x_(i+dim/2) sin, and
     out_(i+dim/2) = x_(i+dim/2) cos + x_i sin. This is computed over the whole head as
-    `x * cos + (x @ swap) * sin`, with cos = 1 and sin = 0 past `dim`, the signs folded into
-    the sin table, and `swap` the permutation matrix that exchanges the two halves. The usual
-    slice-negate-concatenate form gives the same values (a product with a permutation
-    matrix is exact), but compiled on CPUs its backward ran as masked vector loads at the
-    half and `dim` boundaries: 10 ms more per Pythia-70m layer at 4 x 512 tokens (2-core
-    Xeon, forward + backward of a compiled block, median of 30 paired runs).
+    `x * cos + swap_halves(x) * sin`, with cos = 1 and sin = 0 past `dim` and the signs
+    folded into the sin table, so one expression serves full and partial rotation.
 
     The tables are computed once in float32 for `max_seq_len` positions and kept as
     non-persistent buffers, so they never appear in checkpoints.
@@ -43,61 +41,52 @@ class RotaryEmbedding(nn.Module):
         sin = torch.zeros(max_seq_len, head_size)
         cos[:, :half] = cos[:, half:dim] = angles.cos()
         sin[:, :half], sin[:, half:dim] = -angles.sin(), angles.sin()
-        source = torch.arange(head_size)  # (x @ swap)[..., i] = x[..., source[i]]
-        source[:half] += half
-        source[half:dim] -= half
-        swap = torch.zeros(head_size, head_size)
-        swap[source, torch.arange(head_size)] = 1.0
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self.register_buffer("swap", swap, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate x of shape (batch, heads, seq, head_size); channels past `dim` pass through."""
         seq_len = x.shape[-2]
         cos = self.cos[:seq_len].to(x.dtype)
         sin = self.sin[:seq_len].to(x.dtype)
-        return x * cos + self.swap_halves(x, by_product=x.device.type == "cpu") * sin
+        return x * cos + self.swap_halves(x) * sin
 
-    def swap_halves(self, x: torch.Tensor, by_product: bool) -> torch.Tensor:
-        """x with channels i and i + dim/2 exchanged (i < dim/2); the others as they are. As
-        a product with `swap` where that is faster (CPUs), else by slicing: on GPUs a float32
-        product may run in TF32, which would round x."""
-        if by_product:
-            return x @ self.swap.to(x.dtype)
+    def swap_halves(self, x: torch.Tensor) -> torch.Tensor:
+        """x with channels i and i + dim/2 exchanged (i < dim/2); the others as they are."""
         half = self.dim // 2
         return torch.cat((x[..., half : self.dim], x[..., :half], x[..., self.dim :]), dim=-1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+class CausalAttention(nn.Module):
     """Causal self-attention over (batch, heads, seq, head_size) tensors, q and k rotated by
     `rotary` first if given; k and v may have fewer heads than q (grouped-query attention),
-    each serving a contiguous group of q's.
+    each serving a contiguous group of q's. SDPA picks the fused kernel the device has; the
+    scale is the default head_size ** -0.5. No parameters: a module so that a device's
+    faster attention can be swapped in (`frugality.kernels.specialize`)."""
 
-    SDPA picks the fused kernel the device has (flash / memory-efficient on CUDA, the
-    flash-style C++ kernel on CPU); the scale is the default head_size ** -0.5. On CPUs two
-    paths are faster (see frugality.models.cpu_attention): bf16 with AMX takes the C kernel
-    `amx_attention`, which applies the rotation itself (in float32, rounding once); other
-    training inside a compiled region takes `CausalAttention`.
-    """
-    grouped = k.shape[1] != q.shape[1]
-    if q.device.type == "cpu" and amx_attention_applies(q, k, v):
-        return amx_attention(q, *_repeat_kv(q, k, v), rotary)
-    if rotary is not None:
-        q, k = rotary(q), rotary(k)
-    training = torch.is_grad_enabled() and q.requires_grad
-    if q.device.type == "cpu" and torch.compiler.is_compiling() and training:
-        return CausalAttention.apply(q, *_repeat_kv(q, k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+        if rotary is not None:
+            q, k = rotary(q), rotary(k)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k and v with as many heads as q (each serving a contiguous group of q's heads)."""
-    group = q.shape[1] // k.shape[1]
-    if group == 1:
-        return k, v
-    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+class OutputLayer(nn.Linear):
+    """A language model's output projection (hidden -> vocabulary logits, no bias), which
+    also gives the next-token loss. Training swaps in a fused version of `loss` that never
+    materialises float32 logits (`frugality.kernels.output_loss`); same parameters."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the logits of `hidden` (B, T, d) against `targets` (B, T)."""
+        logits = self(hidden).float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def logits_or_loss(self, hidden: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        """A decoder's last step: logits (B, T, vocab), or the mean loss given `targets`."""
+        return self(hidden) if targets is None else self.loss(hidden, targets)
 
 
 def check_length(input_ids: torch.Tensor, max_seq_len: int) -> None:

@@ -15,9 +15,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
-from frugality.models.cpu_linear import Linear
-from frugality.models.layers import RotaryEmbedding, causal_attention, check_length
-from frugality.models.loss import logits_or_loss
+from frugality.models.layers import CausalAttention, OutputLayer, RotaryEmbedding, check_length
 
 
 class LlamaConfig(BaseModel):
@@ -73,27 +71,28 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_size = cfg.num_heads, cfg.kv_heads, cfg.head_size
-        self.q = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_size, bias=False)
-        self.k = Linear(cfg.hidden_size, cfg.kv_heads * cfg.head_size, bias=False)
-        self.v = Linear(cfg.hidden_size, cfg.kv_heads * cfg.head_size, bias=False)
-        self.o = Linear(cfg.num_heads * cfg.head_size, cfg.hidden_size, bias=False)
+        self.q = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_size, bias=False)
+        self.k = nn.Linear(cfg.hidden_size, cfg.kv_heads * cfg.head_size, bias=False)
+        self.v = nn.Linear(cfg.hidden_size, cfg.kv_heads * cfg.head_size, bias=False)
+        self.o = nn.Linear(cfg.num_heads * cfg.head_size, cfg.hidden_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_size, cfg.max_seq_len, cfg.rope_theta)
+        self.attend = CausalAttention()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q(x).view(b, t, self.heads, self.head_size).transpose(1, 2)
         k = self.k(x).view(b, t, self.kv_heads, self.head_size).transpose(1, 2)
         v = self.v(x).view(b, t, self.kv_heads, self.head_size).transpose(1, 2)
-        y = causal_attention(q, k, v, self.rotary)
+        y = self.attend(q, k, v, self.rotary)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))  # SwiGLU (Shazeer, 2020)
@@ -119,7 +118,7 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.output = OutputLayer(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.output.weight = self.embed.weight
         self.reset_parameters()
@@ -143,4 +142,4 @@ class Llama(nn.Module):
         h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(h)
-        return logits_or_loss(self.final_norm(h), self.output, targets)
+        return self.output.logits_or_loss(self.final_norm(h), targets)

@@ -12,12 +12,19 @@ dtype the matrix products run.
 `bf16-sr` and `bf16` differ only in how the optimizer writes its float32 result back:
 stochastic rounding (unbiased, so updates far below a bf16 step still accumulate) or
 round-to-nearest (kept to show what stochastic rounding buys).
+
+`auto` (the default) is the fastest policy the hardware runs natively: bf16-sr where bf16
+products are native (AMX, AVX512-BF16, CUDA compute capability 8.0+), fp32 elsewhere; see
+`frugality.hardware`. On hardware without native bf16 products, `bf16-sr` and `bf16` keep
+their bf16 storage (and its memory saving) but compute each product in fp32 from the bf16
+operands, and `amp-bf16` runs its products in fp32: torch's emulated bf16 products there
+are hundreds of times slower than fp32 ones.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -25,6 +32,7 @@ from torch import nn
 from frugality.errors import UserError
 
 PRECISIONS = ("fp32", "amp-bf16", "bf16-sr", "bf16", "fp8")
+AUTO = "auto"  # resolved by `resolve_policy` from what the hardware runs natively
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,15 @@ class PrecisionPolicy:
     compute_dtype: torch.dtype  # what the matrix products run in (the MFU peak's dtype)
     autocast: bool  # bf16 autocast over higher-precision storage
     rounding: str | None  # for bf16 storage: "stochastic" or "nearest"
+    # bf16 storage on hardware without native bf16 products: each product upcasts its bf16
+    # operands and runs in float32 (compute_dtype is then float32)
+    fp32_products: bool = False
+
+    @property
+    def label(self) -> str:
+        """The name, and the compute mode where it differs from the policy's usual one."""
+        return f"{self.name} (fp32 products)" if self.fp32_products or (
+            self.name == "amp-bf16" and not self.autocast) else self.name
 
     @property
     def state_bytes_per_param(self) -> int:
@@ -71,7 +88,30 @@ def get_policy(name: str) -> PrecisionPolicy:
     try:
         return _POLICIES[name]
     except KeyError:
-        raise UserError(f"precision {name!r}: choose one of {', '.join(PRECISIONS)}") from None
+        raise UserError(f"precision {name!r}: choose one of {AUTO}, {', '.join(PRECISIONS)}") from None
+
+
+def resolve_policy(name: str, device: torch.device) -> tuple[PrecisionPolicy, str]:
+    """The policy `train.precision` names, fitted to `device`, and one line saying what was
+    chosen and why (for the run header)."""
+    from frugality.hardware import probe
+
+    hw = probe(device)
+    if name == AUTO:
+        name = "bf16-sr" if hw.native_bf16 else "fp32"
+        note = f"precision auto -> {name}: bf16 products {'native' if hw.native_bf16 else 'not native'} ({hw.why})"
+        return get_policy(name), note
+    policy = get_policy(name)
+    policy.check_device(device)
+    if hw.native_bf16 or policy.compute_dtype != torch.bfloat16 or name == "fp8":
+        return policy, f"precision {name}"
+    if policy.autocast:  # amp-bf16: autocast to bf16 here would emulate every product
+        return (replace(policy, compute_dtype=torch.float32, autocast=False),
+                f"precision amp-bf16: products run in fp32, not bf16 autocast ({hw.why}; bf16 would be "
+                "hundreds of times slower); use fp32 or auto here")
+    return (replace(policy, compute_dtype=torch.float32, fp32_products=True),
+            f"precision {name}: bf16 weights, gradients and optimizer state, products computed in fp32 "
+            f"from the bf16 operands ({hw.why})")
 
 
 def _check_fp8(device: torch.device) -> None:

@@ -36,9 +36,11 @@ from frugality.errors import UserError
 from frugality.metrics.flops import non_embedding_params, training_flops_per_token
 from frugality.metrics.logger import RunLogger
 from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
-from frugality.metrics.peak import peak_flops
-from frugality.models import DECODERS, build_model
-from frugality.precision import get_policy
+from frugality.hardware import probe
+from frugality.metrics.peak import mfu, peak_flops
+from frugality.models import DECODERS
+from frugality.precision import resolve_policy
+from frugality.training.build import build_training_model
 from frugality.training import run_dir as rundir
 from frugality.training.host_memory import keep_freed_memory
 from frugality.training.optim import build_optimizer
@@ -101,8 +103,7 @@ def train(
                         f"({', '.join(DECODERS)}); {recipe.model.family} models can be imported, "
                         "exported and used for embeddings")
     device = resolve_device(recipe.train.device)
-    policy = get_policy(recipe.train.precision)
-    policy.check_device(device)
+    policy, precision_note = resolve_policy(recipe.train.precision, device)
     tokenizer = load_tokenizer(recipe.data.tokenizer)
     if tokenizer.vocab_size > recipe.model.vocab_size:
         raise UserError(
@@ -127,8 +128,7 @@ def train(
                         "(one with optimizer state) and a new run")
 
     torch.manual_seed(recipe.seed)
-    with device:
-        model = policy.prepare_model(build_model(recipe.model))
+    model, kernel_choices = build_training_model(recipe.model, policy, device)
     optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
                                 fused=recipe.train.fused_optimizer)
     checkpoints = CheckpointManager(run_path / "checkpoints", keep=recipe.train.keep_checkpoints)
@@ -152,14 +152,15 @@ def train(
         _seed_everything(recipe.seed + 1)
     rundir.open_run(plan, recipe, start if plan.resume_from is not None else None)
 
-    compiled = CompileSession.for_recipe(recipe, device, policy.compute_dtype)
+    compiled = CompileSession.for_recipe(recipe, device, policy)
     compiled.start(model)
     logger = RunLogger(run_path, tensorboard=tensorboard)
     try:
         return _train_loop(recipe, model, optimizer, policy, device, stream, val_batches, checkpoints,
                            logger, compiled, TrainResult(run_path, start, start), stop_at, progress,
                            banner=_banner(recipe, model, device, samples, dataset, plan, source,
-                                          init_from, resume_optimizer, start))
+                                          init_from, resume_optimizer, start, policy,
+                                          [precision_note, "layers: " + ", ".join(kernel_choices)]))
     finally:
         compiled.close()  # publishes what was compiled, even when the run stopped on an error
         logger.close()
@@ -167,10 +168,11 @@ def train(
 
 
 def _banner(recipe, model, device, samples, dataset, plan, source, init_from, resume_optimizer,
-            start) -> list[str]:
-    """What the run prints before its first step."""
+            start, policy, choices) -> list[str]:
+    """What the run prints before its first step: the machine, what was chosen for it, and
+    the run (the last line)."""
     run_path, total = plan.path, recipe.train.steps
-    lines = []
+    lines = [f"hardware: {probe(device).describe()}", *choices]
     if plan.moved_aside is not None:
         lines.append(f"starting over: the previous run in {run_path} was moved to {plan.moved_aside}")
     if plan.resume_from is not None:
@@ -183,7 +185,7 @@ def _banner(recipe, model, device, samples, dataset, plan, source, init_from, re
     n_params = sum(p.numel() for p in model.parameters())
     lines.append(
         f"{recipe.name}: {recipe.model.family} {n_params / 1e6:.1f}M parameters, "
-        f"{recipe.train.precision} on {device}, {total} steps of "
+        f"{policy.label} on {device}, {total} steps of "
         f"{recipe.data.global_batch_size} x {recipe.data.seq_len} tokens, {len(samples.train_ids):,} "
         f"training samples ({dataset.num_tokens:,} tokens) -> {run_path}"
     )
@@ -205,7 +207,7 @@ def _train_loop(recipe, model, optimizer, policy, device, stream, val_batches, c
         recipe.metrics.peak_tflops * 1e12
         if recipe.metrics.peak_tflops
         else peak_flops(device, policy.compute_dtype, cache_dir() / "peak_flops.json")
-    )
+    )  # of the dtype the products run in: float32 where a bf16 policy computes in fp32
     autocast = policy.autocast_context(device)
     memory: dict[str, float] = {}
 
@@ -253,7 +255,7 @@ def _train_loop(recipe, model, optimizer, policy, device, stream, val_batches, c
                     "grad_norm": grad_norm,
                     "lr": lr,
                     "tokens_per_s": tokens_per_s,
-                    "mfu": flops_per_token * tokens_per_s / peak,
+                    "mfu": mfu(flops_per_token * tokens_per_s, peak),
                     "step_time_s": elapsed,
                     "tokens": done * tokens_per_step,
                     "epoch": stream.epoch,
@@ -282,7 +284,7 @@ def _train_loop(recipe, model, optimizer, policy, device, stream, val_batches, c
 
     result.summary = _summary(
         recipe, model, result, step_times, train_loss, tokens_per_step, flops_per_token, peak,
-        time.perf_counter() - wall_start, device,
+        time.perf_counter() - wall_start, device, policy,
     )
     result.summary["memory"] = memory | {"peak_memory_bytes": peak_memory_bytes(device)}
     result.summary["compile"] = compiled.stats.as_dict()
@@ -417,7 +419,7 @@ class _StopFlag:
 
 
 def _summary(recipe, model, result, step_times, train_loss, tokens_per_step, flops_per_token, peak,
-             wall_s, device) -> dict:
+             wall_s, device, policy) -> dict:
     steps_run = len(step_times)
     # The first steps pay for allocator warm-up; the median is the steady state.
     median = statistics.median(step_times) if step_times else float("nan")
@@ -430,7 +432,8 @@ def _summary(recipe, model, result, step_times, train_loss, tokens_per_step, flo
     return {
         "recipe": recipe.name,
         "device": str(device),
-        "precision": recipe.train.precision,
+        "precision": policy.label,
+        "precision_requested": recipe.train.precision,
         "parameters": sum(p.numel() for p in model.parameters()),
         "non_embedding_parameters": non_embedding_params(model),
         "start_step": result.start_step,
@@ -442,10 +445,14 @@ def _summary(recipe, model, result, step_times, train_loss, tokens_per_step, flo
         "train_time_s": round(sum(step_times), 2),
         "median_step_time_s": round(median, 4),
         "median_tokens_per_s": round(tokens_per_step / median, 1) if steps_run else None,
-        "median_mfu": round(flops_per_token * tokens_per_step / median / peak, 4) if steps_run else None,
+        "median_mfu": _rounded(mfu(flops_per_token * tokens_per_step / median, peak)) if steps_run else None,
         "peak_flops": peak,
         "final_train_loss": train_loss if steps_run else None,
         "first_val_loss": evals[min(evals)] if evals else None,
         "final_val_loss": evals[max(evals)] if evals else None,
         "val_losses": {str(k): v for k, v in sorted(evals.items())},
     }
+
+
+def _rounded(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(x, digits)

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.backends.debugging import aot_eager
 
-from frugality.models import cpu_gelu
-from frugality.models.cpu_gelu import gelu, gelu_backward_op, gelu_op
+from frugality.kernels import gelu as cpu_gelu
+from frugality.kernels.gelu import gelu, gelu_backward_op, gelu_op
 
 kernel = pytest.mark.skipif(not cpu_gelu._kernel_runs(), reason="the C GELU kernel needs AVX-512 with bf16")
 

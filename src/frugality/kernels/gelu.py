@@ -1,4 +1,5 @@
-"""Exact (erf) GELU through a C kernel for bf16 on CPUs with AVX-512 (kernels/gelu_cpu.c).
+"""Exact (erf) GELU through a C kernel for bf16 on CPUs with AVX-512 (kernels/gelu_cpu.c);
+`KernelGELU` is swapped in for the models' nn.GELU by `frugality.kernels.specialize`.
 
 Inside a compiled block, Inductor's generated GELU kernels were the largest elementwise
 cost on a 2-core Xeon: 4.0 ms forward and 6.1 ms backward for a Pythia-70m MLP's 2048 x 2048
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from frugality import kernels
 
@@ -28,7 +30,8 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
 
 @torch.compiler.assume_constant_result  # asked once; compiled graphs keep the answer
 def _kernel_runs() -> bool:
-    """The kernel builds and the CPU has AVX-512 with bf16: tried once on a tiny input."""
+    """The kernel may run here (frugality.kernels.dispatch: AVX-512 with bf16) and builds:
+    tried once on a tiny input."""
     if "runs" not in _STATE:
         kernel = kernels.gelu_bf16()
         x, y = torch.zeros(16, dtype=torch.bfloat16), torch.empty(16, dtype=torch.bfloat16)
@@ -82,3 +85,10 @@ def _gradient(ctx, grad: torch.Tensor):
 
 
 gelu_op.register_autograd(_gradient, setup_context=_save_input)
+
+
+class KernelGELU(nn.GELU):
+    """nn.GELU (exact) through `gelu`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu(x)

@@ -1,4 +1,5 @@
-"""Cross-entropy fused with the output projection.
+"""Cross-entropy fused with the output projection: `FusedOutputLayer`, swapped in for the
+models' plain `OutputLayer` for training by `frugality.kernels.specialize`.
 
 A language model's last step, logits = h @ W^T over a 50k vocabulary, produces the
 largest tensor of the step (tokens x vocab), and the textbook path then makes three more
@@ -25,7 +26,8 @@ from typing import Callable
 import torch
 
 from frugality import kernels
-from frugality.models.cpu_linear import product, product_applies, product_into, weight_grad, weight_grad_applies
+from frugality.kernels.linear import product, product_applies, product_into, weight_grad, weight_grad_applies
+from frugality.models.layers import OutputLayer
 
 _ROWS_PER_CHUNK = 64  # 64 x 50k float32 = 12.9 MB: within a server CPU's L3
 _CHUNK_BYTES_OFF_CPU = 256 << 20  # GPUs: few, large chunks (each chunk is ~10 kernel launches)
@@ -48,10 +50,10 @@ def _workspace(shape: tuple[int, int], dtype: torch.dtype, device: torch.device)
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                grad_mode: bool) -> torch.Tensor:
+                grad_mode: bool, compute_dtype: torch.dtype | None) -> torch.Tensor:
         device_type = hidden.device.type
-        dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-                 else hidden.dtype)
+        dtype = compute_dtype or (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                                  else hidden.dtype)
         ctx.dtypes = hidden.dtype, weight.dtype
         # needs_input_grad says True under torch.no_grad() too; without the caller's grad
         # mode, evaluation would pay for the gradient's two products (2/3 of the layer).
@@ -94,9 +96,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden_dtype, weight_dtype = ctx.dtypes
         if grad_output.device.type == "cpu" and grad_output.item() == 1.0:
             # the usual case: scaling two 25M-element tensors by one would cost ~30 ms
-            return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None
+            return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None, None
         scale = grad_output.to(grad_hidden.dtype)
-        return (grad_hidden * scale).to(hidden_dtype), (grad_weight * scale).to(weight_dtype), None, None
+        return (grad_hidden * scale).to(hidden_dtype), (grad_weight * scale).to(weight_dtype), None, None, None
 
 
 def _transpose_first(hidden: torch.Tensor) -> bool:
@@ -201,15 +203,19 @@ def _rows_in_torch(logits: torch.Tensor, targets: torch.Tensor, scale: float, wa
     return losses
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, without materialising
-    float32 logits. hidden: (tokens, d); weight: (vocab, d); targets: (tokens,) int64."""
-    return _LinearCrossEntropy.apply(hidden, weight, targets, torch.is_grad_enabled())
+    float32 logits. hidden: (tokens, d); weight: (vocab, d); targets: (tokens,) int64. The
+    products run in `compute_dtype` if given, else autocast's dtype or hidden's."""
+    return _LinearCrossEntropy.apply(hidden, weight, targets, torch.is_grad_enabled(), compute_dtype)
 
 
-def logits_or_loss(hidden: torch.Tensor, output: torch.nn.Linear, targets: torch.Tensor | None) -> torch.Tensor:
-    """A decoder's last step: logits (B, T, vocab), or with next-token `targets` (B, T) the
-    mean cross-entropy through `linear_cross_entropy`."""
-    if targets is None:
-        return output(hidden)
-    return linear_cross_entropy(hidden.flatten(0, 1), output.weight, targets.flatten())
+class FusedOutputLayer(OutputLayer):
+    """OutputLayer whose `loss` is `linear_cross_entropy` (same parameters and results up
+    to rounding order, a quarter of the memory)."""
+
+    compute_dtype: torch.dtype | None = None  # float32 for bf16 weights without native bf16 products
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(hidden.flatten(0, 1), self.weight, targets.flatten(), self.compute_dtype)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from frugality.models.loss import linear_cross_entropy
+from frugality.kernels.output_loss import linear_cross_entropy
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 200])
@@ -36,7 +36,7 @@ def test_no_grad_and_bf16():
 def test_without_grad_mode_no_gradient_is_computed():
     """needs_input_grad is True under torch.no_grad() too: evaluation must not pay for the
     gradient pass and its two matrix products. The reused logits buffer shows which ran."""
-    from frugality.models import loss as loss_module
+    from frugality.kernels import output_loss as loss_module
 
     torch.manual_seed(0)
     h = torch.randn(40, 32, requires_grad=True)

@@ -1,5 +1,6 @@
-"""Causal attention for CPUs: a C kernel for bf16 where the CPU has AMX, and a faster
-backward pass for compiled training elsewhere.
+"""Causal attention for CPUs (`CPUCausalAttention`, swapped in for the models' plain
+`CausalAttention` by `frugality.kernels.specialize`): a C kernel for bf16 where the CPU
+has AMX, and a faster backward pass for compiled training elsewhere.
 
 PyTorch's CPU flash attention issues many small matrix products per head; its backward
 runs about 5x slower than its forward (2-core Xeon with AMX, bf16, Pythia-70m's rotary
@@ -10,11 +11,14 @@ benchmarks/attention.py).
    training or inference: each product one run of AMX tiles over operands laid out once per
    head, the rotary embedding and the softmax and its gradient in float32 between them.
    Same example: forward 7.7 ms, forward + backward 26 ms, closer to float64 than torch's.
-2. Elsewhere, while torch.compile traces training, `CausalAttention`: the flash forward and
+2. Elsewhere, while torch.compile traces training, `BlockedBackwardAttention`: the flash forward and
    a backward written as batched matrix products over blocks of query rows, the elementwise
    work between them fused by Inductor (forward + backward 51 ms in the example). Eagerly,
    without that fusion, the elementwise passes cost more than they save, so
-   `causal_attention` only routes here while tracing.
+   `CPUCausalAttention` only routes here while tracing.
+3. bf16 tensors on a CPU without native bf16 products (`fp32_products`): q, k and v are
+   upcast and attention runs in float32, its result rounded back to bf16 once; torch's
+   bf16 attention there runs its products in emulated bf16, hundreds of times slower.
 
 The blocked backward recomputes the attention probabilities from the forward's
 log-sum-exp, block by block of `_BLOCK` query rows against only the keys at or before them
@@ -26,13 +30,15 @@ to the input dtype. dK and dV accumulate across blocks in float32.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from frugality import kernels
+from frugality.models.layers import CausalAttention, RotaryEmbedding
 
 _BLOCK = 256  # query rows per block: fewer, larger products; 32 heads x 256 x 2048 f32 = 64 MB
 
 
-class CausalAttention(torch.autograd.Function):
+class BlockedBackwardAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
@@ -84,7 +90,8 @@ def amx_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 
 @torch.compiler.assume_constant_result  # asked once; compiled graphs keep the answer
 def _amx_kernel_runs() -> bool:
-    """The kernel builds, the CPU has AMX and the OS grants it: tried once on a tiny input."""
+    """The kernel may run here (frugality.kernels.dispatch), builds, and the OS grants AMX:
+    tried once on a tiny input."""
     if "runs" not in _AMX:
         q = torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16)
         kernel = kernels.attention_forward_bf16()
@@ -198,3 +205,63 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary=None
     # float32 even where a policy cast the model's buffers; rows of (max_seq_len, dim): contiguous
     cos, sin = rotary.cos[:seq].float(), rotary.sin[:seq].float()
     return _amx_forward(q, k, v, cos, sin, rotary.dim)[0].transpose(1, 2)
+
+
+def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v with as many heads as q (each serving a contiguous group of q's heads)."""
+    group = q.shape[1] // k.shape[1]
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryEmbedding | None = None,
+                     fp32_products: bool = False) -> torch.Tensor:
+    """The models' causal attention (see frugality.models.layers.CausalAttention) on a CPU:
+    bf16 with AMX through `amx_attention`; training inside a compiled region through
+    `BlockedBackwardAttention`; else SDPA. With `fp32_products`, bf16 inputs are computed
+    in float32 (rotated in bf16 first, as the plain layer does)."""
+    if fp32_products and q.dtype == torch.bfloat16:
+        if rotary is not None:
+            q, k = rotary(q), rotary(k)
+        out = causal_attention(q.float(), k.float(), v.float())
+        return out.to(torch.bfloat16)
+    if q.device.type == "cpu" and amx_attention_applies(q, k, v):
+        return amx_attention(q, *_repeat_kv(q, k, v), rotary)
+    if rotary is not None:
+        q, k = rotary(q), rotary(k)
+    training = torch.is_grad_enabled() and q.requires_grad
+    if q.device.type == "cpu" and torch.compiler.is_compiling() and training:
+        return BlockedBackwardAttention.apply(q, *_repeat_kv(q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+class CPUCausalAttention(CausalAttention):
+    """The plain layer's attention through `causal_attention`: same results up to float32
+    rounding order, faster on CPUs."""
+
+    fp32_products = False  # set by frugality.kernels.specialize
+
+    def forward(self, q, k, v, rotary=None):
+        return causal_attention(q, k, v, rotary, self.fp32_products)
+
+
+class ProductRotaryEmbedding(RotaryEmbedding):
+    """RotaryEmbedding whose half swap is a product with a permutation matrix (exact: each
+    output is one input times 1). Compiled on CPUs the slicing form's backward ran as
+    masked vector loads at the half and `dim` boundaries: 10 ms more per Pythia-70m layer at
+    4 x 512 tokens (2-core Xeon, forward + backward of a compiled block, median of 30 paired
+    runs). Only where the product's dtype is fast (float32, or bf16 with native products)."""
+
+    def specialize(self) -> None:
+        head_size = self.cos.shape[1]
+        half = self.dim // 2
+        source = torch.arange(head_size)  # (x @ swap)[..., i] = x[..., source[i]]
+        source[:half] += half
+        source[half : self.dim] -= half
+        swap = torch.zeros(head_size, head_size, device=self.cos.device)
+        swap[source, torch.arange(head_size)] = 1.0
+        self.register_buffer("swap", swap, persistent=False)
+
+    def swap_halves(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.swap.to(x.dtype)

@@ -1,4 +1,5 @@
-"""Linear layers whose products run through C kernels for bf16 on CPUs with AMX.
+"""Linear layers whose products run through C kernels for bf16 on CPUs with AMX
+(`AMXLinear`, swapped in for nn.Linear by `frugality.kernels.specialize`).
 
 A linear layer's weight gradient, dW = dY^T X, reduces over the tokens, and both operands
 are laid out token-major, the layout oneDNN's AMX products handle worst. `weight_grad`
@@ -35,7 +36,8 @@ def weight_grad_applies(grad_out: torch.Tensor, x: torch.Tensor) -> bool:
 
 @torch.compiler.assume_constant_result  # asked once; compiled graphs keep the answer
 def _amx_kernel_runs() -> bool:
-    """The kernel builds, the CPU has AMX and the OS grants it: tried once on a tiny input."""
+    """The kernel may run here (frugality.kernels.dispatch), builds, and the OS grants AMX:
+    tried once on a tiny input."""
     if "runs" not in _AMX:
         x = torch.zeros(32, 32, dtype=torch.bfloat16)
         kernel = kernels.weight_grad_bf16()
@@ -177,7 +179,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Linear):
+class AMXLinear(nn.Linear):
     """nn.Linear (same parameters, same state dict) through `linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

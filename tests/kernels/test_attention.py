@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.backends.debugging import aot_eager
 
-from frugality.models import cpu_attention
-from frugality.models.cpu_attention import CausalAttention
-from frugality.models.layers import RotaryEmbedding, causal_attention
+from frugality.kernels import attention as cpu_attention
+from frugality.kernels.attention import BlockedBackwardAttention, causal_attention
+from frugality.models.layers import RotaryEmbedding
 
 
 def _inputs(dtype, heads=4, kv_heads=4, seq=40, head_size=16):
@@ -33,7 +33,7 @@ def _relative_errors(outputs, references):
 def test_gradients_match_float64_attention(monkeypatch, dtype, tolerance):
     monkeypatch.setattr(cpu_attention, "_BLOCK", 16)  # 40 rows: blocks of 16, 16 and 8
     q, k, v, grad = _inputs(dtype)
-    out = CausalAttention.apply(q, k, v)
+    out = BlockedBackwardAttention.apply(q, k, v)
     grads = torch.autograd.grad(out, (q, k, v), grad)
     ref_out, ref_grads = _reference(q, k, v, grad)
     assert max(_relative_errors([out, *grads], [ref_out, *ref_grads])) < tolerance

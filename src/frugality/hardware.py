@@ -1,0 +1,196 @@
+"""What the machine at hand can do: the device, the instruction sets that decide which
+precision and which kernels are fast on it, and measured product speeds.
+
+The choice that matters most is whether bf16 matrix products are native. Where they are
+(CPUs with AMX or AVX512-BF16, CUDA GPUs of compute capability 8.0 and later) bf16 runs
+2-4x faster than fp32; where they are not, torch's bf16 products fall back to generic
+code: a 2048^3 product ran at 0.3 GFLOP/s in bf16 against 173 in fp32 on a 2-core AVX2
+AMD EPYC (torch 2.13). Peers decide the same way: PyTorch Lightning and HF accelerate pick
+a precision from the device, llama.cpp and ONNX Runtime dispatch kernels by the instruction
+sets found at run time.
+
+The instruction sets are read from /proc/cpuinfo and narrowed by the limits a user can set
+on torch's own libraries, so that `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`
+makes an AMX machine behave (and be treated) as an AVX2-only one, frugality's C kernels
+included. Measured speeds are cached per machine fingerprint, like the MFU peak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+# CPU feature flags that change what frugality runs (Linux /proc/cpuinfo names).
+X86_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
+ARM_FEATURES = ("asimd", "sve", "bf16", "i8mm")  # asimd = NEON
+
+# ONEDNN_MAX_CPU_ISA values (oneDNN's names), lowest first; each also allows those before it.
+_ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+                "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX",
+                "AVX512_CORE_AMX", "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "AVX10_2_512",
+                "AVX10_2_512_AMX_2")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device's capabilities. `features` are the usable ones (CPU flags within any
+    user-set limit); `native_bf16` says whether bf16 products run at hardware speed."""
+
+    device_type: str  # "cpu", "cuda"
+    name: str  # CPU model or GPU name
+    features: tuple[str, ...]  # CPUs: usable instruction sets, e.g. ("avx2", "fma")
+    torch_isa: str  # CPUs: torch.backends.cpu.get_cpu_capability(); CUDA: "sm_90" etc.
+    cores: int  # CPUs: logical CPUs this process may use; CUDA: multiprocessors
+    threads: int  # torch's intra-op threads (CPUs)
+    native_bf16: bool
+    why: str  # one phrase: what native_bf16 rests on
+
+    def has(self, feature: str) -> bool:
+        return feature in self.features
+
+    def describe(self) -> str:
+        """One line for a run header or `frugality recipes`."""
+        if self.device_type == "cuda":
+            where = f"{self.name} ({self.torch_isa}, {self.cores} SMs)"
+        else:
+            isa = ", ".join(self.features) or "no vector extensions found"
+            where = f"{self.name} ({self.cores} cores, {self.threads} threads; {isa})"
+        return f"{where}; bf16 products {'native' if self.native_bf16 else 'not native'}: {self.why}"
+
+
+def probe(device: torch.device | str = "cpu") -> Hardware:
+    """The capabilities of `device` (a CPU, or a CUDA GPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _probe_cuda(device.index if device.index is not None else torch.cuda.current_device())
+    return _probe_cpu(torch.get_num_threads(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+                      os.environ.get("ATEN_CPU_CAPABILITY", ""))
+
+
+@lru_cache(maxsize=None)
+def _probe_cuda(index: int) -> Hardware:
+    major, minor = torch.cuda.get_device_capability(index)
+    props = torch.cuda.get_device_properties(index)
+    native = (major, minor) >= (8, 0)
+    why = f"compute capability {major}.{minor}" + ("" if native else " (bf16 tensor cores need 8.0)")
+    return Hardware("cuda", props.name, (), f"sm_{major}{minor}", props.multi_processor_count, 0, native, why)
+
+
+@lru_cache(maxsize=None)
+def _probe_cpu(threads: int, onednn_limit: str, aten_limit: str) -> Hardware:
+    flags = cpu_flags()
+    features = [f for f in (*X86_FEATURES, *ARM_FEATURES) if f in flags]
+    limit = onednn_limit.strip().upper()
+    if limit and limit not in ("ALL", "DEFAULT") and limit in _ONEDNN_ISAS:
+        rank = _ONEDNN_ISAS.index(limit)
+        allowed_avx512 = rank >= _ONEDNN_ISAS.index("AVX512_CORE")
+        allowed_bf16 = rank >= _ONEDNN_ISAS.index("AVX512_CORE_BF16")
+        allowed_amx = "AMX" in limit
+        features = [f for f in features
+                    if not (f.startswith("amx") and not allowed_amx)
+                    and not (f == "avx512_bf16" and not allowed_bf16)
+                    and not (f.startswith("avx512") and not allowed_avx512)]
+    if aten_limit.strip().lower() in ("avx2", "default"):  # ATen's own vector code stays below AVX-512
+        features = [f for f in features if not f.startswith(("avx512", "amx"))]
+    torch_isa = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "unknown"
+    if "amx_bf16" in features:
+        native, why = True, "AMX"
+    elif "avx512_bf16" in features:
+        native, why = True, "AVX512-BF16"
+    elif "bf16" in features and platform.machine().lower() in ("aarch64", "arm64"):
+        native, why = True, "Arm BF16 extension"
+    else:
+        best = next((f for f in ("avx512f", "avx2", "sve", "asimd") if f in features), "")
+        native, why = False, f"{best.upper() or 'this CPU'} has no bf16 dot-product instructions"
+        if onednn_limit and ("avx512_bf16" in flags or "amx_bf16" in flags):
+            why = f"limited to {limit} by ONEDNN_MAX_CPU_ISA"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return Hardware("cpu", cpu_name(), tuple(features), torch_isa, cores, threads, native, why)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (x86 `flags`, Arm `Features`)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def fingerprint(device: torch.device) -> str:
+    """What a measured speed depends on: the device, torch, the threads and the ISA limits."""
+    hw = probe(device)
+    return (f"{hw.name}|{device.type}|torch {torch.__version__}|threads {hw.threads}|"
+            f"{','.join(hw.features)}|{hw.torch_isa}")
+
+
+def product_gflops(device: torch.device, dtype: torch.dtype, cache_file: Path | None = None) -> float:
+    """A quick measure of square-product speed in `dtype` (GFLOP/s, median of three calls
+    at a size that keeps each call short even where the dtype is emulated); cached per
+    fingerprint in `cache_file` when given."""
+    key = f"{fingerprint(device)}|{dtype}|quick"
+    cached = _read_json(cache_file) if cache_file else {}
+    if key not in cached:
+        cached[key] = _quick_rate(device, dtype) / 1e9
+        if cache_file:
+            _write_json(cache_file, cached)
+    return float(cached[key])
+
+
+def _quick_rate(device: torch.device, dtype: torch.dtype, n: int = 256) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, b)
+    times = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / max(statistics.median(times), 1e-9)
+
+
+def report(device: torch.device, cache_file: Path | None = None) -> dict:
+    """The capabilities and the quick fp32 and bf16 product speeds, as a dict for JSON."""
+    hw = probe(device)
+    return asdict(hw) | {
+        "fp32_gflops": round(product_gflops(device, torch.float32, cache_file), 1),
+        "bf16_gflops": round(product_gflops(device, torch.bfloat16, cache_file), 1),
+    }
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
