@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.backends.debugging import aot_eager
 
+from frugality.kernels.dispatch import skip_reason
 from frugality.kernels import attention as cpu_attention
 from frugality.kernels.attention import BlockedBackwardAttention, causal_attention
 from frugality.models.layers import RotaryEmbedding
@@ -61,8 +62,7 @@ def test_eager_and_inference_keep_sdpa():
                                    F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
-amx = pytest.mark.skipif(not cpu_attention._amx_kernel_runs(),
-                         reason="the C attention kernel needs a CPU with AMX (and a C compiler)")
+amx = pytest.mark.skipif(not cpu_attention._amx_kernel_runs(), reason=skip_reason("amx-attention"))
 
 
 @amx

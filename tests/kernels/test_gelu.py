@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.backends.debugging import aot_eager
 
+from frugality.kernels.dispatch import skip_reason
 from frugality.kernels import gelu as cpu_gelu
 from frugality.kernels.gelu import gelu, gelu_backward_op, gelu_op
 
-kernel = pytest.mark.skipif(not cpu_gelu._kernel_runs(), reason="the C GELU kernel needs AVX-512 with bf16")
+kernel = pytest.mark.skipif(not cpu_gelu._kernel_runs(), reason=skip_reason("gelu"))
 
 
 def _relative_error(result, reference):

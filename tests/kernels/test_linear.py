@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.backends.debugging import aot_eager
 
+from frugality.kernels.dispatch import skip_reason
 from frugality.kernels import linear as cpu_linear
 from frugality.kernels.linear import AMXLinear, linear, product, product_applies, weight_grad, weight_grad_applies
 
-amx = pytest.mark.skipif(not cpu_linear._amx_kernel_runs(),
-                         reason="the C weight-gradient kernel needs a CPU with AMX (and a C compiler)")
+amx = pytest.mark.skipif(not cpu_linear._amx_kernel_runs(), reason=skip_reason("amx-linear"))
 
 
 def _relative_error(result, reference):

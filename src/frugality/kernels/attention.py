@@ -238,7 +238,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: 
 
 class CPUCausalAttention(CausalAttention):
     """The plain layer's attention through `causal_attention`: same results up to float32
-    rounding order, faster on CPUs."""
+    rounding order, faster on CPUs; with `fp32_products` (any device without native bf16
+    products), bf16 attention computed in float32."""
 
     fp32_products = False  # set by frugality.kernels.specialize
 

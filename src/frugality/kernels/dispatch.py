@@ -52,3 +52,9 @@ def allowed(name: str) -> tuple[bool, str]:
     if missing:
         return False, f"{name} needs {', '.join(missing)}, which this CPU lacks (or a limit hides)"
     return True, ""
+
+
+def skip_reason(name: str) -> str:
+    """Why kernel `name` does not run here: switched off, missing instruction sets, or (where
+    it may run) no C compiler or no OS permission for AMX."""
+    return allowed(name)[1] or f"{name} is allowed here but did not build or run (C compiler, OS permission)"

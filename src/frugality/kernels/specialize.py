@@ -41,22 +41,23 @@ def specialize(model: nn.Module, device: torch.device, policy, training: bool = 
         if kind is OutputLayer and training:
             swap(module, FusedOutputLayer, "fused output-layer loss")
             module.compute_dtype = torch.float32 if policy.fp32_products else None
+        elif kind is nn.Linear and policy.fp32_products:  # any device without native bf16 products
+            swap(module, Fp32ProductLinear, "linear layers: fp32 products from bf16 operands")
+        elif kind is CausalAttention and policy.fp32_products:
+            swap(module, CPUCausalAttention, "attention: fp32 from bf16 operands")
+            module.fp32_products = True
         elif not cpu:
             continue
         elif kind is nn.Linear:
-            if policy.fp32_products:
-                swap(module, Fp32ProductLinear, "linear layers: fp32 products from bf16 operands")
-            elif bf16 and amx_linear_runs():
+            if bf16 and amx_linear_runs():
                 swap(module, AMXLinear, "linear layers: AMX kernels")
         elif kind is nn.GELU and module.approximate == "none" and bf16 and gelu_runs():
             swap(module, KernelGELU, "GELU: AVX-512 kernel")
         elif kind is CausalAttention:
             probe = torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16)
-            amx = bf16 and not policy.fp32_products and amx_attention_applies(probe, probe, probe)
+            amx = bf16 and amx_attention_applies(probe, probe, probe)
             swap(module, CPUCausalAttention, "attention: AMX kernel" if amx else
-                 "attention: fp32 from bf16 operands" if policy.fp32_products else
                  "attention: SDPA, blocked backward when compiled")
-            module.fp32_products = policy.fp32_products
         elif kind is RotaryEmbedding and not policy.fp32_products:
             swap(module, ProductRotaryEmbedding, "rotary: half swap as a product")
             module.specialize()
