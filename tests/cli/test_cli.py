@@ -80,6 +80,10 @@ def test_train_and_data_commands_end_to_end(micro_recipe_file, tmp_path, capsys)
 def test_recipes_lists_and_shows(capsys):
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("tiny") and out[-1].startswith("gpt-neox-20b")
+    listed, machine = out[: out.index("")], out[out.index("") + 1 :]
+    assert listed[0].startswith("tiny") and listed[-1].startswith("gpt-neox-20b")
+    # then what this machine is and what `auto` picks on it
+    assert machine[0].startswith("this machine: ") and "bf16 products" in machine[0]
+    assert machine[1].startswith("precision auto -> ")
     assert main(["recipes", "pythia-70m"]) == 0
     assert "hidden_size = 512" in capsys.readouterr().out
