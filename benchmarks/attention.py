@@ -27,7 +27,7 @@ from frugality.bench.results import machine_line, race, write_results
 from frugality.kernels import attention as cpu_attention
 from frugality.kernels.attention import BlockedBackwardAttention, causal_attention
 from frugality.models.layers import RotaryEmbedding
-from frugality.training.host_memory import keep_freed_memory
+from frugality.runtime.host_memory import keep_freed_memory
 
 HEADS, HEAD_SIZE, ROTARY = 8, 64, 16
 

@@ -30,11 +30,11 @@ import torch
 
 from frugality import kernels
 from frugality.bench.results import machine_line, race, write_results
-from frugality.bench.train import _batch, _make
+from frugality.bench.train import random_batch, make_runner
 from frugality.config.recipe import load_recipe
 from frugality.kernels import linear as cpu_linear
-from frugality.kernels.linear import product, product_applies, weight_grad, weight_grad_applies
-from frugality.training.host_memory import keep_freed_memory
+from frugality.kernels.linear import product, amx_product_applies, weight_grad, weight_grad_applies
+from frugality.runtime.host_memory import keep_freed_memory
 
 SHAPES = [("attention qkv", 1536, 512), ("attention out", 512, 512), ("mlp up", 2048, 512),
           ("mlp down", 512, 2048), ("output layer", 50304, 512)]  # (layer, outputs, inputs)
@@ -55,7 +55,7 @@ def main() -> int:
         weight = (torch.randn(outputs, inputs) * inputs ** -0.5).to(torch.bfloat16)
         bias = None if outputs > 4096 else (torch.randn(outputs) * 0.02).to(torch.bfloat16)
         grad_out = (torch.randn(args.tokens, outputs) * 0.02).to(torch.bfloat16)
-        if not (weight_grad_applies(grad_out, x) and product_applies(x, weight, bias, True)):
+        if not (weight_grad_applies(grad_out, x) and amx_product_applies(x, weight, bias, True)):
             print("the AMX kernels do not run on this machine", file=sys.stderr)
             return 1
         wide = outputs > 4096  # the output layer: its previous paths (frugality.kernels.output_loss)
@@ -68,7 +68,7 @@ def main() -> int:
                    lambda: kernels.transposed(kernels.transposed(x) @ grad_out)) if wide
                   else ("oneDNN (torch.mm)", lambda: grad_out.t() @ x),
                   lambda: grad_out.double().t() @ x.double())]
-        if product_applies(grad_out, weight, None, False):
+        if amx_product_applies(grad_out, weight, None, False):
             cases.insert(1, ("input gradient", lambda: product(grad_out, weight, None, False),
                              ("oneDNN (torch.mm)", lambda: grad_out @ weight),
                              lambda: grad_out.double() @ weight.double()))
@@ -109,8 +109,8 @@ def _steps(count: int) -> list[tuple[str, list[float], float]]:
     with its AMXLinear layers turned into plain nn.Linear."""
     recipe = load_recipe("pythia-70m", ["compile.level=O1", "train.device=cpu"])
     device = torch.device("cpu")
-    kernel_step = _make("frugality", recipe, "bf16-sr", device, 4, 512)[0]
-    plain_step, plain_model, *_ = _make("frugality", recipe, "bf16-sr", device, 4, 512)
+    kernel_step = make_runner("frugality", recipe, "bf16-sr", device, 4, 512)[0]
+    plain_step, plain_model, *_ = make_runner("frugality", recipe, "bf16-sr", device, 4, 512)
     for module in plain_model.modules():
         if type(module) is cpu_linear.AMXLinear:
             module.__class__ = torch.nn.Linear  # the same parameters, torch's backward
@@ -118,7 +118,7 @@ def _steps(count: int) -> list[tuple[str, list[float], float]]:
     times = {name: [] for name in paths}
     losses = {}
     for i in range(2 + count):
-        batch = _batch(recipe, 4, 512, device, i)
+        batch = random_batch(recipe, 4, 512, device, i)
         for name, step in paths.items():
             t0 = time.perf_counter()
             losses[name] = step(batch)

@@ -28,7 +28,7 @@ import torch
 from frugality import kernels
 from frugality.bench.results import machine_line, race, write_results
 from frugality.kernels import output_loss as loss
-from frugality.training.host_memory import keep_freed_memory
+from frugality.runtime.host_memory import keep_freed_memory
 
 VOCAB, HIDDEN, PARAMS = 50304, 512, 70_426_624
 
@@ -50,14 +50,14 @@ def main() -> int:
 
     work = logits.clone()
     fast_name = "C kernel" if device.type == "cpu" else "compiled graph"
-    fast = loss._rows_in_c if device.type == "cpu" else loss._rows_compiled
+    fast = loss.rows_in_c if device.type == "cpu" else loss.rows_compiled
 
     def chunked():
-        saved, loss._CHUNK_BYTES_OFF_CPU = loss._CHUNK_BYTES_OFF_CPU, 0  # 64-row chunks everywhere
+        saved, loss.CHUNK_BYTES_OFF_CPU = loss.CHUNK_BYTES_OFF_CPU, 0  # 64-row chunks everywhere
         try:
-            loss._rows_in_torch(work, targets, scale, True)
+            loss.rows_in_torch(work, targets, scale, True)
         finally:
-            loss._CHUNK_BYTES_OFF_CPU = saved
+            loss.CHUNK_BYTES_OFF_CPU = saved
 
     t = race(device, args.repeats, fast=lambda: fast(work, targets, scale, True), chunked=chunked)
     rows.append((f"cross-entropy rows, {args.tokens} x {VOCAB}", fast_name, t["fast"], "torch ops, 64-row chunks",
@@ -67,8 +67,8 @@ def main() -> int:
     weight = (torch.randn(VOCAB, HIDDEN, device=device) * 0.02).to(bf16).requires_grad_()
     with torch.no_grad():
         t = race(device, args.repeats,
-                  new=lambda: loss._LinearCrossEntropy.apply(hidden, weight, targets, False, None),
-                  old=lambda: loss._LinearCrossEntropy.apply(hidden, weight, targets, True, None))
+                  new=lambda: loss.LinearCrossEntropy.apply(hidden, weight, targets, False, None),
+                  old=lambda: loss.LinearCrossEntropy.apply(hidden, weight, targets, True, None))
     rows.append((f"output layer in evaluation, {args.tokens} tokens", "forward only", t["new"],
                  "with the gradient's two products", t["old"], ""))
     del hidden, weight, logits, work

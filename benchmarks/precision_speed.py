@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from frugality.bench.results import machine_line, write_results
-from frugality.bench.train import _batch, _make, _quartiles
-from frugality.cache import cache_dir
+from frugality.bench.train import random_batch, make_runner, quartiles
+from frugality.paths import cache_dir
 from frugality.config.recipe import load_recipe
 from frugality.hardware import probe
 from frugality.metrics.flops import training_flops_per_token
@@ -47,10 +47,10 @@ def main() -> int:
     batch, seq = recipe.data.micro_batch_size, recipe.data.seq_len
     names = [n.strip() for n in args.precision.split(",") if n.strip()]
     policies = {name: resolve_policy(name, device) for name in names}
-    runners = {name: _make("frugality", recipe, policies[name][0].name, device, batch, seq) for name in names}
+    runners = {name: make_runner("frugality", recipe, policies[name][0].name, device, batch, seq) for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(args.warmup + args.steps):
-        data = _batch(recipe, batch, seq, device, i)
+        data = random_batch(recipe, batch, seq, device, i)
         for name in names:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -73,7 +73,7 @@ def main() -> int:
         ratios = [ours / theirs for ours, theirs in zip(times[reference], times[name])]
         rows.append(dict(
             precision=name, runs_as=policy.label, tokens_per_s=round(batch * seq / median, 1),
-            step_time_s=round(median, 4), vs_first=_quartiles(ratios),
+            step_time_s=round(median, 4), vs_first=quartiles(ratios),
             mfu=mfu(flops_per_token * batch * seq / median, peak),
             state_bytes_per_param=round(training_state_bytes(model, optimizer)
                                         / sum(p.numel() for p in model.parameters()), 2),

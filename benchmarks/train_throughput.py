@@ -25,7 +25,7 @@ import torch
 
 from frugality.bench.train import bench_train, markdown_table, rows_json
 from frugality.bench.results import machine_line, write_results
-from frugality.cache import cache_dir
+from frugality.paths import cache_dir
 from frugality.config.recipe import load_recipe
 from frugality.metrics.peak import peak_flops
 

@@ -4,7 +4,7 @@ import torch
 
 from frugality.checkpoint import CheckpointManager
 from frugality.models import GPTNeoX, GPTNeoXConfig
-from frugality.training.optim import build_optimizer
+from frugality.runtime.optim import build_optimizer
 from frugality.config.recipe import OptimConfig
 
 CFG = GPTNeoXConfig(hidden_size=32, num_layers=1, num_heads=2, vocab_size=64, max_seq_len=16)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from frugality.compile.ahead import compile_ahead
+from frugality.training.ahead import compile_ahead
 from frugality.compile.session import (
     CompileError,
     CompileFallbackWarning,
@@ -17,10 +17,9 @@ from frugality.compile.session import (
 )
 from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
-from frugality.precision import resolve_policy
-from frugality.training.build import build_training_model
-from frugality.training.optim import build_optimizer
-from frugality.training.trainer import _evaluate, train, train_step
+from frugality.runtime.state import build_state
+from frugality.training.loop import train_step
+from frugality.training.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +52,20 @@ def test_compile_ahead_then_train_compiles_nothing(micro_recipe_file, compiled_c
 
 def _session(recipe, device=torch.device("cpu")):
     """What train() builds, and its two phases as calls through the session."""
-    policy = resolve_policy(recipe.train.precision, device)[0]
-    torch.manual_seed(0)
-    model = build_training_model(recipe.model, policy, device)[0]
-    optimizer = build_optimizer(model, recipe.optim, policy)
-    session = CompileSession.for_recipe(recipe, device, policy)
-    session.start(model)
-    autocast = policy.autocast_context(device)
-    reset = lambda: optimizer.zero_grad(set_to_none=True)
+    state = build_state(recipe, device)
+    session = state.compiled
+    session.start(state.model)
+    reset = lambda: state.optimizer.zero_grad(set_to_none=True)
 
     def step(number, batch):
-        return session.run("train", number, lambda: train_step(model, optimizer, [batch], device,
-                                                               autocast, 1.0), reset)
+        return session.run("train", number, lambda: train_step(state, [batch]), reset)
 
+    @torch.no_grad()
     def evaluate(number, batch):
-        return session.run("eval", number, lambda: _evaluate(model, [batch], device, autocast), reset)
+        def loss():
+            state.model.eval()
+            return state.task.loss(state.model, batch).item()
+        return session.run("eval", number, loss, reset)
 
     return session, step, evaluate
 

@@ -110,3 +110,16 @@ def test_llama_recipes_have_the_published_sizes(name, params):
 def test_unknown_model_family_names_the_flag():
     with pytest.raises(UserError, match=r"^--set model.family=t5: model.family: unknown model family 't5'"):
         load_recipe("tiny", ["model.family=t5"])
+
+
+def test_each_settings_values_are_listed_once_and_implemented():
+    """The recipe lists the allowed values; each implementing package covers exactly them."""
+    from frugality.compile.levels import _LEVELS
+    from frugality.config import recipe
+    from frugality.precision import AUTO, PRECISIONS, get_policy
+    from frugality.tasks import TASKS
+
+    assert set(_LEVELS) == set(recipe.COMPILE_LEVELS)
+    assert set(TASKS) == set(recipe.TASKS)
+    assert (AUTO, *PRECISIONS) == recipe.PRECISIONS
+    assert all(get_policy(name).name == name for name in PRECISIONS)

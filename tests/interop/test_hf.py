@@ -50,7 +50,7 @@ def test_a_trained_run_exports_with_equal_logits(micro_recipe_file, tmp_path):
     assert main(["export", "hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
 
-    from frugality.checkpoint.weights import load_weights, resolve_source
+    from frugality.interop.weights import load_weights, resolve_source
 
     ours = GPTNeoX(recipe.model).eval()
     load_weights(resolve_source(tmp_path / "run"), ours)

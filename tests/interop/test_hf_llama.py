@@ -45,7 +45,7 @@ def test_a_llama_recipe_trains_resumes_and_exports(micro_recipe_file, tmp_path):
     assert main(["export", "hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(theirs).__name__ == "LlamaForCausalLM"
-    from frugality.checkpoint.weights import load_weights, resolve_source
+    from frugality.interop.weights import load_weights, resolve_source
     from frugality.models import build_model
 
     ours = build_model(recipe.model).eval()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from frugality import kernels
-from frugality.kernels.output_loss import _rows_compiled, _rows_fused, _rows_in_c, _rows_in_torch
+from frugality.kernels.output_loss import rows_compiled, rows_fused, rows_in_c, rows_in_torch
 
 
 def _reference(logits: torch.Tensor, targets: torch.Tensor):
@@ -26,7 +26,7 @@ def test_matches_torch_cross_entropy(dtype):
     targets = torch.randint(0, 1001, (37,))
     ref_losses, ref_grad = _reference(logits, targets)
     work = logits.clone()
-    losses = _rows_in_c(work, targets, 1.0 / 37, want_grad=True)
+    losses = rows_in_c(work, targets, 1.0 / 37, want_grad=True)
     torch.testing.assert_close(losses.double(), ref_losses, rtol=1e-6, atol=1e-6)
     tolerance = dict(rtol=1e-5, atol=1e-8) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
     torch.testing.assert_close(work.double(), ref_grad, **tolerance)  # rounded once to dtype
@@ -35,7 +35,7 @@ def test_matches_torch_cross_entropy(dtype):
 def test_without_grad_the_logits_are_left_alone():
     logits = torch.randn(5, 300)
     work = logits.clone()
-    _rows_in_c(work, torch.tensor([0, 1, 2, 3, 299]), 0.2, want_grad=False)
+    rows_in_c(work, torch.tensor([0, 1, 2, 3, 299]), 0.2, want_grad=False)
     assert torch.equal(work, logits)
 
 
@@ -45,8 +45,8 @@ def test_strided_rows_and_agreement_with_the_torch_ops_path():
     tail = big[:, 500:].clone()
     targets = torch.randint(0, 500, (6,))
     expected = big[:, :500].clone()
-    expected_losses = _rows_in_torch(expected, targets, 0.5, True)
-    losses = _rows_in_c(big[:, :500], targets, 0.5, True)  # rows 700 elements apart
+    expected_losses = rows_in_torch(expected, targets, 0.5, True)
+    losses = rows_in_c(big[:, :500], targets, 0.5, True)  # rows 700 elements apart
     torch.testing.assert_close(losses, expected_losses, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(big[:, :500].float(), expected.float(), rtol=8e-3, atol=1e-6)
     assert torch.equal(big[:, 500:], tail)  # columns past the view untouched
@@ -55,30 +55,30 @@ def test_strided_rows_and_agreement_with_the_torch_ops_path():
 def test_a_nan_row_gives_a_nan_loss_and_leaves_other_rows_finite():
     logits = torch.randn(3, 64)
     logits[1, 5] = float("nan")
-    losses = _rows_in_c(logits, torch.tensor([0, 0, 0]), 1 / 3, True)
+    losses = rows_in_c(logits, torch.tensor([0, 0, 0]), 1 / 3, True)
     assert torch.isnan(losses[1]) and torch.isfinite(losses[[0, 2]]).all()
     assert torch.isnan(logits[1]).all() and torch.isfinite(logits[[0, 2]]).all()
 
 
 def test_a_target_outside_the_vocabulary_is_an_error():
     with pytest.raises(IndexError, match=r"1 target\(s\) outside the vocabulary \[0, 64\)"):
-        _rows_in_c(torch.randn(3, 64), torch.tensor([0, 64, 1]), 1 / 3, True)
+        rows_in_c(torch.randn(3, 64), torch.tensor([0, 64, 1]), 1 / 3, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_graph_gpus_compile_matches_torch_cross_entropy(dtype):
-    """`_rows_fused` run eagerly: the math that GPUs compile (the compiled form is checked
+    """`rows_fused` run eagerly: the math that GPUs compile (the compiled form is checked
     on a GPU below; on CPUs the C kernel serves instead)."""
     torch.manual_seed(0)
     logits = (torch.randn(37, 1001) * 4).to(dtype)
     targets = torch.randint(0, 1001, (37,))
     ref_losses, ref_grad = _reference(logits, targets)
     work = logits.clone()
-    losses = _rows_fused(work, targets, torch.tensor(1.0 / 37), want_grad=True)
+    losses = rows_fused(work, targets, torch.tensor(1.0 / 37), want_grad=True)
     torch.testing.assert_close(losses.double(), ref_losses, rtol=1e-6, atol=1e-6)
     tolerance = dict(rtol=1e-5, atol=1e-8) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
     torch.testing.assert_close(work.double(), ref_grad, **tolerance)
-    assert _rows_compiled(logits.clone(), targets, 1.0 / 37, True) is None  # not on CPUs
+    assert rows_compiled(logits.clone(), targets, 1.0 / 37, True) is None  # not on CPUs
 
 
 @pytest.mark.cuda
@@ -89,14 +89,14 @@ def test_compiled_rows_on_cuda_match_torch_cross_entropy(dtype):
     targets = torch.randint(0, 50304, (300,))
     ref_losses, ref_grad = _reference(logits, targets)
     work = logits.cuda()
-    losses = _rows_compiled(work, targets.cuda(), 1.0 / 300, want_grad=True)
+    losses = rows_compiled(work, targets.cuda(), 1.0 / 300, want_grad=True)
     assert losses is not None, "the compiled path should serve on a GPU"
     torch.testing.assert_close(losses.cpu().double(), ref_losses, rtol=1e-5, atol=1e-5)
     tolerance = dict(rtol=1e-4, atol=1e-9) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-7)
     torch.testing.assert_close(work.cpu().double(), ref_grad, **tolerance)
     # the chunked torch-ops fallback agrees with it
     chunked = logits.cuda()
-    torch.testing.assert_close(_rows_in_torch(chunked, targets.cuda(), 1.0 / 300, True), losses,
+    torch.testing.assert_close(rows_in_torch(chunked, targets.cuda(), 1.0 / 300, True), losses,
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chunked.float(), work.float(), rtol=8e-3, atol=1e-7)
 
@@ -104,7 +104,7 @@ def test_compiled_rows_on_cuda_match_torch_cross_entropy(dtype):
 @pytest.mark.cuda
 def test_a_target_outside_the_vocabulary_is_an_error_on_cuda_too():
     with pytest.raises(IndexError, match=r"1 target\(s\) outside the vocabulary \[0, 64\)"):
-        _rows_compiled(torch.randn(3, 64, device="cuda"), torch.tensor([0, 64, 1], device="cuda"), 1 / 3, True)
+        rows_compiled(torch.randn(3, 64, device="cuda"), torch.tensor([0, 64, 1], device="cuda"), 1 / 3, True)
 
 
 @pytest.mark.cuda
@@ -117,5 +117,5 @@ def test_the_compiled_rows_serve_many_shapes_without_recompiling_per_shape():
         logits = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16)
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="compiled cross-entropy failed")  # the fallback's
-            losses = _rows_compiled(logits, torch.randint(0, vocab, (tokens,), device="cuda"), 1.0 / tokens, True)
+            losses = rows_compiled(logits, torch.randint(0, vocab, (tokens,), device="cuda"), 1.0 / tokens, True)
         assert losses is not None and losses.shape == (tokens,)

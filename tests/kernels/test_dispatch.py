@@ -13,7 +13,7 @@ from frugality.kernels import attention, dispatch, gelu, linear
 from frugality.kernels.specialize import specialize
 from frugality.models import GPTNeoX, GPTNeoXConfig
 from frugality.precision import resolve_policy
-from frugality.training.optim import build_optimizer
+from frugality.runtime.optim import build_optimizer
 from frugality.config.recipe import OptimConfig
 
 ACCESSORS = {  # kernel name -> a call that returns its C function, or None
@@ -25,9 +25,9 @@ ACCESSORS = {  # kernel name -> a call that returns its C function, or None
 
 def _forget_kernel_trials(monkeypatch):
     """The kernels' one-time trials are cached per process; start them afresh."""
-    monkeypatch.setattr(linear, "_AMX", {})
-    monkeypatch.setattr(attention, "_AMX", {})
-    monkeypatch.setattr(gelu, "_STATE", {})
+    monkeypatch.setattr(linear, "_KERNEL_TRIED", {})
+    monkeypatch.setattr(attention, "_KERNEL_TRIED", {})
+    monkeypatch.setattr(gelu, "_KERNEL_TRIED", {})
 
 
 def test_every_kernel_is_known_to_dispatch():

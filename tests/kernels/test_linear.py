@@ -11,7 +11,7 @@ from torch._dynamo.backends.debugging import aot_eager
 
 from frugality.kernels.dispatch import skip_reason
 from frugality.kernels import linear as cpu_linear
-from frugality.kernels.linear import AMXLinear, linear, product, product_applies, weight_grad, weight_grad_applies
+from frugality.kernels.linear import AMXLinear, linear, product, amx_product_applies, weight_grad, weight_grad_applies
 
 amx = pytest.mark.skipif(not cpu_linear._amx_kernel_runs(), reason=skip_reason("amx-linear"))
 
@@ -75,8 +75,8 @@ def test_linear_module_matches_nn_linear_and_keeps_its_state_dict():
 def test_compiled_training_calls_the_kernels_without_graph_breaks(monkeypatch):
     torch.manual_seed(0)
     products = []
-    into = cpu_linear.product_into
-    monkeypatch.setattr(cpu_linear, "product_into", lambda *a: products.append(a[3]) or into(*a))
+    into = cpu_linear.amx_product_into
+    monkeypatch.setattr(cpu_linear, "amx_product_into", lambda *a: products.append(a[3]) or into(*a))
     layer = AMXLinear(64, 64).bfloat16()
     x = torch.randn(4, 32, 64).to(torch.bfloat16).requires_grad_()
     graphs = []
@@ -119,7 +119,7 @@ def test_product_is_as_close_to_float64_as_torch(rows, inputs, outputs, transpos
     a = torch.randn(rows, inputs).to(torch.bfloat16)
     weight = (torch.randn(outputs, inputs) if transposed else torch.randn(inputs, outputs)).to(torch.bfloat16)
     bias = torch.randn(outputs).to(torch.bfloat16) if with_bias else None
-    assert product_applies(a, weight, bias, transposed)
+    assert amx_product_applies(a, weight, bias, transposed)
     result = product(a, weight, bias, transposed)
     w64 = weight.double().t() if transposed else weight.double()
     reference = a.double() @ w64 + (bias.double() if with_bias else 0)
@@ -148,14 +148,14 @@ def test_product_op_passes_torch_opcheck():
 
 def test_product_takes_only_what_the_kernel_does():
     bf16 = lambda *s: torch.randn(*s).to(torch.bfloat16)
-    assert not product_applies(torch.randn(32, 64), torch.randn(32, 64), None, True)  # float32
-    assert not product_applies(bf16(32, 48), bf16(32, 48), None, True)  # K not a multiple of 32
-    assert not product_applies(bf16(32, 64), bf16(48, 64), None, True)  # N not a multiple of 32
-    assert not product_applies(bf16(32, 8192), bf16(32, 8192), None, True)  # K past the kernel's panels
+    assert not amx_product_applies(torch.randn(32, 64), torch.randn(32, 64), None, True)  # float32
+    assert not amx_product_applies(bf16(32, 48), bf16(32, 48), None, True)  # K not a multiple of 32
+    assert not amx_product_applies(bf16(32, 64), bf16(48, 64), None, True)  # N not a multiple of 32
+    assert not amx_product_applies(bf16(32, 8192), bf16(32, 8192), None, True)  # K past the kernel's panels
     # the input gradient (chunked), where the kernel runs at all
-    assert product_applies(bf16(32, 8192), bf16(8192, 32), None, False) == cpu_linear._amx_kernel_runs()
-    assert not product_applies(bf16(32, 64), bf16(64, 32), None, True)  # shapes that do not chain
-    assert not product_applies(bf16(32, 64), bf16(32, 64), torch.randn(32), True)  # float32 bias
+    assert amx_product_applies(bf16(32, 8192), bf16(8192, 32), None, False) == cpu_linear._amx_kernel_runs()
+    assert not amx_product_applies(bf16(32, 64), bf16(64, 32), None, True)  # shapes that do not chain
+    assert not amx_product_applies(bf16(32, 64), bf16(32, 64), torch.randn(32), True)  # float32 bias
 
 
 @amx
@@ -191,8 +191,8 @@ def test_other_dtypes_and_shapes_take_torch_linear(monkeypatch):
 def test_wide_layers_take_the_chunked_input_gradient(monkeypatch):
     """K past 4096 (an output layer's vocabulary): the input gradient through the kernel."""
     taken = []
-    into = cpu_linear.product_into
-    monkeypatch.setattr(cpu_linear, "product_into", lambda *a: taken.append(a[3]) or into(*a))
+    into = cpu_linear.amx_product_into
+    monkeypatch.setattr(cpu_linear, "amx_product_into", lambda *a: taken.append(a[3]) or into(*a))
     torch.manual_seed(0)
     layer = AMXLinear(64, 4128, bias=False).bfloat16()
     x = torch.randn(32, 64).to(torch.bfloat16).requires_grad_()
@@ -207,8 +207,8 @@ def test_wide_layers_take_the_chunked_input_gradient(monkeypatch):
 def test_inference_takes_the_forward_product(monkeypatch):
     """No gradient wanted: the product kernel alone, as close to float64 as F.linear."""
     taken = []
-    into = cpu_linear.product_into
-    monkeypatch.setattr(cpu_linear, "product_into", lambda *a: taken.append(a[3]) or into(*a))
+    into = cpu_linear.amx_product_into
+    monkeypatch.setattr(cpu_linear, "amx_product_into", lambda *a: taken.append(a[3]) or into(*a))
     layer = AMXLinear(64, 96).bfloat16()
     x = torch.randn(2, 16, 64).to(torch.bfloat16)
     with torch.no_grad():

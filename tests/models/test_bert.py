@@ -101,6 +101,6 @@ def test_minilm_imports_and_exports_through_the_cli(tmp_path):
     with torch.no_grad():
         assert (back.eval()(tokens).last_hidden_state - original(tokens).last_hidden_state).abs().max() <= 1e-5
     # An encoder is not something `frugality train` trains (yet): one clear line.
-    with pytest.raises(UserError, match="frugality train trains decoders"):
+    with pytest.raises(UserError, match="task causal_lm trains decoders"):
         trainer.train(load_recipe(str(tmp_path / "minilm" / "recipe.toml")), run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()

@@ -11,7 +11,7 @@ from frugality.errors import UserError
 from frugality.models import build_model
 from frugality.precision import get_policy
 from frugality.training import trainer
-from frugality.training.optim import build_optimizer
+from frugality.runtime.optim import build_optimizer
 
 EAGER = "train.fused_optimizer=false"  # the compiled update is tested in tests/precision
 

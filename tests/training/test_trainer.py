@@ -11,8 +11,9 @@ from frugality.checkpoint import CheckpointManager
 from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
 from frugality.models import build_model
-from frugality.training import trainer
-from frugality.training.optim import build_optimizer
+from frugality.runtime.state import build_state
+from frugality.training import loop, trainer
+from frugality.runtime.optim import build_optimizer
 
 
 def _final_state(recipe, run_dir):
@@ -89,7 +90,7 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(micro_recipe_file, tm
     recipe = load_recipe(str(micro_recipe_file))
     trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
 
-    real_step = trainer.train_step
+    real_step = loop.train_step
     calls = []
 
     def step_then_get_killed(*args, **kwargs):
@@ -99,10 +100,10 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(micro_recipe_file, tm
             os.kill(os.getpid(), signal.SIGTERM)  # what SLURM sends on preemption
         return out
 
-    monkeypatch.setattr(trainer, "train_step", step_then_get_killed)
+    monkeypatch.setattr(loop, "train_step", step_then_get_killed)
     killed = trainer.train(recipe, run_dir=tmp_path / "killed", progress=False, tensorboard=False)
     assert killed.interrupted and killed.final_step == 5
-    monkeypatch.setattr(trainer, "train_step", real_step)
+    monkeypatch.setattr(loop, "train_step", real_step)
     resumed = trainer.train(recipe, run_dir=tmp_path / "killed", progress=False, tensorboard=False)
     assert resumed.start_step == 5 and resumed.final_step == 8
     _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, tmp_path / "killed"))
@@ -145,18 +146,14 @@ def test_bad_inputs_fail_before_anything_is_written(micro_recipe_file, tmp_path)
 
 def test_gradient_accumulation_matches_one_big_batch(micro_recipe_file):
     """Two micro-batches of 2 give the loss, gradient norm and update of one batch of 4."""
-    import contextlib
-
-    recipe = load_recipe(str(micro_recipe_file))
+    recipe = load_recipe(str(micro_recipe_file), ["optim.grad_clip=0"])
     batch = torch.randint(0, 50000, (4, 33))
     results = []
     for micro in ([batch[:2], batch[2:]], [batch]):
-        torch.manual_seed(0)
-        model = build_model(recipe.model)
-        sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient itself
-        loss, norm = trainer.train_step(model, sgd, micro, torch.device("cpu"),
-                                         contextlib.nullcontext(), grad_clip=0.0)
-        results.append((loss, norm, model.state_dict()))
+        state = build_state(recipe, torch.device("cpu"))
+        state.optimizer = torch.optim.SGD(state.model.parameters(), lr=1.0)  # the update is the gradient
+        loss, norm = loop.train_step(state, micro)
+        results.append((loss, norm, state.model.state_dict()))
     (loss_a, norm_a, state_a), (loss_b, norm_b, state_b) = results
     assert loss_a == pytest.approx(loss_b, rel=1e-6) and norm_a == pytest.approx(norm_b, rel=1e-5)
     for k in state_a:

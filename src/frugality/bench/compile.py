@@ -137,61 +137,47 @@ def _worker() -> None:
     steps; no evaluation, so only the training graphs are compiled."""
     import torch
 
-    from frugality.compile.session import CompileSession
+    from frugality.bench.train import for_shape
     from frugality.config.recipe import CompileConfig
     from frugality.metrics.peak import device_name
-    from frugality.precision import resolve_policy
-    from frugality.training.build import build_training_model
-    from frugality.training.optim import build_optimizer
-    from frugality.training.trainer import resolve_device, train_step
+    from frugality.runtime.device import resolve_device
+    from frugality.runtime.host_memory import keep_freed_memory
+    from frugality.runtime.state import build_state
+    from frugality.training.loop import train_step
 
     spec = json.loads(sys.stdin.read())
-    recipe = Recipe.model_validate(spec["recipe"])
     batch, seq = spec["batch"], spec["seq"]
-    recipe = recipe.model_copy(update={
-        "data": recipe.data.model_copy(update={"micro_batch_size": batch, "global_batch_size": batch,
-                                               "seq_len": seq}),
-        "train": recipe.train.model_copy(update={"precision": spec["precision"]}),
-        "compile": CompileConfig(level=spec["level"], cache=spec["cache"]),
-    })
+    recipe = for_shape(Recipe.model_validate(spec["recipe"]), spec["precision"], batch, seq)
+    recipe = recipe.model_copy(update={"compile": CompileConfig(level=spec["level"], cache=spec["cache"])})
     device = resolve_device(recipe.train.device)
-    policy = resolve_policy(recipe.train.precision, device)[0]
-    autocast = policy.autocast_context(device)
+    if device.type == "cpu":
+        keep_freed_memory()  # as in training
+    state = build_state(recipe, device)
+    session = state.compiled
+    session.start(state.model)
 
-    def build():
-        torch.manual_seed(recipe.seed)
-        model = build_training_model(recipe.model, policy, device)[0]
-        return model, build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
-                                      fused=recipe.train.fused_optimizer)
-
-    model, optimizer = build()
-    session = CompileSession.for_recipe(recipe, device, policy)
-    session.start(model)
-
-    def step(i: int, model=model, optimizer=optimizer, session=session) -> float:
+    def step(i: int, st=state) -> float:
         data = torch.randint(0, recipe.model.vocab_size, (batch, seq + 1),
                              generator=torch.Generator().manual_seed(i)).to(device)
-        run = lambda: train_step(model, optimizer, [data], device, autocast, recipe.optim.grad_clip)
         t0 = time.perf_counter()
-        if session is None:
-            run()
-        else:
-            session.run("train", i + 1, run, reset=lambda: optimizer.zero_grad(set_to_none=True))
+        st.compiled.run("train", i + 1, lambda: train_step(st, [data]),
+                        reset=lambda: st.optimizer.zero_grad(set_to_none=True))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 
     first = step(0)
     first_done = time.time()
-    # The eager reference is built after the first step, which it must not delay.
-    eager = build() if session.enabled and spec["steps"] else None
+    # The eager reference (the same state at O0) is built after the first step, which it must not delay.
+    eager = (build_state(recipe.model_copy(update={"compile": CompileConfig(level="O0")}), device)
+             if session.enabled and spec["steps"] else None)
     if eager is not None:
-        step(0, *eager, session=None)  # its own first step: allocator warm-up, not timed
+        step(0, eager)  # its own first step: allocator warm-up, not timed
     times, eager_times = [], []
     for i in range(1, spec["steps"] + 1):  # A B A B ...
         times.append(step(i))
         if eager is not None:
-            eager_times.append(step(i, *eager, session=None))
+            eager_times.append(step(i, eager))
     session.close()
     session.cleanup()
     print(json.dumps({"first_step_done": first_done, "step_times": times or [first],

@@ -10,7 +10,7 @@ import torch
 from frugality.config.recipe import Recipe
 from frugality.errors import UserError
 from frugality.interop.hf_gpt_neox import hf_config
-from frugality.training.optim import parameter_groups
+from frugality.runtime.optim import parameter_groups
 
 
 def build_transformers(recipe: Recipe, precision: str, device: torch.device):

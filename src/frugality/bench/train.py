@@ -20,16 +20,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 from frugality.bench.reference import build_transformers, transformers_step
-from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
-from frugality.cache import cache_dir
+from frugality.paths import cache_dir
 from frugality.metrics.flops import training_flops_per_token
 from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
 from frugality.metrics.peak import PeakProbe, device_name, mfu, peak_flops
 from frugality.precision import get_policy, resolve_policy
-from frugality.training.build import build_training_model
-from frugality.training.optim import build_optimizer
-from frugality.training.trainer import train_step, resolve_device
+from frugality.runtime.device import resolve_device
+from frugality.runtime.state import build_state
+from frugality.runtime.host_memory import keep_freed_memory
+from frugality.training.loop import train_step
 
 
 @dataclass
@@ -56,26 +56,17 @@ class BenchRow:
     mfu_vs_pass_peak: float | None = None
 
 
-def _make(impl: str, recipe: Recipe, precision: str, device: torch.device, batch: int, seq: int):
-    """A `step(batch) -> loss` closure and the objects it trains. frugality runs at the
-    recipe's `compile.level`, through the same compile session as `frugality train`."""
+def make_runner(impl: str, recipe: Recipe, precision: str, device: torch.device, batch: int, seq: int):
+    """A `step(batch) -> loss` closure and the objects it trains. frugality's come from the
+    same builder as `frugality train` (`build_state`), at the recipe's `compile.level`."""
     torch.manual_seed(recipe.seed)
     if impl == "frugality":
-        policy = resolve_policy(precision, device)[0]
-        model = build_training_model(recipe.model, policy, device)[0]
-        optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
-                                    fused=recipe.train.fused_optimizer)
-        autocast = policy.autocast_context(device)
-        c = recipe.compile
-        session = CompileSession(c.level, cache=c.cache, on_recompile=c.on_recompile, fallback=c.fallback,
-                                 model_config=recipe.model.model_dump(mode="json"), micro_batch_size=batch,
-                                 seq_len=seq, precision=policy.label, compute_dtype=policy.compute_dtype,
-                                 device=device)
+        state = build_state(for_shape(recipe, precision, batch, seq), device)
+        model, optimizer, session = state.model, state.optimizer, state.compiled
         session.start(model)
         reset = lambda: optimizer.zero_grad(set_to_none=True)
         numbers = itertools.count(1)  # step numbers for the guard's messages
-        step = lambda b: session.run("train", next(numbers), lambda: train_step(
-            model, optimizer, [b], device, autocast, recipe.optim.grad_clip), reset)[0]
+        step = lambda b: session.run("train", next(numbers), lambda: train_step(state, [b]), reset)[0]
     else:
         model, optimizer, autocast = build_transformers(recipe, precision, device)
         step = lambda b: transformers_step(model, optimizer, autocast, b, recipe.optim.grad_clip)
@@ -83,7 +74,14 @@ def _make(impl: str, recipe: Recipe, precision: str, device: torch.device, batch
     return step, model, optimizer, session
 
 
-def _batch(recipe: Recipe, batch: int, seq: int, device: torch.device, i: int) -> torch.Tensor:
+def for_shape(recipe: Recipe, precision: str, batch: int, seq: int) -> Recipe:
+    """`recipe` at `precision`, training one micro-batch of `batch` x `seq` tokens a step."""
+    data = recipe.data.model_copy(update={"micro_batch_size": batch, "global_batch_size": batch, "seq_len": seq})
+    return recipe.model_copy(update={"data": data,
+                                     "train": recipe.train.model_copy(update={"precision": precision})})
+
+
+def random_batch(recipe: Recipe, batch: int, seq: int, device: torch.device, i: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(i)
     return torch.randint(0, recipe.model.vocab_size, (batch, seq + 1), generator=g).to(device)
 
@@ -100,11 +98,13 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
     at `baseline` when given (e.g. frugality's bf16-sr against transformers' amp-bf16, the
     usual way to train it), else at the pass's precision."""
     device = resolve_device(recipe.train.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # as in training, for both implementations
     rows = []
     for precision in precisions:
         impl_precision = {impl: baseline if impl == "transformers" and baseline else precision
                           for impl in impls}
-        runners = {impl: _make(impl, recipe, impl_precision[impl], device, batch, seq) for impl in impls}
+        runners = {impl: make_runner(impl, recipe, impl_precision[impl], device, batch, seq) for impl in impls}
         flops_per_token = training_flops_per_token(
             runners[impls[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq
         )
@@ -113,7 +113,7 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
         probes = {dtype: PeakProbe(device, dtype) for dtype in set(dtypes.values())}
         probe_rates: dict[torch.dtype, list[float]] = {dtype: [] for dtype in probes}
         for i in range(warmup + steps):
-            data = _batch(recipe, batch, seq, device, i)
+            data = random_batch(recipe, batch, seq, device, i)
             for impl in impls:  # A B A B ...: the same conditions for both
                 step = runners[impl][0]
                 _sync(device)
@@ -152,7 +152,7 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
             pass_rows["frugality"].speedup = round(
                 pass_rows["frugality"].tokens_per_s / pass_rows["transformers"].tokens_per_s, 3)
             ratios = [theirs / ours for ours, theirs in zip(times["frugality"], times["transformers"])]
-            pass_rows["frugality"].speedup_pairs = _quartiles(ratios)
+            pass_rows["frugality"].speedup_pairs = quartiles(ratios)
         for _, _, _, session in runners.values():
             if session is not None:
                 session.close()
@@ -170,7 +170,7 @@ def _peak_memory_subprocess(impl, recipe, precision, batch, seq) -> int | None:
     return int(json.loads(done.stdout.strip().splitlines()[-1])["peak_memory_bytes"])
 
 
-def _quartiles(values: list[float]) -> tuple[float, float, float]:
+def quartiles(values: list[float]) -> tuple[float, float, float]:
     """(q1, median, q3), rounded to 3 decimals; one value gives it three times."""
     q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
     return tuple(round(v, 3) for v in q)
@@ -221,9 +221,11 @@ def _memory_probe() -> None:
     impl, precision, batch, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     recipe = Recipe.model_validate_json(sys.stdin.read())
     device = resolve_device(recipe.train.device)
-    step, _, _, _ = _make(impl, recipe, precision, device, batch, seq)
+    if device.type == "cpu":
+        keep_freed_memory()
+    step, _, _, _ = make_runner(impl, recipe, precision, device, batch, seq)
     for i in range(2):
-        step(_batch(recipe, batch, seq, device, i))
+        step(random_batch(recipe, batch, seq, device, i))
     print(json.dumps({"peak_memory_bytes": peak_memory_bytes(device)}))
 
 

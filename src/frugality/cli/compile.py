@@ -21,7 +21,7 @@ def compile_(recipe, level, cache, overrides, no_progress) -> None:
     directory), so `frugality train` with the same recipe and cache starts from compiled
     graphs and compiles nothing.
     """
-    from frugality.compile.ahead import compile_ahead
+    from frugality.training.ahead import compile_ahead
     from frugality.config.recipe import load_recipe
 
     extra = [f"compile.level={level}"] if level else []

@@ -19,7 +19,7 @@ def import_hf_command(source, out) -> None:
     """Import a Hugging Face checkpoint folder (config.json + safetensors or
     pytorch_model.bin) as a frugality checkpoint folder with its recipe.toml, ready for
     `frugality train RECIPE --init-from OUT` or `frugality export hf OUT`."""
-    from frugality.checkpoint.weights import save_weights
+    from frugality.interop.weights import save_weights
     from frugality.config.recipe import Recipe
     from frugality.interop.hf import import_hf
 

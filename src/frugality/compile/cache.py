@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from frugality import __version__
-from frugality.cache import cache_dir
+from frugality.paths import cache_dir
 from frugality.errors import FrugalityWarning
 
 ENTRY_FORMAT = 1

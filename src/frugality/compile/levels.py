@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-LEVELS = ("O0", "O1", "O2")
+from frugality.config.recipe import COMPILE_LEVELS as LEVELS
 
 
 @dataclass(frozen=True)

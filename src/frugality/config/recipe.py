@@ -29,6 +29,13 @@ from frugality.errors import UserError
 from frugality.models import FAMILIES, ModelConfig
 
 
+# The allowed values of each setting, listed once: the packages that implement them
+# (frugality.precision, frugality.compile.levels, frugality.tasks) read them from here.
+PRECISIONS = ("auto", "fp32", "amp-bf16", "bf16-sr", "bf16", "fp8")
+COMPILE_LEVELS = ("O0", "O1", "O2")
+TASKS = ("causal_lm",)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -86,11 +93,12 @@ class TrainConfig(_Section):
     save_interval: PositiveInt = 1000
     keep_checkpoints: PositiveInt = Field(default=2, description="newest checkpoints to keep")
     log_interval: PositiveInt = 1
-    precision: Literal["auto", "fp32", "amp-bf16", "bf16-sr", "bf16", "fp8"] = Field(
+    precision: Literal[PRECISIONS] = Field(
         default="auto",
         description="auto: bf16-sr where bf16 products are native (AMX, AVX512-BF16, CUDA 8.0+), "
         "fp32 elsewhere; see frugality.precision and docs/precision.md",
     )
+    task: Literal[TASKS] = Field(default="causal_lm", description="what is trained: see frugality.tasks")
     fused_optimizer: bool = Field(
         default=True,
         description="bf16 policies: one fused update pass (a C kernel on CPU, torch.compile "
@@ -103,7 +111,7 @@ class TrainConfig(_Section):
 class CompileConfig(_Section):
     """Ahead-of-time compilation with torch.compile; see frugality.compile and docs/compile.md."""
 
-    level: Literal["O0", "O1", "O2"] = Field(
+    level: Literal[COMPILE_LEVELS] = Field(
         default="O0",
         description="O0 eager; O1 each transformer block compiled once (Inductor defaults); "
         "O2 the same with autotuned matrix products (longer compile)",

@@ -7,7 +7,7 @@ import hashlib
 from importlib import resources
 from pathlib import Path
 
-from frugality.cache import cache_dir
+from frugality.paths import cache_dir
 from frugality.data.indexed import paths
 from frugality.data.prepare import prepare
 from frugality.data.tokenizer import LoadedTokenizer

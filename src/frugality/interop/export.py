@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from frugality.checkpoint.weights import WeightsSource, load_weights, resolve_source, stored_dtype
+from frugality.interop.weights import WeightsSource, load_weights, resolve_source, stored_dtype
 from frugality.config.recipe import Recipe
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError

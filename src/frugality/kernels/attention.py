@@ -92,16 +92,16 @@ def amx_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 def _amx_kernel_runs() -> bool:
     """The kernel may run here (frugality.kernels.dispatch), builds, and the OS grants AMX:
     tried once on a tiny input."""
-    if "runs" not in _AMX:
+    if "runs" not in _KERNEL_TRIED:
         q = torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16)
         kernel = kernels.attention_forward_bf16()
         none = torch.empty(0)
-        _AMX["runs"] = kernel is not None and _call(kernel, q, q, q, torch.empty_like(q), torch.empty(1, 1, 32),
+        _KERNEL_TRIED["runs"] = kernel is not None and _call(kernel, q, q, q, torch.empty_like(q), torch.empty(1, 1, 32),
                                                      tensors=(q, q, q, q), cos=none, sin=none, rotary_dim=0) == 0
-    return _AMX["runs"]
+    return _KERNEL_TRIED["runs"]
 
 
-_AMX: dict[str, bool] = {}
+_KERNEL_TRIED: dict[str, bool] = {}
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

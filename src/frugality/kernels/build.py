@@ -20,7 +20,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from frugality.cache import cache_dir
+from frugality.paths import cache_dir
 
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 if platform.machine().lower() in ("x86_64", "amd64"):

@@ -32,14 +32,14 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
 def _kernel_runs() -> bool:
     """The kernel may run here (frugality.kernels.dispatch: AVX-512 with bf16) and builds:
     tried once on a tiny input."""
-    if "runs" not in _STATE:
+    if "runs" not in _KERNEL_TRIED:
         kernel = kernels.gelu_bf16()
         x, y = torch.zeros(16, dtype=torch.bfloat16), torch.empty(16, dtype=torch.bfloat16)
-        _STATE["runs"] = kernel is not None and kernel(x.data_ptr(), y.data_ptr(), 16, 1) == 0
-    return _STATE["runs"]
+        _KERNEL_TRIED["runs"] = kernel is not None and kernel(x.data_ptr(), y.data_ptr(), 16, 1) == 0
+    return _KERNEL_TRIED["runs"]
 
 
-_STATE: dict[str, bool] = {}
+_KERNEL_TRIED: dict[str, bool] = {}
 
 
 def _check(code: int) -> None:

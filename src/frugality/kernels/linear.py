@@ -38,15 +38,15 @@ def weight_grad_applies(grad_out: torch.Tensor, x: torch.Tensor) -> bool:
 def _amx_kernel_runs() -> bool:
     """The kernel may run here (frugality.kernels.dispatch), builds, and the OS grants AMX:
     tried once on a tiny input."""
-    if "runs" not in _AMX:
+    if "runs" not in _KERNEL_TRIED:
         x = torch.zeros(32, 32, dtype=torch.bfloat16)
         kernel = kernels.weight_grad_bf16()
-        _AMX["runs"] = kernel is not None and _call(kernel, x, x, torch.empty(32, 32, dtype=torch.bfloat16),
+        _KERNEL_TRIED["runs"] = kernel is not None and _call(kernel, x, x, torch.empty(32, 32, dtype=torch.bfloat16),
                                                      torch.empty(32, dtype=torch.bfloat16)) == 0
-    return _AMX["runs"]
+    return _KERNEL_TRIED["runs"]
 
 
-_AMX: dict[str, bool] = {}
+_KERNEL_TRIED: dict[str, bool] = {}
 
 
 def _call(kernel, grad_out: torch.Tensor, x: torch.Tensor, out: torch.Tensor, bias_out: torch.Tensor) -> int:
@@ -54,7 +54,7 @@ def _call(kernel, grad_out: torch.Tensor, x: torch.Tensor, out: torch.Tensor, bi
                   bias_out.data_ptr(), grad_out.shape[0], grad_out.shape[1], x.shape[1], torch.get_num_threads())
 
 
-def product_applies(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> bool:
+def amx_product_applies(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> bool:
     """Whether `product` takes a (rows, K) and the weight (N, K) if `transposed`, else (K, N)."""
     return (a.device.type == weight.device.type == "cpu" and a.dtype == weight.dtype == torch.bfloat16
             and (bias is None or bias.dtype == torch.bfloat16) and a.dim() == weight.dim() == 2
@@ -69,10 +69,10 @@ def product_applies(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 _PRODUCT_MAX_K = 4096
 
 
-def product_into(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+def amx_product_into(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
                  out: torch.Tensor) -> torch.Tensor:
     """out = a @ weight^T + bias if `transposed` (the forward product, weight (N, K)), else
-    a @ weight (the input gradient, weight (K, N)); see `product_applies`. `out`: (rows, N),
+    a @ weight (the input gradient, weight (K, N)); see `amx_product_applies`. `out`: (rows, N),
     contiguous rows."""
     a, weight = _rows(a), _rows(weight)
     if transposed and weight.stride(0) % 2:  # the kernel reads its rows as 4-byte pairs
@@ -96,9 +96,9 @@ def product_into(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 @torch.library.custom_op("frugality::linear_product", mutates_args=())
 def product(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """`product_into` a new (rows, N) tensor."""
+    """`amx_product_into` a new (rows, N) tensor."""
     n = weight.shape[0] if transposed else weight.shape[1]
-    return product_into(a, weight, bias, transposed, torch.empty(a.shape[0], n, dtype=a.dtype))
+    return amx_product_into(a, weight, bias, transposed, torch.empty(a.shape[0], n, dtype=a.dtype))
 
 
 @product.register_fake
@@ -141,7 +141,7 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         rows = x.reshape(-1, x.shape[-1])
-        if product_applies(rows, weight, bias, transposed=True):
+        if amx_product_applies(rows, weight, bias, transposed=True):
             return product(rows, weight, bias, True).view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
 
@@ -151,7 +151,7 @@ class _Linear(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # oneDNN's, unless K is wide (benchmarks/linear_products.py)
-            wide = g.shape[-1] > _PRODUCT_MAX_K and product_applies(g, weight, None, transposed=False)
+            wide = g.shape[-1] > _PRODUCT_MAX_K and amx_product_applies(g, weight, None, transposed=False)
             grad_x = (product(g, weight, None, False) if wide else g @ weight).view(x.shape)
         if ctx.needs_input_grad[1]:
             grad_w, grad_b = weight_grad(g, x.reshape(-1, x.shape[-1]))
@@ -174,7 +174,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return _Linear.apply(x, weight, bias)
         wanted = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
         rows = x.reshape(-1, x.shape[-1])
-        if not wanted and product_applies(rows, weight, bias, transposed=True):
+        if not wanted and amx_product_applies(rows, weight, bias, transposed=True):
             return product(rows, weight, bias, True).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 

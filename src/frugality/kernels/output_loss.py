@@ -26,11 +26,11 @@ from typing import Callable
 import torch
 
 from frugality import kernels
-from frugality.kernels.linear import product, product_applies, product_into, weight_grad, weight_grad_applies
+from frugality.kernels.linear import product, amx_product_applies, amx_product_into, weight_grad, weight_grad_applies
 from frugality.models.layers import OutputLayer
 
 _ROWS_PER_CHUNK = 64  # 64 x 50k float32 = 12.9 MB: within a server CPU's L3
-_CHUNK_BYTES_OFF_CPU = 256 << 20  # GPUs: few, large chunks (each chunk is ~10 kernel launches)
+CHUNK_BYTES_OFF_CPU = 256 << 20  # GPUs: few, large chunks (each chunk is ~10 kernel launches)
 
 
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
@@ -47,7 +47,7 @@ def _workspace(shape: tuple[int, int], dtype: torch.dtype, device: torch.device)
     return _WORKSPACE[key]
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
+class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 grad_mode: bool, compute_dtype: torch.dtype | None) -> torch.Tensor:
@@ -59,24 +59,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # mode, evaluation would pay for the gradient's two products (2/3 of the layer).
         want_grad = grad_mode and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         with torch.autocast(device_type, enabled=False):  # casts are explicit below
-            return _LinearCrossEntropy._forward(ctx, hidden.to(dtype), weight.to(dtype), targets, want_grad)
+            return LinearCrossEntropy._forward(ctx, hidden.to(dtype), weight.to(dtype), targets, want_grad)
 
     @staticmethod
     def _forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                  want_grad: bool) -> torch.Tensor:
         logits = _workspace((hidden.shape[0], weight.shape[0]), hidden.dtype, hidden.device)
         amx_layout = _transpose_first(hidden)
-        if product_applies(hidden, weight, None, transposed=True):  # AMX: the weight as it is
-            product_into(hidden, weight, None, True, logits)
+        if amx_product_applies(hidden, weight, None, transposed=True):  # AMX: the weight as it is
+            amx_product_into(hidden, weight, None, True, logits)
         else:
             torch.mm(hidden, kernels.transposed(weight) if amx_layout else weight.t(), out=logits)
         n = logits.shape[0]
         # Over the rows, in place: the loss per row, and (softmax - onehot) / n if wanted.
-        row_losses = _rows_in_c(logits, targets, 1.0 / n, want_grad)
+        row_losses = rows_in_c(logits, targets, 1.0 / n, want_grad)
         if row_losses is None:
-            row_losses = _rows_compiled(logits, targets, 1.0 / n, want_grad)
+            row_losses = rows_compiled(logits, targets, 1.0 / n, want_grad)
         if row_losses is None:
-            row_losses = _rows_in_torch(logits, targets, 1.0 / n, want_grad)
+            row_losses = rows_in_torch(logits, targets, 1.0 / n, want_grad)
         if want_grad:
             grad_logits = logits  # now holds d(mean loss)/d(logits)
             if weight_grad_applies(grad_logits, hidden):  # AMX: straight into the weight's layout
@@ -86,7 +86,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 grad_weight = grad_logits.t() @ hidden
             grad_hidden = (product(grad_logits, weight, None, False)
-                           if product_applies(grad_logits, weight, None, transposed=False) else grad_logits @ weight)
+                           if amx_product_applies(grad_logits, weight, None, transposed=False) else grad_logits @ weight)
             ctx.save_for_backward(grad_hidden, grad_weight)
         return row_losses.sum() / n
 
@@ -109,7 +109,7 @@ def _transpose_first(hidden: torch.Tensor) -> bool:
     return hidden.device.type == "cpu" and hidden.element_size() == 2
 
 
-def _rows_in_c(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_grad: bool):
+def rows_in_c(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_grad: bool):
     """The CPU kernel (cross_entropy_cpu.c): one read and one write of the logits. None
     where it does not apply (other devices and dtypes, no C compiler)."""
     names = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -129,7 +129,7 @@ def _rows_in_c(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_g
     return losses
 
 
-def _rows_fused(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
+def rows_fused(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
                 want_grad: bool) -> torch.Tensor:
     """The rows' losses, and their gradient written over `logits`, as one graph for
     torch.compile: a reduction (max, then the sum of exponentials) and one elementwise
@@ -147,8 +147,8 @@ def _rows_fused(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor
 _COMPILED: dict[str, Callable | None] = {}
 
 
-def _rows_compiled(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_grad: bool):
-    """`_rows_fused` compiled, off CPUs (where the C kernel serves); None if it does not
+def rows_compiled(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_grad: bool):
+    """`rows_fused` compiled, off CPUs (where the C kernel serves); None if it does not
     apply or failed to compile once in this process (the caller then uses torch ops)."""
     if logits.device.type == "cpu":
         return None
@@ -159,7 +159,7 @@ def _rows_compiled(logits: torch.Tensor, targets: torch.Tensor, scale: float, wa
     if bad:
         raise IndexError(f"cross-entropy: {bad} target(s) outside the vocabulary [0, {logits.shape[1]})")
     if "fn" not in _COMPILED:
-        _COMPILED["fn"] = torch.compile(_rows_fused, dynamic=False, fullgraph=True)
+        _COMPILED["fn"] = torch.compile(rows_fused, dynamic=False, fullgraph=True)
     if _COMPILED["fn"] is None:
         return None
     scale_tensor = torch.tensor(scale, dtype=torch.float32, device=logits.device)  # no recompile per n
@@ -176,12 +176,12 @@ def _rows_compiled(logits: torch.Tensor, targets: torch.Tensor, scale: float, wa
         return None
 
 
-def _rows_in_torch(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_grad: bool):
+def rows_in_torch(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_grad: bool):
     """The same with torch ops, in chunks of rows in float32: on CPUs small enough to stay
     in cache, elsewhere large enough that kernel launches don't dominate."""
     n = logits.shape[0]
     rows_per_chunk = (_ROWS_PER_CHUNK if logits.device.type == "cpu"
-                      else max(_ROWS_PER_CHUNK, _CHUNK_BYTES_OFF_CPU // (4 * logits.shape[1])))
+                      else max(_ROWS_PER_CHUNK, CHUNK_BYTES_OFF_CPU // (4 * logits.shape[1])))
     losses = torch.empty(n, dtype=torch.float32, device=logits.device)
     buffer = torch.empty(min(n, rows_per_chunk), logits.shape[1], dtype=torch.float32,
                          device=logits.device)
@@ -208,7 +208,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, without materialising
     float32 logits. hidden: (tokens, d); weight: (vocab, d); targets: (tokens,) int64. The
     products run in `compute_dtype` if given, else autocast's dtype or hidden's."""
-    return _LinearCrossEntropy.apply(hidden, weight, targets, torch.is_grad_enabled(), compute_dtype)
+    return LinearCrossEntropy.apply(hidden, weight, targets, torch.is_grad_enabled(), compute_dtype)
 
 
 class FusedOutputLayer(OutputLayer):

@@ -12,7 +12,6 @@ from frugality.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 from frugality.models.llama import Llama, LlamaConfig
 
 FAMILIES = {"gpt-neox": (GPTNeoXConfig, GPTNeoX), "llama": (LlamaConfig, Llama), "bert": (BertConfig, Bert)}
-DECODERS = ("gpt-neox", "llama")  # what `frugality train` trains (causal language modelling)
 
 
 def _family(value: Any) -> str:
@@ -38,5 +37,5 @@ def build_model(cfg) -> nn.Module:
         raise ValueError(f"unknown model family {cfg.family!r}") from None
 
 
-__all__ = ["DECODERS", "FAMILIES", "Bert", "BertConfig", "GPTNeoX", "GPTNeoXConfig", "Llama", "LlamaConfig",
+__all__ = ["FAMILIES", "Bert", "BertConfig", "GPTNeoX", "GPTNeoXConfig", "Llama", "LlamaConfig",
            "ModelConfig", "build_model"]

@@ -29,10 +29,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from frugality.config.recipe import PRECISIONS as RECIPE_PRECISIONS
 from frugality.errors import UserError
 
-PRECISIONS = ("fp32", "amp-bf16", "bf16-sr", "bf16", "fp8")
 AUTO = "auto"  # resolved by `resolve_policy` from what the hardware runs natively
+PRECISIONS = tuple(name for name in RECIPE_PRECISIONS if name != AUTO)  # the policies themselves
 
 
 @dataclass(frozen=True)

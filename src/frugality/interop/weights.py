@@ -17,6 +17,7 @@ from torch import nn
 
 from frugality.checkpoint import CheckpointManager, single_process_ok
 from frugality.errors import UserError
+from frugality.interop.hf import import_hf
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,6 @@ def _check_shapes(theirs: dict[str, tuple], ours: dict[str, torch.Tensor], where
 
 
 def _read_hf(source: WeightsSource) -> dict[str, torch.Tensor]:
-    from frugality.interop.hf import import_hf
-
     return import_hf(source.path)[1]
 
 

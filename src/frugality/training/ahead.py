@@ -14,6 +14,7 @@ from pathlib import Path
 
 from frugality.config.recipe import Recipe
 from frugality.errors import UserError
+from frugality.training.trainer import train
 
 TRIAL_STEPS = 2
 
@@ -21,8 +22,6 @@ TRIAL_STEPS = 2
 def compile_ahead(recipe: Recipe, progress: bool = True) -> dict:
     """Compile and publish every graph `frugality train` needs for `recipe`; returns the
     compile statistics (graphs, cache hits and misses, seconds, where the entry went)."""
-    from frugality.training.trainer import train
-
     if recipe.compile.level == "O0":
         raise UserError("compile.level is O0 (eager): nothing to compile; "
                         "choose a level with --level O1 or --set compile.level=O1")

@@ -6,7 +6,7 @@ import resource
 import pytest
 import torch
 
-from frugality.training.host_memory import keep_freed_memory
+from frugality.runtime.host_memory import keep_freed_memory
 
 # A step's pattern of large temporaries: each lives while the next two are made. All are
 # above glibc's default mmap threshold's ceiling (32 MB) or the dynamic threshold's start.

@@ -1,0 +1,56 @@
+"""A recipe's training data, opened and checked before anything is written: the tokenizer,
+the dataset (the bundled corpus tokenized on first use), packed samples, the resumable
+training stream and the held-out validation batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from frugality.config.recipe import Recipe
+from frugality.data.bundled import BUNDLED_PREFIX, bundled_dataset
+from frugality.data.indexed import IndexedDataset
+from frugality.data.loader import PackedSamples, TrainStream, validation_batches
+from frugality.data.tokenizer import load_tokenizer
+from frugality.errors import UserError
+
+
+@dataclass
+class TrainingData:
+    dataset: IndexedDataset
+    samples: PackedSamples
+    stream: TrainStream  # the training batches, in a resumable order
+    val_batches: list[torch.Tensor]
+
+
+def open_training_data(recipe: Recipe, progress: bool = True) -> TrainingData:
+    tokenizer = load_tokenizer(recipe.data.tokenizer)
+    if tokenizer.vocab_size > recipe.model.vocab_size:
+        raise UserError(
+            f"tokenizer {recipe.data.tokenizer!r} has {tokenizer.vocab_size} tokens, more than "
+            f"model.vocab_size ({recipe.model.vocab_size})"
+        )
+    dataset = _open_dataset(recipe, tokenizer, progress)
+    samples = PackedSamples(dataset, recipe.data.seq_len, recipe.data.val_fraction, recipe.seed)
+    stream = TrainStream(samples, recipe.data.global_batch_size, recipe.data.micro_batch_size)
+    val_batches = validation_batches(samples, recipe.train.eval_batches, recipe.data.micro_batch_size)
+    # A dataset tokenized for another vocabulary shows in its first tokens; scanning them
+    # all would take minutes on a large corpus.
+    if int(dataset.tokens[: 1 << 24].max(initial=0)) >= recipe.model.vocab_size:
+        raise UserError(
+            f"dataset {dataset.prefix}: holds token ids >= model.vocab_size "
+            f"({recipe.model.vocab_size}); was it tokenized with another tokenizer?"
+        )
+    return TrainingData(dataset, samples, stream, val_batches)
+
+
+def _open_dataset(recipe: Recipe, tokenizer, progress: bool) -> IndexedDataset:
+    name = recipe.data.dataset
+    if name.startswith(BUNDLED_PREFIX):
+        try:
+            prefix = bundled_dataset(name.removeprefix(BUNDLED_PREFIX), tokenizer, progress)
+        except ValueError as e:
+            raise UserError(f"data.dataset: {e}") from None
+        return IndexedDataset(prefix)
+    return IndexedDataset(name)

@@ -1,0 +1,74 @@
+"""The one builder of training state. Every command that trains or times training
+(`train`, `compile`, `bench train`, `bench compile`) assembles its parts here, in this
+order, so that each sees the same model:
+
+1. the model, built plain on the device from the recipe's seed;
+2. the precision policy, fitted to the device (`frugality.precision.resolve_policy`):
+   bf16 cast or float8 conversion;
+3. backend kernels: the device's faster layers swapped in (`frugality.kernels.specialize`);
+4. (to come: parallel wrapping — DDP, FSDP — from outside the model);
+5. the optimizer the policy calls for, and the compile session (`frugality.compile`),
+   started by the caller once any checkpoint is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from frugality.compile.session import CompileSession
+from frugality.config.recipe import Recipe
+from frugality.kernels.specialize import specialize
+from frugality.models import build_model
+from frugality.precision import PrecisionPolicy, resolve_policy
+from frugality.runtime.data import TrainingData
+from frugality.tasks import get_task
+from frugality.runtime.optim import build_optimizer
+
+
+@dataclass
+class TrainState:
+    """Everything a training loop touches; `step` counts optimizer steps done."""
+
+    recipe: Recipe
+    device: torch.device
+    policy: PrecisionPolicy
+    task: object  # a frugality.tasks task
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    compiled: CompileSession
+    choices: list[str] = field(default_factory=list)  # what was picked for this machine, and why
+    data: TrainingData | None = None
+    step: int = 0
+    stop_requested: bool = False  # set by a signal or a policy: stop after this step, saved
+
+    @property
+    def autocast(self):
+        return self.policy.autocast_context(self.device)
+
+
+def check_recipe(recipe: Recipe, device: torch.device) -> None:
+    """The checks `build_state` makes first (task and model family, precision on this
+    device), for callers that must refuse bad input before doing anything else."""
+    get_task(recipe.train.task).check(recipe.model.family)
+    resolve_policy(recipe.train.precision, device)
+
+
+def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None = None) -> TrainState:
+    """The training state for `recipe` on `device` (see the module's docstring for the
+    order); `data` from `frugality.runtime.data.open_training_data` where batches come from
+    the recipe's dataset. The recipe's micro-batch and sequence length key the compiled graphs."""
+    task = get_task(recipe.train.task)
+    task.check(recipe.model.family)
+    policy, note = resolve_policy(recipe.train.precision, device)
+    torch.manual_seed(recipe.seed)
+    with device:
+        model = policy.prepare_model(build_model(recipe.model))
+    choices = specialize(model, device, policy)
+    optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
+                                fused=recipe.train.fused_optimizer)
+    compiled = CompileSession.for_recipe(recipe, device, policy)
+    return TrainState(recipe, device, policy, task, model, optimizer, compiled,
+                      [note, "layers: " + ", ".join(choices)], data)

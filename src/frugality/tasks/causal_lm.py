@@ -1,0 +1,25 @@
+"""Causal language modelling: each position predicts the next token. A batch is (B, T + 1)
+token ids: inputs are all but the last token, targets all but the first. The loss is the
+mean cross-entropy, through the model's output layer (for training,
+`frugality.kernels.specialize` swaps in the fused output-layer loss)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from frugality.errors import UserError
+
+
+class CausalLM:
+    name = "causal_lm"
+    families = ("gpt-neox", "llama")  # the decoders
+
+    def check(self, family: str) -> None:
+        if family not in self.families:
+            raise UserError(f"model.family {family!r}: task {self.name} trains decoders "
+                            f"({', '.join(self.families)}); {family} models can be imported, exported "
+                            "and used for embeddings")
+
+    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return model(batch[:, :-1], targets=batch[:, 1:])

@@ -1,0 +1,23 @@
+"""Training-state bytes per parameter (weights, gradients, optimizer moments) and peak
+memory, measured once after the first step, when gradients and moments exist."""
+
+from __future__ import annotations
+
+from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
+from frugality.training.callbacks import Callback
+
+
+class Memory(Callback):
+    def __init__(self, log) -> None:
+        self.log = log  # a RunLog
+        self.record: dict[str, float] = {}
+
+    def on_step_end(self, state, result) -> None:
+        if self.record:
+            return
+        n = sum(p.numel() for p in state.model.parameters())
+        bytes_ = training_state_bytes(state.model, state.optimizer)
+        self.record = {"training_state_bytes": bytes_, "bytes_per_param": bytes_ / n,
+                       "policy_bytes_per_param": state.policy.state_bytes_per_param,
+                       "peak_memory_bytes": peak_memory_bytes(state.device)}
+        self.log.logger.log("memory", result.step, self.record)

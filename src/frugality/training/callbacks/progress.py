@@ -1,0 +1,55 @@
+"""What a person watching sees: the run header, a progress bar with loss and tokens/s,
+compile reports, validation losses, and how the run stopped."""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from frugality.training.callbacks import Callback
+
+
+class Progress(Callback):
+    def __init__(self, header: list[str], enabled: bool, stop_at: int) -> None:
+        self.header, self.enabled, self.stop_at = header, enabled, stop_at
+        self.bar = None
+
+    def on_train_start(self, state) -> None:
+        for i, line in enumerate(self.header):
+            if self.enabled or i < len(self.header) - 1:  # the last line is the run's, shown with the bar
+                tqdm.write(line)
+        self.bar = tqdm(total=self.stop_at, initial=state.step, unit="step", disable=not self.enabled,
+                        dynamic_ncols=True)
+
+    def on_compiled(self, state, phase: str) -> None:
+        if self.enabled:
+            tqdm.write(compile_line(phase, state.compiled.stats))
+
+    def on_step_end(self, state, result) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.record.get('tokens_per_s', 0):,.0f}",
+                             refresh=False)
+
+    def on_eval(self, state, loss: float) -> None:
+        if self.bar is not None and state.step:
+            self.bar.set_postfix(val=f"{loss:.3f}", refresh=False)
+
+    def on_step_done(self, state) -> None:
+        if state.stop_requested:
+            tqdm.write(f"stopped by signal after step {state.step}; checkpoint saved, rerun to resume")
+
+    def on_train_end(self, state) -> None:
+        self.on_exit(state)
+
+    def on_exit(self, state) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def compile_line(phase: str, stats) -> str:
+    source = "cache entry fetched from" if stats.fetched else "no cache entry at"
+    line = (f"compile {stats.level}, {phase} ready: {stats.graphs} graphs so far, {stats.cache_hits} "
+            f"from the cache, {stats.cache_misses} compiled, {stats.compile_s:.1f} s ({source} "
+            f"{stats.cache})")
+    if stats.fallbacks:
+        line += f"; eager fallback for {', '.join(stats.fallbacks)}"
+    return line

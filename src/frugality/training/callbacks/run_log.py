@@ -1,0 +1,46 @@
+"""The run's log: `metrics.jsonl` and TensorBoard events (`frugality.metrics.logger`): one
+record per logged train step, per evaluation, and per compile report."""
+
+from __future__ import annotations
+
+import math
+
+from frugality.metrics.logger import RunLogger
+from frugality.training.callbacks import Callback
+
+
+class RunLog(Callback):
+    def __init__(self, run_dir, tensorboard: bool) -> None:
+        self.logger = RunLogger(run_dir, tensorboard=tensorboard)
+
+    def on_compiled(self, state, phase: str) -> None:
+        self.logger.log("compile", state.step if phase == "eval" else state.step + 1, compile_record(state))
+
+    def on_step_end(self, state, result) -> None:
+        if result.step % state.recipe.train.log_interval == 0 or result.final:
+            self.logger.log("train", result.step, {"loss": result.loss, "grad_norm": result.grad_norm,
+                                                   "lr": result.lr, **result.record,
+                                                   "epoch": state.data.stream.epoch})
+
+    def on_eval(self, state, loss: float) -> None:
+        self.logger.log("eval", state.step, {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf})
+
+    def on_train_end(self, state) -> None:
+        if state.compiled.enabled:
+            self.logger.log("compile", state.step, compile_record(state))
+        self.logger.close()  # flushed before the summary reads it back
+
+    def on_exit(self, state) -> None:
+        self.logger.close()  # closing twice is harmless
+
+
+def compile_record(state) -> dict:
+    return {k: v for k, v in state.compiled.stats.as_dict().items() if isinstance(v, (int, float))}
+
+
+class CloseCompileSession(Callback):
+    """At the end of training: publish what was compiled before the last compile record and
+    the summary are written (the trainer closes it again, harmlessly, on every exit)."""
+
+    def on_train_end(self, state) -> None:
+        state.compiled.close()

@@ -1,0 +1,40 @@
+"""Tokens per second and model FLOPs utilisation per step, against the measured peak of the
+dtype the products run in (`frugality.metrics.peak`); the step times for the summary."""
+
+from __future__ import annotations
+
+import statistics
+
+from frugality.metrics.flops import training_flops_per_token
+from frugality.metrics.peak import mfu, peak_flops
+from frugality.paths import cache_dir
+from frugality.training.callbacks import Callback
+
+
+class Throughput(Callback):
+    def __init__(self) -> None:
+        self.step_times: list[float] = []
+        self.peak: float | None = None
+        self.flops_per_token = 0.0
+        self.tokens_per_step = 0
+
+    def on_train_start(self, state) -> None:
+        r = state.recipe
+        self.tokens_per_step = r.data.global_batch_size * r.data.seq_len
+        self.flops_per_token = training_flops_per_token(state.model, r.model.num_layers, r.model.hidden_size,
+                                                        r.data.seq_len)
+        self.peak = (r.metrics.peak_tflops * 1e12 if r.metrics.peak_tflops
+                     else peak_flops(state.device, state.policy.compute_dtype, cache_dir() / "peak_flops.json"))
+
+    def on_step_end(self, state, result) -> None:
+        self.step_times.append(result.seconds)
+        tokens_per_s = self.tokens_per_step / result.seconds
+        result.record.update(tokens_per_s=tokens_per_s, mfu=mfu(self.flops_per_token * tokens_per_s, self.peak),
+                             step_time_s=result.seconds, tokens=result.step * self.tokens_per_step)
+
+    def median_step_time(self) -> float | None:
+        return statistics.median(self.step_times) if self.step_times else None
+
+    def median_mfu(self) -> float | None:
+        median = self.median_step_time()
+        return None if median is None else mfu(self.flops_per_token * self.tokens_per_step / median, self.peak)

@@ -1,0 +1,97 @@
+"""The training loop: steps of micro-batches, forward and backward through the task's loss,
+the optimizer, evaluation, and stopping. Everything else (logs, progress, throughput and
+memory, the NaN policy, checkpoints, signals, the summary) is a callback
+(`frugality.training.callbacks`), called in the order given at each hook.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from frugality.runtime.state import TrainState
+from frugality.training.schedule import learning_rate
+
+
+@dataclass
+class StepResult:
+    step: int  # optimizer steps done, this one included
+    loss: float  # mean over the step's micro-batches
+    grad_norm: float  # before clipping
+    lr: float
+    seconds: float
+    final: bool  # the last step of this session
+    record: dict = field(default_factory=dict)  # what callbacks measured, for the log
+
+
+def fit(state: TrainState, callbacks, stop_at: int) -> None:
+    """Train from `state.step` to `stop_at` (or until a callback asks to stop), evaluating
+    at step 0 of a new run, every `train.eval_interval` steps and at the last step."""
+    recipe = state.recipe
+    callbacks.on_train_start(state)
+    if state.step == 0:
+        evaluate(state, callbacks)
+    while state.step < stop_at and not state.stop_requested:
+        lr = learning_rate(state.step, recipe.train.steps, recipe.optim.lr, recipe.optim.min_lr,
+                           recipe.optim.warmup_steps)
+        for group in state.optimizer.param_groups:
+            group["lr"] = lr
+        batches = state.data.stream.next_step()
+        t0 = time.perf_counter()
+        loss, norm = _run(state, callbacks, "train", state.step + 1, lambda: train_step(state, batches))
+        state.step += 1
+        callbacks.on_step_end(state, StepResult(state.step, loss, norm, lr, time.perf_counter() - t0,
+                                                state.step == stop_at))
+        if state.step % recipe.train.eval_interval == 0 or state.step == recipe.train.steps:
+            evaluate(state, callbacks)
+        callbacks.on_step_done(state)  # after evaluation: checkpoints see the step's whole result
+    callbacks.on_train_end(state)
+
+
+def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[float, float]:
+    """One optimizer step over micro-batches of the task's batches: forward and backward
+    each (loss divided by their count), clip the global gradient norm, update. Returns
+    (mean loss, gradient norm before clipping)."""
+    model, optimizer = state.model, state.optimizer
+    model.train()
+    total = torch.zeros((), device=state.device)
+    for batch in micro_batches:
+        with state.autocast:
+            loss = state.task.loss(model, batch.to(state.device, non_blocking=True))
+        (loss / len(micro_batches)).backward()
+        total += loss.detach()
+    max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
+    if hasattr(optimizer, "clip_grad_norm_"):  # BF16AdamW: clipping folded into its update
+        norm = optimizer.clip_grad_norm_(max_norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return (total / len(micro_batches)).item(), norm.item()
+
+
+@torch.no_grad()
+def validation_loss(state: TrainState) -> float:
+    state.model.eval()
+    losses = []
+    for batch in state.data.val_batches:
+        with state.autocast:
+            losses.append(state.task.loss(state.model, batch.to(state.device)))
+    return torch.stack(losses).mean().item()
+
+
+def evaluate(state: TrainState, callbacks) -> float:
+    loss = _run(state, callbacks, "eval", state.step, lambda: validation_loss(state))
+    callbacks.on_eval(state, loss)
+    return loss
+
+
+def _run(state: TrainState, callbacks, phase: str, number: int, fn):
+    """`fn` through the compile session; callbacks hear once when a phase is compiled."""
+    first = state.compiled.enabled and phase not in state.compiled.warmed
+    out = state.compiled.run(phase, number, fn, reset=lambda: state.optimizer.zero_grad(set_to_none=True))
+    if first:
+        callbacks.on_compiled(state, phase)
+    return out
