@@ -8,7 +8,7 @@ import torch
 from frugality.cli.main import main
 from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
-from frugality.interop.hf_gpt_neox import hf_config
+from frugality.interop.hf_gpt_neox import config_to_hf
 from frugality.models import GPTNeoX, GPTNeoXConfig
 from frugality.training import trainer
 
@@ -19,7 +19,7 @@ CFG = GPTNeoXConfig(hidden_size=32, num_layers=2, num_heads=4, vocab_size=50304,
 
 def _hf_model(cfg=CFG, seed=0):
     torch.manual_seed(seed)
-    config = transformers.GPTNeoXConfig(**{k: v for k, v in hf_config(cfg).items() if k != "architectures"})
+    config = transformers.GPTNeoXConfig(**{k: v for k, v in config_to_hf(cfg).items() if k != "architectures"})
     return transformers.GPTNeoXForCausalLM(config).eval()
 
 

@@ -17,7 +17,7 @@ def _pair(family):
     torch.manual_seed(0)
     if family == "gpt-neox":
         cfg = GPTNeoXConfig(hidden_size=64, num_layers=2, num_heads=4, vocab_size=VOCAB, max_seq_len=32)
-        theirs_cfg = transformers.GPTNeoXConfig(**{k: v for k, v in hf_gpt_neox.hf_config(cfg).items()
+        theirs_cfg = transformers.GPTNeoXConfig(**{k: v for k, v in hf_gpt_neox.config_to_hf(cfg).items()
                                                    if k != "architectures"})
         theirs = transformers.GPTNeoXForCausalLM(theirs_cfg)
         ours = GPTNeoX(cfg)
@@ -26,15 +26,15 @@ def _pair(family):
         cfg = LlamaConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
                           vocab_size=VOCAB, max_seq_len=32, rms_norm_eps=1e-5)
         theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            **{k: v for k, v in hf_llama.hf_config(cfg).items() if k != "architectures"}))
+            **{k: v for k, v in hf_llama.config_to_hf(cfg).items() if k != "architectures"}))
         ours = Llama(cfg)
-        ours.load_state_dict(hf_llama.from_hf(theirs.state_dict(), tied=False))
+        ours.load_state_dict(hf_llama.from_hf(theirs.state_dict(), cfg))
     else:
         cfg = BertConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vocab_size=VOCAB,
                          max_seq_len=32, mlm_head=True, pooler=False)
         # frugality's BERT has no dropout; switch transformers' off to compare like with like.
         theirs = transformers.BertForMaskedLM(transformers.BertConfig(
-            **{k: v for k, v in hf_bert.hf_config(cfg).items() if k != "architectures"},
+            **{k: v for k, v in hf_bert.config_to_hf(cfg).items() if k != "architectures"},
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
         ours = Bert(cfg)
         ours.load_state_dict(hf_bert.from_hf(theirs.state_dict(), cfg))

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from frugality.interop.hf_bert import from_hf, hf_config, to_hf
+from frugality.interop.hf_bert import from_hf, config_to_hf, to_hf
 from frugality.models.bert import Bert, BertConfig, mean_pool
 
 transformers = pytest.importorskip("transformers")
 
 
 def _hf(cfg: BertConfig):
-    config = transformers.BertConfig(**{k: v for k, v in hf_config(cfg).items() if k != "architectures"})
+    config = transformers.BertConfig(**{k: v for k, v in config_to_hf(cfg).items() if k != "architectures"})
     config._attn_implementation = "eager"
     cls = transformers.BertForMaskedLM if cfg.mlm_head else transformers.BertModel
     return cls(config).eval()

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from frugality.interop.hf_gpt_neox import from_hf, hf_config, to_hf
+from frugality.interop.hf_gpt_neox import from_hf, config_to_hf, to_hf
 from frugality.models import GPTNeoX, GPTNeoXConfig
 
 transformers = pytest.importorskip("transformers")
 
 
 def _hf_model(cfg: GPTNeoXConfig, attn: str = "eager"):
-    config = transformers.GPTNeoXConfig(**{k: v for k, v in hf_config(cfg).items() if k != "architectures"})
+    config = transformers.GPTNeoXConfig(**{k: v for k, v in config_to_hf(cfg).items() if k != "architectures"})
     config._attn_implementation = attn
     return transformers.GPTNeoXForCausalLM(config).eval()
 

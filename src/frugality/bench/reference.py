@@ -9,7 +9,7 @@ import torch
 
 from frugality.config.recipe import Recipe
 from frugality.errors import UserError
-from frugality.interop.hf_gpt_neox import hf_config
+from frugality.interop.hf_gpt_neox import config_to_hf
 from frugality.runtime.optim import parameter_groups
 
 
@@ -25,7 +25,7 @@ def build_transformers(recipe: Recipe, precision: str, device: torch.device):
     except ImportError:
         raise UserError("the transformers reference needs `pip install transformers`") from None
     config = transformers.GPTNeoXConfig(
-        **{k: v for k, v in hf_config(recipe.model).items() if k != "architectures"}
+        **{k: v for k, v in config_to_hf(recipe.model).items() if k != "architectures"}
     )
     config._attn_implementation = "sdpa"  # transformers' default on PyTorch 2
     model = transformers.GPTNeoXForCausalLM(config).to(device)

@@ -18,51 +18,27 @@ import torch
 
 from frugality.errors import UserError
 from frugality.interop import hf_bert, hf_gpt_neox, hf_llama
-from frugality.models import GPTNeoXConfig
 
-SUPPORTED = ("gpt_neox", "llama", "bert")
+# One adapter module per model family, each with the same five names: FAMILY, MODEL_TYPE,
+# config_from_hf(hf config, checkpoint tensor names), config_to_hf(config),
+# from_hf(state, config) and to_hf(state, config).
+ADAPTERS = {adapter.MODEL_TYPE: adapter for adapter in (hf_gpt_neox, hf_llama, hf_bert)}
+BY_FAMILY = {adapter.FAMILY: adapter for adapter in ADAPTERS.values()}
 
 
 def config_from_hf(config: dict[str, Any], where: Path, state_keys: set[str] = frozenset()):
     """frugality's model config from a transformers `config.json` (4.x or 5.x keys); for
     BERT, which heads exist is read from the checkpoint's tensor names."""
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED:
-        raise UserError(f"{where}: model_type {model_type!r} is not supported yet (supported: "
-                        f"{', '.join(SUPPORTED)})")
-    if model_type in ("llama", "bert"):
-        try:
-            if model_type == "bert":
-                return hf_bert.config_from_hf(config, state_keys)
-            return hf_llama.config_from_hf(config)
-        except KeyError as e:
-            raise UserError(f"{where}: config.json lacks {e.args[0]!r}") from None
-        except ValueError as e:
-            raise UserError(f"{where}: {e}") from None
-    return _gpt_neox_config(config, where)
-
-
-def _gpt_neox_config(config: dict[str, Any], where: Path) -> GPTNeoXConfig:
-    rope = config.get("rope_parameters") or {}
-    if config.get("tie_word_embeddings"):
-        raise UserError(f"{where}: tied input/output embeddings are not supported for GPT-NeoX")
+    adapter = ADAPTERS.get(config.get("model_type"))
+    if adapter is None:
+        raise UserError(f"{where}: model_type {config.get('model_type')!r} is not supported yet (supported: "
+                        f"{', '.join(ADAPTERS)})")
     try:
-        return GPTNeoXConfig(
-            hidden_size=config["hidden_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=config["num_attention_heads"],
-            intermediate_size=config.get("intermediate_size"),
-            vocab_size=config["vocab_size"],
-            max_seq_len=config.get("max_position_embeddings", 2048),
-            rotary_pct=rope.get("partial_rotary_factor", config.get("rotary_pct", 0.25)),
-            rotary_base=rope.get("rope_theta", config.get("rotary_emb_base", 10000.0)),
-            parallel_residual=config.get("use_parallel_residual", True),
-            layer_norm_eps=config.get("layer_norm_eps", 1e-5),
-        )
+        return adapter.config_from_hf(config, state_keys)
     except KeyError as e:
         raise UserError(f"{where}: config.json lacks {e.args[0]!r}") from None
     except ValueError as e:
-        raise UserError(f"{where}: config.json describes an impossible model: {e}") from None
+        raise UserError(f"{where}: config.json describes a model frugality cannot build: {e}") from None
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -91,19 +67,12 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _to_hf(config, state):
-    if config.family == "bert":
-        return hf_bert.to_hf(state, config), hf_bert.hf_config(config)
-    if config.family == "llama":
-        return hf_llama.to_hf(state, config.tie_embeddings), hf_llama.hf_config(config)
-    return hf_gpt_neox.to_hf(state), hf_gpt_neox.hf_config(config)
+    adapter = BY_FAMILY[config.family]
+    return adapter.to_hf(state, config), adapter.config_to_hf(config)
 
 
 def _from_hf(config, state):
-    if config.family == "bert":
-        return hf_bert.from_hf(state, config)
-    if config.family == "llama":
-        return hf_llama.from_hf(state, config.tie_embeddings)
-    return hf_gpt_neox.from_hf(state)
+    return BY_FAMILY[config.family].from_hf(state, config)
 
 
 def import_hf(folder: str | Path):

@@ -39,6 +39,9 @@ NAMES = NameMap(
 )
 
 
+FAMILY, MODEL_TYPE = "bert", "bert"  # frugality's family, transformers' model_type
+
+
 def to_hf(state: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.Tensor]:
     """Names as `BertModel` (encoder only) or `BertForMaskedLM` (with the MLM head, under
     a `bert.` prefix) save them. The decoder weight is the word embedding: transformers
@@ -59,7 +62,7 @@ def from_hf(state: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.
     return out
 
 
-def hf_config(cfg: BertConfig) -> dict[str, Any]:
+def config_to_hf(cfg: BertConfig) -> dict[str, Any]:
     return {
         "architectures": ["BertForMaskedLM" if cfg.mlm_head else "BertModel"],
         "model_type": "bert",
@@ -78,7 +81,7 @@ def hf_config(cfg: BertConfig) -> dict[str, Any]:
     }
 
 
-def config_from_hf(config: dict[str, Any], state_keys: set[str]) -> BertConfig:
+def config_from_hf(config: dict[str, Any], state_keys: set[str] = frozenset()) -> BertConfig:
     if config.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type {config['position_embedding_type']!r} is not supported")
     if config.get("hidden_act", "gelu") != "gelu":

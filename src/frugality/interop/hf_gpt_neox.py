@@ -36,8 +36,11 @@ NAMES = NameMap(
 )
 
 
+FAMILY, MODEL_TYPE = "gpt-neox", "gpt_neox"  # frugality's family, transformers' model_type
+
+
 def to_hf(
-    state: dict[str, torch.Tensor], output_name: str = "embed_out.weight"
+    state: dict[str, torch.Tensor], cfg: GPTNeoXConfig | None = None, output_name: str = "embed_out.weight"
 ) -> dict[str, torch.Tensor]:
     """frugality GPTNeoX state dict -> GPTNeoXForCausalLM state dict.
 
@@ -48,12 +51,12 @@ def to_hf(
     return NAMES.to_theirs(state, top={"output.weight": output_name})
 
 
-def from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_hf(state: dict[str, torch.Tensor], cfg: GPTNeoXConfig | None = None) -> dict[str, torch.Tensor]:
     """GPTNeoXForCausalLM state dict (on disk or live) -> frugality GPTNeoX state dict."""
     return NAMES.to_ours(state, top={"lm_head.weight": "output.weight"})
 
 
-def hf_config(cfg: GPTNeoXConfig) -> dict[str, Any]:
+def config_to_hf(cfg: GPTNeoXConfig) -> dict[str, Any]:
     """A `config.json` for transformers; both the 4.x keys (`rotary_pct`, `rotary_emb_base`)
     and the 5.x `rope_parameters` are written so either release reads it."""
     return {
@@ -82,3 +85,22 @@ def hf_config(cfg: GPTNeoXConfig) -> dict[str, Any]:
         "bos_token_id": 0,
         "eos_token_id": 0,
     }
+
+
+def config_from_hf(config: dict[str, Any], state_keys: set[str] = frozenset()) -> GPTNeoXConfig:
+    """From a transformers `config.json` (4.x or 5.x keys)."""
+    if config.get("tie_word_embeddings"):
+        raise ValueError("tied input/output embeddings are not supported for GPT-NeoX")
+    rope = config.get("rope_parameters") or {}
+    return GPTNeoXConfig(
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        intermediate_size=config.get("intermediate_size"),
+        vocab_size=config["vocab_size"],
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        rotary_pct=rope.get("partial_rotary_factor", config.get("rotary_pct", 0.25)),
+        rotary_base=rope.get("rope_theta", config.get("rotary_emb_base", 10000.0)),
+        parallel_residual=config.get("use_parallel_residual", True),
+        layer_norm_eps=config.get("layer_norm_eps", 1e-5),
+    )

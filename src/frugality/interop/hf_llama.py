@@ -26,20 +26,23 @@ NAMES = NameMap(
 )
 
 
-def to_hf(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    if tied:  # transformers ties lm_head to embed_tokens itself
+FAMILY, MODEL_TYPE = "llama", "llama"  # frugality's family, transformers' model_type
+
+
+def to_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    if cfg.tie_embeddings:  # transformers ties lm_head to embed_tokens itself
         state = {k: v for k, v in state.items() if k != "output.weight"}
     return NAMES.to_theirs(state)
 
 
-def from_hf(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+def from_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     out = NAMES.to_ours(state)
-    if tied:
+    if cfg.tie_embeddings:
         out["output.weight"] = out["embed.weight"]
     return out
 
 
-def hf_config(cfg: LlamaConfig) -> dict[str, Any]:
+def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -61,7 +64,7 @@ def hf_config(cfg: LlamaConfig) -> dict[str, Any]:
     }
 
 
-def config_from_hf(config: dict[str, Any]) -> LlamaConfig:
+def config_from_hf(config: dict[str, Any], state_keys: set[str] = frozenset()) -> LlamaConfig:
     rope = config.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", (config.get("rope_scaling") or {}).get("rope_type", "default"))
     if rope_type not in ("default", None):
