@@ -6,6 +6,7 @@ import torch
 
 from frugality import hardware
 from frugality.metrics.peak import PeakProbe, mfu
+from frugality import precision
 from frugality.precision import resolve_policy
 
 AMX_FLAGS = {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"}
@@ -50,7 +51,7 @@ def test_user_limits_on_torch_libraries_narrow_the_features(monkeypatch, onednn,
 @pytest.mark.parametrize("flags, picked", [(AMX_FLAGS, "bf16-sr"), (AVX2_FLAGS, "fp32")])
 def test_auto_picks_the_fastest_native_policy_and_says_why(monkeypatch, flags, picked):
     hw = _cpu(monkeypatch, flags)
-    monkeypatch.setattr(hardware, "probe", lambda device="cpu": hw)
+    monkeypatch.setattr(precision, "probe", lambda device="cpu": hw)
     policy, note = resolve_policy("auto", torch.device("cpu"))
     assert policy.name == picked and not policy.fp32_products
     assert note.startswith(f"precision auto -> {picked}") and hw.why in note
@@ -58,7 +59,7 @@ def test_auto_picks_the_fastest_native_policy_and_says_why(monkeypatch, flags, p
 
 def test_bf16_policies_without_native_products_keep_storage_and_compute_in_fp32(monkeypatch):
     hw = _cpu(monkeypatch, AVX2_FLAGS)
-    monkeypatch.setattr(hardware, "probe", lambda device="cpu": hw)
+    monkeypatch.setattr(precision, "probe", lambda device="cpu": hw)
     cpu = torch.device("cpu")
     for name in ("bf16-sr", "bf16"):
         policy, note = resolve_policy(name, cpu)
@@ -72,7 +73,7 @@ def test_bf16_policies_without_native_products_keep_storage_and_compute_in_fp32(
 
 def test_native_hardware_keeps_the_policies_as_named(monkeypatch):
     hw = _cpu(monkeypatch, AMX_FLAGS)
-    monkeypatch.setattr(hardware, "probe", lambda device="cpu": hw)
+    monkeypatch.setattr(precision, "probe", lambda device="cpu": hw)
     for name in ("amp-bf16", "bf16-sr", "bf16"):
         policy = resolve_policy(name, torch.device("cpu"))[0]
         assert policy.compute_dtype == torch.bfloat16 and not policy.fp32_products and policy.label == name

@@ -62,7 +62,7 @@ def test_eager_and_inference_keep_sdpa():
                                    F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
-amx = pytest.mark.skipif(not cpu_attention._amx_kernel_runs(), reason=skip_reason("amx-attention"))
+amx = pytest.mark.skipif(not cpu_attention.amx_kernel_runs(), reason=skip_reason("amx-attention"))
 
 
 @amx

@@ -57,7 +57,7 @@ def test_all_off_and_unknown_names(monkeypatch):
 def test_a_kernel_whose_instruction_sets_are_missing_is_not_offered(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "fma"})
     hw = hardware._probe_cpu.__wrapped__(2, "", "")
-    monkeypatch.setattr(hardware, "probe", lambda device="cpu": hw)
+    monkeypatch.setattr(dispatch, "probe", lambda device="cpu": hw)
     for name in ("amx-linear", "amx-attention", "gelu"):
         ok, why = dispatch.allowed(name)
         assert not ok and "which this CPU lacks" in why and ACCESSORS[name]() is None

@@ -10,7 +10,7 @@ from frugality.kernels.dispatch import skip_reason
 from frugality.kernels import gelu as cpu_gelu
 from frugality.kernels.gelu import gelu, gelu_backward_op, gelu_op
 
-kernel = pytest.mark.skipif(not cpu_gelu._kernel_runs(), reason=skip_reason("gelu"))
+kernel = pytest.mark.skipif(not cpu_gelu.kernel_runs(), reason=skip_reason("gelu"))
 
 
 def _relative_error(result, reference):

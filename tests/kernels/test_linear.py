@@ -13,7 +13,7 @@ from frugality.kernels.dispatch import skip_reason
 from frugality.kernels import linear as cpu_linear
 from frugality.kernels.linear import AMXLinear, linear, product, amx_product_applies, weight_grad, weight_grad_applies
 
-amx = pytest.mark.skipif(not cpu_linear._amx_kernel_runs(), reason=skip_reason("amx-linear"))
+amx = pytest.mark.skipif(not cpu_linear.amx_kernel_runs(), reason=skip_reason("amx-linear"))
 
 
 def _relative_error(result, reference):
@@ -153,7 +153,7 @@ def test_product_takes_only_what_the_kernel_does():
     assert not amx_product_applies(bf16(32, 64), bf16(48, 64), None, True)  # N not a multiple of 32
     assert not amx_product_applies(bf16(32, 8192), bf16(32, 8192), None, True)  # K past the kernel's panels
     # the input gradient (chunked), where the kernel runs at all
-    assert amx_product_applies(bf16(32, 8192), bf16(8192, 32), None, False) == cpu_linear._amx_kernel_runs()
+    assert amx_product_applies(bf16(32, 8192), bf16(8192, 32), None, False) == cpu_linear.amx_kernel_runs()
     assert not amx_product_applies(bf16(32, 64), bf16(64, 32), None, True)  # shapes that do not chain
     assert not amx_product_applies(bf16(32, 64), bf16(32, 64), torch.randn(32), True)  # float32 bias
 

@@ -85,11 +85,11 @@ def amx_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     multiples of 32."""
     return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.bfloat16
             and k.shape == v.shape and k.shape[-2:] == q.shape[-2:] and q.shape[-2] % 32 == 0
-            and q.shape[-1] % 32 == 0 and _amx_kernel_runs())
+            and q.shape[-1] % 32 == 0 and amx_kernel_runs())
 
 
 @torch.compiler.assume_constant_result  # asked once; compiled graphs keep the answer
-def _amx_kernel_runs() -> bool:
+def amx_kernel_runs() -> bool:
     """The kernel may run here (frugality.kernels.dispatch), builds, and the OS grants AMX:
     tried once on a tiny input."""
     if "runs" not in _KERNEL_TRIED:

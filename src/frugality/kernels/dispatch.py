@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import os
 
+from frugality.errors import UserError
+from frugality.hardware import probe
+
 # name -> (what it does, the CPU features it needs: all of them)
 KERNELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "amx-linear": ("linear layers' bf16 products (forward, weight and wide input gradients)",
@@ -34,8 +37,6 @@ def disabled() -> set[str]:
         return set(KERNELS)
     unknown = names - set(KERNELS)
     if unknown:
-        from frugality.errors import UserError
-
         raise UserError(f"FRUGALITY_DISABLE_KERNELS: unknown kernel(s) {', '.join(sorted(unknown))}; "
                         f"known: {', '.join(KERNELS)}, all")
     return names
@@ -44,8 +45,6 @@ def disabled() -> set[str]:
 def allowed(name: str) -> tuple[bool, str]:
     """Whether kernel `name` may run on this CPU, and if not, why (for skips and headers).
     Whether it then builds and runs is for its caller to try."""
-    from frugality.hardware import probe
-
     if name in disabled():
         return False, f"{name} switched off by the environment"
     missing = [f for f in KERNELS[name][1] if not probe("cpu").has(f)]

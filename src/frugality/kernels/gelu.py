@@ -23,13 +23,13 @@ from frugality import kernels
 def gelu(x: torch.Tensor) -> torch.Tensor:
     """F.gelu (exact), through the kernel where it applies."""
     if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.is_contiguous() and x.numel() > 0
-            and not torch.is_autocast_enabled("cpu") and _kernel_runs()):
+            and not torch.is_autocast_enabled("cpu") and kernel_runs()):
         return gelu_op(x)
     return F.gelu(x)
 
 
 @torch.compiler.assume_constant_result  # asked once; compiled graphs keep the answer
-def _kernel_runs() -> bool:
+def kernel_runs() -> bool:
     """The kernel may run here (frugality.kernels.dispatch: AVX-512 with bf16) and builds:
     tried once on a tiny input."""
     if "runs" not in _KERNEL_TRIED:

@@ -31,11 +31,11 @@ def weight_grad_applies(grad_out: torch.Tensor, x: torch.Tensor) -> bool:
     return (grad_out.device.type == "cpu" and grad_out.dtype == x.dtype == torch.bfloat16
             and grad_out.dim() == x.dim() == 2 and grad_out.shape[0] == x.shape[0]
             and grad_out.shape[0] > 0 and grad_out.shape[0] % 32 == 0 and grad_out.shape[1] % 32 == 0
-            and x.shape[1] % 32 == 0 and _amx_kernel_runs())
+            and x.shape[1] % 32 == 0 and amx_kernel_runs())
 
 
 @torch.compiler.assume_constant_result  # asked once; compiled graphs keep the answer
-def _amx_kernel_runs() -> bool:
+def amx_kernel_runs() -> bool:
     """The kernel may run here (frugality.kernels.dispatch), builds, and the OS grants AMX:
     tried once on a tiny input."""
     if "runs" not in _KERNEL_TRIED:
@@ -61,7 +61,7 @@ def amx_product_applies(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             and a.shape[0] > 0 and a.shape[0] % 32 == 0 and a.shape[1] % 32 == 0
             and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
             and a.shape[1] == weight.shape[1 if transposed else 0]
-            and (a.shape[1] <= _PRODUCT_MAX_K or (not transposed and bias is None)) and _amx_kernel_runs())
+            and (a.shape[1] <= _PRODUCT_MAX_K or (not transposed and bias is None)) and amx_kernel_runs())
 
 
 # matmul_cpu.c's KMAX: its packed panels of the weight must stay in L2; past it, input
@@ -169,7 +169,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (x.device.type == "cpu" and x.dim() >= 2 and not torch.is_autocast_enabled("cpu")
             and x.dtype == weight.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
             and x.shape[:-1].numel() % 32 == 0 and x.numel() > 0 and weight.shape[0] % 32 == 0
-            and weight.shape[1] % 32 == 0 and _amx_kernel_runs()):
+            and weight.shape[1] % 32 == 0 and amx_kernel_runs()):
         if torch.is_grad_enabled() and weight.requires_grad:
             return _Linear.apply(x, weight, bias)
         wanted = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))

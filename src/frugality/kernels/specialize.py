@@ -14,20 +14,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from frugality.kernels.attention import CPUCausalAttention, ProductRotaryEmbedding, amx_attention_applies
+from frugality.kernels.fp32_products import Fp32ProductLinear
+from frugality.kernels.gelu import KernelGELU
+from frugality.kernels.gelu import kernel_runs as gelu_runs
+from frugality.kernels.linear import AMXLinear
+from frugality.kernels.linear import amx_kernel_runs as amx_linear_runs
+from frugality.kernels.output_loss import FusedOutputLayer
 from frugality.models.layers import CausalAttention, OutputLayer, RotaryEmbedding
 
 
 def specialize(model: nn.Module, device: torch.device, policy, training: bool = True) -> list[str]:
     """Swap the faster layers in, in place; returns one phrase per kind of choice made.
     `policy`: a resolved frugality.precision.PrecisionPolicy."""
-    from frugality.kernels.attention import CPUCausalAttention, ProductRotaryEmbedding, amx_attention_applies
-    from frugality.kernels.fp32_products import Fp32ProductLinear
-    from frugality.kernels.gelu import KernelGELU
-    from frugality.kernels.gelu import _kernel_runs as gelu_runs
-    from frugality.kernels.linear import AMXLinear
-    from frugality.kernels.linear import _amx_kernel_runs as amx_linear_runs
-    from frugality.kernels.output_loss import FusedOutputLayer
-
     cpu = device.type == "cpu"
     bf16 = policy.storage_dtype == torch.bfloat16
     counts: dict[str, int] = {}

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from frugality.hardware import fingerprint
+
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
@@ -38,9 +40,7 @@ def device_name(device: torch.device) -> str:
 
 
 def _cache_key(device: torch.device, dtype: torch.dtype) -> str:
-    from frugality.hardware import fingerprint  # the ISA limits in force change the peak
-
-    return f"{fingerprint(device)}|{dtype}"
+    return f"{fingerprint(device)}|{dtype}"  # the ISA limits in force change the peak
 
 
 def mfu(flops_per_s: float, peak: float | None) -> float | None:

@@ -31,6 +31,7 @@ from torch import nn
 
 from frugality.config.recipe import PRECISIONS as RECIPE_PRECISIONS
 from frugality.errors import UserError
+from frugality.hardware import probe
 
 AUTO = "auto"  # resolved by `resolve_policy` from what the hardware runs natively
 PRECISIONS = tuple(name for name in RECIPE_PRECISIONS if name != AUTO)  # the policies themselves
@@ -95,8 +96,6 @@ def get_policy(name: str) -> PrecisionPolicy:
 def resolve_policy(name: str, device: torch.device) -> tuple[PrecisionPolicy, str]:
     """The policy `train.precision` names, fitted to `device`, and one line saying what was
     chosen and why (for the run header)."""
-    from frugality.hardware import probe
-
     hw = probe(device)
     if name == AUTO:
         name = "bf16-sr" if hw.native_bf16 else "fp32"
