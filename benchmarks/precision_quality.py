@@ -19,7 +19,7 @@ import torch
 
 from frugality.config.recipe import load_recipe
 from frugality.metrics.compare import compare_runs
-from frugality.metrics.peak import device_name
+from frugality.hardware import device_name
 from frugality.training.trainer import train
 
 

@@ -137,6 +137,12 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's or the CPU's model name."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
 def fingerprint(device: torch.device) -> str:
     """What a measured speed depends on: the device, torch, the threads and the ISA limits."""
     hw = probe(device)

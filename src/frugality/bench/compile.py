@@ -139,7 +139,7 @@ def _worker() -> None:
 
     from frugality.bench.train import for_shape
     from frugality.config.recipe import CompileConfig
-    from frugality.metrics.peak import device_name
+    from frugality.hardware import device_name
     from frugality.runtime.device import resolve_device
     from frugality.runtime.host_memory import keep_freed_memory
     from frugality.runtime.state import build_state

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from frugality.metrics.peak import device_name
+from frugality.hardware import device_name
 
 
 def machine_line() -> str:

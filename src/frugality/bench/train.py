@@ -24,7 +24,8 @@ from frugality.config.recipe import Recipe
 from frugality.paths import cache_dir
 from frugality.metrics.flops import training_flops_per_token
 from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
-from frugality.metrics.peak import PeakProbe, device_name, mfu, peak_flops
+from frugality.hardware import device_name
+from frugality.metrics.peak import PeakProbe, mfu, peak_flops
 from frugality.precision import get_policy, resolve_policy
 from frugality.runtime.device import resolve_device
 from frugality.runtime.state import build_state

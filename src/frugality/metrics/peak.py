@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -25,18 +24,6 @@ from pathlib import Path
 import torch
 
 from frugality.hardware import fingerprint
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _cache_key(device: torch.device, dtype: torch.dtype) -> str:
