@@ -99,7 +99,7 @@ def _probe_cpu(threads: int, onednn_limit: str, aten_limit: str) -> Hardware:
                     and not (f == "avx512_bf16" and not allowed_bf16)
                     and not (f.startswith("avx512") and not allowed_avx512)]
     if aten_limit.strip().lower() in ("avx2", "default"):  # ATen's own vector code stays below AVX-512
-        features = [f for f in features if not f.startswith(("avx512", "amx"))]
+        features = [f for f in features if not f.startswith("avx512")]  # oneDNN's AMX is not ATen's
     torch_isa = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "unknown"
     if "amx_bf16" in features:
         native, why = True, "AMX"
@@ -112,6 +112,8 @@ def _probe_cpu(threads: int, onednn_limit: str, aten_limit: str) -> Hardware:
         native, why = False, f"{best.upper() or 'this CPU'} has no bf16 dot-product instructions"
         if onednn_limit and ("avx512_bf16" in flags or "amx_bf16" in flags):
             why = f"limited to {limit} by ONEDNN_MAX_CPU_ISA"
+        elif aten_limit and "avx512_bf16" in flags:
+            why = f"limited to {aten_limit} by ATEN_CPU_CAPABILITY"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return Hardware("cpu", cpu_name(), tuple(features), torch_isa, cores, threads, native, why)
 

@@ -27,7 +27,8 @@ def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp
     q1, median, q3 = rows[2]["speedup_pairs"]  # per alternating step pair
     assert 0 < q1 <= median <= q3 and rows[3]["speedup_pairs"] is None
     assert rows[2]["compile_level"] == "O0" and rows[3]["compile_level"] is None
-    assert "| frugality | bf16-sr | O0 | 2 × 16 |" in (tmp_path / "table.md").read_text()
+    assert rows[2]["runs_as"].startswith("bf16-sr") and rows[3]["runs_as"] == "bf16-sr"  # transformers: as named
+    assert f"| frugality | {rows[2]['runs_as']} | O0 | 2 × 16 |" in (tmp_path / "table.md").read_text()
     assert "× (pairs " in (tmp_path / "table.md").read_text()
     assert "GFLOP/s) |" in (tmp_path / "table.md").read_text()  # the pass's probe, per row
     assert "tokens/s" in capsys.readouterr().out

@@ -167,3 +167,14 @@ def test_amp_bf16_trains(micro_recipe_file, tmp_path):
     assert result.evals[12] < result.evals[0] - 1.0
     # Master weights stay fp32 under autocast.
     assert all(v.dtype == torch.float32 for v in _final_state(recipe, tmp_path / "amp")[0].values())
+
+
+def test_resuming_under_another_precision_is_refused(micro_recipe_file, tmp_path):
+    """`auto` may resolve otherwise on another machine: the checkpoint's policy must match."""
+    run = tmp_path / "run"
+    trainer.train(load_recipe(str(micro_recipe_file)), run_dir=run, until_step=2, progress=False,
+                  tensorboard=False)
+    with pytest.raises(UserError, match="trained with float32 weights.*resolves train.precision = 'bf16-sr'"):
+        trainer.train(load_recipe(str(micro_recipe_file), ["train.precision=bf16-sr"]), run_dir=run,
+                      progress=False, tensorboard=False)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]

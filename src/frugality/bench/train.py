@@ -53,6 +53,7 @@ class BenchRow:
     speedup_pairs: tuple[float, float, float] | None = None
     # MFU against the matmul probe sampled between this pass's steps, rather than against
     # the cached peak: on a shared machine whose speed drifts, the peak of the moment
+    runs_as: str | None = None  # the policy as it ran here, e.g. "bf16-sr (fp32 products)"
     pass_peak_flops: float | None = None
     mfu_vs_pass_peak: float | None = None
 
@@ -143,7 +144,7 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
                     training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2),
                 steps=steps, device=device_name(device),
                 compile_level=recipe.compile.level if impl == "frugality" else None,
-                pass_peak_flops=round(pass_peak),
+                runs_as=_policy(impl, impl_precision[impl], device).label, pass_peak_flops=round(pass_peak),
                 mfu_vs_pass_peak=_significant(mfu(flops_per_token * tokens_per_s, pass_peak)),
             ))
             log(f"{impl:12} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {_percent(rows[-1].mfu)} "
@@ -198,7 +199,7 @@ def markdown_table(rows: list[BenchRow]) -> str:
         if r.speedup_pairs:
             q1, median, q3 = r.speedup_pairs
             speedup += f" (pairs {median:.2f}×, {q1:.2f}–{q3:.2f})"
-        lines.append(f"| {r.impl} | {r.precision} | {r.compile_level or 'eager'} | {r.batch} × {r.seq} | "
+        lines.append(f"| {r.impl} | {r.runs_as or r.precision} | {r.compile_level or 'eager'} | {r.batch} × {r.seq} | "
                      f"{r.tokens_per_s:,.0f} | {speedup} | {r.step_time_s:.3f} | {_percent(r.mfu)} | "
                      f"{_percent(r.mfu_vs_pass_peak)} ({_gflops(r.pass_peak_flops)}) | "
                      f"{r.state_bytes_per_param:g} | {mem} |")

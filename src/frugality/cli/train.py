@@ -28,14 +28,20 @@ def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optim
     the current step, saves a checkpoint and exits; running the same command again
     continues where it stopped.
     """
+    from frugality import distributed
     from frugality.config.recipe import load_recipe
     from frugality.training.trainer import train as run_training
 
     resolved = load_recipe(recipe, list(overrides))
-    result = run_training(resolved, run_dir=run_dir, fresh=fresh, until_step=until_step,
-                          progress=not no_progress, init_from=init_from,
-                          resume_optimizer=resume_optimizer)
+    try:
+        result = run_training(resolved, run_dir=run_dir, fresh=fresh, until_step=until_step,
+                              progress=not no_progress, init_from=init_from,
+                              resume_optimizer=resume_optimizer)
+    finally:
+        distributed.shutdown()
     s = result.summary
+    if not s:  # a rank other than the first: rank 0 reports
+        sys.exit(130 if result.interrupted else 0)
     click.echo(
         f"{result.run_dir}: step {s['final_step']}/{s['total_steps']}, "
         f"{s['tokens_seen']:,} tokens, {s['wall_time_s']:.0f} s; "

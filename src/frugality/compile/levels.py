@@ -44,8 +44,8 @@ def get_level(name: str) -> CompileLevel:
 
 
 def inductor_options(device: torch.device, compute_dtype: torch.dtype) -> dict:
-    """Inductor options by device and dtype (part of the cache key through Inductor's own
-    config hash).
+    """Inductor options by device and dtype (bf16 wherever the blocks hold bf16 tensors, also
+    with fp32 products; part of the cache key through Inductor's own config hash).
 
     On CPU with bf16, torch 2.13's C++ code generator declares the same variable twice when
     one kernel stores two identical bf16 reductions (two bias gradients of a parallel-residual

@@ -117,7 +117,7 @@ class CompileSession:
         return cls(c.level, cache=c.cache, on_recompile=c.on_recompile, fallback=c.fallback,
                    model_config=recipe.model.model_dump(mode="json"),
                    micro_batch_size=recipe.data.micro_batch_size, seq_len=recipe.data.seq_len,
-                   precision=policy.label, compute_dtype=policy.compute_dtype, device=device)
+                   precision=policy.key, compute_dtype=policy.graph_dtype, device=device)
 
     # -- 1. start ---------------------------------------------------------------------------
     def start(self, model: torch.nn.Module) -> None:

@@ -34,6 +34,7 @@ from frugality.models import FAMILIES, ModelConfig
 PRECISIONS = ("auto", "fp32", "amp-bf16", "bf16-sr", "bf16", "fp8")
 COMPILE_LEVELS = ("O0", "O1", "O2")
 TASKS = ("causal_lm",)
+DATA_PARALLEL = ("ddp", "fsdp")
 
 
 class _Section(BaseModel):
@@ -129,6 +130,16 @@ class CompileConfig(_Section):
     )
 
 
+class ParallelConfig(_Section):
+    """How a run launched on several processes (torchrun) shares the work; see
+    frugality.distributed and docs/distributed.md. One process ignores it."""
+
+    data: Literal[DATA_PARALLEL] = Field(
+        default="ddp", description="ddp: replicas, gradients all-reduced; fsdp: FSDP2, parameters, "
+        "gradients and optimizer state sharded per transformer block")
+    timeout_s: PositiveInt = Field(default=600, description="a collective waiting longer fails the run")
+
+
 class MetricsConfig(_Section):
     peak_tflops: PositiveFloat | None = Field(
         default=None,
@@ -145,6 +156,7 @@ class Recipe(_Section):
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     compile: CompileConfig = CompileConfig()
+    parallel: ParallelConfig = ParallelConfig()
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")

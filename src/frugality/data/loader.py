@@ -105,17 +105,16 @@ class TrainStream:
 def validation_batches(
     samples: PackedSamples, batches: int, micro_batch_size: int, rank: int = 0, world_size: int = 1
 ) -> list[torch.Tensor]:
-    """The same fixed validation batches at every evaluation (this rank's share)."""
-    per_batch = micro_batch_size * world_size
-    available = len(samples.val_ids) // per_batch
+    """The same fixed validation batches at every evaluation: the first `batches` micro-batches
+    of the split, dealt round-robin to the ranks (this rank's share), so that the set does
+    not depend on the world size."""
+    available = len(samples.val_ids) // micro_batch_size
     if available == 0:
         raise UserError(
             f"the validation split has {len(samples.val_ids)} samples of {samples.block} tokens, "
-            f"fewer than one batch of {per_batch}; raise data.val_fraction or lower "
+            f"fewer than one batch of {micro_batch_size}; raise data.val_fraction or lower "
             "data.micro_batch_size"
         )
-    out = []
-    for k in range(min(batches, available)):
-        start = k * per_batch + rank * micro_batch_size
-        out.append(samples.gather(samples.val_ids[start : start + micro_batch_size]))
-    return out
+    b = micro_batch_size
+    return [samples.gather(samples.val_ids[k * b : (k + 1) * b])
+            for k in range(min(batches, available)) if k % world_size == rank]

@@ -1,4 +1,5 @@
-"""bf16 storage, fp32 products: linear layers for CPUs without native bf16 products.
+"""bf16 storage, fp32 products: linear layers for hardware without native bf16 products
+(CPUs without AMX or AVX512-BF16, CUDA GPUs before compute capability 8.0).
 
 There torch's bf16 matrix products run in emulated bf16 (a 2048^3 product at 0.3 GFLOP/s
 against 173 in fp32 on a 2-core AVX2 AMD EPYC), so a bf16 policy would train hundreds of

@@ -15,17 +15,23 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     Optimizers that free gradients between steps (`zero_grad(set_to_none=True)`) still
     hold them through every backward and update, so a missing gradient counts at its
-    parameter's size and dtype, which is what backward allocates."""
-    tensors = [p for p in model.parameters()]
-    tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    missing_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.grad is None)
+    parameter's size and dtype, which is what backward allocates. Sharded tensors (FSDP2's
+    DTensors) count their local shard: this process's bytes."""
+    params = [_local(p) for p in model.parameters()]
+    tensors = params + [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    missing_grads = sum(p.numel() * p.element_size() for p, full in zip(params, model.parameters())
+                        if full.grad is None)
     for state in optimizer.state.values():
-        tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+        tensors += [_local(t) for t in state.values() if isinstance(t, torch.Tensor)]
     seen: dict[tuple, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
         seen[(t.device, storage.data_ptr())] = storage.nbytes()
     return sum(seen.values()) + missing_grads
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def peak_memory_bytes(device: torch.device) -> int:

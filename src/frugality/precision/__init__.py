@@ -49,6 +49,16 @@ class PrecisionPolicy:
     fp32_products: bool = False
 
     @property
+    def graph_dtype(self) -> torch.dtype:
+        """bf16 where any tensor of the compiled blocks is (storage or products), else fp32."""
+        return torch.bfloat16 if torch.bfloat16 in (self.storage_dtype, self.compute_dtype) else self.compute_dtype
+
+    @property
+    def key(self) -> str:
+        """The policy as it runs, for cache keys and file names (no spaces)."""
+        return self.label.replace(" (", "+").replace(")", "").replace(" ", "-")
+
+    @property
     def label(self) -> str:
         """The name, and the compute mode where it differs from the policy's usual one."""
         return f"{self.name} (fp32 products)" if self.fp32_products or (
@@ -90,7 +100,7 @@ def get_policy(name: str) -> PrecisionPolicy:
     try:
         return _POLICIES[name]
     except KeyError:
-        raise UserError(f"precision {name!r}: choose one of {AUTO}, {', '.join(PRECISIONS)}") from None
+        raise UserError(f"precision {name!r}: choose one of {', '.join(PRECISIONS)}") from None
 
 
 def resolve_policy(name: str, device: torch.device) -> tuple[PrecisionPolicy, str]:

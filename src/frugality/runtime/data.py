@@ -24,7 +24,9 @@ class TrainingData:
     val_batches: list[torch.Tensor]
 
 
-def open_training_data(recipe: Recipe, progress: bool = True) -> TrainingData:
+def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, world_size: int = 1) -> TrainingData:
+    """The data, and this rank's share of each step's global batch and of the validation
+    batches; the stream's position is global, so it resumes at any world size."""
     tokenizer = load_tokenizer(recipe.data.tokenizer)
     if tokenizer.vocab_size > recipe.model.vocab_size:
         raise UserError(
@@ -33,8 +35,9 @@ def open_training_data(recipe: Recipe, progress: bool = True) -> TrainingData:
         )
     dataset = _open_dataset(recipe, tokenizer, progress)
     samples = PackedSamples(dataset, recipe.data.seq_len, recipe.data.val_fraction, recipe.seed)
-    stream = TrainStream(samples, recipe.data.global_batch_size, recipe.data.micro_batch_size)
-    val_batches = validation_batches(samples, recipe.train.eval_batches, recipe.data.micro_batch_size)
+    stream = TrainStream(samples, recipe.data.global_batch_size, recipe.data.micro_batch_size, rank, world_size)
+    val_batches = validation_batches(samples, recipe.train.eval_batches, recipe.data.micro_batch_size, rank,
+                                     world_size)
     # A dataset tokenized for another vocabulary shows in its first tokens; scanning them
     # all would take minutes on a large corpus.
     if int(dataset.tokens[: 1 << 24].max(initial=0)) >= recipe.model.vocab_size:

@@ -6,7 +6,8 @@ order, so that each sees the same model:
 2. the precision policy, fitted to the device (`frugality.precision.resolve_policy`):
    bf16 cast or float8 conversion;
 3. backend kernels: the device's faster layers swapped in (`frugality.kernels.specialize`);
-4. (to come: parallel wrapping — DDP, FSDP — from outside the model);
+4. parallel wrapping from outside the model, where torchrun started several processes
+   (`frugality.distributed.wrap`: DDP or FSDP2);
 5. the optimizer the policy calls for, and the compile session (`frugality.compile`),
    started by the caller once any checkpoint is loaded.
 """
@@ -19,7 +20,10 @@ import torch
 from torch import nn
 
 from frugality.compile.session import CompileSession
+from frugality.errors import UserError
 from frugality.config.recipe import Recipe
+from frugality.distributed import World, wrap
+from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.kernels.specialize import specialize
 from frugality.models import build_model
 from frugality.precision import PrecisionPolicy, resolve_policy
@@ -41,8 +45,14 @@ class TrainState:
     compiled: CompileSession
     choices: list[str] = field(default_factory=list)  # what was picked for this machine, and why
     data: TrainingData | None = None
+    world: World = World()
     step: int = 0
     stop_requested: bool = False  # set by a signal or a policy: stop after this step, saved
+
+    @property
+    def module(self) -> nn.Module:
+        """The model without a DDP wrapper (its own parameter names)."""
+        return getattr(self.model, "module", self.model)
 
     @property
     def autocast(self):
@@ -54,9 +64,11 @@ def check_recipe(recipe: Recipe, device: torch.device) -> None:
     device), for callers that must refuse bad input before doing anything else."""
     get_task(recipe.train.task).check(recipe.model.family)
     resolve_policy(recipe.train.precision, device)
+    disabled_kernels()  # a misspelt FRUGALITY_DISABLE_KERNELS fails now, not mid-run
 
 
-def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None = None) -> TrainState:
+def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None = None,
+                world: World = World()) -> TrainState:
     """The training state for `recipe` on `device` (see the module's docstring for the
     order); `data` from `frugality.runtime.data.open_training_data` where batches come from
     the recipe's dataset. The recipe's micro-batch and sequence length key the compiled graphs."""
@@ -67,8 +79,14 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
     with device:
         model = policy.prepare_model(build_model(recipe.model))
     choices = specialize(model, device, policy)
+    if world.distributed:
+        if recipe.parallel.data == "fsdp" and policy.storage_dtype == torch.bfloat16:
+            raise UserError(f"precision {policy.name} under parallel.data = \"fsdp\" is not supported yet "
+                            "(its optimizer keeps flat bf16 buffers); use ddp, or fp32 / amp-bf16")
+        model = wrap(model, recipe.parallel.data, world, device)
+        choices.append(f"{recipe.parallel.data} over {world.world_size} processes")
     optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
                                 fused=recipe.train.fused_optimizer)
     compiled = CompileSession.for_recipe(recipe, device, policy)
     return TrainState(recipe, device, policy, task, model, optimizer, compiled,
-                      [note, "layers: " + ", ".join(choices)], data)
+                      [note, "layers: " + ", ".join(choices)], data, world)

@@ -6,11 +6,13 @@ memory, the NaN policy, checkpoints, signals, the summary) is a callback
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from frugality.distributed import all_mean, all_sum
 from frugality.runtime.state import TrainState
 from frugality.training.schedule import learning_rate
 
@@ -33,13 +35,13 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
     callbacks.on_train_start(state)
     if state.step == 0:
         evaluate(state, callbacks)
-    while state.step < stop_at and not state.stop_requested:
+    while state.step < stop_at:
+        t0 = time.perf_counter()  # the step's time includes fetching its batches
         lr = learning_rate(state.step, recipe.train.steps, recipe.optim.lr, recipe.optim.min_lr,
                            recipe.optim.warmup_steps)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         batches = state.data.stream.next_step()
-        t0 = time.perf_counter()
         loss, norm = _run(state, callbacks, "train", state.step + 1, lambda: train_step(state, batches))
         state.step += 1
         callbacks.on_step_end(state, StepResult(state.step, loss, norm, lr, time.perf_counter() - t0,
@@ -47,6 +49,8 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
         if state.step % recipe.train.eval_interval == 0 or state.step == recipe.train.steps:
             evaluate(state, callbacks)
         callbacks.on_step_done(state)  # after evaluation: checkpoints see the step's whole result
+        if state.stop_requested:  # asked during the step (or the evaluation before it): stop, saved
+            break
     callbacks.on_train_end(state)
 
 
@@ -57,19 +61,23 @@ def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[fl
     model, optimizer = state.model, state.optimizer
     model.train()
     total = torch.zeros((), device=state.device)
-    for batch in micro_batches:
-        with state.autocast:
-            loss = state.task.loss(model, batch.to(state.device, non_blocking=True))
-        (loss / len(micro_batches)).backward()
+    for i, batch in enumerate(micro_batches):
+        # DDP: gradients are all-reduced with the last micro-batch's backward only
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            with state.autocast:
+                loss = state.task.loss(model, batch.to(state.device, non_blocking=True))
+            (loss / len(micro_batches)).backward()
         total += loss.detach()
     max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
     if hasattr(optimizer, "clip_grad_norm_"):  # BF16AdamW: clipping folded into its update
         norm = optimizer.clip_grad_norm_(max_norm)
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return (total / len(micro_batches)).item(), norm.item()
+    return all_mean((total / len(micro_batches)).item(), state.device), norm.item()
 
 
 @torch.no_grad()
@@ -79,7 +87,11 @@ def validation_loss(state: TrainState) -> float:
     for batch in state.data.val_batches:
         with state.autocast:
             losses.append(state.task.loss(state.model, batch.to(state.device)))
-    return torch.stack(losses).mean().item()
+    if not state.world.distributed:
+        return torch.stack(losses).mean().item()
+    # ranks may hold different numbers of the (equal-sized) batches: the mean over all of them
+    total, count = all_sum([sum(loss.item() for loss in losses), len(losses)], state.device)
+    return total / count
 
 
 def evaluate(state: TrainState, callbacks) -> float:

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from frugality.checkpoint import CheckpointManager, step_of
+from frugality import distributed
 from frugality.config.recipe import Recipe
 from frugality.errors import UserError
 from frugality.hardware import probe
-from frugality.interop.weights import check_compatible, load_weights, resolve_source
+from frugality.interop.weights import WeightsSource, check_compatible, load_weights, resolve_source, stored_dtype
 from frugality.runtime.data import open_training_data
 from frugality.runtime.device import resolve_device
 from frugality.runtime.state import TrainState, build_state, check_recipe
@@ -65,36 +66,43 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
     # Everything that can fail on bad input fails here, before the run directory is touched.
     device = resolve_device(recipe.train.device)
     check_recipe(recipe, device)
+    world = distributed.init(device, recipe.parallel.timeout_s)  # world size 1 without torchrun
+    device = distributed.local_device(device, world)
     if device.type == "cpu":
         keep_freed_memory()  # see frugality.runtime.host_memory
-    data = open_training_data(recipe, progress)
+    data = open_training_data(recipe, progress, world.rank, world.world_size)
     plan = rundir.plan_run(recipe, run_path, fresh)
     source = resolve_source(init_from) if init_from is not None and plan.resume_from is None else None
     if resume_optimizer and (source is None or not source.has_optimizer):
         raise UserError("--resume-optimizer needs --init-from a frugality training checkpoint "
                         "(one with optimizer state) and a new run")
-    state = build_state(recipe, device, data)
+    state = build_state(recipe, device, data, world)
     checkpoints = CheckpointManager(run_path / "checkpoints", keep=recipe.train.keep_checkpoints)
     _restore(state, plan, source, checkpoints, resume_optimizer, stop_at)
-    rundir.open_run(plan, recipe, state.step if plan.resume_from is not None else None)
+    if world.is_main:
+        rundir.open_run(plan, recipe, state.step if plan.resume_from is not None else None)
+    distributed.barrier()
 
-    header = _header(state, plan, source, init_from, resume_optimizer)
-    throughput = Throughput()
-    log = RunLog(run_path, tensorboard)
-    memory = Memory(log)
-    summary = Summary(run_path, throughput, memory)
-    callbacks = Callbacks(StopOnSignal(), CloseCompileSession(), throughput, memory, log,
-                          Progress(header, progress, stop_at), NanGuard(), summary,
-                          Checkpointing(checkpoints, stop_at))
+    throughput, summary = Throughput(), None
+    callbacks = [StopOnSignal(), CloseCompileSession(), throughput, NanGuard(), Checkpointing(checkpoints, stop_at)]
+    if world.is_main:  # one rank writes the log, shows progress and summarises
+        log = RunLog(run_path, tensorboard)
+        memory = Memory(log)
+        summary = Summary(run_path, throughput, memory)
+        header = _header(state, plan, source, init_from, resume_optimizer)
+        callbacks[3:3] = [memory, log, Progress(header, progress, stop_at)]
+        callbacks.append(summary)
+    callbacks = Callbacks(*callbacks)
     start = state.step
-    state.compiled.start(state.model)
     try:
+        state.compiled.start(state.model)
         fit(state, callbacks, stop_at)
     finally:
         callbacks.on_exit(state)
         state.compiled.close()  # publishes what was compiled, even when the run stopped on an error
         state.compiled.cleanup()
-    return TrainResult(run_path, start, state.step, state.stop_requested, summary.evals, summary.summary)
+    return TrainResult(run_path, start, state.step, state.stop_requested,
+                       summary.evals if summary else {}, summary.summary if summary else {})
 
 
 def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: bool, stop_at: int) -> None:
@@ -103,13 +111,23 @@ def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: boo
     seed = state.recipe.seed + 1  # seeded apart from initialisation so both orders of events reproduce
     if source is not None:
         if resume_optimizer:
-            check_compatible(source, state.model)
+            check_compatible(source, state.module)
             CheckpointManager(source.path.parent).load(source.path, state.model, state.optimizer)
         else:
-            load_weights(source, state.model)
+            load_weights(source, state.module)
         rng.seed_everything(seed)
     elif plan.resume_from is not None:
+        stored = stored_dtype(WeightsSource(plan.resume_from, "dcp"))
+        if stored is not None and stored != state.policy.storage_dtype:  # DCP could not load it
+            raise UserError(f"{plan.resume_from}: trained with {str(stored).removeprefix('torch.')} weights, but "
+                            f"this run resolves train.precision = {state.recipe.train.precision!r} to "
+                            f"{state.policy.name} here; resume with the run's precision (--set train.precision=...)")
         extra = checkpoints.load(plan.resume_from, state.model, state.optimizer)
+        saved = extra.get("precision", state.policy.name)
+        if saved != state.policy.name:  # e.g. `auto` resolving otherwise on another machine
+            raise UserError(f"{plan.resume_from}: trained with precision {saved}, but this run resolves "
+                            f"train.precision = {state.recipe.train.precision!r} to {state.policy.name} here; "
+                            f"resume with --set train.precision={saved}")
         state.step = step_of(plan.resume_from)
         state.data.stream.load_state_dict(extra["data"])
         rng.set_state(extra["rng"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from frugality.config.recipe import Recipe
+from frugality.distributed import World
 from frugality.training.loop import StepResult
 
 
@@ -22,8 +23,9 @@ def state():
     return SimpleNamespace(recipe=recipe, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                            device=torch.device("cpu"), step=0, stop_requested=False,
                            policy=SimpleNamespace(compute_dtype=torch.float32, state_bytes_per_param=16,
-                                                  label="fp32"),
+                                                  label="fp32", name="fp32"),
                            compiled=SimpleNamespace(enabled=True, stats=stats, closed=0),
+                           world=World(),
                            data=SimpleNamespace(stream=SimpleNamespace(epoch=0.5, state_dict=lambda: {"pos": 1})))
 
 

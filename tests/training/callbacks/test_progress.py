@@ -11,7 +11,6 @@ def test_the_header_is_printed_and_the_run_line_only_with_progress(state, step, 
     loud = Progress(header, enabled=True, stop_at=10)
     loud.on_train_start(state)
     state.stop_requested = True
-    loud.on_step_done(state)
     loud.on_train_end(state)
     out = capsys.readouterr().out
     assert "the run" in out and f"stopped by signal after step {state.step}" in out

@@ -13,5 +13,6 @@ class Checkpointing(Callback):
 
     def on_step_done(self, state) -> None:
         if state.step % state.recipe.train.save_interval == 0 or state.step == self.stop_at or state.stop_requested:
-            extra = {"data": state.data.stream.state_dict(), "rng": rng.get_state(), "step": state.step}
+            extra = {"data": state.data.stream.state_dict(), "rng": rng.get_state(), "step": state.step,
+                     "precision": state.policy.name}  # a resume under another policy is refused
             self.manager.save(state.step, state.model, state.optimizer, extra)

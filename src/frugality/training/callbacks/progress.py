@@ -33,12 +33,10 @@ class Progress(Callback):
         if self.bar is not None and state.step:
             self.bar.set_postfix(val=f"{loss:.3f}", refresh=False)
 
-    def on_step_done(self, state) -> None:
-        if state.stop_requested:
-            tqdm.write(f"stopped by signal after step {state.step}; checkpoint saved, rerun to resume")
-
     def on_train_end(self, state) -> None:
         self.on_exit(state)
+        if state.stop_requested:  # the checkpoint was written at the step's end
+            tqdm.write(f"stopped by signal after step {state.step}; checkpoint saved, rerun to resume")
 
     def on_exit(self, state) -> None:
         if self.bar is not None:

@@ -25,6 +25,7 @@ class Throughput(Callback):
                                                         r.data.seq_len)
         self.peak = (r.metrics.peak_tflops * 1e12 if r.metrics.peak_tflops
                      else peak_flops(state.device, state.policy.compute_dtype, cache_dir() / "peak_flops.json"))
+        self.peak *= state.world.world_size  # tokens/s are global: against every rank's device
 
     def on_step_end(self, state, result) -> None:
         self.step_times.append(result.seconds)

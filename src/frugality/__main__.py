@@ -1,0 +1,7 @@
+"""`python -m frugality ...`, as torchrun starts it: `torchrun --nproc_per_node 2 -m frugality train`."""
+
+import sys
+
+from frugality.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,110 @@
+"""Training across processes on PyTorch's own distributed engine: torchrun (or
+`torch.distributed.run`) starts the processes, c10d's process group connects them (gloo on
+CPUs, NCCL on CUDA GPUs), and the data-parallel strategy wraps the specialized model from
+outside (`wrap`). One process without torchrun's environment is world size 1: nothing is
+initialised and nothing is wrapped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from frugality.errors import UserError
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def world_from_env() -> World:
+    """This process's place, from the variables torchrun sets (world size 1 without them)."""
+    try:
+        return World(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                     int(os.environ.get("LOCAL_RANK", 0)))
+    except ValueError:
+        raise UserError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)") from None
+
+
+def init(device: torch.device, timeout_s: int) -> World:
+    """Join the process group torchrun describes (once per process); CUDA ranks take the GPU
+    of their local rank. A collective that waits longer than `timeout_s` fails instead of
+    hanging."""
+    world = world_from_env()
+    if world.distributed and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(world.local_rank)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return world
+
+
+def local_device(device: torch.device, world: World) -> torch.device:
+    """The device this rank trains on: its own GPU on a multi-GPU machine."""
+    if device.type == "cuda" and world.distributed:
+        return torch.device("cuda", world.local_rank)
+    return device
+
+
+def wrap(model: nn.Module, strategy: str, world: World, device: torch.device) -> nn.Module:
+    """The model as the strategy trains it: DDP (a wrapper whose backward all-reduces
+    gradient buckets while later layers still compute) or FSDP2 (`fully_shard` on each
+    transformer block, then the root, in place). Unchanged at world size 1."""
+    if not world.distributed:
+        return model
+    if strategy == "ddp":
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    if strategy == "fsdp":
+        for block in getattr(model, "layers", []):
+            fully_shard(block)
+        return fully_shard(model)
+    raise UserError(f"parallel.data {strategy!r}: choose ddp or fsdp")
+
+
+def all_mean(value: float, device: torch.device) -> float:
+    """The mean of a number over the ranks (itself at world size 1)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).item()
+
+
+def all_sum(values: list[float], device: torch.device) -> list[float]:
+    """Each number summed over the ranks (as given at world size 1)."""
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing at world size 1)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the process group, where one was joined (at the end of a command)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
