@@ -21,7 +21,9 @@ import click
 @click.option("--resume-optimizer", is_flag=True,
               help="With --init-from a frugality checkpoint: take its optimizer state too.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs still go to the run directory).")
-def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optimizer, no_progress) -> None:
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes on this machine (started through torchrun's launcher; parallel.* in the recipe).")
+def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optimizer, no_progress, nproc) -> None:
     """Train a model from RECIPE: a shipped recipe's name (default: tiny) or a .toml file.
 
     A run directory that holds a checkpoint resumes from it. Ctrl-C or SIGTERM finishes
@@ -33,6 +35,13 @@ def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optim
     from frugality.training.trainer import train as run_training
 
     resolved = load_recipe(recipe, list(overrides))
+    if nproc > 1:  # the same command in N processes, started as torchrun starts them
+        args = ["train", *([recipe] if recipe else []), *(a for o in overrides for a in ("--set", o)),
+                *(["--run-dir", run_dir] if run_dir else []), *(["--fresh"] if fresh else []),
+                *(["--until-step", str(until_step)] if until_step else []),
+                *(["--init-from", init_from] if init_from else []),
+                *(["--resume-optimizer"] if resume_optimizer else []), *(["--no-progress"] if no_progress else [])]
+        sys.exit(distributed.launch_local(nproc, args))
     try:
         result = run_training(resolved, run_dir=run_dir, fresh=fresh, until_step=until_step,
                               progress=not no_progress, init_from=init_from,
@@ -54,3 +63,4 @@ def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optim
 
 def _fmt(value, spec: str = ".3f") -> str:
     return "n/a" if value is None else format(value, spec)
+

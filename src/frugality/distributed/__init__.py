@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.run import get_args_parser
+from torch.distributed.run import run as launch
 from torch.nn.parallel import DistributedDataParallel
 
 from frugality.errors import UserError
@@ -33,6 +37,20 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+def launch_local(nproc: int, args: list[str]) -> int:
+    """`frugality ARGS` in `nproc` processes on this machine, started by torchrun's own
+    launcher (`torch.distributed.run`, standalone rendezvous); the exit status of the
+    first failed rank, named on one line, or 0."""
+    config = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "frugality", *args])
+    try:
+        launch(config)
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        print(f"error: rank {rank} of {nproc} failed with exit status {failure.exitcode}", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
 
 
 def world_from_env() -> World:
