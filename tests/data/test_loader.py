@@ -78,3 +78,30 @@ def test_validation_is_fixed_and_refuses_when_too_small(dataset):
         validation_batches(s, batches=1, micro_batch_size=len(s.val_ids) + 1)
     with pytest.raises(UserError, match="multiple of"):
         TrainStream(s, global_batch_size=6, micro_batch_size=4)
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2), (2, 3), (3, 2)])
+def test_a_stream_resumed_at_another_world_size_takes_every_sample_once_per_epoch(dataset, before, after):
+    """The position is global: ranks of any count, before and after a resume, together take
+    the epoch's samples in one order, none skipped and none repeated."""
+    s = PackedSamples(dataset, seq_len=15, val_fraction=0.1, seed=3)
+    n = len(s.train_ids)
+    taken: list[int] = []
+    gather = s.gather
+    s.gather = lambda ids: taken.extend(int(i) for i in ids) or gather(ids)
+    global_batch = 12  # a multiple of the micro-batch (2) times 1, 2 and 3 ranks
+    streams = [TrainStream(s, global_batch, 2, rank, before) for rank in range(before)]
+    for _ in range(3):
+        for stream in streams:
+            stream.next_step()
+    state = streams[0].state_dict()
+    assert all(st.state_dict() == state for st in streams)  # one global position
+    streams = [TrainStream(s, global_batch, 2, rank, after) for rank in range(after)]
+    for stream in streams:
+        stream.load_state_dict(state)
+    while len(taken) < n - n % global_batch:
+        for stream in streams:
+            stream.next_step()
+    epoch = taken[: n - n % global_batch]
+    assert len(epoch) == len(set(epoch))  # nothing taken twice within the epoch
+    assert set(epoch) <= set(s.train_ids.tolist())

@@ -96,3 +96,16 @@ def test_a_rank_that_dies_ends_the_run_naming_it(micro_recipe_file, tmp_path):
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode != 0
     assert "rank      : 1" in done.stderr and "exitcode  : 9" in done.stderr
+
+
+def test_a_run_saved_in_one_process_resumes_on_two_ranks(micro_recipe_file, tmp_path):
+    _train(micro_recipe_file, tmp_path / "straight", 1)
+    frugality = [sys.executable, "-m", "frugality", "train", str(micro_recipe_file), "--run-dir",
+                 str(tmp_path / "grown"), "--no-progress", "--until-step", "4"]
+    assert subprocess.run(frugality, capture_output=True, text=True, timeout=600).returncode == 0
+    done = _train(micro_recipe_file, tmp_path / "grown", 2)
+    assert "resuming" in done.stdout
+    straight, grown = _losses(tmp_path / "straight"), _losses(tmp_path / "grown")
+    assert sorted(grown) == list(range(1, 9))
+    for step in range(5, 9):
+        assert grown[step] == pytest.approx(straight[step], rel=1e-4), step
