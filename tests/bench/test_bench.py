@@ -52,3 +52,16 @@ def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
     assert "exceeds model.max_seq_len" in capsys.readouterr().err
     assert main(["bench", "train", str(micro_recipe_file), "--baseline", "fp17"]) == 2
     assert "precision 'fp17'" in capsys.readouterr().err
+
+
+def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp_path):
+    out = tmp_path / "scale.json"
+    args = ["bench", "scale", str(micro_recipe_file), "--nproc", "1,2", "--strategy", "ddp", "--steps", "3",
+            "--json", str(out)]
+    assert main(args) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["strategy"], r["nproc"]) for r in rows] == [("none", 1), ("ddp", 2)]
+    assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] > 0
+    assert rows[1]["tokens_per_s_per_rank"] == round(rows[1]["tokens_per_s"] / 2, 1)
+    assert rows[1]["threads_per_rank"] == max(1, rows[0]["threads_per_rank"] // 2)
+    assert main(["bench", "scale", str(micro_recipe_file), "--strategy", "hsdp"]) == 2

@@ -107,14 +107,16 @@ def validation_batches(
 ) -> list[torch.Tensor]:
     """The same fixed validation batches at every evaluation: the first `batches` micro-batches
     of the split, dealt round-robin to the ranks (this rank's share), so that the set does
-    not depend on the world size."""
+    not depend on the world size. Every rank must run the same number of forwards (FSDP2
+    gathers parameters in each), so several ranks take a multiple of their count: `batches`
+    rounded down to one (at least one batch each)."""
     available = len(samples.val_ids) // micro_batch_size
-    if available == 0:
+    if available < world_size:
         raise UserError(
             f"the validation split has {len(samples.val_ids)} samples of {samples.block} tokens, "
-            f"fewer than one batch of {micro_batch_size}; raise data.val_fraction or lower "
-            "data.micro_batch_size"
+            f"fewer than one batch of {micro_batch_size} for each of {world_size} rank(s); raise "
+            "data.val_fraction or lower data.micro_batch_size"
         )
-    b = micro_batch_size
-    return [samples.gather(samples.val_ids[k * b : (k + 1) * b])
-            for k in range(min(batches, available)) if k % world_size == rank]
+    b, count = micro_batch_size, min(batches, available)
+    count = max(world_size, count - count % world_size)
+    return [samples.gather(samples.val_ids[k * b : (k + 1) * b]) for k in range(count) if k % world_size == rank]

@@ -90,7 +90,8 @@ def wrap(model: nn.Module, strategy: str, world: World, device: torch.device) ->
         return model
     if strategy == "ddp":
         ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        # the models' buffers are constant tables (rotary): no broadcast of them every forward
+        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
     if strategy == "fsdp":
         for block in getattr(model, "layers", []):
             fully_shard(block)
