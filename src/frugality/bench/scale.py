@@ -3,7 +3,7 @@ data-parallel strategy, each configuration a real `frugality train --nproc N` ru
 recipe in a temporary directory.
 
 The global batch stays the recipe's, so every configuration trains the same samples per
-step; on CPUs the machine's cores are split between the ranks (OMP_NUM_THREADS = cores / N),
+step (in micro-batches of one size: the recipe's, or the global batch over the most ranks); on CPUs the machine's cores are split between the ranks (OMP_NUM_THREADS = cores / N),
 so that one process is not given the whole machine against N that share it. Reported per
 configuration: median global tokens/s, per rank, scaling efficiency against one process
 (tokens/s over N x the one-process rate per core share: 1.0 is linear), and rank 0's
@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from frugality.config.recipe import Recipe
+from frugality.errors import UserError
 
 
 @dataclass
@@ -38,6 +39,15 @@ class ScaleRow:
 def bench_scale(recipe_arg: str | None, recipe: Recipe, overrides: list[str], nprocs: list[int],
                 strategies: list[str], steps: int, log=print) -> list[ScaleRow]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # one micro-batch size for every configuration: the recipe's, or smaller where the most
+    # ranks would not divide the global batch with it (one process then accumulates)
+    data, most = recipe.data, max(nprocs)
+    micro = data.micro_batch_size
+    if data.global_batch_size % (micro * most):
+        if data.global_batch_size % most:
+            raise UserError(f"--nproc {most}: does not divide data.global_batch_size ({data.global_batch_size})")
+        micro = data.global_batch_size // most
+    overrides = [*overrides, f"data.micro_batch_size={micro}"]
     rows: list[ScaleRow] = []
     base = None  # one process's tokens/s
     for strategy in strategies:

@@ -1,0 +1,37 @@
+"""Data-parallel scaling on this machine: `frugality bench scale` on a recipe, written to
+benchmarks/results/scaling-<recipe>-<machine>-<date>.md and .json.
+
+    .venv/bin/python benchmarks/scaling.py [--recipe tiny] [--nproc 1,2] [--strategy ddp,fsdp] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from frugality.bench.results import machine_line, write_results
+from frugality.bench.scale import bench_scale, markdown_table, rows_json
+from frugality.config.recipe import load_recipe
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="tiny")
+    parser.add_argument("--nproc", default="1,2")
+    parser.add_argument("--strategy", default="ddp,fsdp")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    rows = bench_scale(args.recipe, load_recipe(args.recipe), [], [int(n) for n in args.nproc.split(",")],
+                       args.strategy.split(","), args.steps, log=lambda line: print(line, file=sys.stderr))
+    header = (f"# Data-parallel scaling, {args.recipe} recipe (its global batch at every process count)\n\n"
+              f"{machine_line()}\nEach row is a `frugality train --nproc N` run of {args.steps} steps; the "
+              f"machine's cores split between the ranks (threads each); median step of the run; "
+              f"efficiency = tokens/s over one process's.\n\n")
+    write_results(Path(__file__).parent / "results", "scaling", args.recipe, header, markdown_table(rows),
+                  rows_json(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
