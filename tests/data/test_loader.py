@@ -69,11 +69,20 @@ def test_ranks_split_each_global_batch_and_resume_continues(dataset):
     assert sorted(map(tuple, expected.tolist())) == sorted(map(tuple, got.tolist()))
 
 
+def test_ranks_share_the_validation_batches_of_one_process_in_equal_numbers(dataset):
+    s = PackedSamples(dataset, seq_len=15, val_fraction=0.3, seed=3)
+    one, _ = validation_batches(s, batches=3, micro_batch_size=1)
+    shares = [validation_batches(s, batches=3, micro_batch_size=1, rank=r, world_size=4) for r in range(4)]
+    assert [len(batches) for batches, _ in shares] == [1, 1, 1, 1]  # one forward each
+    counted = [b for batches, n in shares for b in batches[:n]]
+    assert sorted(map(tuple, torch.cat(counted).tolist())) == sorted(map(tuple, torch.cat(one).tolist()))
+
+
 def test_validation_is_fixed_and_refuses_when_too_small(dataset):
     s = PackedSamples(dataset, seq_len=15, val_fraction=0.1, seed=3)
-    a = validation_batches(s, batches=2, micro_batch_size=2)
-    b = validation_batches(s, batches=2, micro_batch_size=2)
-    assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == 2
+    a, counted = validation_batches(s, batches=2, micro_batch_size=2)
+    b, _ = validation_batches(s, batches=2, micro_batch_size=2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == counted == 2
     with pytest.raises(UserError, match="fewer than one batch"):
         validation_batches(s, batches=1, micro_batch_size=len(s.val_ids) + 1)
     with pytest.raises(UserError, match="multiple of"):

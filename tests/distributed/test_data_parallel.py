@@ -1,5 +1,6 @@
-"""Data parallelism on torchrun with 2 CPU processes over gloo: the same losses as one
-process taking both ranks' samples, and checkpoints that resume at another world size."""
+"""Data parallelism on torchrun with 2 (HSDP: 4) CPU processes over gloo: the same losses as
+one process taking every rank's samples, and checkpoints that resume at another world size
+and under another strategy."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pytest
 from pathlib import Path
 
 
-def _train(recipe_file, run_dir, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
+def _train(recipe_file, run_dir, nproc: int, *overrides: str, extra=()) -> subprocess.CompletedProcess:
     frugality = ["-m", "frugality", "train", str(recipe_file), "--run-dir", str(run_dir), "--no-progress",
-                 *(a for o in overrides for a in ("--set", o))]
+                 *(a for o in overrides for a in ("--set", o)), *extra]
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
               if nproc > 1 else [sys.executable])
     env = os.environ | {"OMP_NUM_THREADS": "1"}
@@ -29,37 +30,62 @@ def _losses(run_dir, kind="train") -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["kind"] == kind}
 
 
-@pytest.mark.parametrize("strategy, precision, tolerance", [
-    ("ddp", "fp32", 1e-5), ("fsdp", "fp32", 1e-5),
-    ("ddp", "bf16-sr", 1e-3),  # gradients all-reduced in bf16
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The one-process runs to compare with, each trained once: (precision, micro-batch) -> run dir."""
+    runs = {}
+
+    def run(recipe_file, precision="fp32", micro=2):
+        if (precision, micro) not in runs:
+            runs[precision, micro] = tmp_path_factory.mktemp("one-process")
+            _train(recipe_file, runs[precision, micro], 1, f"train.precision={precision}",
+                   f"data.micro_batch_size={micro}")
+        return runs[precision, micro]
+    return run
+
+
+@pytest.mark.parametrize("strategy, nproc, precision, micro, tolerance", [
+    ("ddp", 2, "fp32", 2, 1e-5),
+    ("fsdp", 2, "fp32", 1, 1e-5),  # 2 micro-batches a rank: the first accumulates without syncing
+    ("hsdp", 4, "fp32", 1, 1e-5),  # 2 replicas of 2-rank shard groups
+    ("ddp", 2, "bf16-sr", 2, 1e-3),  # gradients reduced in bf16
+    ("fsdp", 2, "bf16-sr", 2, 1e-3),
 ])
-def test_two_ranks_train_as_one_process_with_both_shares(micro_recipe_file, tmp_path, strategy, precision,
-                                                          tolerance):
-    """Micro-batches of 2 on each of 2 ranks = 2 accumulated micro-batches of 2 in one process."""
-    _train(micro_recipe_file, tmp_path / "one", 1, f"train.precision={precision}")
-    done = _train(micro_recipe_file, tmp_path / "two", 2, f"parallel.data={strategy}", f"train.precision={precision}")
-    assert f"{strategy} over 2 processes" in done.stdout
-    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
-    assert sorted(two) == list(range(1, 9))
-    for step in one:
-        assert two[step] == pytest.approx(one[step], rel=tolerance), step
-    assert _losses(tmp_path / "two", "eval") == pytest.approx(_losses(tmp_path / "one", "eval"), rel=tolerance)
-    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+def test_ranks_train_as_one_process_with_all_their_shares(micro_recipe_file, tmp_path, one_process, strategy,
+                                                          nproc, precision, micro, tolerance):
+    """Each rank's micro-batches of each step = the same micro-batches accumulated in one process."""
+    one = one_process(micro_recipe_file, precision, micro)
+    done = _train(micro_recipe_file, tmp_path / "many", nproc, f"parallel.data={strategy}",
+                  f"train.precision={precision}", f"data.micro_batch_size={micro}", "parallel.shard_size=2")
+    assert f"{strategy} over {nproc} processes" in done.stdout
+    many = _losses(tmp_path / "many")
+    assert sorted(many) == list(range(1, 9))
+    for step, loss in _losses(one).items():
+        assert many[step] == pytest.approx(loss, rel=tolerance), step
+    assert _losses(tmp_path / "many", "eval") == pytest.approx(_losses(one, "eval"), rel=tolerance)
+    summary = json.loads((tmp_path / "many" / "summary.json").read_text())
     assert summary["final_step"] == 8 and summary["tokens_seen"] == 8 * 4 * 32
+    if strategy == "fsdp" and precision == "bf16-sr":
+        # resumed at the same world size from its step-4 checkpoint: the same bits as straight through
+        shutil.rmtree(tmp_path / "many" / "checkpoints" / "step_00000008")
+        _train(micro_recipe_file, tmp_path / "many", nproc, f"parallel.data={strategy}",
+               f"train.precision={precision}", f"data.micro_batch_size={micro}")
+        resumed = _losses(tmp_path / "many")
+        assert all(resumed[step] == many[step] for step in range(5, 9)), (resumed, many)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_run_saved_at_two_ranks_resumes_in_one_process(micro_recipe_file, tmp_path, strategy):
-    """The data position is global: the resumed run takes the samples the straight one did."""
-    _train(micro_recipe_file, tmp_path / "straight", 1)
-    _train(micro_recipe_file, tmp_path / "moved", 2, f"parallel.data={strategy}")
-    # take the two-rank run back to its step-4 checkpoint and continue it in one process
-    shutil.rmtree(tmp_path / "moved" / "checkpoints" / "step_00000008")
-    _train(micro_recipe_file, tmp_path / "moved", 1)
-    straight, moved = _losses(tmp_path / "straight"), _losses(tmp_path / "moved")
-    assert sorted(moved) == list(range(1, 9))
-    for step in range(5, 9):
-        assert moved[step] == pytest.approx(straight[step], rel=1e-4), step
+def test_a_run_moves_between_strategies_and_world_sizes(micro_recipe_file, tmp_path, one_process):
+    """DDP at 2 ranks, then HSDP at 4, FSDP2 at 2 and one process, 2 steps each, resuming each
+    other's checkpoints: the data position is global, and the losses are the straight run's."""
+    straight = one_process(micro_recipe_file, "fp32", 1)
+    moved = tmp_path / "moved"
+    for strategy, nproc, until in [("ddp", 2, 2), ("hsdp", 4, 4), ("fsdp", 2, 6), ("ddp", 1, 8)]:
+        _train(micro_recipe_file, moved, nproc, f"parallel.data={strategy}", "data.micro_batch_size=1",
+               "parallel.shard_size=2", extra=["--until-step", str(until)])
+    losses, expected = _losses(moved), _losses(straight)
+    assert sorted(losses) == list(range(1, 9))
+    for step in range(1, 9):
+        assert losses[step] == pytest.approx(expected[step], rel=1e-4), step
 
 
 def test_frugality_train_nproc_starts_the_processes_itself(micro_recipe_file, tmp_path):
@@ -98,14 +124,14 @@ def test_a_rank_that_dies_ends_the_run_naming_it(micro_recipe_file, tmp_path):
     assert "rank      : 1" in done.stderr and "exitcode  : 9" in done.stderr
 
 
-def test_a_run_saved_in_one_process_resumes_on_two_ranks(micro_recipe_file, tmp_path):
-    _train(micro_recipe_file, tmp_path / "straight", 1)
+def test_a_run_saved_in_one_process_resumes_on_two_ranks(micro_recipe_file, tmp_path, one_process):
+    straight = one_process(micro_recipe_file)
     frugality = [sys.executable, "-m", "frugality", "train", str(micro_recipe_file), "--run-dir",
                  str(tmp_path / "grown"), "--no-progress", "--until-step", "4"]
     assert subprocess.run(frugality, capture_output=True, text=True, timeout=600).returncode == 0
     done = _train(micro_recipe_file, tmp_path / "grown", 2)
     assert "resuming" in done.stdout
-    straight, grown = _losses(tmp_path / "straight"), _losses(tmp_path / "grown")
+    straight, grown = _losses(straight), _losses(tmp_path / "grown")
     assert sorted(grown) == list(range(1, 9))
     for step in range(5, 9):
         assert grown[step] == pytest.approx(straight[step], rel=1e-4), step

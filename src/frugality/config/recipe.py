@@ -34,7 +34,7 @@ from frugality.models import FAMILIES, ModelConfig
 PRECISIONS = ("auto", "fp32", "amp-bf16", "bf16-sr", "bf16", "fp8")
 COMPILE_LEVELS = ("O0", "O1", "O2")
 TASKS = ("causal_lm",)
-DATA_PARALLEL = ("ddp", "fsdp")
+DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
 
 
 class _Section(BaseModel):
@@ -136,7 +136,14 @@ class ParallelConfig(_Section):
 
     data: Literal[DATA_PARALLEL] = Field(
         default="ddp", description="ddp: replicas, gradients all-reduced; fsdp: FSDP2, parameters, "
-        "gradients and optimizer state sharded per transformer block")
+        "gradients and optimizer state sharded per transformer block; hsdp: FSDP2 sharded within "
+        "groups of parallel.shard_size ranks, replicated across the groups")
+    shard_size: PositiveInt | None = Field(
+        default=None, description="hsdp: ranks per shard group (default: the processes per node); "
+        "must divide the world size")
+    reshard_after_forward: bool = Field(
+        default=True, description="fsdp/hsdp: free each block's gathered parameters after its forward "
+        "(gathered again for backward); false keeps them, trading memory for one all-gather less")
     timeout_s: PositiveInt = Field(default=600, description="a collective waiting longer fails the run")
 
 

@@ -104,19 +104,21 @@ class TrainStream:
 
 def validation_batches(
     samples: PackedSamples, batches: int, micro_batch_size: int, rank: int = 0, world_size: int = 1
-) -> list[torch.Tensor]:
+) -> tuple[list[torch.Tensor], int]:
     """The same fixed validation batches at every evaluation: the first `batches` micro-batches
-    of the split, dealt round-robin to the ranks (this rank's share), so that the set does
-    not depend on the world size. Every rank must run the same number of forwards (FSDP2
-    gathers parameters in each), so several ranks take a multiple of their count: `batches`
-    rounded down to one (at least one batch each)."""
+    of the split, dealt round-robin to the ranks, so that the set does not depend on the
+    world size. Returns this rank's batches and how many of them count: every rank must run
+    the same number of forwards (FSDP2 gathers parameters in each), so a rank with fewer
+    adds forwards of another batch whose loss is not counted."""
     available = len(samples.val_ids) // micro_batch_size
-    if available < world_size:
+    if available < 1:
         raise UserError(
             f"the validation split has {len(samples.val_ids)} samples of {samples.block} tokens, "
-            f"fewer than one batch of {micro_batch_size} for each of {world_size} rank(s); raise "
-            "data.val_fraction or lower data.micro_batch_size"
+            f"fewer than one batch of {micro_batch_size}; raise data.val_fraction or lower "
+            "data.micro_batch_size"
         )
     b, count = micro_batch_size, min(batches, available)
-    count = max(world_size, count - count % world_size)
-    return [samples.gather(samples.val_ids[k * b : (k + 1) * b]) for k in range(count) if k % world_size == rank]
+    mine = [samples.gather(samples.val_ids[k * b : (k + 1) * b]) for k in range(rank, count, world_size)]
+    forwards = -(-count // world_size)
+    padding = [mine[0] if mine else samples.gather(samples.val_ids[:b])] * (forwards - len(mine))
+    return mine + padding, len(mine)

@@ -10,17 +10,20 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as launch
 from torch.nn.parallel import DistributedDataParallel
 
+from frugality.config.recipe import ParallelConfig
 from frugality.errors import UserError
 
 
@@ -82,21 +85,65 @@ def local_device(device: torch.device, world: World) -> torch.device:
     return device
 
 
-def wrap(model: nn.Module, strategy: str, world: World, device: torch.device) -> nn.Module:
-    """The model as the strategy trains it: DDP (a wrapper whose backward all-reduces
-    gradient buckets while later layers still compute) or FSDP2 (`fully_shard` on each
-    transformer block, then the root, in place). Unchanged at world size 1."""
+def wrap(model: nn.Module, parallel: ParallelConfig, world: World, device: torch.device) -> nn.Module:
+    """The model as the strategy trains it, unchanged at world size 1:
+    - ddp: a wrapper whose backward all-reduces gradient buckets while earlier layers still
+      compute;
+    - fsdp: FSDP2 in place, `fully_shard` on each transformer block, then the root: each
+      rank keeps 1/N of every parameter, gradient and optimizer state, and gathers a
+      block's parameters just before the block runs;
+    - hsdp: the same within groups of `parallel.shard_size` ranks, the groups replicas of
+      each other (gradients reduce-scattered in the group, then all-reduced across groups)."""
     if not world.distributed:
         return model
-    if strategy == "ddp":
+    if parallel.data == "ddp":
         ids = [device.index] if device.type == "cuda" else None
         # the models' buffers are constant tables (rotary): no broadcast of them every forward
         return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
-    if strategy == "fsdp":
-        for block in getattr(model, "layers", []):
-            fully_shard(block)
-        return fully_shard(model)
-    raise UserError(f"parallel.data {strategy!r}: choose ddp or fsdp")
+    mesh = data_parallel_mesh(parallel, world, device)
+    blocks = list(getattr(model, "layers", []))
+    for i, block in enumerate(blocks):
+        # the last block's parameters are the first that backward needs: keep them gathered
+        fully_shard(block, mesh=mesh, reshard_after_forward=parallel.reshard_after_forward and i < len(blocks) - 1)
+    return fully_shard(model, mesh=mesh)  # the root (embeddings, final norm, output layer)
+
+
+def data_parallel_mesh(parallel: ParallelConfig, world: World, device: torch.device) -> DeviceMesh:
+    """fsdp: one dimension over every rank; hsdp: (replicas, shard group) with groups of
+    `parallel.shard_size` consecutive ranks (by default a node's processes, so that the
+    frequent all-gathers stay inside a node)."""
+    if parallel.data == "fsdp":
+        return init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("shard",))
+    shard = parallel.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
+    if world.world_size % shard:
+        raise UserError(f"parallel.shard_size {shard}: must divide the number of processes ({world.world_size})")
+    return init_device_mesh(device.type, (world.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def describe(parallel: ParallelConfig, world: World) -> str:
+    """The strategy as the run header states it."""
+    text = f"{parallel.data} over {world.world_size} processes"
+    if parallel.data == "hsdp":
+        shard = parallel.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
+        text += f" ({world.world_size // shard} replicas of {shard}-rank shard groups)"
+    return text
+
+
+@contextmanager
+def no_sync(model: nn.Module):
+    """Backward inside accumulates gradients on each rank without communicating (the
+    micro-batches of an accumulated step before the last)."""
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def all_mean(value: float, device: torch.device) -> float:

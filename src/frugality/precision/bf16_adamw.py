@@ -18,6 +18,12 @@ noise (element i of the group's flat buffer draws the same noise on every path);
 kernel and eager ops give identical bits. Parameters without a gradient are skipped, as
 torch's AdamW skips them.
 
+Sharded parameters (FSDP2's DTensors) are not moved into flat buffers: FSDP2 owns their
+storage. Each rank updates its local shard in place, its moments are DTensors of the same
+placement (so DCP saves and reshards them), and element i of a shard draws the noise of its
+index in the unsharded group, the index it has in one process: the rounding does not depend
+on the world size.
+
 Memory: 2 + 2 + 2 + 2 = 8 bytes per parameter, against 16 for fp32 master weights,
 gradients and moments (the `fp32` and `amp-bf16` policies).
 """
@@ -30,6 +36,9 @@ from typing import Callable, Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from frugality import kernels
 from frugality.precision.stochastic_rounding import mix_key, noise16x3, round_to_bf16
@@ -90,9 +99,15 @@ class BF16AdamW(torch.optim.Optimizer):
         self._compiled: Callable | None = None
         self._fused = fused
         self._grad_scale = 1.0  # set by clip_grad_norm_, applied and reset by the next step
-        self._flat: list[dict[str, torch.Tensor]] = []
+        self._flat: list[dict[str, torch.Tensor]] = []  # per group; empty for sharded groups
+        self._shard_starts: dict[torch.Tensor, int] = {}  # a shard's first element's index in its group
         for group in self.param_groups:
-            self._flat.append(self._flatten(group))
+            sharded = [isinstance(p, DTensor) for p in group["params"]]
+            if any(sharded) and not all(sharded):
+                raise ValueError("BF16AdamW needs a group's parameters all sharded (DTensor) or none")
+            self._flat.append({} if any(sharded) else self._flatten(group))
+            if any(sharded):
+                self._shard_state(group)
 
     def _flatten(self, group: dict) -> dict[str, torch.Tensor]:
         params = group["params"]
@@ -119,6 +134,19 @@ class BF16AdamW(torch.optim.Optimizer):
             offset += n
         return flat
 
+    def _shard_state(self, group: dict) -> None:
+        """Moments of a sharded group: DTensors placed like their parameters."""
+        step = torch.zeros((), dtype=torch.float32)
+        offset = 0
+        for p in group["params"]:
+            if p.dtype != torch.bfloat16:
+                raise ValueError("BF16AdamW needs bfloat16 parameters")
+            self._shard_starts[p] = offset + _shard_offset(p)
+            self.state[p] = {"step": step, **{name: DTensor.from_local(
+                torch.zeros_like(p.to_local()), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                run_check=False) for name in ("exp_avg", "exp_avg_sq")}}
+            offset += p.numel()
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -126,13 +154,17 @@ class BF16AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for k, (group, flat) in enumerate(zip(self.param_groups, self._flat)):
-            if not flat:
+            if not group["params"]:
                 continue
             counter = self.state[group["params"][0]]["step"]  # shared by the group
             step = int(counter.item()) + 1
             counter.fill_(step)
-            self._run(group, flat, self._scalars(group, k, step, self._grad_scale),
-                      group["rounding"] == "stochastic")
+            scalars = self._scalars(group, k, step, self._grad_scale)
+            stochastic = group["rounding"] == "stochastic"
+            if flat:
+                self._run(group, flat, scalars, stochastic)
+            else:
+                self._run_shards(group, scalars, stochastic)
         self._grad_scale = 1.0
         return loss
 
@@ -150,11 +182,13 @@ class BF16AdamW(torch.optim.Optimizer):
         kernel = kernels.bf16_sum_squares() if grads[0].device.type == "cpu" else None
         if kernel is not None:
             threads = torch.get_num_threads()
-            squares = sum(kernel(g.data_ptr(), g.numel(), threads) for g in map(_bf16_contiguous, grads))
+            squares = sum(kernel(g.data_ptr(), g.numel(), threads) for g in map(_bf16_contiguous, map(_local, grads)))
             total = torch.tensor(math.sqrt(squares), dtype=torch.float32)
         else:
             total = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+                torch.stack([torch.linalg.vector_norm(_local(g), dtype=torch.float32) for g in grads]))
+        if isinstance(grads[0], DTensor):  # each rank summed its shards: add the other shards' sums
+            total = _sum_over_shards(total.square(), grads[0]).sqrt()
         value = float(total)
         # torch's formula, clamped to 1; a non-finite norm poisons the step, as it does there
         self._grad_scale = min(max_norm / (value + 1e-6), 1.0) if math.isfinite(value) else math.nan
@@ -175,38 +209,62 @@ class BF16AdamW(torch.optim.Optimizer):
         )
 
     def _run(self, group: dict, flat: dict, scalars: dict, stochastic: bool) -> None:
-        device = flat["param"].device
-        floats = [float(scalars[k]) for k in _FLOAT_SCALARS]
-        if self._fused and device.type == "cpu" and (kernel := kernels.adamw_bf16_step()) is not None:
-            threads = torch.get_num_threads()
+        names = ("param", "exp_avg", "exp_avg_sq")
+        if self._cpu_kernel(flat["param"].device) is not None:  # a call per parameter, no gathering
             for start, n, grad in _segments(group["params"]):
-                grad = _bf16_contiguous(grad)
-                p, m, v = (flat[name][start:].data_ptr() for name in ("param", "exp_avg", "exp_avg_sq"))
-                kernel(p, grad.data_ptr(), m, v, n, start, *floats, scalars["key"], int(stochastic), threads)
+                p, m, v = (flat[name][start : start + n] for name in names)
+                self._update_buffers([p, _bf16_contiguous(grad).view(-1), m, v], start, scalars, stochastic)
             return
-        tensors = {k: torch.tensor(scalars[k], dtype=torch.float32, device=device) for k in _FLOAT_SCALARS}
-        tensors["key"] = torch.tensor(scalars["key"], dtype=torch.int64, device=device)
-        if self._fused and self._compiled is None:
-            self._compiled = torch.compile(_update, dynamic=True, fullgraph=True)
         # Runs of consecutive parameters that have gradients (usually the whole group), each
         # gradient run gathered into one buffer for one pass.
         for start, n, grads in _runs(group["params"]):
             grad = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
-            buffers = [flat["param"][start : start + n], grad.to(torch.bfloat16),
-                       flat["exp_avg"][start : start + n], flat["exp_avg_sq"][start : start + n]]
-            if self._fused:
-                try:
-                    self._compiled(*buffers, torch.tensor(start, dtype=torch.int64, device=device),
-                                   **tensors, stochastic=stochastic)
-                    continue
-                except Exception as e:  # e.g. an Inductor C++ build failure on this machine
-                    warnings.warn(f"compiled BF16AdamW step failed ({type(e).__name__}: {e}); "
-                                  "using eager torch ops for the rest of this run")
-                    self._fused = False
-            for chunk in range(0, n, _EAGER_CHUNK):
-                _update(*(b[chunk : chunk + _EAGER_CHUNK] for b in buffers),
-                        torch.tensor(start + chunk, dtype=torch.int64, device=device), **tensors,
-                        stochastic=stochastic)
+            p, m, v = (flat[name][start : start + n] for name in names)
+            self._update_buffers([p, grad.to(torch.bfloat16), m, v], start, scalars, stochastic)
+
+    def _cpu_kernel(self, device: torch.device):
+        return kernels.adamw_bf16_step() if self._fused and device.type == "cpu" else None
+
+    def _update_buffers(self, buffers: list[torch.Tensor], start: int, scalars: dict, stochastic: bool) -> None:
+        """One pass over 1-D contiguous (weight, gradient, first and second moment) buffers
+        whose first element is element `start` of the group."""
+        device, n = buffers[0].device, buffers[0].numel()
+        if (kernel := self._cpu_kernel(device)) is not None:
+            floats = [float(scalars[k]) for k in _FLOAT_SCALARS]
+            p, g, m, v = (b.data_ptr() for b in buffers)
+            kernel(p, g, m, v, n, start, *floats, scalars["key"], int(stochastic), torch.get_num_threads())
+            return
+        tensors = {k: torch.tensor(scalars[k], dtype=torch.float32, device=device) for k in _FLOAT_SCALARS}
+        tensors["key"] = torch.tensor(scalars["key"], dtype=torch.int64, device=device)
+        if self._fused:
+            if self._compiled is None:
+                self._compiled = torch.compile(_update, dynamic=True, fullgraph=True)
+            try:
+                self._compiled(*buffers, torch.tensor(start, dtype=torch.int64, device=device),
+                               **tensors, stochastic=stochastic)
+                return
+            except Exception as e:  # e.g. an Inductor C++ build failure on this machine
+                warnings.warn(f"compiled BF16AdamW step failed ({type(e).__name__}: {e}); "
+                              "using eager torch ops for the rest of this run")
+                self._fused = False
+        for chunk in range(0, n, _EAGER_CHUNK):
+            _update(*(b[chunk : chunk + _EAGER_CHUNK] for b in buffers),
+                    torch.tensor(start + chunk, dtype=torch.int64, device=device), **tensors,
+                    stochastic=stochastic)
+
+    def _run_shards(self, group: dict, scalars: dict, stochastic: bool) -> None:
+        """The update of a sharded group, each rank on its local shards in place (one pass per
+        parameter, the noise indexed from the shard's place in the unsharded group)."""
+        for p in group["params"]:
+            if p.grad is None or p.to_local().numel() == 0:  # FSDP2 may leave a rank no rows
+                continue
+            state = self.state[p]
+            local = [p.to_local(), _bf16_contiguous(p.grad.to_local()), state["exp_avg"].to_local(),
+                     state["exp_avg_sq"].to_local()]
+            if not all(t.is_contiguous() for t in local):
+                raise ValueError("BF16AdamW needs contiguous local shards (FSDP2 sharding on dim 0)")
+            flat = [t.view(-1) for t in local]
+            self._update_buffers(flat, self._shard_starts[p], scalars, stochastic)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load, then move the loaded moments back into the flat buffers (the base class
@@ -216,6 +274,10 @@ class BF16AdamW(torch.optim.Optimizer):
             if not group["params"]:
                 continue
             step = self.state[group["params"][0]]["step"].to(torch.float32).cpu()
+            if not flat:  # sharded: the loaded moments are the state; the group shares one counter
+                for p in group["params"]:
+                    self.state[p]["step"] = step
+                continue
             offset = 0
             for p in group["params"]:
                 n = p.numel()
@@ -232,6 +294,30 @@ def _bf16_contiguous(grad: torch.Tensor) -> torch.Tensor:
     """A gradient as the kernels read it: dense bf16 (backward gives the parameter's dtype;
     a gradient someone assigned by hand may differ)."""
     return grad.to(torch.bfloat16).contiguous()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded (DTensor) tensor; a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_offset(p: DTensor) -> int:
+    """The flat index, in the unsharded parameter, of this rank's shard's first element. FSDP2
+    shards dim 0, so a shard is a contiguous run of the flattened parameter."""
+    if any(pl.is_shard() and pl.dim != 0 for pl in p.placements):
+        raise ValueError(f"BF16AdamW shards along dim 0 only, not {p.placements}")
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return offset[0] * (p.numel() // p.shape[0] if p.shape[0] else 0)
+
+
+def _sum_over_shards(value: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """`value` (a sum over this rank's shards) summed over the ranks that hold the other
+    shards: the mesh dimensions along which `like` is sharded (not those it is replicated on)."""
+    value = value.to(like.to_local().device)
+    for dim, placement in enumerate(like.placements):
+        if placement.is_shard():
+            dist.all_reduce(value, group=like.device_mesh.get_group(dim))
+    return value.cpu()
 
 
 def _segments(params: list[torch.Tensor]):

@@ -21,7 +21,8 @@ class TrainingData:
     dataset: IndexedDataset
     samples: PackedSamples
     stream: TrainStream  # the training batches, in a resumable order
-    val_batches: list[torch.Tensor]
+    val_batches: list[torch.Tensor]  # this rank's forwards at each evaluation
+    val_counted: int  # how many of them count (the rest keep the ranks in step)
 
 
 def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, world_size: int = 1) -> TrainingData:
@@ -36,7 +37,7 @@ def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, wor
     dataset = _open_dataset(recipe, tokenizer, progress)
     samples = PackedSamples(dataset, recipe.data.seq_len, recipe.data.val_fraction, recipe.seed)
     stream = TrainStream(samples, recipe.data.global_batch_size, recipe.data.micro_batch_size, rank, world_size)
-    val_batches = validation_batches(samples, recipe.train.eval_batches, recipe.data.micro_batch_size, rank,
+    val_batches, val_counted = validation_batches(samples, recipe.train.eval_batches, recipe.data.micro_batch_size, rank,
                                      world_size)
     # A dataset tokenized for another vocabulary shows in its first tokens; scanning them
     # all would take minutes on a large corpus.
@@ -45,7 +46,7 @@ def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, wor
             f"dataset {dataset.prefix}: holds token ids >= model.vocab_size "
             f"({recipe.model.vocab_size}); was it tokenized with another tokenizer?"
         )
-    return TrainingData(dataset, samples, stream, val_batches)
+    return TrainingData(dataset, samples, stream, val_batches, val_counted)
 
 
 def _open_dataset(recipe: Recipe, tokenizer, progress: bool) -> IndexedDataset:

@@ -20,9 +20,8 @@ import torch
 from torch import nn
 
 from frugality.compile.session import CompileSession
-from frugality.errors import UserError
 from frugality.config.recipe import Recipe
-from frugality.distributed import World, wrap
+from frugality.distributed import World, describe, wrap
 from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.kernels.specialize import specialize
 from frugality.models import build_model
@@ -80,11 +79,8 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
         model = policy.prepare_model(build_model(recipe.model))
     choices = specialize(model, device, policy)
     if world.distributed:
-        if recipe.parallel.data == "fsdp" and policy.storage_dtype == torch.bfloat16:
-            raise UserError(f"precision {policy.name} under parallel.data = \"fsdp\" is not supported yet "
-                            "(its optimizer keeps flat bf16 buffers); use ddp, or fp32 / amp-bf16")
-        model = wrap(model, recipe.parallel.data, world, device)
-        choices.append(f"{recipe.parallel.data} over {world.world_size} processes")
+        model = wrap(model, recipe.parallel, world, device)
+        choices.append(describe(recipe.parallel, world))
     optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
                                 fused=recipe.train.fused_optimizer)
     compiled = CompileSession.for_recipe(recipe, device, policy)

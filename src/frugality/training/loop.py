@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from frugality.distributed import all_mean, all_sum
+from frugality.distributed import all_mean, all_sum, no_sync
 from frugality.runtime.state import TrainState
 from frugality.training.schedule import learning_rate
 
@@ -62,9 +62,9 @@ def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[fl
     model.train()
     total = torch.zeros((), device=state.device)
     for i, batch in enumerate(micro_batches):
-        # DDP: gradients are all-reduced with the last micro-batch's backward only
+        # several ranks: gradients are reduced with the last micro-batch's backward only
         last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+        with contextlib.nullcontext() if last else no_sync(model):
             with state.autocast:
                 loss = state.task.loss(model, batch.to(state.device, non_blocking=True))
             (loss / len(micro_batches)).backward()
@@ -87,10 +87,11 @@ def validation_loss(state: TrainState) -> float:
     for batch in state.data.val_batches:
         with state.autocast:
             losses.append(state.task.loss(state.model, batch.to(state.device)))
+    counted = losses[: state.data.val_counted]
     if not state.world.distributed:
-        return torch.stack(losses).mean().item()
-    # ranks may hold different numbers of the (equal-sized) batches: the mean over all of them
-    total, count = all_sum([sum(loss.item() for loss in losses), len(losses)], state.device)
+        return torch.stack(counted).mean().item()
+    # ranks hold different numbers of the (equal-sized) batches: the mean over all of them
+    total, count = all_sum([sum(loss.item() for loss in counted), len(counted)], state.device)
     return total / count
 
 
