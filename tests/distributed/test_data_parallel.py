@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from pathlib import Path
 
 
@@ -65,6 +66,8 @@ def test_ranks_train_as_one_process_with_all_their_shares(micro_recipe_file, tmp
     assert _losses(tmp_path / "many", "eval") == pytest.approx(_losses(one, "eval"), rel=tolerance)
     summary = json.loads((tmp_path / "many" / "summary.json").read_text())
     assert summary["final_step"] == 8 and summary["tokens_seen"] == 8 * 4 * 32
+    if strategy == "fsdp" and precision == "fp32":
+        _export_and_init_from_a_sharded_run(micro_recipe_file, tmp_path, one, tmp_path / "many")
     if strategy == "fsdp" and precision == "bf16-sr":
         # resumed at the same world size from its step-4 checkpoint: the same bits as straight through
         shutil.rmtree(tmp_path / "many" / "checkpoints" / "step_00000008")
@@ -72,6 +75,29 @@ def test_ranks_train_as_one_process_with_all_their_shares(micro_recipe_file, tmp
                f"train.precision={precision}", f"data.micro_batch_size={micro}")
         resumed = _losses(tmp_path / "many")
         assert all(resumed[step] == many[step] for step in range(5, 9)), (resumed, many)
+
+
+def _export_and_init_from_a_sharded_run(recipe_file, tmp_path, one, sharded):
+    """`frugality export hf` consolidates the 2-rank FSDP2 checkpoint into the one-process
+    run's weights; `--init-from` starts a new run from it."""
+    from safetensors.torch import load_file
+
+    for run in (one, sharded):
+        done = subprocess.run([sys.executable, "-m", "frugality", "export", "hf", str(run), "--out",
+                               str(tmp_path / f"{run.name}-hf")], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    expected = load_file(tmp_path / f"{one.name}-hf" / "model.safetensors")
+    got = load_file(tmp_path / f"{sharded.name}-hf" / "model.safetensors")
+    assert expected.keys() == got.keys() and len(got) > 10
+    for name in expected:
+        # A shard out of place would be off by about the weights themselves. Matrices agree to
+        # 1e-4 of their norm; Adam turns gradients that are zero but for rounding (the key
+        # bias: softmax ignores it) into lr-sized steps of either sign, so 1-D tensors get 5%.
+        error = ((got[name] - expected[name]).norm() / expected[name].norm()).item()
+        assert error < (1e-4 if got[name].ndim > 1 else 0.05), (name, error)
+    _train(recipe_file, tmp_path / "from-sharded", 1, "data.micro_batch_size=1", extra=["--init-from", str(sharded), "--until-step", "1"])
+    # its evaluation before step 1 is the sharded run's last one: the same weights, the same batches
+    assert _losses(tmp_path / "from-sharded", "eval")[0] == pytest.approx(_losses(sharded, "eval")[8], rel=1e-6)
 
 
 def test_a_run_moves_between_strategies_and_world_sizes(micro_recipe_file, tmp_path, one_process):
