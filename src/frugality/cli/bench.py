@@ -121,20 +121,15 @@ def bench_scale(recipe, nprocs, strategies, steps, overrides, json_path, markdow
     """Training tokens/s of RECIPE at each process count and strategy on this machine (real
     `frugality train --nproc N` runs; on CPUs the cores are split between the ranks)."""
     from frugality.bench.scale import bench_scale as run, markdown_table, rows_json
+    from frugality.cli.options import comma_ints, comma_names
     from frugality.config.recipe import DATA_PARALLEL, load_recipe
     from frugality.errors import UserError
 
     resolved = load_recipe(recipe, list(overrides))
-    try:
-        counts = sorted({int(n) for n in nprocs.split(",") if n.strip()})
-    except ValueError:
-        raise UserError(f"--nproc {nprocs}: comma-separated process counts, e.g. 1,2") from None
-    names = [s.strip() for s in strategies.split(",") if s.strip()]
-    for name in names:
-        if name not in DATA_PARALLEL:
-            raise UserError(f"--strategy {name}: choose from {', '.join(DATA_PARALLEL)}")
-    if not counts or counts[0] < 1 or steps < 2:
-        raise UserError("--nproc counts must be positive and --steps at least 2")
+    counts = comma_ints(nprocs, "--nproc")
+    names = comma_names(strategies, DATA_PARALLEL, "--strategy")
+    if steps < 2:
+        raise UserError("--steps must be at least 2")
     rows = run(recipe, resolved, list(overrides), counts, names, steps,
                log=lambda line: click.echo(line, err=True))
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)

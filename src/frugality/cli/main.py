@@ -13,6 +13,7 @@ from frugality.cli.compile import compile_
 from frugality.cli.data import data
 from frugality.cli.interop import export, import_
 from frugality.cli.launch import launch
+from frugality.cli.plan import plan
 from frugality.cli.recipes import recipes
 from frugality.cli.train import train
 from frugality.errors import FrugalityWarning, UserError
@@ -35,6 +36,7 @@ cli.add_command(bench)
 cli.add_command(import_)
 cli.add_command(export)
 cli.add_command(launch)
+cli.add_command(plan)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

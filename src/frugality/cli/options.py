@@ -1,0 +1,25 @@
+"""Option values that several commands parse alike."""
+
+from __future__ import annotations
+
+from frugality.errors import UserError
+
+
+def comma_ints(value: str, option: str) -> list[int]:
+    """`1,2,8` -> [1, 2, 8] (sorted, each once, all positive)."""
+    try:
+        numbers = sorted({int(n) for n in value.split(",") if n.strip()})
+    except ValueError:
+        raise UserError(f"{option} {value}: comma-separated positive integers, e.g. 1,2") from None
+    if not numbers or numbers[0] < 1:
+        raise UserError(f"{option} {value}: comma-separated positive integers, e.g. 1,2")
+    return numbers
+
+
+def comma_names(value: str, allowed: tuple[str, ...], option: str) -> list[str]:
+    """`ddp,fsdp` -> ["ddp", "fsdp"], each one of `allowed`."""
+    names = [s.strip() for s in value.split(",") if s.strip()]
+    for name in names or [value]:
+        if name not in allowed:
+            raise UserError(f"{option} {name}: choose from {', '.join(allowed)}")
+    return names

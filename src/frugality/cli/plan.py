@@ -1,0 +1,57 @@
+"""`frugality plan`: memory per rank before renting a cluster."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("recipe", required=False)
+@click.option("--nproc", "nprocs", default="1,8", show_default=True, help="Comma-separated process counts.")
+@click.option("--strategy", "strategies", default="ddp,fsdp", show_default=True,
+              help="Comma-separated data-parallel strategies.")
+@click.option("--memory", "memory_gib", type=click.FloatRange(min=0, min_open=True),
+              help="Device memory per rank in GiB [default: this machine's GPU, or its RAM shared by the ranks].")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
+@click.option("--json", "json_path", type=click.Path(), help="Also write the plans as JSON (a new file).")
+def plan(recipe, nprocs, strategies, memory_gib, overrides, json_path) -> None:
+    """Memory per rank for RECIPE at each process count and strategy: weights, gradients,
+    optimizer state, what is gathered in flight and one micro-batch's activations, and
+    whether it fits the device (see frugality.runtime.plan for what is counted)."""
+    from frugality.cli.options import comma_ints, comma_names
+    from frugality.config.recipe import DATA_PARALLEL, load_recipe
+    from frugality.runtime.plan import HEADROOM, markdown_rows, plan_memory
+    from frugality.errors import UserError
+
+    resolved = load_recipe(recipe, list(overrides))
+    counts = comma_ints(nprocs, "--nproc")
+    names = comma_names(strategies, DATA_PARALLEL, "--strategy")
+    if json_path and Path(json_path).exists():
+        raise UserError(f"--json {json_path}: exists; choose another path or remove it")
+    plans = []
+    for n in counts:
+        for strategy in names if n > 1 else names[:1]:  # one process: no strategy applies
+            memory = int(memory_gib * 2**30) if memory_gib else _device_memory(n)
+            plans.append(plan_memory(resolved, n, strategy, memory))
+    click.echo(markdown_rows(plans))
+    if resolved.train.precision == "auto":
+        click.echo("train.precision auto: planned as bf16-sr, what it picks where bf16 products are native "
+                   "(--set train.precision=... for another)")
+    click.echo(f"fits: the total within {HEADROOM:.0%} of each rank's device memory; activations are eager "
+               "PyTorch's, without checkpointing; hsdp shards over parallel.shard_size ranks (all when unset)")
+    if json_path:
+        Path(json_path).write_text(json.dumps([p.as_dict() for p in plans], indent=1) + "\n")
+
+
+def _device_memory(nproc: int) -> int:
+    """This machine's memory per rank: its GPU's, or the RAM divided among the ranks."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // nproc

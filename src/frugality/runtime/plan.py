@@ -1,0 +1,147 @@
+"""`frugality plan`: memory per rank for a recipe under a data-parallel strategy, before any
+device is rented.
+
+Parameters are counted on a model built on PyTorch's meta device (no memory, no compute),
+and activations are what autograd saves for backward in a meta-device forward of one
+micro-batch (views counted once with their base): eager PyTorch layers, no fused kernels,
+no activation checkpointing, attention counted as a flash-attention kernel keeps it (q, k,
+v, the output and a log-sum-exp per row: what runs on CUDA GPUs and in torch's CPU kernel;
+on the meta device SDPA would take its math path, which keeps the s x s scores). Per rank:
+- weights, gradients and optimizer state: the precision policy's bytes per parameter, whole
+  on every rank under DDP, 1/S of them under FSDP2 (S = all ranks) and HSDP (S = the shard
+  group);
+- in flight: DDP's gradient buckets (a second copy of the gradients, as
+  `DistributedDataParallel` keeps them by default); FSDP2's gathered parameters and
+  unsharded gradients of the root (embeddings, output layer) and of two blocks at a time
+  (the running one and the prefetched one), or of every block without
+  `parallel.reshard_after_forward`;
+- activations of one micro-batch (amp-bf16: counted in bf16, the dtype autocast gives the
+  products, since autocast does not run on the meta device).
+A plan fits when the total is at most 90% of the device memory (the rest for the runtime,
+allocator fragmentation and workspaces, which depend on the device and are not counted).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from frugality.config.recipe import Recipe
+from frugality.models import build_model
+from frugality.precision import get_policy
+from frugality.tasks import get_task
+
+HEADROOM = 0.9  # of the device memory that the counted parts may take
+
+
+@dataclass
+class MemoryPlan:
+    recipe: str
+    strategy: str
+    nproc: int
+    shard_over: int  # ranks each parameter is split across (1: a full replica per rank)
+    precision: str
+    parameters: int
+    micro_batch: int
+    seq_len: int
+    weights: int  # bytes per rank, each field
+    gradients: int
+    optimizer: int
+    in_flight: int
+    activations: int
+    device_memory: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.in_flight + self.activations
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.total <= HEADROOM * self.device_memory
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"total": self.total, "fits": self.fits}
+
+
+def plan_memory(recipe: Recipe, nproc: int, strategy: str, device_memory: int | None = None) -> MemoryPlan:
+    precision = "bf16-sr" if recipe.train.precision == "auto" else recipe.train.precision
+    policy = get_policy(precision)
+    with torch.device("meta"):
+        model = build_model(recipe.model).to(policy.storage_dtype)
+    item = policy.storage_dtype.itemsize
+    total = _numel(model)
+    blocks = [_numel(block) for block in getattr(model, "layers", [])]
+    root = total - sum(blocks)
+    if strategy == "ddp" or nproc == 1:
+        shard, in_flight = 1, total * item if nproc > 1 else 0  # the buckets
+    else:
+        shard = (recipe.parallel.shard_size or nproc) if strategy == "hsdp" else nproc
+        largest = max(blocks, default=0)
+        gathered = total if not recipe.parallel.reshard_after_forward else root + 2 * largest
+        in_flight = (gathered + root + 2 * largest) * item  # gathered parameters + unsharded gradients
+    per_rank = math.ceil(total / shard)
+    moments = policy.state_bytes_per_param - 2 * item  # two Adam moments
+    if policy.autocast:  # autocast does not run on the meta device: count its products' dtype
+        model = model.to(policy.compute_dtype)
+    return MemoryPlan(recipe.name, strategy if nproc > 1 else "none", nproc, shard, policy.name, total,
+                      recipe.data.micro_batch_size, recipe.data.seq_len, per_rank * item, per_rank * item,
+                      per_rank * moments, in_flight, saved_activation_bytes(model, recipe), device_memory)
+
+
+def saved_activation_bytes(model: nn.Module, recipe: Recipe) -> int:
+    """Bytes autograd keeps for backward after the task's forward of one micro-batch, on the
+    meta device (`model` built there)."""
+    saved: dict[int, torch.Tensor] = {}
+
+    def keep(t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        saved[id(base)] = base  # held, so that ids stay unique until counted
+        return t
+
+    batch = torch.zeros((recipe.data.micro_batch_size, recipe.data.seq_len + 1), dtype=torch.long, device="meta")
+    sdpa = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda q, k, v, **_: _FlashAttentionSaves.apply(q, k, v)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            get_task(recipe.train.task).loss(model, batch)
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    parameters = {id(p) for p in model.parameters()}
+    return sum(t.untyped_storage().nbytes() for key, t in saved.items() if key not in parameters)
+
+
+class _FlashAttentionSaves(torch.autograd.Function):
+    """Scaled dot-product attention's output shape, saving for backward what flash attention
+    saves (meta tensors only: nothing is computed)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never called: the plan runs forward only
+        raise NotImplementedError
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def markdown_rows(plans: list[MemoryPlan]) -> str:
+    gib = 2**30
+    lines = ["| recipe | parameters | precision | strategy | ranks | sharded over | weights | gradients | optimizer "
+             "| in flight | activations (1 micro-batch) | total per rank (GiB) | fits (device GiB) |", "|" + "---|" * 13]
+    for p in plans:
+        fits = "n/a" if p.fits is None else f"{'yes' if p.fits else 'no'} ({p.device_memory / gib:.1f})"
+        lines.append(f"| {p.recipe} | {p.parameters / 1e6:,.0f}M | {p.precision} | {p.strategy} | {p.nproc} | "
+                     f"{p.shard_over} | "
+                     f"{p.weights / gib:.2f} | {p.gradients / gib:.2f} | {p.optimizer / gib:.2f} | "
+                     f"{p.in_flight / gib:.2f} | {p.activations / gib:.2f} (b={p.micro_batch}, s={p.seq_len}) | "
+                     f"{p.total / gib:.2f} | {fits} |")
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""`frugality plan`: the counted bytes are those a real one-process training state holds, the
+activation estimate is what autograd really saves on this CPU, and sharding divides what it
+should."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from frugality.cli.main import main
+from frugality.config.recipe import load_recipe
+from frugality.runtime.plan import plan_memory
+from frugality.metrics.memory import training_state_bytes
+from frugality.models import build_model
+from frugality.runtime.optim import build_optimizer
+from frugality.tasks import get_task
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-sr"])
+def test_one_process_plan_counts_the_real_training_state(micro_recipe_file, precision):
+    from frugality.precision import get_policy
+
+    recipe = load_recipe(str(micro_recipe_file), [f"train.precision={precision}"])
+    plan = plan_memory(recipe, 1, "ddp")
+    policy = get_policy(precision)
+    model = policy.prepare_model(build_model(recipe.model))
+    optimizer = build_optimizer(model, recipe.optim, policy)
+    get_task("causal_lm").loss(model, torch.randint(0, 1000, (2, recipe.data.seq_len + 1))).backward()
+    optimizer.step()  # the moments exist from the first step on
+    assert plan.parameters == sum(p.numel() for p in model.parameters())
+    # the real state also holds the step counters (a few bytes)
+    assert plan.weights + plan.gradients + plan.optimizer == pytest.approx(training_state_bytes(model, optimizer),
+                                                                          abs=1024)
+    assert plan.in_flight == 0 and plan.strategy == "none"
+
+
+def test_activation_estimate_is_what_autograd_saves_on_this_cpu(micro_recipe_file):
+    recipe = load_recipe(str(micro_recipe_file), ["data.micro_batch_size=4"])
+    planned = plan_memory(recipe, 1, "ddp").activations
+    model = build_model(recipe.model)
+    saved = {}
+
+    def keep(t):
+        base = t._base if t._base is not None else t
+        saved[base.untyped_storage().data_ptr()] = base.untyped_storage().nbytes()
+        return t
+
+    batch = torch.randint(0, 1000, (4, recipe.data.seq_len + 1))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        get_task("causal_lm").loss(model, batch)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    real = sum(n for ptr, n in saved.items() if ptr not in params)
+    assert planned == pytest.approx(real, rel=0.1)
+
+
+def test_sharding_divides_the_state_and_adds_what_is_gathered(micro_recipe_file):
+    recipe = load_recipe(str(micro_recipe_file), ["model.num_layers=4"])
+    one, ddp = plan_memory(recipe, 1, "ddp"), plan_memory(recipe, 4, "ddp")
+    fsdp = plan_memory(recipe, 4, "fsdp")
+    hsdp = plan_memory(recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"shard_size": 2})}),
+                       4, "hsdp")
+    kept = plan_memory(recipe.model_copy(update={"parallel": recipe.parallel.model_copy(
+        update={"reshard_after_forward": False})}), 4, "fsdp")
+    assert ddp.weights == one.weights and ddp.in_flight == one.gradients  # DDP's buckets
+    assert fsdp.shard_over == 4 and fsdp.optimizer == pytest.approx(one.optimizer / 4, abs=64)
+    assert hsdp.shard_over == 2 and hsdp.weights == pytest.approx(one.weights / 2, abs=16)
+    # gathered: the root and two blocks (parameters and their unsharded gradients); all blocks if kept
+    assert 0 < fsdp.in_flight < kept.in_flight <= 2 * one.weights
+    assert fsdp.activations == one.activations  # per micro-batch, whatever the strategy
+
+
+def test_plan_command_prints_rows_and_refuses_bad_input(micro_recipe_file, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(micro_recipe_file), "--nproc", "1,2", "--strategy", "ddp,fsdp", "--memory", "1",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["strategy"], r["nproc"]) for r in rows] == [("none", 1), ("ddp", 2), ("fsdp", 2)]
+    assert all(r["fits"] for r in rows) and "| fsdp | 2 | 2 |" in capsys.readouterr().out
+    assert main(["plan", str(micro_recipe_file), "--json", str(out)]) == 2  # never overwritten
+    assert main(["plan", str(micro_recipe_file), "--strategy", "zero"]) == 2
+    assert "--strategy zero: choose from ddp, fsdp, hsdp" in capsys.readouterr().err
