@@ -64,4 +64,7 @@ def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp
     assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] > 0
     assert rows[1]["tokens_per_s_per_rank"] == round(rows[1]["tokens_per_s"] / 2, 1)
     assert rows[1]["threads_per_rank"] == max(1, rows[0]["threads_per_rank"] // 2)
-    assert main(["bench", "scale", str(micro_recipe_file), "--strategy", "hsdp"]) == 2
+    # two one-process runs of a rank's share at once: the step without collectives
+    assert rows[0]["exposed_communication_s"] is None and rows[1]["independent_step_time_s"] > 0
+    assert rows[1]["exposed_communication_s"] == round(rows[1]["step_time_s"] - rows[1]["independent_step_time_s"], 4)
+    assert main(["bench", "scale", str(micro_recipe_file), "--strategy", "zero"]) == 2

@@ -7,7 +7,14 @@ step (in micro-batches of one size: the recipe's, or the global batch over the m
 so that one process is not given the whole machine against N that share it. Reported per
 configuration: median global tokens/s, per rank, scaling efficiency against one process
 (tokens/s over N x the one-process rate per core share: 1.0 is linear), and rank 0's
-peak memory. Time in communication is not separated out here (no profiler in the loop).
+peak memory.
+
+Exposed communication: each process count also runs as N independent one-process runs at
+once, each with one rank's share of the global batch and of the cores: the same compute
+and the same contention for memory bandwidth, without a collective. A strategy's median
+step minus theirs is the time its communication (and, for FSDP2, the copies around it)
+adds to a step: what overlapping with compute did not hide. The communication hidden
+under compute is not measured here.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ class ScaleRow:
     efficiency: float | None  # against one process
     peak_memory_bytes_rank0: int | None
     step_time_s: float
+    independent_step_time_s: float | None = None  # N one-process runs of a rank's share, at once
+    exposed_communication_s: float | None = None  # step time over the independent runs'
 
 
 def bench_scale(recipe_arg: str | None, recipe: Recipe, overrides: list[str], nprocs: list[int],
@@ -50,44 +59,70 @@ def bench_scale(recipe_arg: str | None, recipe: Recipe, overrides: list[str], np
     overrides = [*overrides, f"data.micro_batch_size={micro}"]
     rows: list[ScaleRow] = []
     base = None  # one process's tokens/s
+    independent: dict[int, float] = {}  # process count -> step time without collectives
     for strategy in strategies:
         for n in nprocs:
             if n == 1 and base is not None:
                 continue  # one process is the same run under every strategy
-            summary = _run(recipe_arg, overrides, n, strategy, steps, max(1, cores // n))
-            tps = summary["median_tokens_per_s"]
+            threads = max(1, cores // n)
+            summary = _run(recipe_arg, overrides, n, strategy, steps, threads)
+            tps, step = summary["median_tokens_per_s"], summary["median_step_time_s"]
             if n == 1:
                 base = tps
-            rows.append(ScaleRow(strategy if n > 1 else "none", n, max(1, cores // n), tps, round(tps / n, 1),
-                                 round(tps / base, 3) if base else None,
-                                 summary["memory"].get("peak_memory_bytes"), summary["median_step_time_s"]))
+            elif n not in independent and (data.global_batch_size // n) % micro == 0:  # else not measured
+                share = [*overrides, f"data.global_batch_size={data.global_batch_size // n}"]
+                independent[n] = _independent_step_time(recipe_arg, share, n, steps, threads)
+            alone = independent.get(n)
+            rows.append(ScaleRow(strategy if n > 1 else "none", n, threads, tps, round(tps / n, 1),
+                                 round(tps / base, 3) if base else None, summary["memory"].get("peak_memory_bytes"),
+                                 step, alone, round(step - alone, 4) if alone is not None else None))
             log(f"{rows[-1].strategy:5} x{n}: {tps:,.0f} tokens/s")
     return rows
 
 
+def _independent_step_time(recipe_arg, overrides, n, steps, threads) -> float:
+    """The median step of n one-process runs started together (their mean)."""
+    with tempfile.TemporaryDirectory(prefix="frugality-scale-") as scratch:
+        runs = [_start(recipe_arg, overrides, 1, "ddp", steps, threads, Path(scratch) / f"run{i}") for i in range(n)]
+        summaries = [_finish(*run) for run in runs]
+    return sum(s["median_step_time_s"] for s in summaries) / n
+
+
 def _run(recipe_arg, overrides, nproc, strategy, steps, threads) -> dict:
     with tempfile.TemporaryDirectory(prefix="frugality-scale-") as scratch:
-        run_dir = Path(scratch) / "run"
-        sets = [*overrides, f"train.steps={steps}", f"train.eval_interval={steps}", "train.eval_batches=1",
-                f"train.save_interval={steps}", f"parallel.data={strategy}", "optim.warmup_steps=0"]
-        command = [sys.executable, "-m", "frugality", "train", *([recipe_arg] if recipe_arg else []),
-                   "--run-dir", str(run_dir), "--no-progress", "--nproc", str(nproc),
-                   *(a for s in sets for a in ("--set", s))]
-        done = subprocess.run(command, capture_output=True, text=True,
-                              env=os.environ | {"OMP_NUM_THREADS": str(threads)})
-        if done.returncode != 0:
-            raise RuntimeError(f"{strategy} x{nproc} failed:\n{done.stderr[-2000:]}")
-        return json.loads((run_dir / "summary.json").read_text())
+        return _finish(*_start(recipe_arg, overrides, nproc, strategy, steps, threads, Path(scratch) / "run"))
+
+
+def _start(recipe_arg, overrides, nproc, strategy, steps, threads, run_dir: Path):
+    sets = [*overrides, f"train.steps={steps}", f"train.eval_interval={steps}", "train.eval_batches=1",
+            f"train.save_interval={steps}", f"parallel.data={strategy}", "optim.warmup_steps=0"]
+    command = [sys.executable, "-m", "frugality", "train", *([recipe_arg] if recipe_arg else []),
+               "--run-dir", str(run_dir), "--no-progress", "--nproc", str(nproc),
+               *(a for s in sets for a in ("--set", s))]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env=os.environ | {"OMP_NUM_THREADS": str(threads)})
+    return process, run_dir, f"{strategy} x{nproc}"
+
+
+def _finish(process: subprocess.Popen, run_dir: Path, name: str) -> dict:
+    _, stderr = process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{stderr[-2000:]}")
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def markdown_table(rows: list[ScaleRow]) -> str:
     lines = ["| strategy | processes | threads each | tokens/s | per rank | scaling efficiency | step (s) "
-             "| peak memory, rank 0 (GiB) |", "|" + "---|" * 8]
+             "| step without collectives (s) | exposed communication (s, share of step) "
+             "| peak memory, rank 0 (GiB) |", "|" + "---|" * 10]
     for r in rows:
         mem = f"{r.peak_memory_bytes_rank0 / 2**30:.2f}" if r.peak_memory_bytes_rank0 else "n/a"
         eff = f"{r.efficiency:.2f}" if r.efficiency is not None else "n/a"
+        alone = f"{r.independent_step_time_s:.3f}" if r.independent_step_time_s is not None else "n/a"
+        exposed = (f"{r.exposed_communication_s:.3f} ({r.exposed_communication_s / r.step_time_s:.0%})"
+                   if r.exposed_communication_s is not None else "n/a")
         lines.append(f"| {r.strategy} | {r.nproc} | {r.threads_per_rank} | {r.tokens_per_s:,.0f} | "
-                     f"{r.tokens_per_s_per_rank:,.0f} | {eff} | {r.step_time_s:.3f} | {mem} |")
+                     f"{r.tokens_per_s_per_rank:,.0f} | {eff} | {r.step_time_s:.3f} | {alone} | {exposed} | {mem} |")
     return "\n".join(lines)
 
 
