@@ -114,15 +114,19 @@ def test_a_run_moves_between_strategies_and_world_sizes(micro_recipe_file, tmp_p
         assert losses[step] == pytest.approx(expected[step], rel=1e-4), step
 
 
-def test_frugality_train_nproc_starts_the_processes_itself(micro_recipe_file, tmp_path):
+def test_frugality_train_nproc_starts_the_processes_itself(micro_recipe_file, tmp_path, one_process):
+    """... with the blocks compiled (O1) inside the DDP wrapper: the eager one-process losses."""
     frugality = str(Path(sys.executable).with_name("frugality"))
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run([frugality, "train", str(micro_recipe_file), "--run-dir", str(tmp_path / "run"),
-                           "--no-progress", "--nproc", "2", "--set", "train.steps=4"],
+                           "--no-progress", "--nproc", "2", "--until-step", "4", "--set", "compile.level=O1"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "ddp over 2 processes" in done.stdout and done.stdout.count("step 4/4") == 1  # rank 0 reports
-    assert sorted(_losses(tmp_path / "run")) == [1, 2, 3, 4]
+    assert "ddp over 2 processes" in done.stdout and done.stdout.count("step 4/8") == 1  # rank 0 reports
+    losses, eager = _losses(tmp_path / "run"), _losses(one_process(micro_recipe_file))
+    assert sorted(losses) == [1, 2, 3, 4]
+    for step in losses:
+        assert losses[step] == pytest.approx(eager[step], rel=1e-5), step
 
 
 KILLED = """

@@ -154,7 +154,7 @@ def _worker() -> None:
         keep_freed_memory()  # as in training
     state = build_state(recipe, device)
     session = state.compiled
-    session.start(state.model)
+    session.start(state.module)
 
     def step(i: int, st=state) -> float:
         data = torch.randint(0, recipe.model.vocab_size, (batch, seq + 1),

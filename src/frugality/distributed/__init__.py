@@ -99,7 +99,7 @@ def wrap(model: nn.Module, parallel: ParallelConfig, world: World, device: torch
     if parallel.data == "ddp":
         ids = [device.index] if device.type == "cuda" else None
         # the models' buffers are constant tables (rotary): no broadcast of them every forward
-        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
     mesh = data_parallel_mesh(parallel, world, device)
     blocks = list(getattr(model, "layers", []))
     for i, block in enumerate(blocks):

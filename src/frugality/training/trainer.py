@@ -95,7 +95,7 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
     callbacks = Callbacks(*callbacks)
     start = state.step
     try:
-        state.compiled.start(state.model)
+        state.compiled.start(state.module)  # the blocks inside a DDP wrapper
         fit(state, callbacks, stop_at)
     finally:
         callbacks.on_exit(state)
