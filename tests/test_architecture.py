@@ -12,7 +12,7 @@ LAYERS = (
     ("cli",),
     ("bench",),
     ("training",),
-    ("runtime",),
+    ("runtime", "health"),
     ("compile", "distributed", "interop", "tasks"),
     ("precision", "metrics"),
     ("kernels",),

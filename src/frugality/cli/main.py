@@ -11,6 +11,7 @@ from frugality import __version__
 from frugality.cli.bench import bench
 from frugality.cli.compile import compile_
 from frugality.cli.data import data
+from frugality.cli.doctor import doctor
 from frugality.cli.interop import export, import_
 from frugality.cli.launch import launch
 from frugality.cli.plan import plan
@@ -37,6 +38,7 @@ cli.add_command(import_)
 cli.add_command(export)
 cli.add_command(launch)
 cli.add_command(plan)
+cli.add_command(doctor)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -55,7 +57,8 @@ _default_show_warning = warnings.showwarning
 def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _show_warning
     try:
-        cli.main(args=argv, prog_name="frugality", standalone_mode=False)
+        # without standalone mode click returns (not raises) a command's Exit status
+        status = cli.main(args=argv, prog_name="frugality", standalone_mode=False)
     except UserError as e:
         click.echo(f"error: {e}", err=True)
         return USER_ERROR_EXIT
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except click.exceptions.Exit as e:
         return e.exit_code
-    return 0
+    return status if isinstance(status, int) else 0
 
 
 if __name__ == "__main__":

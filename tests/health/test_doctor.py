@@ -1,0 +1,84 @@
+"""`frugality doctor`: each check passes on this machine and fails, naming itself, when what
+it checks is broken."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from frugality.cli.main import main
+from frugality.config.recipe import load_recipe
+from frugality.errors import UserError
+from frugality.health import FAIL, PASS, thresholds
+from frugality.health import device as device_checks
+from frugality.health.machine import machine_checks
+
+CPU = torch.device("cpu")
+
+
+def test_device_checks_pass_here_and_a_biased_rounding_fails(monkeypatch):
+    limits = thresholds("cpu")
+    assert [c.status for c in device_checks.product_checks(CPU, limits)] == [PASS, PASS]
+    assert device_checks.stochastic_rounding_check(CPU, limits).status == PASS
+    # noise that never carries: rounding toward zero, 0.3 bf16 steps below the value on average
+    monkeypatch.setattr(device_checks, "noise16x3", lambda index, key: (torch.zeros_like(index),) * 3)
+    check = device_checks.stochastic_rounding_check(CPU, limits)
+    assert check.status == FAIL and check.data["value"] == pytest.approx(0.3, abs=0.01)
+
+
+def test_machine_checks_fail_on_a_full_disk_an_unwritable_cache_and_a_missing_dataset(micro_recipe_file, tmp_path):
+    recipe = load_recipe(str(micro_recipe_file), [])
+    assert all(c.status != FAIL for c in machine_checks(CPU, recipe, tmp_path / "runs", thresholds("cpu"), 4))
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache folder should be")
+    broken = load_recipe(str(micro_recipe_file), [f'compile.cache="{blocked}/cache"',
+                                                  f'data.dataset="{tmp_path}/missing"'])
+    limits = thresholds("cpu", ["min_free_disk_gib=1e9"])  # more than any disk holds
+    failing = {c.name: c for c in machine_checks(CPU, broken, tmp_path / "runs", limits, 4) if c.status == FAIL}
+    assert set(failing) == {f"free disk at {tmp_path / 'runs'}", "compile cache", "dataset"}
+    assert "missing" in failing["dataset"].detail
+    assert not list(tmp_path.glob(".frugality-doctor-*"))  # the write probe is removed
+
+
+def test_thresholds_are_overridable_by_name_only():
+    assert thresholds("cuda", ["min_bus_bandwidth_gb_s=40"])["min_bus_bandwidth_gb_s"] == 40
+    with pytest.raises(UserError, match="NAME one of"):
+        thresholds("cpu", ["min_bandwidth=3"])
+    with pytest.raises(UserError, match="not a number"):
+        thresholds("cpu", ["min_free_disk_gib=lots"])
+
+
+def _doctor(tmp_path, *args, **env):
+    return subprocess.run([sys.executable, "-m", "frugality", "doctor", "--quick", "--run-dir", str(tmp_path / "runs"),
+                           *args], capture_output=True, text=True, timeout=300, env=os.environ | env)
+
+
+def test_collectives_among_two_processes_pass_and_an_injected_wrong_value_fails(tmp_path):
+    done = _doctor(tmp_path, "--nproc", "2", "--max-size", "1", "--json", str(tmp_path / "doctor.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [r for r in json.loads((tmp_path / "doctor.json").read_text()) if r["group"] == "collectives"]
+    measured = [r for r in rows if "op" in r["data"]]
+    assert len(measured) == 4 * 6 and all(r["status"] == PASS for r in rows)  # 4 ops x 1 KiB..1 MiB
+    for r in measured:  # nccl-tests' definitions
+        d = r["data"]
+        assert d["algbw_gb_s"] == pytest.approx(d["bytes"] / (d["time_us"] * 1e-6) / 1e9)
+        factor = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0}[d["op"]]
+        assert d["busbw_gb_s"] == pytest.approx(d["algbw_gb_s"] * factor)
+    broken = _doctor(tmp_path, "--nproc", "2", "--max-size", "1", FRUGALITY_INJECT_FAULT="all_reduce_value")
+    assert broken.returncode == 1
+    assert "all_reduce 1 KiB (256 wrong values across the ranks)" in broken.stderr
+    assert "| all_gather 1 KiB | pass |" in broken.stdout  # only the corrupted collective fails
+
+
+def test_doctor_refuses_bad_input_in_one_line(tmp_path, capsys):
+    existing = tmp_path / "out.json"
+    existing.write_text("keep")
+    assert main(["doctor", "--quick", "--json", str(existing)]) == 2
+    assert main(["doctor", "--quick", "--threshold", "speed=1"]) == 2
+    assert existing.read_text() == "keep"
+    assert capsys.readouterr().err.count("error:") == 2
