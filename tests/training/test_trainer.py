@@ -86,6 +86,23 @@ def test_stop_and_resume_is_bit_identical(micro_recipe_file, tmp_path):
     assert _train_losses(tmp_path / "straight") == _train_losses(tmp_path / "split")
 
 
+def test_a_corrupt_newest_checkpoint_resumes_from_the_one_before_to_the_same_bits(micro_recipe_file, tmp_path):
+    import shutil
+
+    from frugality.checkpoint import CorruptCheckpointWarning
+
+    recipe = load_recipe(str(micro_recipe_file))  # 8 steps, checkpoints at 4 and 8
+    trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
+    shutil.copytree(tmp_path / "straight", tmp_path / "cut")
+    shard = next((tmp_path / "cut" / "checkpoints" / "step_00000008").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a crash mid-write of the disk
+    with pytest.warns(CorruptCheckpointWarning, match="step_00000008 is unusable"):
+        again = trainer.train(recipe, run_dir=tmp_path / "cut", progress=False, tensorboard=False)
+    assert again.start_step == 4 and again.final_step == 8
+    _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, tmp_path / "cut"))
+    assert _train_losses(tmp_path / "straight") == _train_losses(tmp_path / "cut")
+
+
 def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(micro_recipe_file, tmp_path, monkeypatch):
     recipe = load_recipe(str(micro_recipe_file))
     trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)

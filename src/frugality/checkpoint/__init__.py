@@ -7,13 +7,20 @@ load them back at another world size. Model and optimizer state go through DCP's
 parameter name rather than position. Tensors load onto whatever device the live model is
 on, so a checkpoint saved on CUDA resumes on a CPU.
 
-A checkpoint is a folder `step_00001000/`. It is written as `.step_00001000.partial/`
-and renamed into place only when complete, so a crash mid-save never leaves a
-checkpoint that looks usable.
+A checkpoint is a folder `step_00001000/`. It is written as `.step_00001000.partial/`:
+each rank fsyncs and hashes (SHA-256) the files it wrote, rank 0 writes `manifest.json`
+with every file's size and hash last, fsynced, and renames the folder into place (then
+fsyncs the parent), so a crash mid-save never leaves a checkpoint that looks usable.
+Before a checkpoint is resumed its files are checked against the manifest: a truncated or
+corrupt newest checkpoint is skipped, with a warning, for the newest one that verifies.
+Checkpoints written before manifests existed (a `.metadata` alone) are used unverified.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import pickle
 import re
 import shutil
@@ -27,7 +34,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from frugality.errors import FrugalityWarning
+
 _NAME = re.compile(r"^step_(\d{8,})$")
+MANIFEST = "manifest.json"
+
+
+class CorruptCheckpointWarning(FrugalityWarning):
+    pass
 
 
 class CheckpointManager:
@@ -45,8 +59,15 @@ class CheckpointManager:
         return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
     def latest(self) -> Path | None:
-        done = self.complete()
-        return done[-1] if done else None
+        """The newest checkpoint whose files verify; newer ones that do not are skipped with
+        a warning naming them and what is wrong."""
+        for path in reversed(self.complete()):
+            problem = verify(path)
+            if problem is None:
+                return path
+            warnings.warn(f"checkpoint {path} is unusable ({problem}); trying the one before it",
+                          CorruptCheckpointWarning, stacklevel=2)
+        return None
 
     def save(
         self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict
@@ -55,17 +76,35 @@ class CheckpointManager:
         final = self.folder / f"step_{step:08d}"
         partial = self.folder / f".{final.name}.partial"
         if _is_main():
-            shutil.rmtree(partial, ignore_errors=True)
+            for stale in self.folder.glob(".step_*.partial"):  # left by a crash mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()  # no rank writes before the stale folders are gone
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state, "extra": pickle.dumps(extra)}
         with single_process_ok():
             dcp.save(state, checkpoint_id=partial, no_dist=not dist.is_initialized())
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mine = {f.name: _file_record(f) for f in sorted(partial.glob(f"__{rank}_*"))}
+        if dist.is_initialized():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
         if _is_main():
+            files = {name: record for part in gathered for name, record in part.items()}
+            files[".metadata"] = _file_record(partial / ".metadata")
+            _write_synced(partial / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
             if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
                 shutil.rmtree(final)
             partial.rename(final)
-            for old in self.complete()[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            _fsync_dir(self.folder)
+            # older than the checkpoints kept: complete ones, and step folders a crash or an
+            # older version left without .metadata
+            oldest_kept = step_of(self.complete()[-self.keep]) if len(self.complete()) >= self.keep else 0
+            for old in self.folder.iterdir():
+                if _NAME.match(old.name) and step_of(old) < oldest_kept:
+                    shutil.rmtree(old, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()
         return final
@@ -80,6 +119,55 @@ class CheckpointManager:
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
         return pickle.loads(state["extra"])
+
+
+def verify(path: Path) -> str | None:
+    """None when every file of the checkpoint has its manifest's size and SHA-256 (or, for
+    a checkpoint without a manifest, its `.metadata` exists); else what is wrong."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return None if (path / ".metadata").is_file() else "no .metadata: an incomplete save"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is unreadable"
+    for name, record in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != record["size"]:
+            return f"{name} has {f.stat().st_size:,} bytes, the manifest {record['size']:,}"
+        if _sha256(f) != record["sha256"]:
+            return f"{name} does not match its SHA-256"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _file_record(path: Path) -> dict:
+    """Size and hash of a file just written, after forcing it to disk."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def step_of(path: Path) -> int:

@@ -9,6 +9,7 @@ import click
 
 from frugality import __version__
 from frugality.cli.bench import bench
+from frugality.cli.ckpt import ckpt
 from frugality.cli.compile import compile_
 from frugality.cli.data import data
 from frugality.cli.doctor import doctor
@@ -39,6 +40,7 @@ cli.add_command(export)
 cli.add_command(launch)
 cli.add_command(plan)
 cli.add_command(doctor)
+cli.add_command(ckpt)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -1,0 +1,90 @@
+"""Checkpoints that survive a crash anywhere: a manifest of sizes and SHA-256s written last;
+a truncated or corrupt newest checkpoint is skipped for the previous one, with a warning;
+what a crash leaves behind is cleaned up."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from frugality.checkpoint import MANIFEST, CheckpointManager, CorruptCheckpointWarning, verify
+from frugality.config.recipe import OptimConfig
+from frugality.models import GPTNeoX, GPTNeoXConfig
+from frugality.runtime.optim import build_optimizer
+
+CFG = GPTNeoXConfig(hidden_size=32, num_layers=1, num_heads=2, vocab_size=64, max_seq_len=16)
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    torch.manual_seed(0)
+    model = GPTNeoX(CFG)
+    optimizer = build_optimizer(model, OptimConfig())
+    manager = CheckpointManager(tmp_path, keep=3)
+    for step in (1, 2):
+        model(torch.randint(0, 64, (2, 16))).sum().backward()
+        optimizer.step()
+        manager.save(step, model, optimizer, {"step": step})
+    return manager
+
+
+def _distcp(path):
+    return next(path.glob("__0_*.distcp"))
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_hash(two_checkpoints):
+    newest = two_checkpoints.latest()
+    files = json.loads((newest / MANIFEST).read_text())["files"]
+    assert set(files) == {p.name for p in newest.iterdir()} - {MANIFEST}
+    assert all(len(r["sha256"]) == 64 and r["size"] > 0 for r in files.values())
+    assert verify(newest) is None
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]), "bytes, the manifest"),  # cut in half
+    (lambda f: f.write_bytes(bytes([f.read_bytes()[0] ^ 1]) + f.read_bytes()[1:]), "does not match its SHA-256"),
+    (lambda f: f.unlink(), "is missing"),
+])
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(two_checkpoints, damage, reason):
+    newest = two_checkpoints.latest()
+    damage(_distcp(newest))
+    assert reason in verify(newest)
+    with pytest.warns(CorruptCheckpointWarning, match=f"{newest.name} is unusable"):
+        assert two_checkpoints.latest().name == "step_00000001"
+
+
+def test_a_checkpoint_without_manifest_is_used_unverified_and_without_metadata_not_at_all(two_checkpoints):
+    newest = two_checkpoints.latest()
+    (newest / MANIFEST).unlink()  # as written before manifests existed
+    assert verify(newest) is None and two_checkpoints.latest() == newest
+    (newest / ".metadata").unlink()
+    assert two_checkpoints.latest().name == "step_00000001"
+
+
+def test_what_a_crash_leaves_is_cleaned_at_the_next_save(two_checkpoints):
+    folder = two_checkpoints.folder
+    shutil.copytree(folder / "step_00000001", folder / ".step_00000003.partial")  # a save cut short
+    stray = folder / "step_00000000"
+    stray.mkdir()  # a step folder without .metadata, older than anything kept
+    (stray / "__0_0.distcp").write_bytes(b"x" * 100)
+    two_checkpoints.keep = 2
+    model = GPTNeoX(CFG)
+    two_checkpoints.save(3, model, build_optimizer(model, OptimConfig()), {})
+    assert sorted(p.name for p in folder.iterdir()) == ["step_00000002", "step_00000003"]
+
+
+def test_ckpt_verify_names_the_unusable_checkpoint(two_checkpoints, capsys):
+    from frugality.cli.main import main
+
+    folder = two_checkpoints.folder
+    assert main(["ckpt", "verify", str(folder)]) == 0
+    assert capsys.readouterr().out.count("ok ") == 2
+    _distcp(folder / "step_00000002").write_bytes(b"")
+    assert main(["ckpt", "verify", str(folder)]) == 1
+    captured = capsys.readouterr()
+    assert "unusable " + str(folder / "step_00000002") in captured.out
+    assert "a resume would start from step 1" in captured.err
+    assert main(["ckpt", "verify", str(folder / "nothing")]) == 2
