@@ -82,3 +82,54 @@ def test_doctor_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert main(["doctor", "--quick", "--threshold", "speed=1"]) == 2
     assert existing.read_text() == "keep"
     assert capsys.readouterr().err.count("error:") == 2
+
+
+def test_preflight_runs_before_step_one_and_refuses_a_broken_device(micro_recipe_file, tmp_path, monkeypatch):
+    from frugality.training import trainer
+
+    recipe = load_recipe(str(micro_recipe_file), ["train.preflight=true", "train.steps=2"])
+    # an all-reduce that corrupts its result, in 2 processes over gloo: every rank stops, nothing written
+    script = tmp_path / "corrupt.py"
+    script.write_text(CORRUPT_ALL_REDUCE)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), str(micro_recipe_file), str(tmp_path / "two")],
+                          capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    # the wrong values are counted over the ranks: each rank names the failed collective
+    assert "preflight failed on rank 0: all_reduce 1 KiB" in done.stderr
+    assert "preflight failed on rank 1: all_reduce 1 KiB" in done.stderr
+    assert "256 wrong values across the ranks" in done.stderr
+    assert not (tmp_path / "two").exists()
+    # one process: float32 products wrong by 1% fail the check before the run directory exists
+    real_mm = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__",
+                        lambda a, b: real_mm(a, b) * (1.01 if a.dtype == torch.float32 else 1))
+    with pytest.raises(UserError, match="preflight failed: float32 product: rel. error 1.0e-02"):
+        trainer.train(recipe, run_dir=tmp_path / "one", progress=False, tensorboard=False)
+    assert not (tmp_path / "one").exists()
+    monkeypatch.undo()
+    result = trainer.train(recipe, run_dir=tmp_path / "one", progress=False, tensorboard=False)
+    assert result.final_step == 2
+
+
+CORRUPT_ALL_REDUCE = """
+import sys
+import torch.distributed as dist
+from frugality.config.recipe import load_recipe
+from frugality.errors import UserError
+from frugality.training import trainer
+
+real = dist.all_reduce
+def corrupt(tensor, *args, **kwargs):  # rank 1's results come back off by one
+    work = real(tensor, *args, **kwargs)
+    if dist.get_rank() == 1 and tensor.numel() == 256:
+        tensor += 1
+    return work
+dist.all_reduce = corrupt
+try:
+    trainer.train(load_recipe(sys.argv[1], ["train.preflight=true"]), run_dir=sys.argv[2], progress=False,
+                  tensorboard=False)
+except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+"""

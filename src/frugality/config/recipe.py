@@ -93,6 +93,9 @@ class TrainConfig(_Section):
     eval_batches: PositiveInt = 8
     save_interval: PositiveInt = 1000
     keep_checkpoints: PositiveInt = Field(default=2, description="newest checkpoints to keep")
+    preflight: bool = Field(
+        default=False, description="run the quick health checks on every rank before step 1 (products, "
+        "stochastic rounding, disk, and the collectives' values); refuse to start on a failure")
     log_interval: PositiveInt = 1
     precision: Literal[PRECISIONS] = Field(
         default="auto",

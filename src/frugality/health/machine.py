@@ -55,10 +55,8 @@ def _meminfo_available() -> int | None:
 def _disk(run_root: Path, limits: dict[str, float], write_mib: int) -> list[Check]:
     """Free space where runs go, and the speed of writing `write_mib` MiB there, fsynced (what
     a checkpoint costs); the probe file is removed."""
-    existing = next((p for p in (run_root, *run_root.resolve().parents) if p.exists()), Path("/"))
-    free = shutil.disk_usage(existing).free / GIB
-    checks = [at_least("machine", f"free disk at {run_root}", free, limits["min_free_disk_gib"],
-                       f"{free:,.1f} GiB", "min_free_disk_gib")]
+    existing = _existing(run_root)
+    checks = [free_disk_check(run_root, limits)]
     probe_file = existing / f".frugality-doctor-{uuid.uuid4().hex}"
     block = os.urandom(1 << 20)
     try:
@@ -76,6 +74,17 @@ def _disk(run_root: Path, limits: dict[str, float], write_mib: int) -> list[Chec
     finally:
         probe_file.unlink(missing_ok=True)
     return checks
+
+
+def _existing(path: Path) -> Path:
+    """`path`, or the nearest folder above it that exists (where it will be created)."""
+    return next((p for p in (path, *path.resolve().parents) if p.exists()), Path("/"))
+
+
+def free_disk_check(run_root: Path, limits: dict[str, float]) -> Check:
+    free = shutil.disk_usage(_existing(run_root)).free / GIB
+    return at_least("machine", f"free disk at {run_root}", free, limits["min_free_disk_gib"], f"{free:,.1f} GiB",
+                    "min_free_disk_gib")
 
 
 def _compile_cache(recipe: Recipe) -> Check:

@@ -18,6 +18,7 @@ from frugality import distributed
 from frugality.config.recipe import Recipe
 from frugality.errors import UserError
 from frugality.hardware import probe
+from frugality.health.preflight import preflight
 from frugality.interop.weights import WeightsSource, check_compatible, load_weights, resolve_source, stored_dtype
 from frugality.runtime.data import open_training_data
 from frugality.runtime.device import resolve_device
@@ -68,6 +69,7 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
     check_recipe(recipe, device)
     world = distributed.init(device, recipe.parallel.timeout_s)  # world size 1 without torchrun
     device = distributed.local_device(device, world)
+    passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
     if device.type == "cpu":
         keep_freed_memory()  # see frugality.runtime.host_memory
     data = open_training_data(recipe, progress, world.rank, world.world_size)
@@ -77,6 +79,8 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
         raise UserError("--resume-optimizer needs --init-from a frugality training checkpoint "
                         "(one with optimizer state) and a new run")
     state = build_state(recipe, device, data, world)
+    if passed is not None:
+        state.choices.append(f"preflight: {passed} checks passed" + (" on each rank" if world.distributed else ""))
     checkpoints = CheckpointManager(run_path / "checkpoints", keep=recipe.train.keep_checkpoints)
     _restore(state, plan, source, checkpoints, resume_optimizer, stop_at)
     if world.is_main:
