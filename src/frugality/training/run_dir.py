@@ -4,15 +4,22 @@ happens here, before any file is touched."""
 
 from __future__ import annotations
 
+import datetime
+import fcntl
 import json
+import os
+import socket
 import time
 import tomllib
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from frugality import distributed
 from frugality.checkpoint import CheckpointManager
 from frugality.config.recipe import Recipe
-from frugality.errors import UserError
+from frugality.errors import FrugalityWarning, UserError
 
 RECIPE_FILE = "recipe.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -27,6 +34,70 @@ class RunPlan:
     path: Path
     resume_from: Path | None  # a complete checkpoint, or None to start fresh
     moved_aside: Path | None  # where an earlier run's files went on --fresh
+
+
+@contextmanager
+def locked(run_dir: Path, world: distributed.World, device):
+    """Hold the run directory for this run: an advisory lock (`flock`) on `.<name>.lock`
+    beside it, holding the host, PID and start time, taken before anything in the directory
+    is read or moved and kept to the end. A second run of the same directory stops with
+    one line naming the holder. The kernel releases the lock of a process that dies, so a
+    crashed run never blocks the next. Under torchrun rank 0 locks and every rank learns
+    whether it could. On network filesystems where `flock` is not shared between hosts,
+    two hosts are not kept apart."""
+    held, problem = None, None
+    if world.is_main:
+        try:
+            held = _acquire(run_dir)
+        except UserError as e:
+            problem = e
+    if world.distributed and distributed.all_sum([0.0 if problem else 1.0], device)[0] < 1:
+        problem = problem or UserError(f"run directory {run_dir} is in use by another run (rank 0 could not lock it)")
+    if problem:
+        raise problem
+    try:
+        yield
+    finally:
+        if held is not None:
+            held.truncate(0)  # an empty lock file: released, nobody to take over from
+            held.close()  # closing releases the flock
+
+
+def lock_path(run_dir: Path) -> Path:
+    return run_dir.with_name(f".{run_dir.name}.lock")
+
+
+def _acquire(run_dir: Path):
+    path = lock_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = _holder(f.read())
+        f.close()
+        raise UserError(f"run directory {run_dir} is in use by {holder} (lock {path}); wait for it to end, "
+                        "or train into another --run-dir") from None
+    f.seek(0)
+    previous = f.read()
+    if previous.strip():  # the last holder died without releasing: its lock went with it
+        warnings.warn(f"run directory {run_dir}: taking over from {_holder(previous)}, which ended without "
+                      "releasing it", FrugalityWarning, stacklevel=3)
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                        "started": datetime.datetime.now().isoformat(timespec="seconds")}))
+    f.flush()
+    return f
+
+
+def _holder(text: str) -> str:
+    try:
+        info = json.loads(text)
+        return f"PID {info['pid']} on {info['host']} (started {info['started']})"
+    except (ValueError, KeyError, TypeError):
+        return "another run"
 
 
 def plan_run(recipe: Recipe, run_dir: Path, fresh: bool) -> RunPlan:

@@ -70,43 +70,45 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
     world = distributed.init(device, recipe.parallel.timeout_s)  # world size 1 without torchrun
     device = distributed.local_device(device, world)
     passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
-    if device.type == "cpu":
-        keep_freed_memory()  # see frugality.runtime.host_memory
-    data = open_training_data(recipe, progress, world.rank, world.world_size)
-    plan = rundir.plan_run(recipe, run_path, fresh)
-    source = resolve_source(init_from) if init_from is not None and plan.resume_from is None else None
-    if resume_optimizer and (source is None or not source.has_optimizer):
-        raise UserError("--resume-optimizer needs --init-from a frugality training checkpoint "
-                        "(one with optimizer state) and a new run")
-    state = build_state(recipe, device, data, world)
-    if passed is not None:
-        state.choices.append(f"preflight: {passed} checks passed" + (" on each rank" if world.distributed else ""))
-    checkpoints = CheckpointManager(run_path / "checkpoints", keep=recipe.train.keep_checkpoints)
-    _restore(state, plan, source, checkpoints, resume_optimizer, stop_at)
-    if world.is_main:
-        rundir.open_run(plan, recipe, state.step if plan.resume_from is not None else None)
-    distributed.barrier()
+    with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
+        if device.type == "cpu":
+            keep_freed_memory()  # see frugality.runtime.host_memory
+        data = open_training_data(recipe, progress, world.rank, world.world_size)
+        plan = rundir.plan_run(recipe, run_path, fresh)
+        source = resolve_source(init_from) if init_from is not None and plan.resume_from is None else None
+        if resume_optimizer and (source is None or not source.has_optimizer):
+            raise UserError("--resume-optimizer needs --init-from a frugality training checkpoint "
+                            "(one with optimizer state) and a new run")
+        state = build_state(recipe, device, data, world)
+        if passed is not None:
+            each = " on each rank" if world.distributed else ""
+            state.choices.append(f"preflight: {passed} checks passed{each}")
+        checkpoints = CheckpointManager(run_path / "checkpoints", keep=recipe.train.keep_checkpoints)
+        _restore(state, plan, source, checkpoints, resume_optimizer, stop_at)
+        if world.is_main:
+            rundir.open_run(plan, recipe, state.step if plan.resume_from is not None else None)
+        distributed.barrier()
 
-    throughput, summary = Throughput(), None
-    callbacks = [StopOnSignal(), CloseCompileSession(), throughput, NanGuard(), Checkpointing(checkpoints, stop_at)]
-    if world.is_main:  # one rank writes the log, shows progress and summarises
-        log = RunLog(run_path, tensorboard)
-        memory = Memory(log)
-        summary = Summary(run_path, throughput, memory)
-        header = _header(state, plan, source, init_from, resume_optimizer)
-        callbacks[3:3] = [memory, log, Progress(header, progress, stop_at)]
-        callbacks.append(summary)
-    callbacks = Callbacks(*callbacks)
-    start = state.step
-    try:
-        state.compiled.start(state.module)  # the blocks inside a DDP wrapper
-        fit(state, callbacks, stop_at)
-    finally:
-        callbacks.on_exit(state)
-        state.compiled.close()  # publishes what was compiled, even when the run stopped on an error
-        state.compiled.cleanup()
-    return TrainResult(run_path, start, state.step, state.stop_requested,
-                       summary.evals if summary else {}, summary.summary if summary else {})
+        throughput, summary = Throughput(), None
+        callbacks = [StopOnSignal(), CloseCompileSession(), throughput, NanGuard(), Checkpointing(checkpoints, stop_at)]
+        if world.is_main:  # one rank writes the log, shows progress and summarises
+            log = RunLog(run_path, tensorboard)
+            memory = Memory(log)
+            summary = Summary(run_path, throughput, memory)
+            header = _header(state, plan, source, init_from, resume_optimizer)
+            callbacks[3:3] = [memory, log, Progress(header, progress, stop_at)]
+            callbacks.append(summary)
+        callbacks = Callbacks(*callbacks)
+        start = state.step
+        try:
+            state.compiled.start(state.module)  # the blocks inside a DDP wrapper
+            fit(state, callbacks, stop_at)
+        finally:
+            callbacks.on_exit(state)
+            state.compiled.close()  # publishes what was compiled, even when the run stopped on an error
+            state.compiled.cleanup()
+        return TrainResult(run_path, start, state.step, state.stop_requested,
+                           summary.evals if summary else {}, summary.summary if summary else {})
 
 
 def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: bool, stop_at: int) -> None:
