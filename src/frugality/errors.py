@@ -12,3 +12,12 @@ class UserError(Exception):
 class FrugalityWarning(UserWarning):
     """Something the user should know that does not stop the run (a cache entry skipped, a
     graph running eagerly, a recompilation). The CLI prints these as `warning: ...`."""
+
+
+class RunDiverged(Exception):
+    """Training produced non-finite values beyond what `train.on_nonfinite` allows. The CLI
+    prints one `error: ...` line and exits with status 3 (`DIVERGED_EXIT`); the run's last
+    checkpoint stays the one to resume from."""
+
+
+DIVERGED_EXIT = 3

@@ -18,7 +18,7 @@ from frugality.cli.launch import launch
 from frugality.cli.plan import plan
 from frugality.cli.recipes import recipes
 from frugality.cli.train import train
-from frugality.errors import FrugalityWarning, UserError
+from frugality.errors import DIVERGED_EXIT, FrugalityWarning, RunDiverged, UserError
 
 USER_ERROR_EXIT = 2
 
@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         click.echo(f"error: {e}", err=True)
         return USER_ERROR_EXIT
+    except RunDiverged as e:
+        click.echo(f"error: {e}", err=True)
+        return DIVERGED_EXIT
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130

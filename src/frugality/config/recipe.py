@@ -93,6 +93,10 @@ class TrainConfig(_Section):
     eval_batches: PositiveInt = 8
     save_interval: PositiveInt = 1000
     keep_checkpoints: PositiveInt = Field(default=2, description="newest checkpoints to keep")
+    on_nonfinite: Literal["skip", "stop"] = Field(
+        default="skip", description="a step whose loss or gradients are not finite is never applied: skip "
+        "it and go on (stopping after train.max_skipped in a row), or stop at once")
+    max_skipped: PositiveInt = Field(default=3, description="consecutive skipped steps that stop the run")
     preflight: bool = Field(
         default=False, description="run the quick health checks on every rank before step 1 (products, "
         "stochastic rounding, disk, and the collectives' values); refuse to start on a failure")

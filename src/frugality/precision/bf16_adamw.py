@@ -168,6 +168,11 @@ class BF16AdamW(torch.optim.Optimizer):
         self._grad_scale = 1.0
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients, and a clip scale computed from them that no step applied."""
+        super().zero_grad(set_to_none)
+        self._grad_scale = 1.0
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm (as torch.nn.utils.clip_grad_norm_ returns it), and

@@ -47,6 +47,7 @@ class TrainState:
     world: World = World()
     step: int = 0
     stop_requested: bool = False  # set by a signal or a policy: stop after this step, saved
+    nonfinite: str | None = None  # what was not finite in the last step (its update was not applied)
 
     @property
     def module(self) -> nn.Module:

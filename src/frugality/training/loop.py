@@ -7,6 +7,7 @@ memory, the NaN policy, checkpoints, signals, the summary) is a callback
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ class StepResult:
     lr: float
     seconds: float
     final: bool  # the last step of this session
+    nonfinite: str | None = None  # what was not finite: the update was skipped
     record: dict = field(default_factory=dict)  # what callbacks measured, for the log
 
 
@@ -45,7 +47,7 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
         loss, norm = _run(state, callbacks, "train", state.step + 1, lambda: train_step(state, batches))
         state.step += 1
         callbacks.on_step_end(state, StepResult(state.step, loss, norm, lr, time.perf_counter() - t0,
-                                                state.step == stop_at))
+                                                state.step == stop_at, state.nonfinite))
         if state.step % recipe.train.eval_interval == 0 or state.step == recipe.train.steps:
             evaluate(state, callbacks)
         callbacks.on_step_done(state)  # after evaluation: checkpoints see the step's whole result
@@ -56,8 +58,10 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
 
 def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[float, float]:
     """One optimizer step over micro-batches of the task's batches: forward and backward
-    each (loss divided by their count), clip the global gradient norm, update. Returns
-    (mean loss, gradient norm before clipping)."""
+    each (loss divided by their count), clip the global gradient norm, update — unless the
+    loss or the gradients are not finite: then nothing is applied and `state.nonfinite`
+    names what was not (every rank decides alike: the loss is the ranks' mean, the norm
+    global). Returns (mean loss, gradient norm before clipping)."""
     model, optimizer = state.model, state.optimizer
     model.train()
     total = torch.zeros((), device=state.device)
@@ -70,14 +74,35 @@ def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[fl
             (loss / len(micro_batches)).backward()
         total += loss.detach()
     max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
+    clip = None
     if hasattr(optimizer, "clip_grad_norm_"):  # BF16AdamW: clipping folded into its update
         norm = optimizer.clip_grad_norm_(max_norm)
-    else:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return all_mean((total / len(micro_batches)).item(), state.device), norm.item()
+    else:  # the norm first, so that non-finite gradients are seen before clipping scales them all
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        clip = torch.nn.utils.get_total_norm(grads, foreach=True)
+        norm = clip.full_tensor() if hasattr(clip, "full_tensor") else clip  # FSDP2: a DTensor
+    loss, norm = all_mean((total / len(micro_batches)).item(), state.device), norm.item()
+    state.nonfinite = _first_nonfinite(state.module, loss, norm)
+    if state.nonfinite is None:
+        if clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, clip, foreach=True)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # (BF16AdamW: drops a pending clip scale too)
+    return loss, norm
+
+
+def _first_nonfinite(model: torch.nn.Module, loss: float, norm: float) -> str | None:
+    """None when the step may be applied; else the loss, or the first parameter (in the
+    model's order) whose gradient holds a NaN or infinity on this rank."""
+    if not math.isfinite(loss):
+        return f"the loss ({loss})"
+    if math.isfinite(norm):
+        return None
+    for name, p in model.named_parameters():
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if grad is not None and not torch.isfinite(grad).all():
+            return f"the gradient of {name}"
+    return f"the gradient norm ({norm}; the gradients of this rank are finite)"
 
 
 @torch.no_grad()

@@ -96,7 +96,7 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
             memory = Memory(log)
             summary = Summary(run_path, throughput, memory)
             header = _header(state, plan, source, init_from, resume_optimizer)
-            callbacks[3:3] = [memory, log, Progress(header, progress, stop_at)]
+            callbacks[4:4] = [memory, log, Progress(header, progress, stop_at)]  # after NanGuard: it marks skips
             callbacks.append(summary)
         callbacks = Callbacks(*callbacks)
         start = state.step

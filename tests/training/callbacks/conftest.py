@@ -31,8 +31,8 @@ def state():
 
 @pytest.fixture
 def step():
-    """step(state, loss=, seconds=, final=): count a step and return its StepResult."""
-    def make(state, loss=2.0, seconds=0.5, final=False):
+    """step(state, loss=, seconds=, final=, nonfinite=): count a step and return its StepResult."""
+    def make(state, loss=2.0, seconds=0.5, final=False, nonfinite=None):
         state.step += 1
-        return StepResult(state.step, loss, 1.0, 1e-3, seconds, final)
+        return StepResult(state.step, loss, 1.0, 1e-3, seconds, final, nonfinite)
     return make
