@@ -88,3 +88,27 @@ def test_ckpt_verify_names_the_unusable_checkpoint(two_checkpoints, capsys):
     assert "unusable " + str(folder / "step_00000002") in captured.out
     assert "a resume would start from step 1" in captured.err
     assert main(["ckpt", "verify", str(folder / "nothing")]) == 2
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_previous_checkpoint(two_checkpoints, monkeypatch):
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    from frugality.errors import UserError
+
+    real = dcp_files._write_item
+
+    def full(*args, **kwargs):  # some bytes reach the disk, then it is full
+        real(*args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_files, "_write_item", full)
+    model = GPTNeoX(CFG)
+    folder = two_checkpoints.folder
+    with pytest.raises(UserError, match=r"cannot write checkpoint .*step_00000003: No space left on device "
+                                        r"\(.* GiB free on the device holding .*\); the previous checkpoint "
+                                        r"step_00000002 is intact"):
+        two_checkpoints.save(3, model, build_optimizer(model, OptimConfig()), {})
+    assert sorted(p.name for p in folder.iterdir()) == ["step_00000001", "step_00000002"]  # no partial left
+    assert two_checkpoints.latest().name == "step_00000002"

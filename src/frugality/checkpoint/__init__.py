@@ -32,9 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from frugality.errors import FrugalityWarning
+from frugality.errors import FrugalityWarning, UserError
 
 _NAME = re.compile(r"^step_(\d{8,})$")
 MANIFEST = "manifest.json"
@@ -82,10 +83,13 @@ class CheckpointManager:
             dist.barrier()  # no rank writes before the stale folders are gone
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state, "extra": pickle.dumps(extra)}
-        with single_process_ok():
-            dcp.save(state, checkpoint_id=partial, no_dist=not dist.is_initialized())
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        mine = {f.name: _file_record(f) for f in sorted(partial.glob(f"__{rank}_*"))}
+        try:
+            with single_process_ok():
+                dcp.save(state, checkpoint_id=partial, no_dist=not dist.is_initialized())
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            mine = {f.name: _file_record(f) for f in sorted(partial.glob(f"__{rank}_*"))}
+        except (OSError, CheckpointException) as e:
+            raise self._failed(final, partial, e) from None
         if dist.is_initialized():
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine)
@@ -93,8 +97,11 @@ class CheckpointManager:
             gathered = [mine]
         if _is_main():
             files = {name: record for part in gathered for name, record in part.items()}
-            files[".metadata"] = _file_record(partial / ".metadata")
-            _write_synced(partial / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
+            try:
+                files[".metadata"] = _file_record(partial / ".metadata")
+                _write_synced(partial / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
+            except OSError as e:
+                raise self._failed(final, partial, e) from None
             if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
                 shutil.rmtree(final)
             partial.rename(final)
@@ -108,6 +115,22 @@ class CheckpointManager:
         if dist.is_initialized():
             dist.barrier()
         return final
+
+    def _failed(self, final: Path, partial: Path, error: BaseException) -> BaseException:
+        """A save that failed: its partial folder removed, and for a filesystem fault one
+        line naming the checkpoint, the cause and what is still there (other errors as
+        they were)."""
+        if _is_main():
+            shutil.rmtree(partial, ignore_errors=True)
+        cause = error if isinstance(error, OSError) else next(
+            (f[0] for f in getattr(error, "failures", {}).values() if isinstance(f[0], OSError)), None)
+        if cause is None:
+            return error
+        free = shutil.disk_usage(self.folder).free if self.folder.exists() else 0
+        previous = self.latest()
+        return UserError(f"cannot write checkpoint {final}: {cause.strerror or cause} ({free / 2**30:.1f} GiB free "
+                         f"on the device holding {self.folder}); "
+                         + (f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint"))
 
     def load(self, path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Restore model and optimizer in place; return the saved `extra` state."""
