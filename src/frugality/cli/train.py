@@ -23,7 +23,11 @@ import click
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs still go to the run directory).")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes on this machine (started through torchrun's launcher; parallel.* in the recipe).")
-def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optimizer, no_progress, nproc) -> None:
+@click.option("--retries", type=click.IntRange(min=0),
+              help="Rerun a crashed run from its latest valid checkpoint up to this many times "
+                   "[default: train.retries].")
+def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optimizer, no_progress, nproc,
+          retries) -> None:
     """Train a model from RECIPE: a shipped recipe's name (default: tiny) or a .toml file.
 
     A run directory that holds a checkpoint resumes from it. Ctrl-C or SIGTERM finishes
@@ -35,12 +39,21 @@ def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optim
     from frugality.training.trainer import train as run_training
 
     resolved = load_recipe(recipe, list(overrides))
+    args = ["train", *([recipe] if recipe else []), *(a for o in overrides for a in ("--set", o)),
+            *(["--run-dir", run_dir] if run_dir else []), *(["--fresh"] if fresh else []),
+            *(["--until-step", str(until_step)] if until_step else []),
+            *(["--init-from", init_from] if init_from else []),
+            *(["--resume-optimizer"] if resume_optimizer else []), *(["--no-progress"] if no_progress else [])]
+    retries = resolved.train.retries if retries is None else retries
+    if retries > 0:  # this process supervises; each attempt is the same command in a child
+        from pathlib import Path
+
+        from frugality.training.supervisor import supervise
+
+        child = [sys.executable, "-m", "frugality", *args, "--nproc", str(nproc), "--retries", "0"]
+        where = Path(run_dir) if run_dir else Path(resolved.train.runs_dir) / resolved.name
+        sys.exit(supervise(child, where, retries, resolved.train.retry_backoff_s, log=click.echo))
     if nproc > 1:  # the same command in N processes, started as torchrun starts them
-        args = ["train", *([recipe] if recipe else []), *(a for o in overrides for a in ("--set", o)),
-                *(["--run-dir", run_dir] if run_dir else []), *(["--fresh"] if fresh else []),
-                *(["--until-step", str(until_step)] if until_step else []),
-                *(["--init-from", init_from] if init_from else []),
-                *(["--resume-optimizer"] if resume_optimizer else []), *(["--no-progress"] if no_progress else [])]
         sys.exit(distributed.launch_local(nproc, args))
     try:
         result = run_training(resolved, run_dir=run_dir, fresh=fresh, until_step=until_step,

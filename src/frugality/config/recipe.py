@@ -97,6 +97,11 @@ class TrainConfig(_Section):
         default="skip", description="a step whose loss or gradients are not finite is never applied: skip "
         "it and go on (stopping after train.max_skipped in a row), or stop at once")
     max_skipped: PositiveInt = Field(default=3, description="consecutive skipped steps that stop the run")
+    retries: NonNegativeInt = Field(
+        default=0, description="frugality train reruns a crashed run from its latest valid checkpoint up to "
+        "this many times (see frugality.training.supervisor)")
+    retry_backoff_s: NonNegativeFloat = Field(default=5.0, description="wait before the first retry, doubled "
+                                              "for each one after")
     preflight: bool = Field(
         default=False, description="run the quick health checks on every rank before step 1 (products, "
         "stochastic rounding, disk, and the collectives' values); refuse to start on a failure")
