@@ -102,6 +102,9 @@ class TrainConfig(_Section):
         "this many times (see frugality.training.supervisor)")
     retry_backoff_s: NonNegativeFloat = Field(default=5.0, description="wait before the first retry, doubled "
                                               "for each one after")
+    step_timeout_s: PositiveFloat | None = Field(
+        default=None, description="a step or evaluation that takes longer (after the first step) writes every "
+        "thread's stack to hang-rank<R>.txt in the run directory and exits with status 5; unset: no watchdog")
     preflight: bool = Field(
         default=False, description="run the quick health checks on every rank before step 1 (products, "
         "stochastic rounding, disk, and the collectives' values); refuse to start on a failure")

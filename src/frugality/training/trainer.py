@@ -34,6 +34,7 @@ from frugality.training.callbacks.run_log import CloseCompileSession, RunLog
 from frugality.training.callbacks.signals import StopOnSignal
 from frugality.training.callbacks.summary import Summary
 from frugality.training.callbacks.throughput import Throughput
+from frugality.training.callbacks.watchdog import Watchdog
 from frugality.runtime.host_memory import keep_freed_memory
 from frugality.training.loop import fit
 
@@ -98,6 +99,8 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
             header = _header(state, plan, source, init_from, resume_optimizer)
             callbacks[4:4] = [memory, log, Progress(header, progress, stop_at)]  # after NanGuard: it marks skips
             callbacks.append(summary)
+        if recipe.train.step_timeout_s:
+            callbacks.insert(0, Watchdog(run_path, recipe.train.step_timeout_s))
         callbacks = Callbacks(*callbacks)
         start = state.step
         try:
