@@ -128,3 +128,20 @@ def test_init_from_a_hugging_face_folder_directly(micro_recipe_file, tmp_path):
         logits = _logits(theirs, batch[:, :-1])
         losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
     assert result.evals[0] == pytest.approx(torch.stack(losses).mean().item(), abs=1e-4)
+
+
+def test_a_config_that_disagrees_with_its_weights_or_a_cut_file_is_refused_at_import(tmp_path, capsys):
+    _hf_model().save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "wide").mkdir()
+    (tmp_path / "wide" / "model.safetensors").write_bytes((tmp_path / "hf" / "model.safetensors").read_bytes())
+    (tmp_path / "wide" / "config.json").write_text(json.dumps(config | {"hidden_size": 64}))
+    assert main(["import", "hf", str(tmp_path / "wide"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "config.json and the weights disagree" in err and "is [50304, 32] in the weights, [50304, 64]" in err
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert main(["import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {weights}: not a readable checkpoint file (")
+    assert not (tmp_path / "out").exists()

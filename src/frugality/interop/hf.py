@@ -46,7 +46,7 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if (folder / "model.safetensors").is_file():
-        return load_file(folder / "model.safetensors")
+        return _readable(load_file, folder / "model.safetensors")
     for index_name, loader in (("model.safetensors.index.json", load_file),
                                ("pytorch_model.bin.index.json", _load_bin)):
         index = folder / index_name
@@ -54,11 +54,21 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
             state: dict[str, torch.Tensor] = {}
             for shard in shards:
-                state.update(loader(folder / shard))
+                state.update(_readable(loader, folder / shard))
             return state
     if (folder / "pytorch_model.bin").is_file():
-        return _load_bin(folder / "pytorch_model.bin")
+        return _readable(_load_bin, folder / "pytorch_model.bin")
     raise UserError(f"{folder}: no model.safetensors, sharded index or pytorch_model.bin")
+
+
+def _readable(loader, path: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors, or one line naming a file that is missing, cut short or not a
+    checkpoint at all."""
+    try:
+        return loader(path)
+    except Exception as e:  # noqa: BLE001 - safetensors' and torch.load's errors have no common type
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {reason[:200]})") from None
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -91,7 +101,26 @@ def import_hf(folder: str | Path):
         state = _from_hf(config, weights if weights is not None else read_hf_weights(folder))
     except KeyError as e:
         raise UserError(f"{folder}: {e.args[0]}") from None
+    _check_against_config(state, config, config_path)
     return config, state
+
+
+def _check_against_config(state: dict[str, torch.Tensor], config, config_path: Path) -> None:
+    """Every tensor the model that config.json describes needs, at its shape: a config that
+    disagrees with its weights is refused here, not at export or training."""
+    from frugality.models import build_model
+
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in build_model(config).state_dict().items()}
+    for name, shape in expected.items():
+        if name not in state:
+            raise UserError(f"{config_path}: the weights lack {name!r}, which this config needs")
+        if state[name].shape != shape:
+            raise UserError(f"{config_path} and the weights disagree: {name!r} is {list(state[name].shape)} in "
+                            f"the weights, {list(shape)} by the config")
+    extra = sorted(set(state) - set(expected))
+    if extra:
+        raise UserError(f"{config_path}: the weights hold {extra[0]!r}, which this config has no place for")
 
 
 def export_hf(config, state: dict[str, torch.Tensor], out: str | Path,
