@@ -62,3 +62,20 @@ def test_unsupported_and_missing_inputs(tmp_path, tok):
     with pytest.raises(UserError, match="not UTF-8"):
         prepare([tmp_path / "latin1.txt"], tok, tmp_path / "out", progress=False)
     assert not (tmp_path / "out.bin").exists()
+
+
+def test_the_output_folder_is_made_and_empty_inputs_are_refused(tmp_path, tok, capsys):
+    from frugality.cli.main import main
+
+    text = tmp_path / "a.txt"
+    text.write_text("Some text to tokenize.")
+    stats = prepare([text], tok, tmp_path / "new" / "folder" / "books", progress=False)  # as the README says
+    assert stats.documents == 1 and stats.bin_path.is_file()
+    assert main(["data", "inspect", str(stats.bin_path)]) == 0  # the .bin's name works as the prefix
+    assert main(["data", "inspect", str(stats.idx_path)]) == 0
+    assert capsys.readouterr().out.count("1 documents") == 2
+    for name, content in (("empty.txt", ""), ("blank.txt", "  \n"), ("empty.jsonl", "\n\n")):
+        (tmp_path / name).write_text(content)
+        with pytest.raises(UserError, match=f"input {tmp_path / name}: empty"):
+            prepare([tmp_path / name], tok, tmp_path / "out" / name, progress=False)
+    assert not list(tmp_path.glob("out/**/*.bin"))  # nothing written for them

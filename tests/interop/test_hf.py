@@ -145,3 +145,11 @@ def test_a_config_that_disagrees_with_its_weights_or_a_cut_file_is_refused_at_im
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"error: {weights}: not a readable checkpoint file (")
     assert not (tmp_path / "out").exists()
+
+
+def test_exported_files_share_one_mode(micro_recipe_file, tmp_path):
+    trainer.train(load_recipe(str(micro_recipe_file), ["train.steps=2", "optim.warmup_steps=1"]),
+                  run_dir=tmp_path / "run", progress=False, tensorboard=False)
+    assert main(["export", "hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "hf").iterdir()}
+    assert len(set(modes.values())) == 1 and modes["model.safetensors"] & 0o044, modes

@@ -34,9 +34,10 @@ def prepare(inputs, tokenizer_name, out_prefix, field, overwrite) -> None:
 @click.argument("prefix", type=click.Path())
 @click.option("--tokenizer", "tokenizer_name", help="Decode the start of the first document with this tokenizer.")
 def inspect(prefix, tokenizer_name) -> None:
-    """Show what a dataset PREFIX (.bin + .idx) holds."""
+    """Show what a dataset PREFIX (.bin + .idx; either file's name does too) holds."""
     from frugality.data.indexed import IndexedDataset
 
+    prefix = prefix.removesuffix(".bin") if prefix.endswith(".bin") else prefix.removesuffix(".idx")
     ds = IndexedDataset(prefix)
     click.echo(f"{prefix}: {ds.num_documents:,} documents, {ds.num_sequences:,} sequences, "
                f"{ds.num_tokens:,} tokens of {ds.dtype}")

@@ -45,6 +45,7 @@ def prepare(
 ) -> PrepareStats:
     files = [Path(p) for p in inputs]
     _check_inputs(files, out_prefix, overwrite)
+    Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)  # the inputs are good: make room
     writer = IndexedDatasetWriter(out_prefix, token_dtype(tokenizer.vocab_size))
     documents = 0
     total = sum(f.stat().st_size for f in files)
@@ -86,11 +87,13 @@ def _check_inputs(files: list[Path], out_prefix: str | Path, overwrite: bool) ->
             raise UserError(f"input {f}: no such file")
         if not f.name.endswith(_TEXT + _JSONL):
             raise UserError(f"input {f}: unsupported type (expected {', '.join(_TEXT + _JSONL)})")
+        if f.stat().st_size == 0:
+            raise UserError(f"input {f}: empty (no text to tokenize)")
     for p in paths(out_prefix):
         if p.exists() and not overwrite:
             raise UserError(f"output {p} already exists (choose another --out, or --overwrite)")
-        if not p.parent.is_dir():
-            raise UserError(f"output folder {p.parent} does not exist")
+        if p.parent.exists() and not p.parent.is_dir():
+            raise UserError(f"output folder {p.parent} is a file")
 
 
 def _iter_documents(files: list[Path], field: str) -> Iterator[tuple[str, int]]:
@@ -102,12 +105,19 @@ def _iter_documents(files: list[Path], field: str) -> Iterator[tuple[str, int]]:
             last = 0
             try:
                 if f.name.endswith(_TEXT):
-                    yield lines.read(), f.stat().st_size
+                    text = lines.read()
+                    if not text.strip():
+                        raise UserError(f"input {f}: empty (no text to tokenize)")
+                    yield text, f.stat().st_size
                     continue
+                found = False
                 for lineno, line in enumerate(lines, start=1):
                     if line.strip():
+                        found = True
                         yield _field(line, field, f, lineno), raw.tell() - last
                         last = raw.tell()
+                if not found:
+                    raise UserError(f"input {f}: empty (no JSON lines)")
             except UnicodeDecodeError as e:
                 raise UserError(f"input {f}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             except (OSError, EOFError) as e:  # a corrupt or truncated .gz

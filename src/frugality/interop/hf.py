@@ -8,6 +8,7 @@ with one line.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -143,7 +144,17 @@ def export_hf(config, state: dict[str, torch.Tensor], out: str | Path,
     (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     for name, data in files.items():  # e.g. tokenizer.json
         (staging / name).write_bytes(data)
+    _same_mode(staging)
     if out.exists():
         out.rmdir()
     staging.rename(out)
     return out
+
+
+def _same_mode(folder: Path) -> None:
+    """Every file as a plain write leaves it (0644 under the usual umask): safetensors writes
+    its file through a private temporary file, mode 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)
