@@ -108,7 +108,8 @@ class CheckpointManager:
             _fsync_dir(self.folder)
             # older than the checkpoints kept: complete ones, and step folders a crash or an
             # older version left without .metadata
-            oldest_kept = step_of(self.complete()[-self.keep]) if len(self.complete()) >= self.keep else 0
+            done = self.complete()
+            oldest_kept = step_of(done[-self.keep]) if len(done) >= self.keep else 0
             for old in self.folder.iterdir():
                 if _NAME.match(old.name) and step_of(old) < oldest_kept:
                     shutil.rmtree(old, ignore_errors=True)

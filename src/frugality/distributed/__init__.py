@@ -114,17 +114,22 @@ def data_parallel_mesh(parallel: ParallelConfig, world: World, device: torch.dev
     frequent all-gathers stay inside a node)."""
     if parallel.data == "fsdp":
         return init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("shard",))
-    shard = parallel.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
+    shard = shard_group_size(parallel, world)
     if world.world_size % shard:
         raise UserError(f"parallel.shard_size {shard}: must divide the number of processes ({world.world_size})")
     return init_device_mesh(device.type, (world.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_group_size(parallel: ParallelConfig, world: World) -> int:
+    """hsdp: ranks per shard group, `parallel.shard_size` or the processes of a node."""
+    return parallel.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
 
 
 def describe(parallel: ParallelConfig, world: World) -> str:
     """The strategy as the run header states it."""
     text = f"{parallel.data} over {world.world_size} processes"
     if parallel.data == "hsdp":
-        shard = parallel.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
+        shard = shard_group_size(parallel, world)
         text += f" ({world.world_size // shard} replicas of {shard}-rank shard groups)"
     return text
 

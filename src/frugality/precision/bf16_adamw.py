@@ -187,7 +187,8 @@ class BF16AdamW(torch.optim.Optimizer):
         kernel = kernels.bf16_sum_squares() if grads[0].device.type == "cpu" else None
         if kernel is not None:
             threads = torch.get_num_threads()
-            squares = sum(kernel(g.data_ptr(), g.numel(), threads) for g in map(_bf16_contiguous, map(_local, grads)))
+            local = map(_bf16_contiguous, map(_local, grads))
+            squares = sum(kernel(g.data_ptr(), g.numel(), threads) for g in local)
             total = torch.tensor(math.sqrt(squares), dtype=torch.float32)
         else:
             total = torch.linalg.vector_norm(
@@ -235,12 +236,14 @@ class BF16AdamW(torch.optim.Optimizer):
         whose first element is element `start` of the group."""
         device, n = buffers[0].device, buffers[0].numel()
         if (kernel := self._cpu_kernel(device)) is not None:
-            floats = [float(scalars[k]) for k in _FLOAT_SCALARS]
+            if "_floats" not in scalars:  # once per group and step: this runs per parameter
+                scalars["_floats"] = [float(scalars[k]) for k in _FLOAT_SCALARS]
             p, g, m, v = (b.data_ptr() for b in buffers)
-            kernel(p, g, m, v, n, start, *floats, scalars["key"], int(stochastic), torch.get_num_threads())
+            kernel(p, g, m, v, n, start, *scalars["_floats"], scalars["key"], int(stochastic), torch.get_num_threads())
             return
-        tensors = {k: torch.tensor(scalars[k], dtype=torch.float32, device=device) for k in _FLOAT_SCALARS}
-        tensors["key"] = torch.tensor(scalars["key"], dtype=torch.int64, device=device)
+        if "_tensors" not in scalars:  # once per group and step: on a GPU each is a host-to-device copy
+            scalars["_tensors"] = _scalar_tensors(scalars, device)
+        tensors = scalars["_tensors"]
         if self._fused:
             if self._compiled is None:
                 self._compiled = torch.compile(_update, dynamic=True, fullgraph=True)
@@ -299,6 +302,13 @@ def _bf16_contiguous(grad: torch.Tensor) -> torch.Tensor:
     """A gradient as the kernels read it: dense bf16 (backward gives the parameter's dtype;
     a gradient someone assigned by hand may differ)."""
     return grad.to(torch.bfloat16).contiguous()
+
+
+def _scalar_tensors(scalars: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """The update's scalars as 0-dim tensors on `device` (so a changing value never recompiles)."""
+    tensors = {k: torch.tensor(scalars[k], dtype=torch.float32, device=device) for k in _FLOAT_SCALARS}
+    tensors["key"] = torch.tensor(scalars["key"], dtype=torch.int64, device=device)
+    return tensors
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

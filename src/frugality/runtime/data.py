@@ -37,8 +37,8 @@ def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, wor
     dataset = _open_dataset(recipe, tokenizer, progress)
     samples = PackedSamples(dataset, recipe.data.seq_len, recipe.data.val_fraction, recipe.seed)
     stream = TrainStream(samples, recipe.data.global_batch_size, recipe.data.micro_batch_size, rank, world_size)
-    val_batches, val_counted = validation_batches(samples, recipe.train.eval_batches, recipe.data.micro_batch_size, rank,
-                                     world_size)
+    val_batches, val_counted = validation_batches(samples, recipe.train.eval_batches,
+                                                  recipe.data.micro_batch_size, rank, world_size)
     # A dataset tokenized for another vocabulary shows in its first tokens; scanning them
     # all would take minutes on a large corpus.
     if int(dataset.tokens[: 1 << 24].max(initial=0)) >= recipe.model.vocab_size:

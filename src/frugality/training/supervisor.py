@@ -40,7 +40,7 @@ class Attempt:
     ended: float
     exit_status: int
     cause: str
-    checkpoint_before: int  # step of the newest valid checkpoint (0: none)
+    checkpoint_before: int  # step of the newest complete checkpoint (0: none)
     checkpoint_after: int
     last_logged_step: int
     recomputed_steps: int  # logged by this attempt past its last checkpoint: redone by the next
@@ -87,8 +87,10 @@ def _without_fresh(command: list[str]) -> list[str]:
 
 
 def _checkpoint_step(run_dir: Path) -> int:
-    latest = CheckpointManager(run_dir / "checkpoints").latest()
-    return step_of(latest) if latest is not None else 0
+    """The newest complete checkpoint's step, for progress (not hashed here: the rerun
+    verifies it, and reading a large checkpoint twice per attempt would cost minutes)."""
+    done = CheckpointManager(run_dir / "checkpoints").complete()
+    return step_of(done[-1]) if done else 0
 
 
 def _last_logged_step(run_dir: Path) -> int:
