@@ -14,6 +14,9 @@ fsyncs the parent), so a crash mid-save never leaves a checkpoint that looks usa
 Before a checkpoint is resumed its files are checked against the manifest: a truncated or
 corrupt newest checkpoint is skipped, with a warning, for the newest one that verifies.
 Checkpoints written before manifests existed (a `.metadata` alone) are used unverified.
+
+Nothing in a checkpoint can run code when it is read: the training state is JSON, and DCP's
+pickled `.metadata` and non-tensor values are read through allow-lists (`checkpoint.safe`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
 import warnings
@@ -35,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from frugality.checkpoint.safe import SafePlanner, SafeReader, legacy_state
 from frugality.errors import FrugalityWarning, UserError
 
 _NAME = re.compile(r"^step_(\d{8,})$")
@@ -43,6 +46,10 @@ MANIFEST = "manifest.json"
 
 class CorruptCheckpointWarning(FrugalityWarning):
     pass
+
+
+class LegacyCheckpointWarning(FrugalityWarning):
+    """A checkpoint from before training state was JSON; it is read as plain data only."""
 
 
 class CheckpointManager:
@@ -73,7 +80,7 @@ class CheckpointManager:
     def save(
         self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict
     ) -> Path:
-        """Write model, optimizer and `extra` (any picklable training state) for `step`."""
+        """Write model, optimizer and `extra` (training state as plain JSON) for `step`."""
         final = self.folder / f"step_{step:08d}"
         partial = self.folder / f".{final.name}.partial"
         if _is_main():
@@ -82,7 +89,7 @@ class CheckpointManager:
         if dist.is_initialized():
             dist.barrier()  # no rank writes before the stale folders are gone
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state, "extra": pickle.dumps(extra)}
+        state = {"model": model_state, "optim": optim_state, "extra": json.dumps(extra).encode()}
         try:
             with single_process_ok():
                 dcp.save(state, checkpoint_id=partial, no_dist=not dist.is_initialized())
@@ -134,15 +141,42 @@ class CheckpointManager:
                          + (f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint"))
 
     def load(self, path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """Restore model and optimizer in place; return the saved `extra` state."""
+        """Restore model and optimizer in place; return the saved `extra` state. Nothing in
+        the files can run code (`frugality.checkpoint.safe`)."""
+        path = Path(path)
         model_state, optim_state = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state, "extra": b""}
-        with single_process_ok():
-            dcp.load(state, checkpoint_id=Path(path), no_dist=not dist.is_initialized())
+        safe_load(state, path)
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-        return pickle.loads(state["extra"])
+        extra = state["extra"]
+        if not isinstance(extra, bytes):
+            raise UserError(f"checkpoint {path}: its training state is a {type(extra).__name__}, not JSON")
+        if extra.startswith(b"{"):
+            return json.loads(extra)
+        legacy = legacy_state(extra, path)  # refused before anything is said when it is not plain data
+        warnings.warn(f"checkpoint {path} was written by an older frugality (training state pickled); "
+                      "read as plain data only. The next checkpoint is written as JSON.",
+                      LegacyCheckpointWarning, stacklevel=2)
+        return legacy
+
+
+def safe_load(state: dict, path: Path, *, no_dist: bool | None = None) -> None:
+    """`dcp.load` into `state` in place, with `.metadata` and non-tensor values read as
+    plain data only. `no_dist`: every process reads alone (default: together when a process
+    group exists)."""
+    if no_dist is None:
+        no_dist = not dist.is_initialized()
+    try:
+        with single_process_ok():
+            dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(path),
+                     no_dist=no_dist)
+    except CheckpointException as e:  # DCP wraps what each rank raised: ours is the message
+        ours = next((f[0] for f in e.failures.values() if isinstance(f[0], UserError)), None)
+        if ours is None:
+            raise
+        raise ours from None
 
 
 def verify(path: Path) -> str | None:

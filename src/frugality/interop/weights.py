@@ -15,7 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from frugality.checkpoint import CheckpointManager, single_process_ok
+from frugality.checkpoint import CheckpointManager, safe_load, single_process_ok
+from frugality.checkpoint.safe import read_metadata
 from frugality.errors import UserError
 from frugality.interop.hf import import_hf
 
@@ -43,7 +44,7 @@ def resolve_source(path: str | Path) -> WeightsSource:
 
 
 def _metadata(path: Path):
-    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return read_metadata(path).state_dict_metadata  # without running code from the file
 
 
 def _top_level_keys(path: Path) -> set[str]:
@@ -91,8 +92,7 @@ def load_weights(source: WeightsSource, model: nn.Module) -> None:
         return
     check_compatible(source, model)
     state = {"model": model.state_dict()}  # tensors share storage with the parameters
-    with single_process_ok():
-        dcp.load(state, checkpoint_id=source.path, no_dist=True)
+    safe_load(state, source.path, no_dist=True)
 
 
 def save_weights(path: str | Path, state: dict[str, torch.Tensor], files: Mapping[str, bytes] = MappingProxyType({})) -> Path:

@@ -1,0 +1,190 @@
+"""Reading checkpoints from strangers without running their code.
+
+A DCP checkpoint has two pickle channels: `.metadata`, which torch reads with a plain
+`pickle.load`, and non-tensor values (our `extra` training state), which DCP's default
+planner reads with `torch.load(weights_only=False)`. Either runs whatever a crafted file
+asks for the moment it is read. Every load in frugality (resume, `--init-from`, `export hf`)
+goes through `SafeReader` and `SafePlanner` instead:
+
+- `.metadata` is unpickled with an allow-list of DCP's own metadata classes, `torch.Size`,
+  dtypes, layouts and paths (the classes a DCP save writes, checked with torch 2.13);
+- non-tensor values are read with `torch.load(weights_only=True)`: plain data only;
+- tensors DCP already reads with `weights_only=True`.
+
+Anything else is refused with one line naming the file and the class it asked for. torch
+offers no safe metadata reader (its reader is `pickle.load`), hence this one; the approach
+is the one Python's own documentation gives ("Restricting Globals").
+
+Checkpoints written before frugality stored its training state as JSON held a pickle of
+plain data (dicts, NumPy and torch RNG states); `legacy_state` reads those with the same
+kind of allow-list, so old runs still resume.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+import re
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from frugality.errors import UserError
+
+SECURITY_DOC = "docs/security.md"
+
+
+class UnsafeCheckpointError(UserError):
+    """A checkpoint file asked to build something other than plain data."""
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global outside the allow-list: the pickle asked for `module.name`."""
+
+
+def _metadata_class(module: str, name: str) -> Any | None:
+    """The classes DCP's metadata module defines (dataclasses and one enum); nothing else there."""
+    if module != dcp_metadata.__name__:
+        return None
+    found = getattr(dcp_metadata, name, None)
+    if isinstance(found, type) and found.__module__ == module and (
+            hasattr(found, "__dataclass_fields__") or issubclass(found, Enum)):
+        return found
+    return None
+
+
+def _layout(name: str) -> torch.layout:
+    found = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(found, torch.layout):
+        raise pickle.UnpicklingError(f"unknown layout {name!r}")
+    return found
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): _layout,  # torch's own is a lookup by name too
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("pathlib", "PosixPath"): pathlib.PurePosixPath,  # a path, never touched: pure paths
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    ("collections", "OrderedDict"): dict,
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[module, name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        found = _metadata_class(module, name)
+        if found is not None:
+            return found
+        raise _Refused(f"{module}.{name}")
+
+
+def _refusal(path: Path, what: str, error: Exception) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"checkpoint {path}: {what} asks to build {error}, which a checkpoint may not hold; "
+        f"refused without running it (see {SECURITY_DOC})")
+
+
+def read_metadata(path: str | Path, name: str = ".metadata") -> Metadata:
+    """DCP's `.metadata` of a checkpoint folder, read without running code from it."""
+    file = Path(path) / name
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _Refused as e:
+        raise _refusal(Path(path), name, e) from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
+        raise UserError(f"checkpoint {path}: {name} is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(metadata, Metadata):
+        raise UserError(f"checkpoint {path}: {name} holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader with `.metadata` read through the allow-list."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        file = Path(self._get_metadata_path(kwargs.get("rank")))  # per-rank files too, if asked
+        metadata = read_metadata(file.parent, file.name)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's default load planner, with non-tensor values read as plain data only."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self.path = Path(path)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise _refusal(self.path, f"value {read_item.dest_index.fqn!r}",
+                           _first_line(e)) from None
+        plain = io.BytesIO()
+        torch.save(loaded, plain)  # vetted plain data, for the parent's own reader
+        plain.seek(0)
+        super().load_bytes(read_item, plain)
+
+
+def _first_line(error: Exception) -> str:
+    """The global torch's weights-only unpickler refused, from its long message."""
+    found = re.search(r"GLOBAL (\S+)", str(error))
+    return found.group(1) if found else str(error).splitlines()[0][:200]
+
+
+def legacy_state(data: bytes, path: Path) -> dict:
+    """The training state of a checkpoint written before it was JSON: a pickle of plain
+    data and RNG states, read with an allow-list."""
+    try:
+        state = _LegacyUnpickler(io.BytesIO(data)).load()
+    except _Refused as e:
+        raise _refusal(path, "the training state", e) from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
+        raise UserError(f"checkpoint {path}: the training state is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict):
+        raise UserError(f"checkpoint {path}: the training state is a {type(state).__name__}, not a table")
+    return state
+
+
+def _tensor_from_bytes(data: bytes) -> torch.Tensor:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class _LegacyUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        import numpy as np
+
+        try:
+            from numpy._core.multiarray import _reconstruct
+        except ImportError:  # NumPy 1
+            from numpy.core.multiarray import _reconstruct
+        allowed = {
+            ("collections", "OrderedDict"): dict,
+            ("numpy", "dtype"): np.dtype,
+            ("numpy", "ndarray"): np.ndarray,
+            ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+            ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+            ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+            ("torch.storage", "_load_from_bytes"): _tensor_from_bytes,  # torch's is weights_only=False
+        }
+        if (module, name) in allowed:
+            return allowed[module, name]
+        raise _Refused(f"{module}.{name}")
