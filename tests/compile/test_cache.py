@@ -153,3 +153,100 @@ def test_corrupt_entry_on_s3_is_ignored_with_a_warning(s3_url, tmp_path):
     cache.fs.pipe_file(f"{cache.entry}/{manifest['archive']}", b"truncated")
     with pytest.warns(CompileCacheWarning, match="does not match its manifest"):
         assert not CompileCache(s3_url, _fp()).fetch(tmp_path / "x").found
+
+
+def _repack(entry, manifest, change) -> dict:
+    """What someone with write access to the cache can do: rewrite the archive (`change`
+    edits its files) and the manifest's archive size and hash to match, keeping the rest."""
+    import hashlib
+    import io
+    import tarfile
+
+    files = {}
+    with tarfile.open(entry / manifest["archive"], "r:gz") as tar:
+        for member in tar.getmembers():
+            if member.isfile():
+                files[member.name] = tar.extractfile(member).read()
+    change(files)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    data = buffer.getvalue()
+    (entry / manifest["archive"]).write_bytes(data)
+    altered = manifest | {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (entry / "manifest.json").write_text(json.dumps(altered))
+    return files
+
+
+def test_with_a_fleet_key_only_entries_it_signed_are_used(tmp_path):
+    url, key = str(tmp_path / "shared"), b"fleet-secret"
+    source = tmp_path / "compiled"
+    expected = _inductor_like_dir(source)
+    cache = CompileCache(url, _fp(), key)
+    assert cache.publish(source) is not None
+    entry = tmp_path / "shared" / cache.name
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert set(manifest["files"]) == expected and manifest["signature"]["alg"] == "hmac-sha256"
+    assert "fleet-secret" not in (entry / "manifest.json").read_text()
+    assert CompileCache(url, _fp(), key).fetch(tmp_path / "ok").found
+
+    with pytest.warns(CompileCacheWarning, match="signed with another key"):
+        assert not CompileCache(url, _fp(), b"another").fetch(tmp_path / "other").found
+
+    def flip_a_byte(files):
+        files["cd/kernel.so"] = files["cd/kernel.so"][:-1] + bytes([files["cd/kernel.so"][-1] ^ 1])
+
+    def add_a_file(files):
+        files["cd/evil.py"] = b"import os; os.system('touch pwned')\n"
+
+    good = (entry / manifest["archive"]).read_bytes()
+    for change, without_key in ((flip_a_byte, "does not match its manifest's SHA-256"),
+                                (add_a_file, "a file its manifest does not list")):
+        _repack(entry, manifest, change)
+        with pytest.warns(CompileCacheWarning, match="altered after it was signed"):
+            assert not CompileCache(url, _fp(), key).fetch(tmp_path / change.__name__).found
+        assert not (tmp_path / change.__name__).exists()  # nothing unpacked
+        # Without a key the file list still catches an archive changed under its manifest.
+        with pytest.warns(CompileCacheWarning, match=without_key):
+            assert not CompileCache(url, _fp()).fetch(tmp_path / f"{change.__name__}-nokey").found
+        (entry / manifest["archive"]).write_bytes(good)
+        (entry / "manifest.json").write_text(json.dumps(manifest))
+
+    unsigned = {k: v for k, v in manifest.items() if k != "signature"}
+    (entry / "manifest.json").write_text(json.dumps(unsigned))
+    with pytest.warns(CompileCacheWarning, match="is unsigned"):
+        assert not CompileCache(url, _fp(), key).fetch(tmp_path / "unsigned").found
+    forged = manifest | {"signature": manifest["signature"] | {"value": "0" * 64}}
+    (entry / "manifest.json").write_text(json.dumps(forged))
+    with pytest.warns(CompileCacheWarning, match="altered after it was signed"):
+        assert not CompileCache(url, _fp(), key).fetch(tmp_path / "forged").found
+
+
+def test_a_remote_cache_without_a_key_is_named_once_as_a_code_channel(s3_url, tmp_path):
+    import warnings
+
+    from frugality.compile import cache as cache_module
+
+    cache_module._warned_unsigned.discard(s3_url)
+    with pytest.warns(CompileCacheWarning, match="whoever can write there can run code"):
+        CompileCache(s3_url, _fp()).fetch(tmp_path / "a")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CompileCache(s3_url, _fp()).fetch(tmp_path / "b")  # said once per process
+        CompileCache(s3_url, _fp(), b"key").fetch(tmp_path / "c")  # a signed cache: nothing to say
+
+
+def test_a_recipe_cannot_turn_verification_off(micro_recipe_file, monkeypatch):
+    from frugality.errors import UserError
+
+    monkeypatch.setenv("FRUGALITY_CACHE_KEY", "fleet-key")
+    monkeypatch.delenv("UNSET_BY_ANYONE", raising=False)
+    recipe = load_recipe(str(micro_recipe_file), ["compile.level=O1", 'compile.cache_key_env="UNSET_BY_ANYONE"'])
+    cpu = torch.device("cpu")
+    with pytest.raises(UserError, match="may not turn cache verification off"):
+        CompileSession.for_recipe(recipe, cpu, resolve_policy(recipe.train.precision, cpu)[0])
+    monkeypatch.setenv("UNSET_BY_ANYONE", "another-key")  # naming a key that is set is fine
+    assert CompileSession.for_recipe(recipe, cpu, resolve_policy(recipe.train.precision, cpu)[0]).cache.signed

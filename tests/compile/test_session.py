@@ -34,11 +34,12 @@ def _recipe(micro_recipe_file, cache, *extra):
                                                 f'compile.cache="{cache}"', *extra])
 
 
-def test_compile_ahead_then_train_compiles_nothing(micro_recipe_file, compiled_cache, tmp_path):
+def test_compile_ahead_then_train_compiles_nothing(micro_recipe_file, compiled_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("FRUGALITY_CACHE_KEY", "fleet-key")  # entries signed, and checked when read
     recipe = _recipe(micro_recipe_file, compiled_cache)
     cold = compile_ahead(recipe, progress=False)
     # training forward, its backward, the evaluation forward
-    assert cold["graphs"] == 3 and cold["cache_misses"] == 3 and cold["published"]
+    assert cold["graphs"] == 3 and cold["cache_misses"] == 3 and cold["published"] and cold["signed"]
     assert cold["recompiles"] == 0 and not cold["fallbacks"]
 
     result = train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
@@ -48,6 +49,37 @@ def test_compile_ahead_then_train_compiles_nothing(micro_recipe_file, compiled_c
     assert warm["recompiles"] == 0 and not warm["published"]
     assert result.final_step == recipe.train.steps
     assert result.summary["final_val_loss"] < result.summary["first_val_loss"]
+    assert "fleet-key" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*.json*"))
+
+
+def test_an_altered_signed_entry_is_compiled_locally_and_the_run_completes(
+        micro_recipe_file, compiled_cache, tmp_path, monkeypatch):
+    """Someone with write access but not the key swaps a generated file and fixes the
+    archive's hash: the entry is refused, nothing from it runs, the run compiles its own."""
+    import json
+    import shutil
+
+    from frugality.compile.cache import CompileCacheWarning
+    from test_cache import _repack
+
+    monkeypatch.setenv("FRUGALITY_CACHE_KEY", "fleet-key")
+    shutil.copytree(compiled_cache, tmp_path / "cache")
+    entry = next(p for p in (tmp_path / "cache").iterdir() if (p / "manifest.json").is_file())
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert "signature" in manifest, "run after test_compile_ahead_then_train_compiles_nothing"
+
+    def plant(files):
+        name = next(n for n in files if n.endswith(".py"))
+        files[name] = b"import os\nos.system('touch " + str(tmp_path / "pwned").encode() + b"')\n" + files[name]
+
+    _repack(entry, manifest, plant)
+    recipe = _recipe(micro_recipe_file, tmp_path / "cache")
+    with pytest.warns(CompileCacheWarning, match="altered after it was signed"):
+        result = train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
+    stats = result.summary["compile"]
+    assert not stats["fetched"] and stats["cache_misses"] == 3 and stats["cache_hits"] == 0
+    assert result.final_step == recipe.train.steps
+    assert not (tmp_path / "pwned").exists()
 
 
 def _session(recipe, device=torch.device("cpu")):

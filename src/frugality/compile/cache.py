@@ -14,15 +14,26 @@ Layout at the URL, one folder per fingerprint:
     <url>/<family>-<level>-<precision>-<key>/inductor-<sha256 prefix>.tar.gz
 
 The archive is uploaded first, under a name of its own; the manifest, which names it with
-its size and SHA-256, is written last (one object PUT on S3, a rename on a file system), so a
-reader never sees a half-uploaded entry. A manifest of another fingerprint (a foreign or
-stale entry), an unreadable manifest, or an archive whose size or hash differs (corrupt)
-is ignored with a warning: the run compiles from scratch, never crashes or loads bad code.
+its size and SHA-256 and lists the SHA-256 of every file in it, is written last (one object
+PUT on S3, a rename on a file system), so a reader never sees a half-uploaded entry. A
+manifest of another fingerprint (a foreign or stale entry), an unreadable manifest, an
+archive whose size or hash differs (corrupt) or that holds a file the manifest does not
+list with its hash is ignored with a warning: the run compiles from scratch, never crashes
+or loads bad code.
+
+Trust: what an entry holds is executed (Inductor's generated Python, built shared objects),
+so whoever can write to the cache URL can run code on every machine that reads it. With a
+fleet key in the environment (`compile.cache_key_env`, default FRUGALITY_CACHE_KEY) every
+published manifest carries an HMAC-SHA256 of its content, and an entry that is unsigned,
+signed with another key or altered after signing is refused and compiled locally: then only
+holders of the key can publish code the fleet runs. Without a key, a remote URL is named
+once as a code-execution channel. docs/security.md has the trust model.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -43,6 +54,8 @@ from frugality.errors import FrugalityWarning
 ENTRY_FORMAT = 1
 MANIFEST = "manifest.json"
 ENV_VAR = "FRUGALITY_COMPILE_CACHE"
+KEY_ENV_VAR = "FRUGALITY_CACHE_KEY"
+_warned_unsigned: set[str] = set()  # remote URLs already named as unsigned in this process
 
 
 class CompileCacheWarning(FrugalityWarning):
@@ -102,21 +115,35 @@ class FetchResult:
 class CompileCache:
     """One fingerprint's entry at one URL."""
 
-    def __init__(self, url: str, fp: dict) -> None:
+    def __init__(self, url: str, fp: dict, key: bytes | None = None) -> None:
+        """`key`: the fleet key that signs published entries and that fetched ones must be
+        signed with (None: entries are checked for integrity, not for who wrote them)."""
         from fsspec.core import url_to_fs  # imported when compiling only
 
         self.url = url
+        self._key = key or None
         self.fingerprint = json.loads(json.dumps(fp))  # as it reads back from a manifest
         self.name = entry_name(fp)
         self.fs, root = url_to_fs(url)
         self.root = root.rstrip("/")
         self.entry = f"{self.root}/{self.name}"
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
+        self.remote = not {"file", "local"} & set(protocols)
+
+    @property
+    def signed(self) -> bool:
+        return self._key is not None
 
     def __repr__(self) -> str:
         return f"{self.url.rstrip('/')}/{self.name}"
 
     def fetch(self, into: Path) -> FetchResult:
         """Unpack the entry into `into`; a missing entry is a miss, a bad one a warning."""
+        if self.remote and not self.signed and self.url not in _warned_unsigned:
+            _warned_unsigned.add(self.url)
+            warnings.warn(f"compile cache {self.url}: whoever can write there can run code on this "
+                          f"machine; set {KEY_ENV_VAR} to sign and verify entries (docs/security.md)",
+                          CompileCacheWarning, stacklevel=2)
         try:
             manifest = self._read_manifest()
             if manifest is None:
@@ -124,10 +151,17 @@ class CompileCache:
             if manifest.get("fingerprint") != self.fingerprint:
                 self._warn("was written for another configuration (foreign or stale entry)")
                 return FetchResult(False)
+            if self.signed and (problem := self._signature_problem(manifest)):
+                self._warn(problem)
+                return FetchResult(False)
             data = self.fs.cat_file(f"{self.entry}/{manifest['archive']}")
             if len(data) != manifest["size"] or hashlib.sha256(data).hexdigest() != manifest["sha256"]:
-                self._warn(f"archive {manifest['archive']} does not match its manifest (corrupt "
-                           "or partly written)")
+                self._warn(f"archive {manifest['archive']} does not match its manifest (corrupt, "
+                           "partly written or altered)")
+                return FetchResult(False)
+            members = _read_archive(data)
+            if "files" in manifest and (problem := _files_problem(members, manifest["files"])):
+                self._warn(problem)
                 return FetchResult(False)
             files = _unpack(data, into)
             return FetchResult(True, files)
@@ -136,7 +170,8 @@ class CompileCache:
             return FetchResult(False)
 
     def publish(self, directory: Path) -> str | None:
-        """Archive `directory` and make it the entry; returns the archive name, None on failure."""
+        """Archive `directory` and make it the entry, signed when a key is set; returns the
+        archive name, None on failure."""
         try:
             data = _pack(directory)
             digest = hashlib.sha256(data).hexdigest()
@@ -149,8 +184,13 @@ class CompileCache:
                 "archive": archive,
                 "size": len(data),
                 "sha256": digest,
+                "files": {name: hashlib.sha256(content).hexdigest()
+                          for name, content in _read_archive(data).items()},
                 "frugality": __version__,
             }
+            if self.signed:
+                manifest["signature"] = {"alg": "hmac-sha256", "key_id": key_id(self._key),
+                                         "value": _mac(self._key, manifest)}
             staged = f"{self.entry}/.{MANIFEST}.{uuid.uuid4().hex}"
             self.fs.pipe_file(staged, json.dumps(manifest, indent=1).encode())
             self.fs.mv(staged, f"{self.entry}/{MANIFEST}")  # the entry switches here
@@ -160,6 +200,16 @@ class CompileCache:
         except Exception as e:  # noqa: BLE001
             self._warn(f"could not be written ({type(e).__name__}: {e})")
             return None
+
+    def _signature_problem(self, manifest: dict) -> str | None:
+        signature = manifest.get("signature")
+        if not isinstance(signature, dict) or "value" not in signature:
+            return f"is unsigned, and {KEY_ENV_VAR} asks for signed entries"
+        if signature.get("key_id") != key_id(self._key):
+            return "is signed with another key"
+        if not hmac.compare_digest(str(signature["value"]), _mac(self._key, manifest)):
+            return "was altered after it was signed"
+        return None
 
     def _read_manifest(self, quiet: bool = False) -> dict | None:
         path = f"{self.entry}/{MANIFEST}"
@@ -179,6 +229,42 @@ class CompileCache:
     def _warn(self, what: str) -> None:
         warnings.warn(f"compile cache entry {self!r} {what}; ignoring it", CompileCacheWarning,
                       stacklevel=3)
+
+
+def key_id(key: bytes) -> str:
+    """A short name for a key, to tell keys apart in a message (not the key, not its MAC)."""
+    return hashlib.sha256(b"frugality compile cache key id\0" + key).hexdigest()[:12]
+
+
+def _mac(key: bytes, manifest: dict) -> str:
+    """HMAC-SHA256 of the manifest's content, its signature left out, in one canonical form."""
+    content = {k: v for k, v in manifest.items() if k != "signature"}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, canonical, hashlib.sha256).hexdigest()
+
+
+def _read_archive(data: bytes) -> dict[str, bytes]:
+    """Every regular file of an archive by name; links, devices and the like are refused."""
+    files = {}
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            if member.isdir():
+                continue
+            if not member.isfile():
+                raise ValueError(f"{member.name} is not a regular file")
+            files[member.name] = tar.extractfile(member).read()
+    return files
+
+
+def _files_problem(members: dict[str, bytes], listed: dict[str, str]) -> str | None:
+    """What differs between an archive's files and the manifest's list of their hashes."""
+    for name, content in members.items():
+        if name not in listed:
+            return f"holds {name}, a file its manifest does not list"
+        if hashlib.sha256(content).hexdigest() != listed[name]:
+            return f"holds {name}, which does not match its manifest's SHA-256"
+    missing = sorted(set(listed) - set(members))
+    return f"lacks {missing[0]}, listed in its manifest" if missing else None
 
 
 def _pack(directory: Path) -> bytes:

@@ -32,7 +32,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from frugality.compile.cache import CompileCache, cache_url, fingerprint, fresh_inductor_dir
+from frugality.compile.cache import KEY_ENV_VAR, CompileCache, cache_url, fingerprint, fresh_inductor_dir
 from frugality.compile.levels import apply_level, get_level, graph_name, inductor_options, revert_to_eager
 from frugality.errors import FrugalityWarning, UserError
 
@@ -60,6 +60,7 @@ class CompileFallbackWarning(FrugalityWarning):
 class CompileStats:
     level: str
     cache: str | None = None
+    signed: bool = False  # a fleet key was set: entries signed when published, verified when fetched
     fetched: bool = False
     published: bool = False
     graphs: int = 0  # graphs compiled or loaded by Inductor
@@ -90,7 +91,8 @@ def _metrics() -> list:
 class CompileSession:
     def __init__(self, level: str, *, cache: str | None, on_recompile: str, fallback: bool,
                  model_config: dict, micro_batch_size: int, seq_len: int, precision: str,
-                 compute_dtype: torch.dtype, device: torch.device) -> None:
+                 compute_dtype: torch.dtype, device: torch.device,
+                 cache_key_env: str = KEY_ENV_VAR) -> None:
         self.level = get_level(level)
         self.enabled = self.level.mode is not None
         self.on_recompile = on_recompile
@@ -101,8 +103,14 @@ class CompileSession:
             self.options = inductor_options(device, compute_dtype)
             fp = fingerprint(model=model_config, micro_batch_size=micro_batch_size, seq_len=seq_len,
                              precision=precision, level=level, device=device, options=self.options)
-            self.cache = CompileCache(cache_url(cache), fp)
+            key = os.environ.get(cache_key_env, "").encode() or None  # never logged or stored
+            if key is None and cache_key_env != KEY_ENV_VAR and os.environ.get(KEY_ENV_VAR):
+                raise UserError(f"compile.cache_key_env = {cache_key_env!r} names an unset variable while "
+                                f"{KEY_ENV_VAR} is set: a recipe may not turn cache verification off "
+                                "(docs/security.md)")
+            self.cache = CompileCache(cache_url(cache), fp, key)
             self.stats.cache = repr(self.cache)
+            self.stats.signed = self.cache.signed
         self._local = None
         self._previous_dir = None
         self.warmed: set[str] = set()  # phases past their first call
@@ -115,6 +123,7 @@ class CompileSession:
         """The session `recipe` asks for, under the resolved precision `policy`."""
         c = recipe.compile
         return cls(c.level, cache=c.cache, on_recompile=c.on_recompile, fallback=c.fallback,
+                   cache_key_env=c.cache_key_env,
                    model_config=recipe.model.model_dump(mode="json"),
                    micro_batch_size=recipe.data.micro_batch_size, seq_len=recipe.data.seq_len,
                    precision=policy.key, compute_dtype=policy.graph_dtype, device=device)

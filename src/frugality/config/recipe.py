@@ -137,6 +137,12 @@ class CompileConfig(_Section):
         description="where compiled graphs are shared: a directory or an fsspec URL "
         "(s3://bucket/prefix, file://...); default $FRUGALITY_COMPILE_CACHE, else the user cache",
     )
+    cache_key_env: str = Field(
+        default="FRUGALITY_CACHE_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="the environment variable holding the fleet key that signs published cache "
+        "entries and that fetched ones must be signed with (unset: entries are not authenticated; "
+        "docs/security.md). The key itself is never read from a recipe",
+    )
     on_recompile: Literal["warn", "error"] = Field(
         default="warn", description="what a compilation after warm-up does: warn, or stop the run"
     )
