@@ -114,3 +114,29 @@ def test_a_stream_resumed_at_another_world_size_takes_every_sample_once_per_epoc
     epoch = taken[: n - n % global_batch]
     assert len(epoch) == len(set(epoch))  # nothing taken twice within the epoch
     assert set(epoch) <= set(s.train_ids.tolist())
+
+
+def test_a_reshuffle_reorders_only_what_the_epoch_has_not_served_and_resumes_alike(dataset):
+    s = PackedSamples(dataset, seq_len=15, val_fraction=0.1, seed=3)
+    n = len(s.train_ids)
+    rows = lambda stream, steps: [tuple(r.tolist()) for _ in range(steps) for m in stream.next_step() for r in m]
+    plain = TrainStream(s, 4, 2)
+    served = rows(plain, 3)  # 12 samples
+    rest_plain = rows(plain, (n - 12) // 4)
+
+    stream = TrainStream(s, 4, 2)
+    assert rows(stream, 3) == served
+    stream.reshuffle()  # what a rollback to this position does
+    state = stream.state_dict()
+    assert state == {"consumed_samples": 12, "reshuffles": [12]}
+    rest = rows(stream, (n - 12) // 4)
+    unserved = set(map(tuple, s.gather(s.train_ids).tolist())) - set(served)
+    assert rest != rest_plain and len(set(rest)) == len(rest) and set(rest) <= unserved  # each once
+
+    resumed = TrainStream(s, 4, 2)
+    resumed.load_state_dict(state)
+    assert rows(resumed, (n - 12) // 4) == rest  # a resumed run draws the same batches
+    later = TrainStream(s, 4, 2)
+    later.load_state_dict({"consumed_samples": 2 * n})  # other epochs keep their order
+    resumed.load_state_dict({"consumed_samples": 2 * n, "reshuffles": [12]})
+    assert rows(later, 2) == rows(resumed, 2)

@@ -93,10 +93,18 @@ class TrainConfig(_Section):
     eval_batches: PositiveInt = 8
     save_interval: PositiveInt = 1000
     keep_checkpoints: PositiveInt = Field(default=2, description="newest checkpoints to keep")
-    on_nonfinite: Literal["skip", "stop"] = Field(
-        default="skip", description="a step whose loss or gradients are not finite is never applied: skip "
-        "it and go on (stopping after train.max_skipped in a row), or stop at once")
-    max_skipped: PositiveInt = Field(default=3, description="consecutive skipped steps that stop the run")
+    on_nonfinite: Literal["skip", "rollback", "stop"] = Field(
+        default="skip", description="a step whose loss or gradients are not finite (or whose loss spikes, "
+        "train.loss_spike) is never applied: skip it and go on, rolling back after train.max_skipped in a "
+        "row; roll back to the last checkpoint at once; or stop at once. Past train.max_rollbacks, stop")
+    max_skipped: PositiveInt = Field(default=3, description="consecutive skipped steps that roll the run back")
+    max_rollbacks: NonNegativeInt = Field(
+        default=1, description="rollbacks to the last checkpoint (with the rest of the epoch reshuffled) "
+        "before a diverging run stops with exit status 3")
+    loss_spike: float | None = Field(
+        default=None, gt=1.0, description="a step whose loss exceeds this many times the median of the "
+        "last train.loss_spike_window applied steps is a bad step, like a non-finite one (unset: off)")
+    loss_spike_window: int = Field(default=50, ge=4, description="applied steps the loss-spike median spans")
     retries: NonNegativeInt = Field(
         default=0, description="frugality train reruns a crashed run from its latest valid checkpoint up to "
         "this many times (see frugality.training.supervisor)")

@@ -9,6 +9,10 @@ The stream's whole state is one integer, the number of samples consumed so far, 
 over all data-parallel ranks together. Each step takes the next `global_batch_size`
 positions of a per-epoch seeded shuffle, and rank r of W takes its own slice, so a
 checkpoint resumes with the next unseen batch at any world size.
+
+A rollback after a divergence (`train.on_nonfinite`) reshuffles what the current epoch has
+not yet served: the positions of each reshuffle are part of the state, so a resumed run
+draws the same batches.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class TrainStream:
         self.rank, self.world_size = rank, world_size
         self.grad_accum = global_batch_size // (micro_batch_size * world_size)
         self.consumed_samples = 0
+        self.reshuffles: list[int] = []  # positions from which an epoch's remainder was reshuffled
         self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
     @property
@@ -92,14 +97,32 @@ class TrainStream:
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
             rng = np.random.default_rng([self.samples.seed, 0x5EED, epoch])
-            self._epoch, self._order = epoch, rng.permutation(self.samples.train_ids)
+            order = rng.permutation(self.samples.train_ids)
+            n = len(order)
+            for k, position in enumerate(self.reshuffles, 1):
+                if position // n == epoch:  # the samples not yet served, in a new order
+                    start = position % n
+                    salted = np.random.default_rng([self.samples.seed, 0x5EED, epoch, 0x0DD, k])
+                    order[start:] = salted.permutation(order[start:])
+            self._epoch, self._order = epoch, order
         return self._order
 
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples}
+    def reshuffle(self) -> None:
+        """Serve the rest of the current epoch in a new order (its samples, each once), from
+        the current position on; what was served before is unchanged."""
+        self.reshuffles.append(self.consumed_samples)
+        self._epoch = -1  # recomputed with the new order
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def state_dict(self) -> dict:
+        state = {"consumed_samples": self.consumed_samples}
+        if self.reshuffles:
+            state["reshuffles"] = list(self.reshuffles)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
         self.consumed_samples = int(state["consumed_samples"])
+        self.reshuffles = [int(p) for p in state.get("reshuffles", [])]
+        self._epoch = -1
 
 
 def validation_batches(

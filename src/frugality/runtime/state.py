@@ -14,6 +14,7 @@ order, so that each sees the same model:
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +48,9 @@ class TrainState:
     world: World = World()
     step: int = 0
     stop_requested: bool = False  # set by a signal or a policy: stop after this step, saved
-    nonfinite: str | None = None  # what was not finite in the last step (its update was not applied)
+    rejected: str | None = None  # why the last step's update was not applied (non-finite, a spike)
+    recent_losses: deque = field(default_factory=deque)  # applied steps' losses, for spike detection
+    rolled_back: bool = False  # a policy restored the last checkpoint during this step
 
     @property
     def module(self) -> nn.Module:
@@ -86,4 +89,5 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
                                 fused=recipe.train.fused_optimizer)
     compiled = CompileSession.for_recipe(recipe, device, policy)
     return TrainState(recipe, device, policy, task, model, optimizer, compiled,
-                      [note, "layers: " + ", ".join(choices)], data, world)
+                      [note, "layers: " + ", ".join(choices)], data, world,
+                      recent_losses=deque(maxlen=recipe.train.loss_spike_window))

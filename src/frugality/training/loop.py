@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ class StepResult:
     lr: float
     seconds: float
     final: bool  # the last step of this session
-    nonfinite: str | None = None  # what was not finite: the update was skipped
+    rejected: str | None = None  # why the update was not applied (a non-finite value, a spike)
     record: dict = field(default_factory=dict)  # what callbacks measured, for the log
 
 
@@ -47,7 +48,10 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
         loss, norm = _run(state, callbacks, "train", state.step + 1, lambda: train_step(state, batches))
         state.step += 1
         callbacks.on_step_end(state, StepResult(state.step, loss, norm, lr, time.perf_counter() - t0,
-                                                state.step == stop_at, state.nonfinite))
+                                                state.step == stop_at, state.rejected))
+        if state.rolled_back:  # a policy restored the last checkpoint: go on from its step
+            state.rolled_back = False
+            continue
         if state.step % recipe.train.eval_interval == 0 or state.step == recipe.train.steps:
             evaluate(state, callbacks)
         callbacks.on_step_done(state)  # after evaluation: checkpoints see the step's whole result
@@ -59,9 +63,9 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
 def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[float, float]:
     """One optimizer step over micro-batches of the task's batches: forward and backward
     each (loss divided by their count), clip the global gradient norm, update — unless the
-    loss or the gradients are not finite: then nothing is applied and `state.nonfinite`
-    names what was not (every rank decides alike: the loss is the ranks' mean, the norm
-    global). Returns (mean loss, gradient norm before clipping)."""
+    loss or the gradients are not finite, or the loss spikes (`train.loss_spike`): then
+    nothing is applied and `state.rejected` says why (every rank decides alike: the loss is
+    the ranks' mean, the norm global). Returns (mean loss, gradient norm before clipping)."""
     model, optimizer = state.model, state.optimizer
     model.train()
     total = torch.zeros((), device=state.device)
@@ -82,11 +86,12 @@ def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[fl
         clip = torch.nn.utils.get_total_norm(grads, foreach=True)
         norm = clip.full_tensor() if hasattr(clip, "full_tensor") else clip  # FSDP2: a DTensor
     loss, norm = all_mean((total / len(micro_batches)).item(), state.device), norm.item()
-    state.nonfinite = _first_nonfinite(state.module, loss, norm)
-    if state.nonfinite is None:
+    state.rejected = _first_nonfinite(state.module, loss, norm) or _spike(state, loss)
+    if state.rejected is None:
         if clip is not None:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, clip, foreach=True)
         optimizer.step()
+        state.recent_losses.append(loss)
     optimizer.zero_grad(set_to_none=True)  # (BF16AdamW: drops a pending clip scale too)
     return loss, norm
 
@@ -95,14 +100,27 @@ def _first_nonfinite(model: torch.nn.Module, loss: float, norm: float) -> str | 
     """None when the step may be applied; else the loss, or the first parameter (in the
     model's order) whose gradient holds a NaN or infinity on this rank."""
     if not math.isfinite(loss):
-        return f"the loss ({loss})"
+        return f"the loss ({loss}) is not finite"
     if math.isfinite(norm):
         return None
     for name, p in model.named_parameters():
         grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
         if grad is not None and not torch.isfinite(grad).all():
-            return f"the gradient of {name}"
-    return f"the gradient norm ({norm}; the gradients of this rank are finite)"
+            return f"the gradient of {name} is not finite"
+    return f"the gradient norm ({norm}; the gradients of this rank are finite) is not finite"
+
+
+def _spike(state: TrainState, loss: float) -> str | None:
+    """A loss above `train.loss_spike` times the median of the recent applied steps' (once
+    a quarter of the window, at least 4 steps, has been seen)."""
+    factor, recent = state.recipe.train.loss_spike, state.recent_losses
+    if factor is None or len(recent) < max(4, recent.maxlen // 4):
+        return None
+    median = statistics.median(recent)
+    if loss <= factor * median:
+        return None
+    return (f"the loss {loss:.4g} is {loss / median:.1f}x the median {median:.4g} of the last {len(recent)} "
+            f"steps (train.loss_spike = {factor})")
 
 
 @torch.no_grad()

@@ -26,9 +26,9 @@ from frugality.runtime.state import TrainState, build_state, check_recipe
 from frugality.training import rng
 from frugality.training import run_dir as rundir
 from frugality.training.callbacks import Callbacks
-from frugality.training.callbacks.checkpointing import Checkpointing
+from frugality.training.callbacks.checkpointing import Checkpointing, restore_training_state
 from frugality.training.callbacks.memory import Memory
-from frugality.training.callbacks.nan_guard import NanGuard
+from frugality.training.callbacks.divergence import DivergenceGuard
 from frugality.training.callbacks.progress import Progress
 from frugality.training.callbacks.run_log import CloseCompileSession, RunLog
 from frugality.training.callbacks.signals import StopOnSignal
@@ -91,13 +91,14 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
         distributed.barrier()
 
         throughput, summary = Throughput(), None
-        callbacks = [StopOnSignal(), CloseCompileSession(), throughput, NanGuard(), Checkpointing(checkpoints, stop_at)]
+        callbacks = [StopOnSignal(), CloseCompileSession(), throughput, DivergenceGuard(checkpoints),
+                     Checkpointing(checkpoints, stop_at)]
         if world.is_main:  # one rank writes the log, shows progress and summarises
             log = RunLog(run_path, tensorboard)
             memory = Memory(log)
             summary = Summary(run_path, throughput, memory)
             header = _header(state, plan, source, init_from, resume_optimizer)
-            callbacks[4:4] = [memory, log, Progress(header, progress, stop_at)]  # after NanGuard: it marks skips
+            callbacks[4:4] = [memory, log, Progress(header, progress, stop_at)]  # after the guard: it marks skips
             callbacks.append(summary)
         if recipe.train.step_timeout_s:
             callbacks.insert(0, Watchdog(run_path, recipe.train.step_timeout_s))
@@ -138,8 +139,7 @@ def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: boo
                             f"train.precision = {state.recipe.train.precision!r} to {state.policy.name} here; "
                             f"resume with --set train.precision={saved}")
         state.step = step_of(plan.resume_from)
-        state.data.stream.load_state_dict(extra["data"])
-        rng.set_state(extra["rng"])
+        restore_training_state(state, extra)
         if stop_at < state.step:
             raise UserError(f"--until-step {stop_at}: {plan.path} is already at step {state.step}")
     else:

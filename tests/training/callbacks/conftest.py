@@ -1,5 +1,6 @@
 """A stand-in training state for callback tests: the fields callbacks read, no model run."""
 
+from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -25,14 +26,15 @@ def state():
                            policy=SimpleNamespace(compute_dtype=torch.float32, state_bytes_per_param=16,
                                                   label="fp32", name="fp32"),
                            compiled=SimpleNamespace(enabled=True, stats=stats, closed=0),
-                           world=World(),
-                           data=SimpleNamespace(stream=SimpleNamespace(epoch=0.5, state_dict=lambda: {"pos": 1})))
+                           world=World(), recent_losses=deque([2.5, 2.4], maxlen=50),
+                           data=SimpleNamespace(stream=SimpleNamespace(epoch=0.5, state_dict=lambda: {"pos": 1},
+                                                                     reshuffles=[])))
 
 
 @pytest.fixture
 def step():
-    """step(state, loss=, seconds=, final=, nonfinite=): count a step and return its StepResult."""
-    def make(state, loss=2.0, seconds=0.5, final=False, nonfinite=None):
+    """step(state, loss=, seconds=, final=, rejected=): count a step and return its StepResult."""
+    def make(state, loss=2.0, seconds=0.5, final=False, rejected=None):
         state.step += 1
-        return StepResult(state.step, loss, 1.0, 1e-3, seconds, final, nonfinite)
+        return StepResult(state.step, loss, 1.0, 1e-3, seconds, final, rejected)
     return make

@@ -1,10 +1,26 @@
 """Checkpoints on the recipe's cadence, at the last step of the session and when a stop is
-asked: model, optimizer, data position and RNG states (`frugality.checkpoint`)."""
+asked: model, optimizer, and the training state (`frugality.checkpoint`)."""
 
 from __future__ import annotations
 
 from frugality.training import rng
 from frugality.training.callbacks import Callback
+
+
+def training_state(state) -> dict:
+    """What a checkpoint holds besides model and optimizer, as plain JSON: data position,
+    RNG states, the losses spike detection looks back on, and the precision policy (a resume
+    under another policy is refused)."""
+    return {"data": state.data.stream.state_dict(), "rng": rng.get_state(), "step": state.step,
+            "precision": state.policy.name, "recent_losses": list(state.recent_losses)}
+
+
+def restore_training_state(state, extra: dict) -> None:
+    """Put `training_state`'s result back (older checkpoints lack the recent losses)."""
+    state.data.stream.load_state_dict(extra["data"])
+    rng.set_state(extra["rng"])
+    state.recent_losses.clear()
+    state.recent_losses.extend(extra.get("recent_losses", []))
 
 
 class Checkpointing(Callback):
@@ -13,6 +29,4 @@ class Checkpointing(Callback):
 
     def on_step_done(self, state) -> None:
         if state.step % state.recipe.train.save_interval == 0 or state.step == self.stop_at or state.stop_requested:
-            extra = {"data": state.data.stream.state_dict(), "rng": rng.get_state(), "step": state.step,
-                     "precision": state.policy.name}  # a resume under another policy is refused
-            self.manager.save(state.step, state.model, state.optimizer, extra)
+            self.manager.save(state.step, state.model, state.optimizer, training_state(state))

@@ -1,0 +1,71 @@
+"""What a bad step does (`train.on_nonfinite`): one whose loss or gradients are not finite,
+or whose loss spikes (`train.loss_spike`). The loop never applies such a step; this callback
+logs it, with the step and what was wrong first, then:
+
+- `skip`: goes on; after `train.max_skipped` bad steps in a row, rolls back;
+- `rollback`: rolls back at once;
+- `stop`: stops at once.
+
+A rollback restores the last checkpoint (model, optimizer, RNG states, data position) and
+serves the rest of the epoch in a new order, so the run does not meet the same batches
+again; past `train.max_rollbacks` rollbacks (counted in the data stream's state, so a
+resumed run counts them too) the run stops with `RunDiverged` (exit status 3; the last
+checkpoint stays the one to resume from, with a lower learning rate). Every rank decides
+alike: the loss is the ranks' mean and the norm global.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from frugality.checkpoint import step_of
+from frugality.errors import FrugalityWarning, RunDiverged
+from frugality.training.callbacks import Callback
+from frugality.training.callbacks.checkpointing import restore_training_state
+
+
+class DivergenceGuard(Callback):
+    def __init__(self, checkpoints=None) -> None:
+        self.checkpoints = checkpoints  # a CheckpointManager (None: no rollback possible)
+        self.in_a_row = 0
+        self.skipped: list[int] = []  # steps whose update was skipped, for the summary
+
+    def on_step_end(self, state, result) -> None:
+        if result.rejected is None:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.skipped.append(result.step)
+        result.record["skipped"] = result.rejected
+        train = state.recipe.train
+        what = f"step {result.step}: {result.rejected}"
+        if train.on_nonfinite == "stop":
+            raise RunDiverged(f"{what}; stopping before applying it (train.on_nonfinite = \"stop\")")
+        if train.on_nonfinite == "rollback" or self.in_a_row >= train.max_skipped:
+            if train.on_nonfinite == "skip":
+                what += f", {self.in_a_row} steps in a row"
+            result.record["rolled_back_to"] = self._roll_back(state, what)
+            return
+        if state.world.is_main:
+            warnings.warn(f"{what}; its update was skipped ({self.in_a_row} in a row, rolling back at "
+                          f"{train.max_skipped})", FrugalityWarning, stacklevel=2)
+
+    def _roll_back(self, state, what: str) -> int:
+        train = state.recipe.train
+        done = len(state.data.stream.reshuffles)
+        if done >= train.max_rollbacks:
+            raise RunDiverged(f"{what}; stopping after {done} rollback(s) (train.max_rollbacks = "
+                              f"{train.max_rollbacks}; lower optim.lr and resume from the last checkpoint)")
+        path = self.checkpoints.latest() if self.checkpoints is not None else None
+        if path is None:
+            raise RunDiverged(f"{what}; stopping: no checkpoint to roll back to yet")
+        extra = self.checkpoints.load(path, state.model, state.optimizer)
+        restore_training_state(state, extra)
+        state.step = step_of(path)
+        state.data.stream.reshuffle()  # from the restored position: other batches this time
+        state.rolled_back = True
+        self.in_a_row = 0
+        if state.world.is_main:
+            warnings.warn(f"{what}; rolled back to {path.name}, the rest of the epoch reshuffled "
+                          f"(rollback {done + 1} of {train.max_rollbacks})", FrugalityWarning, stacklevel=3)
+        return state.step
