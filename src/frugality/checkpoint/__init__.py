@@ -56,6 +56,9 @@ class CheckpointManager:
     def __init__(self, folder: str | Path, keep: int = 2) -> None:
         self.folder = Path(folder)
         self.keep = keep
+        # Called (step, partial folder) between a save's shard files and its manifest: the
+        # seam where the fault-injection suite kills a rank or fills the disk mid-save.
+        self.on_files_written = None
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -94,6 +97,8 @@ class CheckpointManager:
             with single_process_ok():
                 dcp.save(state, checkpoint_id=partial, no_dist=not dist.is_initialized())
             rank = dist.get_rank() if dist.is_initialized() else 0
+            if self.on_files_written is not None:
+                self.on_files_written(step, partial)
             mine = {f.name: _file_record(f) for f in sorted(partial.glob(f"__{rank}_*"))}
         except (OSError, CheckpointException) as e:
             raise self._failed(final, partial, e) from None

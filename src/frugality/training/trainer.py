@@ -10,6 +10,8 @@ position and RNG states all live in the checkpoint.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from frugality.training.callbacks import Callbacks
 from frugality.training.callbacks.checkpointing import Checkpointing, restore_training_state
 from frugality.training.callbacks.memory import Memory
 from frugality.training.callbacks.divergence import DivergenceGuard
+from frugality.training.callbacks.faults import ENV_VAR as FAULT_ENV_VAR, FaultInjector
 from frugality.training.callbacks.progress import Progress
 from frugality.training.callbacks.run_log import CloseCompileSession, RunLog
 from frugality.training.callbacks.signals import StopOnSignal
@@ -102,6 +105,8 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
             callbacks.append(summary)
         if recipe.train.step_timeout_s:
             callbacks.insert(0, Watchdog(run_path, recipe.train.step_timeout_s))
+        if "@" in os.environ.get(FAULT_ENV_VAR, ""):  # the reliability suite's faults, after the checkpoints
+            callbacks.append(FaultInjector(os.environ[FAULT_ENV_VAR], run_path, checkpoints))
         callbacks = Callbacks(*callbacks)
         start = state.step
         try:

@@ -1,0 +1,55 @@
+"""The fault injector the reliability suite (benchmarks/faults.py) drives, through the real
+command: a SIGKILL mid-save recovered by --retries to the uninterrupted run's bits, a full
+disk stopping the run in one line with nothing lost, and a malformed fault named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from test_trainer import _assert_identical, _final_state, _train_losses
+
+from frugality.config.recipe import load_recipe
+from frugality.errors import UserError
+from frugality.training import trainer
+from frugality.training.callbacks.faults import parse
+
+
+def _train(recipe_file, run, fault, *args):
+    env = dict(os.environ, FRUGALITY_INJECT_FAULT=fault)  # threads as in this process: the same sums
+    return subprocess.run([sys.executable, "-m", "frugality", "train", str(recipe_file), "--run-dir", str(run),
+                           "--no-progress", *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_kill_while_saving_is_retried_to_the_uninterrupted_bits(micro_recipe_file, tmp_path):
+    recipe = load_recipe(str(micro_recipe_file))  # 8 steps, checkpoints at 4 and 8
+    trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
+    done = _train(micro_recipe_file, tmp_path / "run", "kill_in_save@8", "--retries", "1",
+                  "--set", "train.retry_backoff_s=0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "killed by signal 9" in done.stderr
+    _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, tmp_path / "run"))
+    assert _train_losses(tmp_path / "straight") == _train_losses(tmp_path / "run")
+
+
+def test_a_full_disk_stops_in_one_line_and_the_rerun_completes(micro_recipe_file, tmp_path):
+    run = tmp_path / "run"
+    full = _train(micro_recipe_file, run, "enospc@8")
+    assert full.returncode == 2
+    [line] = [l for l in full.stderr.splitlines() if l.startswith("error")]
+    assert "cannot write checkpoint" in line and "No space left on device" in line
+    assert "the previous checkpoint step_00000004 is intact" in line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004"]  # no partial left
+    again = _train(micro_recipe_file, run, "enospc@8")  # fired once: space was freed
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming" in again.stdout and (run / "checkpoints" / "step_00000008" / "manifest.json").is_file()
+
+
+def test_a_malformed_fault_is_named():
+    assert parse("hang@5:1") == ("hang", 5, 1)
+    with pytest.raises(UserError, match="unknown fault 'explode'"):
+        parse("explode@3")
+    with pytest.raises(UserError, match="expected KIND@STEP"):
+        parse("kill@soon")
