@@ -123,3 +123,26 @@ def test_each_settings_values_are_listed_once_and_implemented():
     assert set(TASKS) == set(recipe.TASKS)
     assert (AUTO, *PRECISIONS) == recipe.PRECISIONS
     assert all(get_policy(name).name == name for name in PRECISIONS)
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("foo.bar=1", "foo: unknown key"),
+    ("data.global_batch_size=5", "data: global_batch_size (5) must be a multiple of micro_batch_size"),
+    ("optim.min_lr=1", "optim: min_lr (1.0) must not exceed lr"),
+    ("optim.warmup_steps=99999", "optim.warmup_steps (99999) exceeds train.steps"),
+    ("model.num_heads=7", "model: hidden_size (128) must be divisible by num_heads (7)"),
+])
+def test_a_check_across_fields_broken_by_a_flag_names_the_flag(flag, message):
+    with pytest.raises(UserError) as e:
+        load_recipe("tiny", [flag])
+    assert str(e.value).startswith(f"--set {flag} (with recipe ") and message in str(e.value)
+
+
+def test_every_problem_of_a_file_is_listed_a_line_each(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[model]\nhidden_size = 100\nnum_heads = 3\n[optim]\nlr = -1\nmin_lr = "x"\n[bogus]\na = 1\n')
+    with pytest.raises(UserError) as e:
+        load_recipe(str(path))
+    lines = str(e.value).splitlines()
+    assert [line.split(": ")[1] for line in lines] == ["model.num_layers", "optim.lr", "optim.min_lr", "bogus"]
+    assert all(line.startswith(f"recipe {path}: ") for line in lines)

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         # without standalone mode click returns (not raises) a command's Exit status
         status = cli.main(args=argv, prog_name="frugality", standalone_mode=False)
     except UserError as e:
-        click.echo(f"error: {e}", err=True)
+        for line in str(e).splitlines():  # several problems (a recipe's): a line each
+            click.echo(f"error: {line}", err=True)
         return USER_ERROR_EXIT
     except RunDiverged as e:
         click.echo(f"error: {e}", err=True)

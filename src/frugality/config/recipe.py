@@ -7,6 +7,7 @@ came from.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -240,7 +241,7 @@ def find_recipe(name_or_path: str | None) -> Path:
 
 
 def load_recipe(name_or_path: str | None = None, overrides: list[str] = ()) -> Recipe:
-    """Read, override and validate a recipe; any problem is a one-line UserError."""
+    """Read, override and validate a recipe; problems are a UserError, a line each."""
     path = find_recipe(name_or_path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -281,24 +282,44 @@ def _set_nested(raw: dict, key: str, value: Any, item: str) -> None:
 
 
 def _describe(error: ValidationError, path: Path, from_cli: dict[str, str]) -> str:
-    """One line for the first problem: where it came from, which key, what is wrong."""
-    first = error.errors()[0]
+    """A line per problem: where it came from (the `--set` flag behind it, else the file),
+    which key, what is wrong."""
+    return "\n".join(_describe_one(problem, path, from_cli) for problem in error.errors())
+
+
+def _describe_one(problem: dict, path: Path, from_cli: dict[str, str]) -> str:
     # A discriminated union puts the chosen family in the location: model.llama.hidden_size.
-    loc = [p for i, p in enumerate(first["loc"]) if not (i == 1 and first["loc"][0] == "model"
-                                                         and p in FAMILIES)]
+    loc = [p for i, p in enumerate(problem["loc"]) if not (i == 1 and problem["loc"][0] == "model"
+                                                           and p in FAMILIES)]
     key = ".".join(str(p) for p in loc)
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "union_tag_invalid":
+    message = problem["msg"].removeprefix("Value error, ")
+    if problem["type"] == "union_tag_invalid":
         key = "model.family"
-        message = f"unknown model family {first['input'].get('family')!r} (have: {', '.join(FAMILIES)})"
-    elif first["type"] == "extra_forbidden":
+        message = f"unknown model family {problem['input'].get('family')!r} (have: {', '.join(FAMILIES)})"
+    elif problem["type"] == "extra_forbidden":
         message = "unknown key"
-    elif first["type"] == "missing":
+    elif problem["type"] == "missing":
         message = "missing required key"
-    elif "input" in first and first["type"] not in ("value_error", "assertion_error"):
-        message = f"{message} (got {first['input']!r})"
-    source = f"--set {from_cli[key]}" if key in from_cli else f"recipe {path}"
-    more = error.error_count() - 1
-    suffix = f" ({more} more problem{'s' if more > 1 else ''})" if more else ""
-    where = f"{source}: {key}" if key else source
-    return f"{where}: {message}{suffix}"
+    elif "input" in problem and problem["type"] not in ("value_error", "assertion_error"):
+        message = f"{message} (got {problem['input']!r})"
+    flags = _flags_behind(key, message, problem["type"], from_cli)
+    if not flags:
+        source = f"recipe {path}"
+    elif key in from_cli:
+        source = f"--set {from_cli[key]}"
+    else:  # a check across fields, one of them (or an unknown table) set on the command line
+        source = " ".join(f"--set {item}" for item in flags) + f" (with recipe {path})"
+    return f"{source}: {key}: {message}" if key else f"{source}: {message}"
+
+
+def _flags_behind(key: str, message: str, kind: str, from_cli: dict[str, str]) -> list[str]:
+    """The `--set` items a problem at `key` comes from: the key itself, a key inside an
+    unknown table, or a field that a check across fields names in its message."""
+    found = []
+    for flag_key, item in from_cli.items():
+        if key and flag_key != key and not flag_key.startswith(key + "."):
+            continue
+        if flag_key == key or kind == "extra_forbidden" or flag_key in message or \
+                re.search(rf"\b{re.escape(flag_key.rsplit('.', 1)[-1])}\b", message):
+            found.append(item)
+    return found
