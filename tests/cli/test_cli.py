@@ -88,3 +88,28 @@ def test_recipes_lists_and_shows(capsys):
     assert machine[2].startswith("precision auto -> ")
     assert main(["recipes", "pythia-70m"]) == 0
     assert "hidden_size = 512" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fault", ["EROFS", "ENOSPC"])
+def test_a_filesystem_fault_outside_checkpoints_is_one_line_naming_the_path(micro_recipe_file, tmp_path, capsys,
+                                                                            monkeypatch, fault):
+    """A read-only run directory, a disk that fills while metrics are written: the path and
+    the cause in one line, exit status 2 (root ignores permissions, so the fault is raised
+    where the file is opened, as the kernel would)."""
+    import errno
+    import os
+
+    from frugality.training.callbacks import run_log
+
+    code = getattr(errno, fault)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    real = run_log.RunLog.on_step_end
+
+    def failing(self, state, result):
+        raise OSError(code, os.strerror(code), str(metrics))
+
+    monkeypatch.setattr(run_log.RunLog, "on_step_end", failing)
+    assert main(["train", str(micro_recipe_file), "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: cannot write {metrics}: {os.strerror(code)} (") and "GiB free" in line
+    monkeypatch.setattr(run_log.RunLog, "on_step_end", real)

@@ -79,6 +79,8 @@ def test_stop_and_resume_is_bit_identical(micro_recipe_file, tmp_path):
 
     first = trainer.train(recipe, run_dir=tmp_path / "split", until_step=3, progress=False, tensorboard=False)
     assert first.final_step == 3
+    with open(tmp_path / "split" / "metrics.jsonl", "a") as log:
+        log.write('{"kind": "train", "step": 4, "lo')  # a line cut by a crash or a full disk: dropped
     second = trainer.train(recipe, run_dir=tmp_path / "split", progress=False, tensorboard=False)
     assert second.start_step == 3 and second.final_step == 8
 

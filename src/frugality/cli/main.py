@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import shutil
 import sys
 import warnings
+from pathlib import Path
 
 import click
 
@@ -56,6 +59,20 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 _default_show_warning = warnings.showwarning
 
 
+# A full disk, a read-only or over-quota filesystem, a permission: the user's to fix, not a bug.
+FILESYSTEM_FAULTS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM}
+
+
+def filesystem_fault(error: OSError) -> str:
+    """One line: the path, the cause, and the free space where it was written."""
+    path = Path(error.filename) if error.filename else None
+    line = f"cannot write {path or 'a file'}: {error.strerror or error}"
+    folder = next((p for p in (path, *path.parents) if p.exists()), None) if path else None
+    if folder is not None:
+        line += f" ({shutil.disk_usage(folder).free / 2**30:.1f} GiB free on the device holding {folder})"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _show_warning
     try:
@@ -68,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     except RunDiverged as e:
         click.echo(f"error: {e}", err=True)
         return DIVERGED_EXIT
+    except OSError as e:
+        if e.errno not in FILESYSTEM_FAULTS:
+            raise
+        click.echo(f"error: {filesystem_fault(e)}", err=True)
+        return USER_ERROR_EXIT
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130

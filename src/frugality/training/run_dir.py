@@ -152,14 +152,20 @@ def _first_difference(a, b, prefix: str) -> str:
     return f"{prefix} ({a!r} then, {b!r} now)"
 
 
+def _record_step(line: str, dropped: int) -> int:
+    """The step of a metrics record; `dropped` for a blank line or one cut by a crash or a
+    full disk (not JSON)."""
+    try:
+        return json.loads(line).get("step", 0) if line.strip() else dropped
+    except ValueError:
+        return dropped
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop records past the checkpoint we resume from: those steps will be run again."""
     if not path.exists():
         return
-    kept = [
-        line for line in path.read_text().splitlines(keepends=True)
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
+    kept = [line for line in path.read_text().splitlines(keepends=True) if _record_step(line, step + 1) <= step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(kept))
     tmp.replace(path)

@@ -30,7 +30,7 @@ from frugality.errors import DIVERGED_EXIT
 
 GAVE_UP_EXIT = 4
 ATTEMPTS_FILE = "attempts.jsonl"
-NOT_RETRIED = {0: "finished", 2: "bad input", DIVERGED_EXIT: "diverged", 130: "interrupted"}
+NOT_RETRIED = {0: "finished", 2: "bad input or a filesystem fault", DIVERGED_EXIT: "diverged", 130: "interrupted"}
 
 
 @dataclass
