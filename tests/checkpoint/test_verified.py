@@ -112,3 +112,20 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_previous_checkpoin
         two_checkpoints.save(3, model, build_optimizer(model, OptimConfig()), {})
     assert sorted(p.name for p in folder.iterdir()) == ["step_00000001", "step_00000002"]  # no partial left
     assert two_checkpoints.latest().name == "step_00000002"
+
+
+def test_too_little_space_for_the_next_checkpoint_is_said_before_writing(two_checkpoints, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from frugality.errors import UserError
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    model = GPTNeoX(CFG)
+    folder = two_checkpoints.folder
+    with pytest.raises(UserError, match=r"cannot write checkpoint .*step_00000003: 1,000 B free on the device holding "
+                                        r".*, the checkpoint needs ~\d+\.\d KiB \(as step_00000002\); the previous "
+                                        r"checkpoint step_00000002 is intact"):
+        two_checkpoints.save(3, model, build_optimizer(model, OptimConfig()), {})
+    assert sorted(p.name for p in folder.iterdir()) == ["step_00000001", "step_00000002"]  # nothing written

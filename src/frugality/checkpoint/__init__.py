@@ -89,8 +89,14 @@ class CheckpointManager:
         if _is_main():
             for stale in self.folder.glob(".step_*.partial"):  # left by a crash mid-save
                 shutil.rmtree(stale, ignore_errors=True)
-        if dist.is_initialized():
-            dist.barrier()  # no rank writes before the stale folders are gone
+        short = self._space_problem(final)
+        if dist.is_initialized():  # every rank stops, or none; no rank writes before the stale folders are gone
+            flag = torch.tensor([1 if short else 0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and not short:
+                short = f"cannot write checkpoint {final}: another rank lacks the space for it"
+        if short:
+            raise UserError(short)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state, "extra": json.dumps(extra).encode()}
         try:
@@ -128,6 +134,26 @@ class CheckpointManager:
         if dist.is_initialized():
             dist.barrier()
         return final
+
+    def _space_problem(self, final: Path) -> str | None:
+        """Said before writing: the newest checkpoint's size (its manifest) against the free
+        space, for this rank's share of it. None when it fits or nothing is known yet."""
+        previous = next((p for p in reversed(self.complete()) if (p / MANIFEST).is_file()), None)
+        if previous is None:
+            return None
+        try:
+            files = json.loads((previous / MANIFEST).read_text())["files"]
+        except (OSError, ValueError, KeyError):
+            return None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mine = sum(r["size"] for name, r in files.items() if name.startswith(f"__{rank}_") or
+                   (rank == 0 and not name.startswith("__")))
+        free = shutil.disk_usage(self.folder).free
+        if free >= mine * 1.05:  # manifests and file-system slack
+            return None
+        return (f"cannot write checkpoint {final}: {_human(free)} free on the device holding "
+                f"{self.folder}, the checkpoint needs ~{_human(mine)} (as {previous.name}); "
+                f"the previous checkpoint {previous.name} is intact")
 
     def _failed(self, final: Path, partial: Path, error: BaseException) -> BaseException:
         """A save that failed: its partial folder removed, and for a filesystem fault one
@@ -203,6 +229,14 @@ def verify(path: Path) -> str | None:
         if _sha256(f) != record["sha256"]:
             return f"{name} does not match its SHA-256"
     return None
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.1f} {unit}"
+        size /= 1024
+    return ""
 
 
 def _sha256(path: Path) -> str:
