@@ -61,3 +61,27 @@ def test_loads_onto_the_live_models_device(tmp_path):
     assert all(p.device.type == "cpu" for p in target.parameters())
     state = target_optimizer.state_dict()["state"]
     assert all(s["exp_avg"].device.type == "cpu" for s in state.values())
+
+
+def test_an_asynchronous_save_holds_the_state_of_its_step_and_completes_at_poll(tmp_path):
+    """The state is copied before training goes on: parameters changed after `save` returns
+    are not in the checkpoint; it is complete (manifest, renamed) once polled or waited."""
+    from frugality.checkpoint import verify
+
+    model, optimizer = _trained()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    manager = CheckpointManager(tmp_path)
+    final = manager.save(1, model, optimizer, {"step": 1}, asynchronous=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next steps, while the write goes on
+    manager.wait()
+    assert final.is_dir() and verify(final) is None and manager.latest() == final
+    fresh = GPTNeoX(CFG)
+    assert manager.load(final, fresh, build_optimizer(fresh, OptimConfig())) == {"step": 1}
+    for k, v in expected.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    manager.save(2, model, optimizer, {"step": 2}, asynchronous=True)
+    manager._pending[3].result()  # the background write has ended
+    manager.poll()  # completes it without blocking
+    assert manager.latest().name == "step_00000002" and manager._pending is None

@@ -59,6 +59,8 @@ class CheckpointManager:
         # Called (step, partial folder) between a save's shard files and its manifest: the
         # seam where the fault-injection suite kills a rank or fills the disk mid-save.
         self.on_files_written = None
+        self._pending = None  # (step, final, partial, future) of an asynchronous save in flight
+        self._group = None  # the process group asynchronous saves use
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -81,9 +83,17 @@ class CheckpointManager:
         return None
 
     def save(
-        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict,
+        *, asynchronous: bool = False,
     ) -> Path:
-        """Write model, optimizer and `extra` (training state as plain JSON) for `step`."""
+        """Write model, optimizer and `extra` (training state as plain JSON) for `step`.
+
+        `asynchronous`: copy the state to host memory and write it from a background thread
+        (DCP's `async_save`, on a process group of its own so that its collectives never mix
+        with training's); the checkpoint is completed — hashed, its manifest written, renamed
+        into place — by `poll()` at the first step after the write ends, or by `wait()`. One
+        save is in flight at most: the next one waits for it."""
+        self.wait()
         final = self.folder / f"step_{step:08d}"
         partial = self.folder / f".{final.name}.partial"
         if _is_main():
@@ -101,7 +111,62 @@ class CheckpointManager:
         state = {"model": model_state, "optim": optim_state, "extra": json.dumps(extra).encode()}
         try:
             with single_process_ok():
+                if asynchronous:
+                    response = dcp.async_save(state, checkpoint_id=partial, process_group=self._async_group(),
+                                              no_dist=not dist.is_initialized())
+                    upload = getattr(response, "upload_completion", response)
+                    self._pending = (step, final, partial, upload)
+                    return final
                 dcp.save(state, checkpoint_id=partial, no_dist=not dist.is_initialized())
+        except (OSError, CheckpointException) as e:
+            raise self._failed(final, partial, e) from None
+        self._finish(step, final, partial)
+        return final
+
+    def poll(self) -> None:
+        """Complete an asynchronous save whose files are written (on every rank: they agree
+        first), else return at once. Call it at the same point on every rank."""
+        if self._pending is None:
+            return
+        done = torch.tensor([1 if self._pending[3].done() else 0])
+        if dist.is_initialized():
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until an asynchronous save is written, then complete it."""
+        if self._pending is None:
+            return
+        step, final, partial, upload = self._pending
+        self._pending = None
+        try:
+            upload.result()
+        except (OSError, CheckpointException) as e:
+            raise self._failed(final, partial, e) from None
+        self._finish(step, final, partial)
+
+    def abandon(self) -> None:
+        """After an error: let a write in flight end (its partial folder is removed by the
+        next save), without the collectives that completing it takes."""
+        if self._pending is not None:
+            upload, self._pending = self._pending[3], None
+            try:
+                upload.result()
+            except Exception:  # noqa: BLE001 - the run is failing already; its error is the one to report
+                pass
+
+    def _async_group(self):
+        if not dist.is_initialized():
+            return None
+        if self._group is None:  # made once, by every rank at the same save
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _finish(self, step: int, final: Path, partial: Path) -> None:
+        """Hash and fsync each rank's files, write the manifest last, rename into place,
+        prune: what makes a written checkpoint a complete one."""
+        try:
             rank = dist.get_rank() if dist.is_initialized() else 0
             if self.on_files_written is not None:
                 self.on_files_written(step, partial)
@@ -133,7 +198,6 @@ class CheckpointManager:
                     shutil.rmtree(old, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()
-        return final
 
     def _space_problem(self, final: Path) -> str | None:
         """Said before writing: the newest checkpoint's size (its manifest) against the free

@@ -94,6 +94,9 @@ class TrainConfig(_Section):
     eval_batches: PositiveInt = 8
     save_interval: PositiveInt = 1000
     keep_checkpoints: PositiveInt = Field(default=2, description="newest checkpoints to keep")
+    async_checkpoint: bool = Field(
+        default=False, description="write checkpoints from a background thread while training goes on "
+        "(the state is first copied to host memory: that much more of it); see docs/checkpoints.md")
     on_nonfinite: Literal["skip", "rollback", "stop"] = Field(
         default="skip", description="a step whose loss or gradients are not finite (or whose loss spikes, "
         "train.loss_spike) is never applied: skip it and go on, rolling back after train.max_skipped in a "

@@ -50,7 +50,12 @@ def launch_local(nproc: int, args: list[str]) -> int:
     try:
         launch(config)
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
+        # A rank that exited of its own accord comes first: the others' negative statuses are
+        # often the launcher's SIGTERM, tearing them down after it.
+        failures = sorted(e.failures.items())
+        rank, failure = next(((r, f) for r, f in failures if f.exitcode > 0), failures[0])
+        if failure.exitcode == 130:  # stopped by a signal after a checkpoint: rank 0 said so
+            return 130
         print(f"error: rank {rank} of {nproc} failed with exit status {failure.exitcode}", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0

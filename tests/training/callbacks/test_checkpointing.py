@@ -5,8 +5,11 @@ class _Manager:
     def __init__(self):
         self.saved = []
 
-    def save(self, step, model, optimizer, extra):
+    def save(self, step, model, optimizer, extra, asynchronous=False):
         self.saved.append((step, sorted(extra)))
+
+    def poll(self):
+        pass
 
 
 def test_saves_on_the_cadence_at_the_session_end_and_when_asked_to_stop(state):

@@ -1,5 +1,7 @@
 """Checkpoints on the recipe's cadence, at the last step of the session and when a stop is
-asked: model, optimizer, and the training state (`frugality.checkpoint`)."""
+asked: model, optimizer, and the training state (`frugality.checkpoint`). With
+`train.async_checkpoint` the cadence's saves are written in the background while training
+goes on; the last one is written before the session ends."""
 
 from __future__ import annotations
 
@@ -28,5 +30,14 @@ class Checkpointing(Callback):
         self.manager, self.stop_at = manager, stop_at
 
     def on_step_done(self, state) -> None:
+        self.manager.poll()  # completes an asynchronous save whose files are written
         if state.step % state.recipe.train.save_interval == 0 or state.step == self.stop_at or state.stop_requested:
-            self.manager.save(state.step, state.model, state.optimizer, training_state(state))
+            last = state.step == self.stop_at or state.stop_requested  # nothing left to overlap with
+            self.manager.save(state.step, state.model, state.optimizer, training_state(state),
+                              asynchronous=state.recipe.train.async_checkpoint and not last)
+
+    def on_train_end(self, state) -> None:
+        self.manager.wait()
+
+    def on_exit(self, state) -> None:
+        self.manager.abandon()  # after an error: no collectives, the partial folder goes next time

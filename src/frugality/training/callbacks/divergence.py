@@ -56,6 +56,8 @@ class DivergenceGuard(Callback):
         if done >= train.max_rollbacks:
             raise RunDiverged(f"{what}; stopping after {done} rollback(s) (train.max_rollbacks = "
                               f"{train.max_rollbacks}; lower optim.lr and resume from the last checkpoint)")
+        if self.checkpoints is not None:
+            self.checkpoints.wait()  # an asynchronous save in flight is the newest checkpoint
         path = self.checkpoints.latest() if self.checkpoints is not None else None
         if path is None:
             raise RunDiverged(f"{what}; stopping: no checkpoint to roll back to yet")
