@@ -73,6 +73,12 @@ peak_tflops = 1.0
 """
 
 
+@pytest.fixture(scope="session")
+def micro_recipe_text() -> str:
+    """The micro recipe's text, for fixtures wider than one test."""
+    return MICRO_RECIPE
+
+
 @pytest.fixture
 def micro_recipe_file(tmp_path) -> Path:
     path = tmp_path / "micro.toml"

@@ -47,12 +47,10 @@ class Payload:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, request):
+def trained(tmp_path_factory, micro_recipe_text):
     """A micro run stopped after step 4 (one checkpoint), shared read-only by the tests."""
-    from conftest import MICRO_RECIPE
-
     root = tmp_path_factory.mktemp("safe")
-    (root / "micro.toml").write_text(MICRO_RECIPE)
+    (root / "micro.toml").write_text(micro_recipe_text)
     recipe = load_recipe(str(root / "micro.toml"))
     trainer.train(recipe, run_dir=root / "run", until_step=4, progress=False, tensorboard=False)
     return root
@@ -174,3 +172,32 @@ def test_read_metadata_refuses_what_is_not_dcp_metadata(tmp_path):
     (tmp_path / ".metadata").write_bytes(b"\x80\x04garbage")
     with pytest.raises(Exception, match=".metadata is unreadable"):
         read_metadata(tmp_path)
+
+
+def test_object_states_are_set_on_allowed_instances_only(tmp_path):
+    """BUILD on an allowed class would rewrite it for the whole process; a NumPy dtype with
+    object fields would make an array read raw bytes as pointers. Both refused."""
+    import pathlib
+
+    from frugality.checkpoint.safe import UnsafeCheckpointError, legacy_state
+
+    # pathlib.PurePosixPath's __truediv__ replaced, as a crafted .metadata would
+    (tmp_path / ".metadata").write_bytes(b"cpathlib\nPurePosixPath\n(dS'__truediv__'\nNsb.")
+    with pytest.raises(UnsafeCheckpointError, match="a state for pathlib.PurePosixPath"):
+        read_metadata(tmp_path)
+    assert pathlib.PurePosixPath("/tmp") / "x" == pathlib.PurePosixPath("/tmp/x")
+
+    class ObjectDtype:
+        def __reduce__(self):
+            return np.dtype, ("O8", False, True)
+
+    with pytest.raises(UnsafeCheckpointError, match=r"numpy.dtype\('O8'\)"):
+        legacy_state(pickle.dumps({"rng": ObjectDtype()}), tmp_path)
+
+    class RestatedDtype:  # a plain dtype whose pickled state claims object fields
+        def __reduce__(self):
+            return np.dtype, ("u4", False, True), (3, "|", None, ("a",), {"a": (np.dtype("u4"), 0)}, 4, 1, 0x3F)
+
+    with pytest.raises(UnsafeCheckpointError, match="a state for numpy"):
+        legacy_state(pickle.dumps({"rng": RestatedDtype()}), tmp_path)
+    assert legacy_state(pickle.dumps({"numpy": np.random.get_state()}), tmp_path)["numpy"][0] == "MT19937"

@@ -111,5 +111,6 @@ def test_a_filesystem_fault_outside_checkpoints_is_one_line_naming_the_path(micr
     monkeypatch.setattr(run_log.RunLog, "on_step_end", failing)
     assert main(["train", str(micro_recipe_file), "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 2
     line = _one_error_line(capsys)
-    assert line.startswith(f"error: cannot write {metrics}: {os.strerror(code)} (") and "GiB free" in line
+    assert line.startswith(f"error: cannot write {metrics}: {os.strerror(code)}")
+    assert ("GiB free on the device holding" in line) == (fault == "ENOSPC")  # space named when it is the cause
     monkeypatch.setattr(run_log.RunLog, "on_step_end", real)

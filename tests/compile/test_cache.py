@@ -182,7 +182,7 @@ def _repack(entry, manifest, change) -> dict:
 
 
 def test_with_a_fleet_key_only_entries_it_signed_are_used(tmp_path):
-    url, key = str(tmp_path / "shared"), b"fleet-secret"
+    url, key = str(tmp_path / "shared"), b"fleet-secret-of-32-random-chars!"
     source = tmp_path / "compiled"
     expected = _inductor_like_dir(source)
     cache = CompileCache(url, _fp(), key)
@@ -190,7 +190,7 @@ def test_with_a_fleet_key_only_entries_it_signed_are_used(tmp_path):
     entry = tmp_path / "shared" / cache.name
     manifest = json.loads((entry / "manifest.json").read_text())
     assert set(manifest["files"]) == expected and manifest["signature"]["alg"] == "hmac-sha256"
-    assert "fleet-secret" not in (entry / "manifest.json").read_text()
+    assert "fleet-secret-of-32-random-chars!" not in (entry / "manifest.json").read_text()
     assert CompileCache(url, _fp(), key).fetch(tmp_path / "ok").found
 
     with pytest.warns(CompileCacheWarning, match="signed with another key"):
@@ -242,11 +242,18 @@ def test_a_remote_cache_without_a_key_is_named_once_as_a_code_channel(s3_url, tm
 def test_a_recipe_cannot_turn_verification_off(micro_recipe_file, monkeypatch):
     from frugality.errors import UserError
 
-    monkeypatch.setenv("FRUGALITY_CACHE_KEY", "fleet-key")
-    monkeypatch.delenv("UNSET_BY_ANYONE", raising=False)
-    recipe = load_recipe(str(micro_recipe_file), ["compile.level=O1", 'compile.cache_key_env="UNSET_BY_ANYONE"'])
     cpu = torch.device("cpu")
-    with pytest.raises(UserError, match="may not turn cache verification off"):
-        CompileSession.for_recipe(recipe, cpu, resolve_policy(recipe.train.precision, cpu)[0])
-    monkeypatch.setenv("UNSET_BY_ANYONE", "another-key")  # naming a key that is set is fine
-    assert CompileSession.for_recipe(recipe, cpu, resolve_policy(recipe.train.precision, cpu)[0]).cache.signed
+
+    def session(variable):
+        recipe = load_recipe(str(micro_recipe_file), ["compile.level=O1", f'compile.cache_key_env="{variable}"'])
+        return CompileSession.for_recipe(recipe, cpu, resolve_policy(recipe.train.precision, cpu)[0])
+
+    monkeypatch.setenv("FRUGALITY_CACHE_KEY", "a-fleet-key-of-32-random-chars!!")
+    monkeypatch.setenv("OTHER_KEY", "another-key-of-32-random-chars!!")
+    with pytest.raises(UserError, match="may not choose another cache key"):
+        session("OTHER_KEY")  # nor an unset one, which would turn verification off
+    monkeypatch.delenv("FRUGALITY_CACHE_KEY")
+    assert session("OTHER_KEY").cache.signed  # without the fleet's variable, naming a key is fine
+    monkeypatch.setenv("HOME", "/root")
+    with pytest.raises(UserError, match=r"the compile cache key in \$HOME has 5 characters"):
+        session("HOME")  # a guessable "key" is refused

@@ -35,7 +35,7 @@ def _recipe(micro_recipe_file, cache, *extra):
 
 
 def test_compile_ahead_then_train_compiles_nothing(micro_recipe_file, compiled_cache, tmp_path, monkeypatch):
-    monkeypatch.setenv("FRUGALITY_CACHE_KEY", "fleet-key")  # entries signed, and checked when read
+    monkeypatch.setenv("FRUGALITY_CACHE_KEY", "fleet-key-of-32-random-characters")  # entries signed, and checked when read
     recipe = _recipe(micro_recipe_file, compiled_cache)
     cold = compile_ahead(recipe, progress=False)
     # training forward, its backward, the evaluation forward
@@ -49,7 +49,7 @@ def test_compile_ahead_then_train_compiles_nothing(micro_recipe_file, compiled_c
     assert warm["recompiles"] == 0 and not warm["published"]
     assert result.final_step == recipe.train.steps
     assert result.summary["final_val_loss"] < result.summary["first_val_loss"]
-    assert "fleet-key" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*.json*"))
+    assert "fleet-key-of-32" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*.json*"))
 
 
 def test_an_altered_signed_entry_is_compiled_locally_and_the_run_completes(
@@ -62,7 +62,7 @@ def test_an_altered_signed_entry_is_compiled_locally_and_the_run_completes(
     from frugality.compile.cache import CompileCacheWarning
     from test_cache import _repack
 
-    monkeypatch.setenv("FRUGALITY_CACHE_KEY", "fleet-key")
+    monkeypatch.setenv("FRUGALITY_CACHE_KEY", "fleet-key-of-32-random-characters")
     shutil.copytree(compiled_cache, tmp_path / "cache")
     entry = next(p for p in (tmp_path / "cache").iterdir() if (p / "manifest.json").is_file())
     manifest = json.loads((entry / "manifest.json").read_text())

@@ -126,9 +126,9 @@ def test_a_reshuffle_reorders_only_what_the_epoch_has_not_served_and_resumes_ali
 
     stream = TrainStream(s, 4, 2)
     assert rows(stream, 3) == served
-    stream.reshuffle()  # what a rollback to this position does
+    stream.reshuffle(1)  # what a first rollback to this position does
     state = stream.state_dict()
-    assert state == {"consumed_samples": 12, "reshuffles": [12]}
+    assert state == {"consumed_samples": 12, "reshuffles": [[12, 1]]}
     rest = rows(stream, (n - 12) // 4)
     unserved = set(map(tuple, s.gather(s.train_ids).tolist())) - set(served)
     assert rest != rest_plain and len(set(rest)) == len(rest) and set(rest) <= unserved  # each once
@@ -136,7 +136,10 @@ def test_a_reshuffle_reorders_only_what_the_epoch_has_not_served_and_resumes_ali
     resumed = TrainStream(s, 4, 2)
     resumed.load_state_dict(state)
     assert rows(resumed, (n - 12) // 4) == rest  # a resumed run draws the same batches
+    second = TrainStream(s, 4, 2)
+    second.load_state_dict({"consumed_samples": 12, "reshuffles": [[12, 2]]})  # a second rollback here
+    assert rows(second, (n - 12) // 4) != rest  # draws yet another order
     later = TrainStream(s, 4, 2)
     later.load_state_dict({"consumed_samples": 2 * n})  # other epochs keep their order
-    resumed.load_state_dict({"consumed_samples": 2 * n, "reshuffles": [12]})
+    resumed.load_state_dict({"consumed_samples": 2 * n, "reshuffles": [[12, 1]]})
     assert rows(later, 2) == rows(resumed, 2)

@@ -108,17 +108,20 @@ def test_rollback_restores_the_last_checkpoint_and_reshuffles_the_rest_of_the_ep
 
     model = build_model(recipe.model)
     extra = model_state.load(model_state.latest(), model, build_optimizer(model, recipe.optim))
-    assert extra["data"]["reshuffles"] == [4 * recipe.data.global_batch_size]
+    assert extra["data"]["reshuffles"] == [[4 * recipe.data.global_batch_size, 1]]
 
 
 def test_a_step_that_stays_bad_after_the_rollbacks_stops_the_run(micro_recipe_file, tmp_path, monkeypatch):
     from frugality.errors import RunDiverged
 
-    _bad_step(monkeypatch, at=6, times=99, spoil=_nan_gradient)
-    recipe = load_recipe(str(micro_recipe_file), ["train.on_nonfinite=rollback", "train.max_rollbacks=1"])
+    runs = _bad_step(monkeypatch, at=6, times=99, spoil=_nan_gradient)
+    recipe = load_recipe(str(micro_recipe_file), ["train.on_nonfinite=rollback", "train.max_rollbacks=2"])
     with pytest.warns(FrugalityWarning, match="rolled back"), \
-            pytest.raises(RunDiverged, match="step 6: .* not finite; stopping after 1 rollback"):
+            pytest.raises(RunDiverged, match="step 6: .* not finite; stopping after 2 rollback"):
         trainer.train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
+    assert [n for n, _ in runs["batches"]] == [1, 2, 3, 4, 5, 6, 5, 6, 5, 6]  # each rollback counted
+    fives = [b for n, b in runs["batches"] if n == 5]
+    assert not torch.equal(fives[1], fives[2])  # the second reshuffle draws another order
 
 
 def test_a_loss_spike_is_skipped_like_a_non_finite_step(micro_recipe_file, tmp_path, monkeypatch):

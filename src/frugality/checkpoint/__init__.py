@@ -89,7 +89,7 @@ class CheckpointManager:
         """Write model, optimizer and `extra` (training state as plain JSON) for `step`.
 
         `asynchronous`: copy the state to host memory and write it from a background thread
-        (DCP's `async_save`, on a process group of its own so that its collectives never mix
+        (DCP's `async_save`, on a gloo process group of its own so that its collectives never mix
         with training's); the checkpoint is completed — hashed, its manifest written, renamed
         into place — by `poll()` at the first step after the write ends, or by `wait()`. One
         save is in flight at most: the next one waits for it."""
@@ -102,7 +102,7 @@ class CheckpointManager:
         short = self._space_problem(final)
         if dist.is_initialized():  # every rank stops, or none; no rank writes before the stale folders are gone
             flag = torch.tensor([1 if short else 0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._host_group())
             if flag.item() and not short:
                 short = f"cannot write checkpoint {final}: another rank lacks the space for it"
         if short:
@@ -112,7 +112,7 @@ class CheckpointManager:
         try:
             with single_process_ok():
                 if asynchronous:
-                    response = dcp.async_save(state, checkpoint_id=partial, process_group=self._async_group(),
+                    response = dcp.async_save(state, checkpoint_id=partial, process_group=self._host_group(),
                                               no_dist=not dist.is_initialized())
                     upload = getattr(response, "upload_completion", response)
                     self._pending = (step, final, partial, upload)
@@ -130,7 +130,7 @@ class CheckpointManager:
             return
         done = torch.tensor([1 if self._pending[3].done() else 0])
         if dist.is_initialized():
-            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._host_group())
         if done.item():
             self.wait()
 
@@ -156,10 +156,13 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - the run is failing already; its error is the one to report
                 pass
 
-    def _async_group(self):
+    def _host_group(self):
+        """A gloo group of all ranks, for host-memory collectives: the small agreements here
+        (the default group may be NCCL, which has no CPU tensors) and asynchronous saves
+        (whose collectives, from a background thread, must not interleave with training's)."""
         if not dist.is_initialized():
             return None
-        if self._group is None:  # made once, by every rank at the same save
+        if self._group is None:  # made once, by every rank at its first save
             self._group = dist.new_group(backend="gloo")
         return self._group
 
@@ -201,7 +204,7 @@ class CheckpointManager:
 
     def _space_problem(self, final: Path) -> str | None:
         """Said before writing: the newest checkpoint's size (its manifest) against the free
-        space, for this rank's share of it. None when it fits or nothing is known yet."""
+        space. None when it fits or nothing is known yet."""
         previous = next((p for p in reversed(self.complete()) if (p / MANIFEST).is_file()), None)
         if previous is None:
             return None
@@ -209,14 +212,13 @@ class CheckpointManager:
             files = json.loads((previous / MANIFEST).read_text())["files"]
         except (OSError, ValueError, KeyError):
             return None
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        mine = sum(r["size"] for name, r in files.items() if name.startswith(f"__{rank}_") or
-                   (rank == 0 and not name.startswith("__")))
+        # The whole checkpoint: ranks write into one folder, on one (shared) file system.
+        need = sum(r["size"] for r in files.values())
         free = shutil.disk_usage(self.folder).free
-        if free >= mine * 1.05:  # manifests and file-system slack
+        if free >= need * 1.05:  # manifests and file-system slack
             return None
         return (f"cannot write checkpoint {final}: {_human(free)} free on the device holding "
-                f"{self.folder}, the checkpoint needs ~{_human(mine)} (as {previous.name}); "
+                f"{self.folder}, the checkpoint needs ~{_human(need)} (as {previous.name}); "
                 f"the previous checkpoint {previous.name} is intact")
 
     def _failed(self, final: Path, partial: Path, error: BaseException) -> BaseException:

@@ -7,7 +7,8 @@ asks for the moment it is read. Every load in frugality (resume, `--init-from`, 
 goes through `SafeReader` and `SafePlanner` instead:
 
 - `.metadata` is unpickled with an allow-list of DCP's own metadata classes, `torch.Size`,
-  dtypes, layouts and paths (the classes a DCP save writes, checked with torch 2.13);
+  dtypes, layouts and paths (the classes a DCP save writes, checked with torch 2.13), and
+  object states are set on instances of DCP's classes only (never on a class or function);
 - non-tensor values are read with `torch.load(weights_only=True)`: plain data only;
 - tensors DCP already reads with `weights_only=True`.
 
@@ -80,7 +81,35 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _RestrictedUnpickler(pickle._Unpickler):
+    """Python's own unpickler (its pure-Python twin, whose opcodes can be overridden) with two
+    restrictions: `find_class` answers from an allow-list, and BUILD — which sets an object's
+    state, and on a class or function would rewrite it for the whole process — applies only
+    to instances that `_build` accepts."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def _load_build(self) -> None:
+        inst = self.stack[-2]
+        verdict = False if isinstance(inst, type) else self._may_build(inst, self.stack[-1])
+        if not verdict:
+            kind = inst if isinstance(inst, type) else type(inst)
+            raise _Refused(f"a state for {kind.__module__}.{kind.__qualname__}")
+        if verdict == "as built":
+            self.stack.pop()  # the state it already has
+            return
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
+    def _may_build(self, inst: Any, state: Any) -> bool | str:
+        return False
+
+
+class _MetadataUnpickler(_RestrictedUnpickler):
+    def _may_build(self, inst: Any, state: Any) -> bool | str:  # DCP's dataclasses only
+        return type(inst) is _StorageInfo or _metadata_class(type(inst).__module__, type(inst).__name__) is type(inst)
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return _ALLOWED[module, name]
@@ -106,7 +135,8 @@ def read_metadata(path: str | Path, name: str = ".metadata") -> Metadata:
             metadata = _MetadataUnpickler(f).load()
     except _Refused as e:
         raise _refusal(Path(path), name, e) from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            RuntimeError, MemoryError, RecursionError) as e:
         raise UserError(f"checkpoint {path}: {name} is unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(metadata, Metadata):
         raise UserError(f"checkpoint {path}: {name} holds a {type(metadata).__name__}, not DCP metadata")
@@ -157,7 +187,8 @@ def legacy_state(data: bytes, path: Path) -> dict:
         state = _LegacyUnpickler(io.BytesIO(data)).load()
     except _Refused as e:
         raise _refusal(path, "the training state", e) from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            RuntimeError, MemoryError, RecursionError) as e:
         raise UserError(f"checkpoint {path}: the training state is unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict):
         raise UserError(f"checkpoint {path}: the training state is a {type(state).__name__}, not a table")
@@ -168,7 +199,26 @@ def _tensor_from_bytes(data: bytes) -> torch.Tensor:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
-class _LegacyUnpickler(pickle.Unpickler):
+def _plain_dtype(name: Any, align: bool = False, copy: bool = False):
+    """A NumPy dtype by name, numbers only: a dtype's pickled state can declare object fields
+    that make arrays read raw bytes as pointers, so no other dtype is built."""
+    import numpy as np
+
+    dtype = np.dtype(name) if isinstance(name, str) else None
+    if dtype is None or dtype.kind not in "biuf" or dtype.fields is not None:
+        raise _Refused(f"numpy.dtype({name!r})")
+    return dtype
+
+
+class _LegacyUnpickler(_RestrictedUnpickler):
+    def _may_build(self, inst: Any, state: Any) -> bool | str:
+        import numpy as np
+
+        if isinstance(inst, np.dtype):  # a plain dtype's own state, nothing else: then left as built
+            return "as built" if state == inst.__reduce__()[2] else False
+        return (type(inst) is np.ndarray and isinstance(state, tuple) and len(state) == 5
+                and isinstance(state[2], np.dtype) and state[2].kind in "biuf" and state[2].fields is None)
+
     def find_class(self, module: str, name: str) -> Any:
         import numpy as np
 
@@ -178,7 +228,7 @@ class _LegacyUnpickler(pickle.Unpickler):
             from numpy.core.multiarray import _reconstruct
         allowed = {
             ("collections", "OrderedDict"): dict,
-            ("numpy", "dtype"): np.dtype,
+            ("numpy", "dtype"): _plain_dtype,
             ("numpy", "ndarray"): np.ndarray,
             ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
             ("numpy.core.multiarray", "_reconstruct"): _reconstruct,

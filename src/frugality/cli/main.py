@@ -64,12 +64,17 @@ FILESYSTEM_FAULTS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errn
 
 
 def filesystem_fault(error: OSError) -> str:
-    """One line: the path, the cause, and the free space where it was written."""
+    """One line: the path, the cause, and (when space is the cause) the free space there."""
     path = Path(error.filename) if error.filename else None
-    line = f"cannot write {path or 'a file'}: {error.strerror or error}"
-    folder = next((p for p in (path, *path.parents) if p.exists()), None) if path else None
-    if folder is not None:
-        line += f" ({shutil.disk_usage(folder).free / 2**30:.1f} GiB free on the device holding {folder})"
+    writing = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+    line = f"cannot {'write' if writing else 'access'} {path or 'a file'}: {error.strerror or error}"
+    if path is not None and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:  # the nearest folder that exists; a folder we may not search ends the search
+            folder = next((p for p in (path, *path.parents) if p.exists()), None)
+            if folder is not None:
+                line += f" ({shutil.disk_usage(folder).free / 2**30:.1f} GiB free on the device holding {folder})"
+        except OSError:
+            pass
     return line
 
 

@@ -38,6 +38,7 @@ import io
 import json
 import os
 import platform
+import re
 import tarfile
 import tempfile
 import uuid
@@ -55,6 +56,7 @@ ENTRY_FORMAT = 1
 MANIFEST = "manifest.json"
 ENV_VAR = "FRUGALITY_COMPILE_CACHE"
 KEY_ENV_VAR = "FRUGALITY_CACHE_KEY"
+ARCHIVE_NAME = re.compile(r"^inductor-[0-9a-f]{16}\.tar\.gz$")  # what publish names; nothing else is read or removed
 _warned_unsigned: set[str] = set()  # remote URLs already named as unsigned in this process
 
 
@@ -220,6 +222,8 @@ class CompileCache:
             manifest = json.loads(self.fs.cat_file(path))
             if not isinstance(manifest, dict) or not {"archive", "size", "sha256"} <= manifest.keys():
                 raise ValueError("fields missing")
+            if not isinstance(manifest["archive"], str) or not ARCHIVE_NAME.match(manifest["archive"]):
+                raise ValueError(f"archive name {manifest['archive']!r}")
             return manifest
         except ValueError as e:
             if not quiet:

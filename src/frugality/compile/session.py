@@ -88,6 +88,24 @@ def _metrics() -> list:
     return get_compilation_metrics()
 
 
+MIN_KEY_LENGTH = 16
+
+
+def _fleet_key(variable: str) -> bytes | None:
+    """The fleet key from the environment variable `compile.cache_key_env` names. A recipe
+    chooses the variable, so it may not weaken verification: with FRUGALITY_CACHE_KEY set it
+    cannot name another variable, and a key too short to be a secret (a variable such as
+    HOME, guessable by whoever wrote the recipe) is refused."""
+    if variable != KEY_ENV_VAR and os.environ.get(KEY_ENV_VAR):
+        raise UserError(f"compile.cache_key_env = {variable!r} while {KEY_ENV_VAR} is set: a recipe may not "
+                        "choose another cache key (docs/security.md)")
+    key = os.environ.get(variable, "")
+    if key and len(key) < MIN_KEY_LENGTH:
+        raise UserError(f"the compile cache key in ${variable} has {len(key)} characters; a fleet key needs at "
+                        f"least {MIN_KEY_LENGTH} random ones (docs/security.md)")
+    return key.encode() or None
+
+
 class CompileSession:
     def __init__(self, level: str, *, cache: str | None, on_recompile: str, fallback: bool,
                  model_config: dict, micro_batch_size: int, seq_len: int, precision: str,
@@ -103,11 +121,7 @@ class CompileSession:
             self.options = inductor_options(device, compute_dtype)
             fp = fingerprint(model=model_config, micro_batch_size=micro_batch_size, seq_len=seq_len,
                              precision=precision, level=level, device=device, options=self.options)
-            key = os.environ.get(cache_key_env, "").encode() or None  # never logged or stored
-            if key is None and cache_key_env != KEY_ENV_VAR and os.environ.get(KEY_ENV_VAR):
-                raise UserError(f"compile.cache_key_env = {cache_key_env!r} names an unset variable while "
-                                f"{KEY_ENV_VAR} is set: a recipe may not turn cache verification off "
-                                "(docs/security.md)")
+            key = _fleet_key(cache_key_env)  # never logged or stored
             self.cache = CompileCache(cache_url(cache), fp, key)
             self.stats.cache = repr(self.cache)
             self.stats.signed = self.cache.signed

@@ -70,7 +70,7 @@ class TrainStream:
         self.rank, self.world_size = rank, world_size
         self.grad_accum = global_batch_size // (micro_batch_size * world_size)
         self.consumed_samples = 0
-        self.reshuffles: list[int] = []  # positions from which an epoch's remainder was reshuffled
+        self.reshuffles: list[tuple[int, int]] = []  # (position, seed) from which an epoch's remainder was reshuffled
         self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
     @property
@@ -99,29 +99,30 @@ class TrainStream:
             rng = np.random.default_rng([self.samples.seed, 0x5EED, epoch])
             order = rng.permutation(self.samples.train_ids)
             n = len(order)
-            for k, position in enumerate(self.reshuffles, 1):
+            for position, number in self.reshuffles:
                 if position // n == epoch:  # the samples not yet served, in a new order
                     start = position % n
-                    salted = np.random.default_rng([self.samples.seed, 0x5EED, epoch, 0x0DD, k])
+                    salted = np.random.default_rng([self.samples.seed, 0x5EED, epoch, 0x0DD, number])
                     order[start:] = salted.permutation(order[start:])
             self._epoch, self._order = epoch, order
         return self._order
 
-    def reshuffle(self) -> None:
+    def reshuffle(self, number: int) -> None:
         """Serve the rest of the current epoch in a new order (its samples, each once), from
-        the current position on; what was served before is unchanged."""
-        self.reshuffles.append(self.consumed_samples)
+        the current position on; what was served before is unchanged. `number` (the run's
+        rollbacks so far) seeds the order, so each reshuffle draws a different one."""
+        self.reshuffles.append((self.consumed_samples, number))
         self._epoch = -1  # recomputed with the new order
 
     def state_dict(self) -> dict:
         state = {"consumed_samples": self.consumed_samples}
         if self.reshuffles:
-            state["reshuffles"] = list(self.reshuffles)
+            state["reshuffles"] = [list(r) for r in self.reshuffles]
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed_samples = int(state["consumed_samples"])
-        self.reshuffles = [int(p) for p in state.get("reshuffles", [])]
+        self.reshuffles = [(int(p), int(n)) for p, n in state.get("reshuffles", [])]
         self._epoch = -1
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,12 +53,19 @@ def launch_local(nproc: int, args: list[str]) -> int:
     except ChildFailedError as e:
         # A rank that exited of its own accord comes first: the others' negative statuses are
         # often the launcher's SIGTERM, tearing them down after it.
+        # The rank that failed first, by what it says: one killed by a signal other than the
+        # launcher's SIGTERM (the OOM killer, a lost node), else one that exited of its own
+        # accord; the others' SIGTERM is usually the launcher tearing them down after it.
         failures = sorted(e.failures.items())
-        rank, failure = next(((r, f) for r, f in failures if f.exitcode > 0), failures[0])
+        rank, failure = next(((r, f) for r, f in failures if f.exitcode < 0 and f.exitcode != -signal.SIGTERM),
+                             next(((r, f) for r, f in failures if f.exitcode > 0), failures[0]))
         if failure.exitcode == 130:  # stopped by a signal after a checkpoint: rank 0 said so
             return 130
+        if failure.exitcode < 0:
+            print(f"error: rank {rank} of {nproc} was killed by signal {-failure.exitcode}", file=sys.stderr)
+            return 128 - failure.exitcode  # as a shell reports it
         print(f"error: rank {rank} of {nproc} failed with exit status {failure.exitcode}", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 1
+        return failure.exitcode
     return 0
 
 

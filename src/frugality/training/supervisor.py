@@ -59,7 +59,9 @@ def supervise(command: list[str], run_dir: Path, retries: int, backoff_s: float,
         status = subprocess.run(command if not attempts else _without_fresh(command)).returncode
         ended = time.time()
         after, logged = _checkpoint_step(run_dir), _last_logged_step(run_dir)
-        cause = NOT_RETRIED.get(status) or (f"killed by signal {-status}" if status < 0 else f"exit status {status}")
+        cause = NOT_RETRIED.get(status) or (f"killed by signal {-status}" if status < 0 else
+                                            f"a rank killed by signal {status - 128}" if 128 < status < 160 else
+                                            f"exit status {status}")
         attempt = Attempt(len(attempts) + 1, started, ended, status, cause, before, after, logged,
                           max(0, logged - after) if status not in NOT_RETRIED else 0)
         attempts.append(attempt)

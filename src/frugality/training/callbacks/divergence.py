@@ -29,6 +29,14 @@ class DivergenceGuard(Callback):
         self.checkpoints = checkpoints  # a CheckpointManager (None: no rollback possible)
         self.in_a_row = 0
         self.skipped: list[int] = []  # steps whose update was skipped, for the summary
+        self.rollbacks = 0
+
+    def _stop(self, message: str) -> None:
+        """Stop the run; an asynchronous save in flight is completed first (every rank takes
+        this decision alike, so the collectives that takes are safe)."""
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+        raise RunDiverged(message)
 
     def on_step_end(self, state, result) -> None:
         if result.rejected is None:
@@ -40,7 +48,7 @@ class DivergenceGuard(Callback):
         train = state.recipe.train
         what = f"step {result.step}: {result.rejected}"
         if train.on_nonfinite == "stop":
-            raise RunDiverged(f"{what}; stopping before applying it (train.on_nonfinite = \"stop\")")
+            self._stop(f"{what}; stopping before applying it (train.on_nonfinite = \"stop\")")
         if train.on_nonfinite == "rollback" or self.in_a_row >= train.max_skipped:
             if train.on_nonfinite == "skip":
                 what += f", {self.in_a_row} steps in a row"
@@ -52,10 +60,12 @@ class DivergenceGuard(Callback):
 
     def _roll_back(self, state, what: str) -> int:
         train = state.recipe.train
-        done = len(state.data.stream.reshuffles)
+        # Rollbacks so far: this session's, or those the restored checkpoints recorded (a
+        # restore rewinds the data stream's record, never this count)
+        done = max(self.rollbacks, len(state.data.stream.reshuffles))
         if done >= train.max_rollbacks:
-            raise RunDiverged(f"{what}; stopping after {done} rollback(s) (train.max_rollbacks = "
-                              f"{train.max_rollbacks}; lower optim.lr and resume from the last checkpoint)")
+            self._stop(f"{what}; stopping after {done} rollback(s) (train.max_rollbacks = "
+                       f"{train.max_rollbacks}; lower optim.lr and resume from the last checkpoint)")
         if self.checkpoints is not None:
             self.checkpoints.wait()  # an asynchronous save in flight is the newest checkpoint
         path = self.checkpoints.latest() if self.checkpoints is not None else None
@@ -64,7 +74,8 @@ class DivergenceGuard(Callback):
         extra = self.checkpoints.load(path, state.model, state.optimizer)
         restore_training_state(state, extra)
         state.step = step_of(path)
-        state.data.stream.reshuffle()  # from the restored position: other batches this time
+        self.rollbacks = done + 1
+        state.data.stream.reshuffle(self.rollbacks)  # from the restored position: other batches each time
         state.rolled_back = True
         self.in_a_row = 0
         if state.world.is_main:
