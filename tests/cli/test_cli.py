@@ -90,27 +90,28 @@ def test_recipes_lists_and_shows(capsys):
     assert "hidden_size = 512" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("fault", ["EROFS", "ENOSPC"])
 def test_a_filesystem_fault_outside_checkpoints_is_one_line_naming_the_path(micro_recipe_file, tmp_path, capsys,
-                                                                            monkeypatch, fault):
-    """A read-only run directory, a disk that fills while metrics are written: the path and
-    the cause in one line, exit status 2 (root ignores permissions, so the fault is raised
-    where the file is opened, as the kernel would)."""
+                                                                            monkeypatch):
+    """A disk that fills while metrics are written: the path, the cause and the free space in
+    one line, exit status 2 (root ignores permissions, so the fault is raised where the file
+    is written, as the kernel would). A read-only file system: the path and the cause."""
     import errno
     import os
 
+    from frugality.cli.main import filesystem_fault
     from frugality.training.callbacks import run_log
 
-    code = getattr(errno, fault)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    real = run_log.RunLog.on_step_end
 
     def failing(self, state, result):
-        raise OSError(code, os.strerror(code), str(metrics))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(metrics))
 
     monkeypatch.setattr(run_log.RunLog, "on_step_end", failing)
     assert main(["train", str(micro_recipe_file), "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 2
     line = _one_error_line(capsys)
-    assert line.startswith(f"error: cannot write {metrics}: {os.strerror(code)}")
-    assert ("GiB free on the device holding" in line) == (fault == "ENOSPC")  # space named when it is the cause
-    monkeypatch.setattr(run_log.RunLog, "on_step_end", real)
+    assert line.startswith(f"error: cannot write {metrics}: No space left on device (")
+    assert f"GiB free on the device holding {tmp_path / 'run'})" in line
+    read_only = OSError(errno.EROFS, os.strerror(errno.EROFS), str(metrics))
+    assert filesystem_fault(read_only) == f"cannot write {metrics}: Read-only file system"
+    denied = OSError(errno.EACCES, os.strerror(errno.EACCES), "/root/x")
+    assert filesystem_fault(denied) == "cannot access /root/x: Permission denied"

@@ -70,7 +70,7 @@ def filesystem_fault(error: OSError) -> str:
     line = f"cannot {'write' if writing else 'access'} {path or 'a file'}: {error.strerror or error}"
     if path is not None and error.errno in (errno.ENOSPC, errno.EDQUOT):
         try:  # the nearest folder that exists; a folder we may not search ends the search
-            folder = next((p for p in (path, *path.parents) if p.exists()), None)
+            folder = next((p for p in (path, *path.parents) if p.is_dir()), None)
             if folder is not None:
                 line += f" ({shutil.disk_usage(folder).free / 2**30:.1f} GiB free on the device holding {folder})"
         except OSError:
