@@ -60,7 +60,7 @@ class CheckpointManager:
         # seam where the fault-injection suite kills a rank or fills the disk mid-save.
         self.on_files_written = None
         self._pending = None  # (step, final, partial, future) of an asynchronous save in flight
-        self._group = None  # the process group asynchronous saves use
+        self._groups = None  # gloo groups: the training thread's agreements, asynchronous saves
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -112,7 +112,7 @@ class CheckpointManager:
         try:
             with single_process_ok():
                 if asynchronous:
-                    response = dcp.async_save(state, checkpoint_id=partial, process_group=self._host_group(),
+                    response = dcp.async_save(state, checkpoint_id=partial, process_group=self._host_group("async"),
                                               no_dist=not dist.is_initialized())
                     upload = getattr(response, "upload_completion", response)
                     self._pending = (step, final, partial, upload)
@@ -156,15 +156,16 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - the run is failing already; its error is the one to report
                 pass
 
-    def _host_group(self):
-        """A gloo group of all ranks, for host-memory collectives: the small agreements here
-        (the default group may be NCCL, which has no CPU tensors) and asynchronous saves
-        (whose collectives, from a background thread, must not interleave with training's)."""
+    def _host_group(self, purpose: str = "agree"):
+        """Gloo groups of all ranks for host-memory collectives, one per thread that uses
+        them (collectives of two threads on one group can pair up wrongly and hang): "agree"
+        for the small agreements of the training thread (the default group may be NCCL,
+        which has no CPU tensors), "async" for the background thread of asynchronous saves."""
         if not dist.is_initialized():
             return None
-        if self._group is None:  # made once, by every rank at its first save
-            self._group = dist.new_group(backend="gloo")
-        return self._group
+        if self._groups is None:  # made once, by every rank at its first save
+            self._groups = {"agree": dist.new_group(backend="gloo"), "async": dist.new_group(backend="gloo")}
+        return self._groups[purpose]
 
     def _finish(self, step: int, final: Path, partial: Path) -> None:
         """Hash and fsync each rank's files, write the manifest last, rename into place,
