@@ -299,11 +299,12 @@ def verify(path: Path) -> str | None:
 
 
 def _human(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.1f} {unit}"
+    if size < 1024:
+        return f"{size:,.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         size /= 1024
-    return ""
+        if size < 1024 or unit == "GiB":
+            return f"{size:,.1f} {unit}"
 
 
 def _sha256(path: Path) -> str:

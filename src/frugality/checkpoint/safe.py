@@ -127,17 +127,22 @@ def _refusal(path: Path, what: str, error: Exception) -> UnsafeCheckpointError:
         f"refused without running it (see {SECURITY_DOC})")
 
 
-def read_metadata(path: str | Path, name: str = ".metadata") -> Metadata:
-    """DCP's `.metadata` of a checkpoint folder, read without running code from it."""
-    file = Path(path) / name
+def _unpickle(unpickler: pickle.Unpickler, path: Path, what: str) -> Any:
+    """Run a restricted unpickler: a refused global or state is an UnsafeCheckpointError,
+    a damaged pickle one line saying so."""
     try:
-        with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        return unpickler.load()
     except _Refused as e:
-        raise _refusal(Path(path), name, e) from None
+        raise _refusal(path, what, e) from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
             RuntimeError, MemoryError, RecursionError) as e:
-        raise UserError(f"checkpoint {path}: {name} is unreadable ({type(e).__name__}: {e})") from None
+        raise UserError(f"checkpoint {path}: {what} is unreadable ({type(e).__name__}: {e})") from None
+
+
+def read_metadata(path: str | Path, name: str = ".metadata") -> Metadata:
+    """DCP's `.metadata` of a checkpoint folder, read without running code from it."""
+    with open(Path(path) / name, "rb") as f:
+        metadata = _unpickle(_MetadataUnpickler(f), Path(path), name)
     if not isinstance(metadata, Metadata):
         raise UserError(f"checkpoint {path}: {name} holds a {type(metadata).__name__}, not DCP metadata")
     return metadata
@@ -167,14 +172,14 @@ class SafePlanner(DefaultLoadPlanner):
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             raise _refusal(self.path, f"value {read_item.dest_index.fqn!r}",
-                           _first_line(e)) from None
+                           _refused_global(e)) from None
         plain = io.BytesIO()
         torch.save(loaded, plain)  # vetted plain data, for the parent's own reader
         plain.seek(0)
         super().load_bytes(read_item, plain)
 
 
-def _first_line(error: Exception) -> str:
+def _refused_global(error: Exception) -> str:
     """The global torch's weights-only unpickler refused, from its long message."""
     found = re.search(r"GLOBAL (\S+)", str(error))
     return found.group(1) if found else str(error).splitlines()[0][:200]
@@ -183,13 +188,7 @@ def _first_line(error: Exception) -> str:
 def legacy_state(data: bytes, path: Path) -> dict:
     """The training state of a checkpoint written before it was JSON: a pickle of plain
     data and RNG states, read with an allow-list."""
-    try:
-        state = _LegacyUnpickler(io.BytesIO(data)).load()
-    except _Refused as e:
-        raise _refusal(path, "the training state", e) from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            RuntimeError, MemoryError, RecursionError) as e:
-        raise UserError(f"checkpoint {path}: the training state is unreadable ({type(e).__name__}: {e})") from None
+    state = _unpickle(_LegacyUnpickler(io.BytesIO(data)), path, "the training state")
     if not isinstance(state, dict):
         raise UserError(f"checkpoint {path}: the training state is a {type(state).__name__}, not a table")
     return state
