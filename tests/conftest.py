@@ -4,6 +4,8 @@ small enough that a training step takes milliseconds on a CPU."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,23 @@ def micro_recipe_file(tmp_path) -> Path:
     path = tmp_path / "micro.toml"
     path.write_text(MICRO_RECIPE)
     return path
+
+
+CACHE_KEY = "fleet-key-of-32-random-characters"  # signs the compile cache entries of the tests
+
+
+@pytest.fixture(scope="session")
+def micro_compiled(tmp_path_factory, micro_recipe_text) -> tuple[Path, str]:
+    """The micro recipe compiled ahead of time at O1 on the CPU by `frugality compile`, a
+    separate process as a user runs it, once per session (Inductor's cold compile is the
+    suite's most expensive step): the cache folder, with signed entries, and what the
+    command printed. Tests copy the folder before they change anything in it."""
+    folder = tmp_path_factory.mktemp("micro-compiled")
+    recipe = folder / "micro.toml"
+    recipe.write_text(micro_recipe_text)
+    done = subprocess.run([str(Path(sys.executable).with_name("frugality")), "compile", str(recipe), "--level", "O1",
+                           "--cache", str(folder / "cache"), "--set", "train.device=cpu", "--no-progress"],
+                          capture_output=True, text=True, env=os.environ | {"FRUGALITY_CACHE_KEY": CACHE_KEY},
+                          cwd=folder)
+    assert done.returncode == 0, done.stderr
+    return folder / "cache", done.stdout

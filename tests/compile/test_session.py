@@ -1,13 +1,15 @@
-"""Compilation in a run: ahead-of-time warm-up, a warm start that compiles nothing, the
-recompilation guard and the eager fallback. Real torch.compile (Inductor, C++ on the CPU)
-on the micro recipe; the cold compile is paid once per module."""
+"""Compilation in a run: an altered cache entry refused, the recompilation guard and the
+eager fallback. Real torch.compile (Inductor, C++ on the CPU) on the micro recipe, from
+the graphs `frugality compile` put in a cache once per session (`micro_compiled`); the
+warm start that compiles nothing is tests/cli/test_compile_cli.py's."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 
-from frugality.training.ahead import compile_ahead
 from frugality.compile.session import (
     CompileError,
     CompileFallbackWarning,
@@ -22,10 +24,12 @@ from frugality.training.loop import train_step
 from frugality.training.trainer import train
 
 
-@pytest.fixture(scope="module")
-def compiled_cache(tmp_path_factory):
-    """The micro recipe compiled ahead of time into a fresh cache directory."""
-    return tmp_path_factory.mktemp("compile-cache")
+@pytest.fixture
+def compiled_cache(micro_compiled, tmp_path):
+    """A copy of the micro recipe's compiled graphs (`frugality compile`, once per session),
+    that a test may add to or alter."""
+    shutil.copytree(micro_compiled[0], tmp_path / "compiled")
+    return tmp_path / "compiled"
 
 
 def _recipe(micro_recipe_file, cache, *extra):
@@ -34,46 +38,26 @@ def _recipe(micro_recipe_file, cache, *extra):
                                                 f'compile.cache="{cache}"', *extra])
 
 
-def test_compile_ahead_then_train_compiles_nothing(micro_recipe_file, compiled_cache, tmp_path, monkeypatch):
-    monkeypatch.setenv("FRUGALITY_CACHE_KEY", "fleet-key-of-32-random-characters")  # entries signed, and checked when read
-    recipe = _recipe(micro_recipe_file, compiled_cache)
-    cold = compile_ahead(recipe, progress=False)
-    # training forward, its backward, the evaluation forward
-    assert cold["graphs"] == 3 and cold["cache_misses"] == 3 and cold["published"] and cold["signed"]
-    assert cold["recompiles"] == 0 and not cold["fallbacks"]
-
-    result = train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
-    warm = result.summary["compile"]
-    assert warm["fetched"] and warm["cache_hits"] == 3
-    assert warm["cache_misses"] == 0  # nothing generated or built: all of it came from the cache
-    assert warm["recompiles"] == 0 and not warm["published"]
-    assert result.final_step == recipe.train.steps
-    assert result.summary["final_val_loss"] < result.summary["first_val_loss"]
-    assert "fleet-key-of-32" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*.json*"))
-
-
 def test_an_altered_signed_entry_is_compiled_locally_and_the_run_completes(
         micro_recipe_file, compiled_cache, tmp_path, monkeypatch):
     """Someone with write access but not the key swaps a generated file and fixes the
     archive's hash: the entry is refused, nothing from it runs, the run compiles its own."""
     import json
-    import shutil
 
     from frugality.compile.cache import CompileCacheWarning
     from test_cache import _repack
 
-    monkeypatch.setenv("FRUGALITY_CACHE_KEY", "fleet-key-of-32-random-characters")
-    shutil.copytree(compiled_cache, tmp_path / "cache")
-    entry = next(p for p in (tmp_path / "cache").iterdir() if (p / "manifest.json").is_file())
+    monkeypatch.setenv("FRUGALITY_CACHE_KEY", "fleet-key-of-32-random-characters")  # the fixture's
+    entry = next(p for p in compiled_cache.iterdir() if (p / "manifest.json").is_file())
     manifest = json.loads((entry / "manifest.json").read_text())
-    assert "signature" in manifest, "run after test_compile_ahead_then_train_compiles_nothing"
+    assert "signature" in manifest
 
     def plant(files):
         name = next(n for n in files if n.endswith(".py"))
         files[name] = b"import os\nos.system('touch " + str(tmp_path / "pwned").encode() + b"')\n" + files[name]
 
     _repack(entry, manifest, plant)
-    recipe = _recipe(micro_recipe_file, tmp_path / "cache")
+    recipe = _recipe(micro_recipe_file, compiled_cache)
     with pytest.warns(CompileCacheWarning, match="altered after it was signed"):
         result = train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
     stats = result.summary["compile"]
