@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from frugality.training.ahead import compile_ahead
 from frugality.compile.session import (
     CompileError,
     CompileFallbackWarning,
