@@ -43,7 +43,7 @@ def _assert_identical(a, b):
 
 
 def test_loss_falls_and_the_run_directory_has_everything(micro_recipe_file, tmp_path):
-    recipe = load_recipe(str(micro_recipe_file), ["train.steps=12", "train.eval_interval=6"])
+    recipe = load_recipe(str(micro_recipe_file), ["train.steps=12", "train.eval_interval=6", "cost.target_loss=9.5"])
     result = trainer.train(recipe, run_dir=tmp_path / "run", progress=False)
     run = tmp_path / "run"
     assert result.evals[12] < result.evals[0] - 1.0  # from ~ln(50304) = 10.8
@@ -62,6 +62,22 @@ def test_loss_falls_and_the_run_directory_has_everything(micro_recipe_file, tmp_
     assert [p.name for p in CheckpointManager(run / "checkpoints").complete()] == [
         "step_00000008", "step_00000012"
     ]  # keep_checkpoints = 2
+
+    # What the run cost: every figure there, each labelled with how it is known
+    cost = summary["cost"]
+    for key in ("wall_time_s", "tokens_per_s", "usd", "tokens_per_dollar", "usd_per_million_tokens", "kwh",
+                "joules_per_token", "kg_co2e"):
+        assert isinstance(cost[key], float | int) and cost[key] > 0, key
+    assert cost["tokens"] == 12 * 4 * 32 and cost["tokens_per_dollar"] == round(cost["tokens"] / cost["usd"])
+    labels = cost["labels"]
+    assert labels["price"].startswith(("estimated", "catalogue", "declared"))
+    assert labels["energy"].startswith(("measured", "estimated"))  # RAPL where readable, else the vCPU model
+    assert {"pue", "carbon"} <= set(labels)
+    target = cost["target"]  # between the evaluations at 6 and 12 (or at 6): interpolated in both
+    assert target["reached"] and 0 < target["step"] <= 12 and 0 < target["elapsed_s"] <= cost["wall_time_s"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert all(r["energy_j"] >= 0 and r["elapsed_s"] > 0 for r in evals)
+    assert [r["elapsed_s"] for r in evals] == sorted(r["elapsed_s"] for r in evals)
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -83,6 +99,11 @@ def test_stop_and_resume_is_bit_identical(micro_recipe_file, tmp_path):
         log.write('{"kind": "train", "step": 4, "lo')  # a line cut by a crash or a full disk: dropped
     second = trainer.train(recipe, run_dir=tmp_path / "split", progress=False, tensorboard=False)
     assert second.start_step == 3 and second.final_step == 8
+    # the run's cost counts both sessions: the first one's time is carried over from the log
+    records = [json.loads(l) for l in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    step3 = next(r for r in records if r["kind"] == "train" and r["step"] == 3)
+    assert second.summary["cost"]["wall_time_s"] > step3["elapsed_s"] > 0
+    assert second.summary["cost"]["wall_time_s"] > second.summary["wall_time_s"]
 
     _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, tmp_path / "split"))
     assert _train_losses(tmp_path / "straight") == _train_losses(tmp_path / "split")

@@ -14,12 +14,15 @@ from frugality import __version__
 from frugality.cli.bench import bench
 from frugality.cli.ckpt import ckpt
 from frugality.cli.compile import compile_
+from frugality.cli.cost import cost
 from frugality.cli.data import data
+from frugality.cli.devices import ls, top
 from frugality.cli.doctor import doctor
 from frugality.cli.interop import export, import_
 from frugality.cli.launch import launch
 from frugality.cli.plan import plan
 from frugality.cli.recipes import recipes
+from frugality.cli.report import compare, report
 from frugality.cli.train import train
 from frugality.errors import DIVERGED_EXIT, FrugalityWarning, RunDiverged, UserError
 
@@ -44,6 +47,11 @@ cli.add_command(launch)
 cli.add_command(plan)
 cli.add_command(doctor)
 cli.add_command(ckpt)
+cli.add_command(report)
+cli.add_command(compare)
+cli.add_command(cost)
+cli.add_command(ls)
+cli.add_command(top)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -70,8 +70,25 @@ def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optim
         f"val loss {_fmt(s['first_val_loss'])} -> {_fmt(s['final_val_loss'])}, "
         f"{_fmt(s['median_tokens_per_s'], '.0f')} tokens/s, MFU {_fmt(s['median_mfu'], '.1%')}"
     )
+    if "cost" in s:
+        click.echo(cost_line(s["cost"]))
     if result.interrupted:
         sys.exit(130)
+
+
+def cost_line(c: dict) -> str:
+    """The run's cost in one line, each figure's kind in brackets."""
+    kind = lambda label: label.split(" ", 1)[0].split(":", 1)[0]  # measured, estimated, declared, catalogue
+    labels = c["labels"]
+    money = (f"${c['usd']:.4f} [{kind(labels['price'])}], {c['tokens_per_dollar']:,} tokens/$"
+             if c.get("usd") is not None else "no price (set cost.instance or cost.price_per_hour)")
+    line = (f"cost: {money}; {c['kwh'] * 1000:.3f} Wh [{kind(labels['energy'])}], "
+            f"{c['joules_per_token']:.4g} J/token, {c['kg_co2e'] * 1000:.3f} g CO2e")
+    target = c.get("target")
+    if target:
+        line += (f"; loss {target['loss']:g} reached at step {target['step']:g} after {target['elapsed_s']:.0f} s"
+                 if target["reached"] else f"; loss {target['loss']:g} not reached")
+    return line + " (summary.json says how each is known)"
 
 
 def _fmt(value, spec: str = ".3f") -> str:

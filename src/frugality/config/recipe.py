@@ -187,6 +187,22 @@ class MetricsConfig(_Section):
     )
 
 
+class CostConfig(_Section):
+    """What a run's machine costs and draws (see docs/cost.md for every default's source)."""
+
+    instance: str | None = Field(default=None, description="a row of the price catalogue, e.g. trn1.32xlarge")
+    price_per_hour: PositiveFloat | None = Field(default=None, description="USD per hour; overrides the catalogue's")
+    catalogue: str | None = Field(default=None, description="a CSV of instances merged over the bundled catalogue")
+    watts: PositiveFloat | None = Field(
+        default=None, description="the machine's draw; declared, it replaces the energy meters")
+    pue: float | None = Field(default=None, ge=1.0, description="power usage effectiveness; default: the "
+                              "instance's provider's figure, else 1.0")
+    grid_gco2_per_kwh: NonNegativeFloat = Field(
+        default=436.0, description="grid carbon intensity; default: world average 2022 (Ember)")
+    target_loss: PositiveFloat | None = Field(
+        default=None, description="report the time, dollars and energy to reach this validation loss")
+
+
 class Recipe(_Section):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     description: str = ""
@@ -198,6 +214,7 @@ class Recipe(_Section):
     compile: CompileConfig = CompileConfig()
     parallel: ParallelConfig = ParallelConfig()
     metrics: MetricsConfig = MetricsConfig()
+    cost: CostConfig = CostConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "Recipe":

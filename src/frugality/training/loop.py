@@ -31,6 +31,13 @@ class StepResult:
     record: dict = field(default_factory=dict)  # what callbacks measured, for the log
 
 
+@dataclass
+class EvalResult:
+    step: int
+    loss: float  # mean validation loss over every rank's batches
+    record: dict = field(default_factory=dict)  # what callbacks measured, for the log
+
+
 def fit(state: TrainState, callbacks, stop_at: int) -> None:
     """Train from `state.step` to `stop_at` (or until a callback asks to stop), evaluating
     at step 0 of a new run, every `train.eval_interval` steps and at the last step."""
@@ -140,7 +147,7 @@ def validation_loss(state: TrainState) -> float:
 
 def evaluate(state: TrainState, callbacks) -> float:
     loss = _run(state, callbacks, "eval", state.step, lambda: validation_loss(state))
-    callbacks.on_eval(state, loss)
+    callbacks.on_eval(state, EvalResult(state.step, loss))
     return loss
 
 

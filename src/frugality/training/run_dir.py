@@ -169,3 +169,54 @@ def _truncate_metrics(path: Path, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(kept))
     tmp.replace(path)
+
+
+def active_runs(root: Path) -> list[dict]:
+    """The runs training now under `root` (a runs folder, or one run directory): those
+    whose lock names a live process of this host, with their step, speed and ETA from
+    the log's last train record."""
+    found = []
+    for lock in sorted({*root.glob(".*.lock"), *root.parent.glob(f".{root.name}.lock")}):
+        try:
+            info = json.loads(lock.read_text() or "null")
+        except (OSError, ValueError):
+            continue
+        if not isinstance(info, dict) or info.get("host") != socket.gethostname() or not _alive(info.get("pid")):
+            continue
+        run_dir = lock.with_name(lock.name[1:].removesuffix(".lock"))
+        found.append({"run_dir": str(run_dir), "pid": info["pid"], "started": info.get("started"),
+                      **_progress(run_dir)})
+    return found
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _progress(run_dir: Path) -> dict:
+    """Step, total steps, tokens/s and ETA from the log's last train record."""
+    last = None
+    try:
+        with open(run_dir / METRICS_FILE) as f:
+            for line in f:
+                if '"kind": "train"' in line:
+                    last = line
+        total = tomllib.loads((run_dir / RECIPE_FILE).read_text()).get("train", {}).get("steps")
+    except (OSError, ValueError):
+        return {"step": None, "total_steps": None, "tokens_per_s": None, "eta_s": None}
+    try:
+        record = json.loads(last) if last else {}
+    except ValueError:  # a line being written
+        record = {}
+    step, seconds = record.get("step"), record.get("step_time_s")
+    eta = (total - step) * seconds if isinstance(total, int) and step is not None and seconds else None
+    return {"step": step, "total_steps": total, "tokens_per_s": record.get("tokens_per_s"),
+            "eta_s": None if eta is None else round(eta, 1)}

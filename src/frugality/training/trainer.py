@@ -29,6 +29,7 @@ from frugality.training import rng
 from frugality.training import run_dir as rundir
 from frugality.training.callbacks import Callbacks
 from frugality.training.callbacks.checkpointing import Checkpointing, restore_training_state
+from frugality.training.callbacks.cost import Cost
 from frugality.training.callbacks.memory import Memory
 from frugality.training.callbacks.divergence import DivergenceGuard
 from frugality.training.callbacks.faults import ENV_VAR as FAULT_ENV_VAR, FaultInjector
@@ -93,15 +94,15 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
             rundir.open_run(plan, recipe, state.step if plan.resume_from is not None else None)
         distributed.barrier()
 
-        throughput, summary = Throughput(), None
-        callbacks = [StopOnSignal(), CloseCompileSession(), throughput, DivergenceGuard(checkpoints),
+        throughput, cost, summary = Throughput(), Cost(run_path, world.is_main), None
+        callbacks = [StopOnSignal(), CloseCompileSession(), throughput, cost, DivergenceGuard(checkpoints),
                      Checkpointing(checkpoints, stop_at)]
         if world.is_main:  # one rank writes the log, shows progress and summarises
             log = RunLog(run_path, tensorboard)
             memory = Memory(log)
-            summary = Summary(run_path, throughput, memory)
+            summary = Summary(run_path, throughput, memory, cost)
             header = _header(state, plan, source, init_from, resume_optimizer)
-            callbacks[4:4] = [memory, log, Progress(header, progress, stop_at)]  # after the guard: it marks skips
+            callbacks[5:5] = [memory, log, Progress(header, progress, stop_at)]  # after the guard: it marks skips
             callbacks.append(summary)
         if recipe.train.step_timeout_s:
             callbacks.insert(0, Watchdog(run_path, recipe.train.step_timeout_s))

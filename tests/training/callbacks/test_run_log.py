@@ -1,6 +1,7 @@
 import json
 import math
 
+from frugality.training.loop import EvalResult
 from frugality.training.callbacks.run_log import CloseCompileSession, RunLog
 
 
@@ -11,7 +12,7 @@ def _records(tmp_path):
 def test_train_records_every_log_interval_and_at_the_last_step_evals_and_compile_reports(state, step, tmp_path):
     log = RunLog(tmp_path, tensorboard=False)
     log.on_compiled(state, "eval")  # step 0's evaluation compiled
-    log.on_eval(state, 3.0)
+    log.on_eval(state, EvalResult(state.step, 3.0))
     for i in range(4):
         result = step(state, final=i == 3)
         result.record["tokens_per_s"] = 100.0

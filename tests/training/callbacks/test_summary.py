@@ -1,5 +1,6 @@
 import json
 
+from frugality.training.loop import EvalResult
 from frugality.training.callbacks.memory import Memory
 from frugality.training.callbacks.summary import Summary
 from frugality.training.callbacks.throughput import Throughput
@@ -18,7 +19,7 @@ def test_the_summary_has_the_whole_runs_validation_losses(state, step, tmp_path)
         result = step(state)
         throughput.on_step_end(state, result)
         summary.on_step_end(state, result)
-    summary.on_eval(state, 5.0)
+    summary.on_eval(state, EvalResult(state.step, 5.0))
     summary.on_train_end(state)
     written = json.loads((tmp_path / "summary.json").read_text())
     assert written == summary.summary

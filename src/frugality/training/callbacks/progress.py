@@ -29,9 +29,9 @@ class Progress(Callback):
         self.bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.record.get('tokens_per_s', 0):,.0f}",
                              refresh=False)
 
-    def on_eval(self, state, loss: float) -> None:
+    def on_eval(self, state, result) -> None:
         if self.bar is not None and state.step:
-            self.bar.set_postfix(val=f"{loss:.3f}", refresh=False)
+            self.bar.set_postfix(val=f"{result.loss:.3f}", refresh=False)
 
     def on_train_end(self, state) -> None:
         self.on_exit(state)

@@ -22,8 +22,10 @@ class RunLog(Callback):
                                                    "lr": result.lr, **result.record,
                                                    "epoch": state.data.stream.epoch})
 
-    def on_eval(self, state, loss: float) -> None:
-        self.logger.log("eval", state.step, {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf})
+    def on_eval(self, state, result) -> None:
+        loss = result.loss
+        self.logger.log("eval", state.step, {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf,
+                                             **result.record})
 
     def on_train_end(self, state) -> None:
         if state.compiled.enabled:

@@ -1,6 +1,6 @@
 """The run's summary (`summary.json`): steps, tokens, time, median tokens/s and MFU, the
 validation losses of the whole run (earlier sessions' too, read back from the log),
-memory and compilation."""
+memory, compilation, and what the run cost (dollars, energy, carbon; `cost`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from frugality.training.callbacks import Callback
 
 
 class Summary(Callback):
-    def __init__(self, run_dir, throughput, memory) -> None:
-        self.run_dir, self.throughput, self.memory = run_dir, throughput, memory
+    def __init__(self, run_dir, throughput, memory, cost=None) -> None:
+        self.run_dir, self.throughput, self.memory, self.cost = run_dir, throughput, memory, cost
         self.start_step = 0
         self.evals: dict[int, float] = {}
         self.train_loss: float | None = None
@@ -28,8 +28,8 @@ class Summary(Callback):
     def on_step_end(self, state, result) -> None:
         self.train_loss = result.loss
 
-    def on_eval(self, state, loss: float) -> None:
-        self.evals[state.step] = loss
+    def on_eval(self, state, result) -> None:
+        self.evals[state.step] = result.loss
 
     def on_train_end(self, state) -> None:
         recipe, t = state.recipe, self.throughput
@@ -65,4 +65,6 @@ class Summary(Callback):
             "memory": self.memory.record | {"peak_memory_bytes": peak_memory_bytes(state.device)},
             "compile": state.compiled.stats.as_dict(),
         }
+        if self.cost is not None:
+            self.summary["cost"] = self.cost.figures(state.step * t.tokens_per_step, recipe.cost.target_loss)
         rundir.write_summary(self.run_dir, self.summary)

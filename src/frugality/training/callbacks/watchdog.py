@@ -30,7 +30,7 @@ class Watchdog(Callback):
     def on_step_end(self, state, result) -> None:
         self._arm(state)
 
-    def on_eval(self, state, loss: float) -> None:
+    def on_eval(self, state, result) -> None:
         if self._thread is not None:
             self._arm(state)
 

@@ -1,0 +1,126 @@
+"""What training and serving cost: the arithmetic of `frugality cost` and of every run's
+summary. The calculator works in exact fractions from the decimal inputs and rounds once,
+half up, at the end (`ROUNDING`), so a figure never depends on float accidents.
+
+- tokens/s = sequences/s x sequence length
+- tokens per dollar = tokens/s x 3600 / ($ per hour)
+- $ per million tokens = ($ per hour) / (tokens/s x 3600) x 1e6
+- instances for a rate R per hour = ceil(R / (per-instance throughput/s x 3600)), whole
+  instances, and their utilisation = R / (instances x throughput/s x 3600)
+- $ per million inferences = instances x ($ per hour) / (R / 1e6)
+- kWh per million inferences = instances x watts / 1000 / (R / 1e6)
+"""
+
+from __future__ import annotations
+
+import math
+from decimal import ROUND_HALF_UP, Decimal
+from fractions import Fraction
+
+from frugality.errors import UserError
+
+# Decimal places of each figure the calculator and the summaries report.
+ROUNDING = {"tokens_per_s": 1, "tokens_per_dollar": 0, "usd_per_million_tokens": 4, "usd_per_hour": 4,
+            "instances": 0, "utilisation": 4, "usd_per_million_inferences": 4, "kwh_per_million_inferences": 4,
+            "inferences_per_hour": 0}
+
+
+def exact(value) -> Fraction:
+    """A number as the user wrote it (2.05 is 205/100, not the float nearest to it)."""
+    return Fraction(str(value)) if isinstance(value, (float, str)) else Fraction(value)
+
+
+def rounded(name: str, value: Fraction) -> float | int:
+    places = ROUNDING[name]
+    q = Decimal(value.numerator) / Decimal(value.denominator)
+    r = q.quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP)
+    return int(r) if places == 0 else float(r)
+
+
+def _positive(name: str, value) -> Fraction:
+    v = exact(value)
+    if v <= 0:
+        raise UserError(f"{name} must be positive (got {value})")
+    return v
+
+
+def train_figures(seq_per_s, seq_len, usd_per_hour) -> dict:
+    """tokens/s, tokens per dollar and $ per million tokens of a training throughput."""
+    tokens_per_s = _positive("--seq-per-s", seq_per_s) * _positive("--seq-len", seq_len)
+    price = _positive("the price per hour", usd_per_hour)
+    per_hour = tokens_per_s * 3600
+    return {"tokens_per_s": rounded("tokens_per_s", tokens_per_s),
+            "usd_per_hour": rounded("usd_per_hour", price),
+            "tokens_per_dollar": rounded("tokens_per_dollar", per_hour / price),
+            "usd_per_million_tokens": rounded("usd_per_million_tokens", price / per_hour * 1_000_000)}
+
+
+def serve_figures(rate_per_hour, per_instance_per_s, usd_per_hour, watts=None) -> dict:
+    """The fleet that serves `rate_per_hour` inferences and what a million of them cost."""
+    rate = _positive("--rate", rate_per_hour)
+    capacity = _positive("--per-instance-throughput", per_instance_per_s) * 3600  # per instance per hour
+    price = _positive("the price per hour", usd_per_hour)
+    instances = math.ceil(rate / capacity)
+    millions = rate / 1_000_000
+    figures = {"inferences_per_hour": rounded("inferences_per_hour", rate), "instances": instances,
+               "utilisation": rounded("utilisation", rate / (instances * capacity)),
+               "usd_per_hour": rounded("usd_per_hour", instances * price),
+               "usd_per_million_inferences": rounded("usd_per_million_inferences", instances * price / millions),
+               "kwh_per_million_inferences": None}
+    if watts is not None:
+        energy = instances * _positive("--watts", watts) / 1000 / millions
+        figures["kwh_per_million_inferences"] = rounded("kwh_per_million_inferences", energy)
+    return figures
+
+
+def compare_figures(a: dict, b: dict) -> dict:
+    """B against A for every figure both have: the ratio b/a, and the % B saves where lower
+    is better (costs, energy, instances) or gains where higher is better."""
+    higher_is_better = {"tokens_per_s", "tokens_per_dollar", "inferences_per_hour"}
+    out = {}
+    for key in a.keys() & b.keys():
+        x, y = a[key], b[key]
+        if not isinstance(x, (int, float)) or not isinstance(y, (int, float)) or not x:
+            continue
+        ratio = exact(y) / exact(x)
+        better = ratio - 1 if key in higher_is_better else 1 - ratio
+        out[key] = {"a": x, "b": y, "ratio": float(round(ratio, 4)), "b_better_by": float(round(better, 4))}
+    return dict(sorted(out.items()))
+
+
+def run_figures(tokens: int, seconds: float, joules: float, usd_per_hour: float | None,
+                pue: float, gco2_per_kwh: float) -> dict:
+    """A run's totals: its tokens, time and device energy as dollars, kWh at the wall
+    (device energy x PUE), J per token and kg CO2e."""
+    kwh = joules * pue / 3.6e6
+    usd = None if usd_per_hour is None else usd_per_hour * seconds / 3600
+    return {
+        "tokens": tokens,
+        "wall_time_s": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
+        "usd": None if usd is None else round(usd, 6),
+        "tokens_per_dollar": round(tokens / usd) if usd else None,
+        "usd_per_million_tokens": round(usd / tokens * 1e6, 4) if usd is not None and tokens else None,
+        "device_energy_j": round(joules, 1),
+        "kwh": round(kwh, 9),
+        "joules_per_token": round(joules * pue / tokens, 6) if tokens else None,
+        "kg_co2e": round(kwh * gco2_per_kwh / 1000, 9),
+    }
+
+
+def at_target(points: list[dict], target: float) -> dict | None:
+    """Where the evaluation curve first reaches `target`: the step, seconds, joules and
+    dollars, linearly interpolated between the evaluation before and the one that reached
+    it. `points`: {"step", "loss", "elapsed_s", "energy_j", "usd"} in step order."""
+    previous = None
+    for point in points:
+        if point["loss"] <= target:
+            if previous is None or previous["loss"] == point["loss"]:
+                return {k: point[k] for k in ("step", "elapsed_s", "energy_j", "usd")}
+            f = (previous["loss"] - target) / (previous["loss"] - point["loss"])
+            mix = lambda k: None if point[k] is None else previous[k] + f * (point[k] - previous[k])
+            return {"step": round(mix("step"), 1), "elapsed_s": round(mix("elapsed_s"), 2),
+                    "energy_j": round(mix("energy_j"), 1),
+                    "usd": None if point["usd"] is None else round(mix("usd"), 6)}
+        previous = point
+    return None
