@@ -95,8 +95,11 @@ def test_top_refreshes_in_a_terminal_and_quits_on_q(tmp_path):
                             str(tmp_path)], stdin=follower, stdout=follower, stderr=follower, close_fds=True)
     os.close(follower)
     seen, deadline = b"", time.monotonic() + 60
+    import select
+
     while b"(q quits)" not in seen and time.monotonic() < deadline:  # the first refresh drawn
-        seen += os.read(leader, 4096)
+        if select.select([leader], [], [], 1.0)[0]:
+            seen += os.read(leader, 4096)
     os.write(leader, b"q")
     try:
         assert top.wait(timeout=30) == 0

@@ -132,6 +132,9 @@ def test_frugality_train_nproc_starts_the_processes_itself(micro_recipe_file, tm
     assert sorted(losses) == [1, 2, 3, 4]
     for step in losses:
         assert losses[step] == pytest.approx(eager[step], rel=1e-5), step
+    # both ranks' energy, summed where they met (the evaluation at step 4 and the end)
+    cost = json.loads((tmp_path / "run" / "summary.json").read_text())["cost"]
+    assert cost["device_energy_j"] > 0 and "summed over 2 ranks" in cost["labels"]["energy"]
 
 
 KILLED = """

@@ -43,11 +43,19 @@ def test_compare_gives_ratios_and_which_way_is_better():
     assert r["tokens_per_dollar"]["b_better_by"] == pytest.approx(b["tokens_per_dollar"] / a["tokens_per_dollar"] - 1,
                                                                    abs=1e-4)
     assert r["usd_per_hour"]["b_better_by"] == pytest.approx(1 - 32.77 / 21.5, abs=1e-4)  # negative: B costs more
+    fleets = compare_figures(serve_figures(1e6, 120, 1.0), serve_figures(1e6, 150, 1.0))  # 3 vs 2 instances
+    assert fleets["utilisation"]["b_better_by"] > 0  # B's fleet idles less
+
+
+def test_a_number_that_is_not_finite_is_one_line():
+    for bad in ("inf", "nan"):
+        with pytest.raises(UserError, match="is not a finite number"):
+            train_figures(bad, 2048, 1.0)
 
 
 def test_run_figures():
-    # 1e6 tokens in 1800 s at $2/h = $1; 7.2e6 J x PUE 1.25 = 2.5 kWh at 400 g/kWh = 1 kg
-    f = run_figures(1_000_000, 1800.0, 7.2e6, 2.0, 1.25, 400.0)
+    # 1e6 tokens in 1800 s for $1; 7.2e6 J x PUE 1.25 = 2.5 kWh at 400 g/kWh = 1 kg
+    f = run_figures(1_000_000, 1800.0, 7.2e6, 1.0, 1.25, 400.0)
     assert f["usd"] == 1.0 and f["tokens_per_dollar"] == 1_000_000 and f["usd_per_million_tokens"] == 1.0
     assert f["kwh"] == 2.5 and f["joules_per_token"] == 9.0 and f["kg_co2e"] == 1.0
     assert run_figures(10, 1.0, 1.0, None, 1.0, 0.0)["usd"] is None
@@ -61,3 +69,5 @@ def test_the_target_loss_is_interpolated_between_evaluations():
     assert at_target(points, 5.0) == {"step": 150, "elapsed_s": 75.0, "energy_j": 1500.0, "usd": 0.75}
     assert at_target(points, 6.0)["step"] == 100  # reached exactly at an evaluation
     assert at_target(points, 3.0) is None
+    points[0]["usd"] = None  # an earlier session without a price: no dollars, the rest interpolated
+    assert at_target(points, 8.0) == {"step": 50, "elapsed_s": 25.0, "energy_j": 500.0, "usd": None}

@@ -77,7 +77,7 @@ def test_a_readable_tree_is_measured_and_declared_watts_win(powercap):
     assert isinstance(meter, RaplMeter) and why == []
     meter, why = open_meter("cpu", watts=300.0, share=2, powercap=powercap)
     assert isinstance(meter, ConstantPower) and meter.watts == 150.0 and "declared" in meter.label
-    assert meter.label.startswith("estimated")  # a declared draw is not a measurement
+    assert meter.label.startswith("declared (300 W")  # not a measurement, and not our estimate
 
 
 def test_the_vcpu_model_adds_idle_and_busy_power(monkeypatch):
@@ -116,8 +116,21 @@ def test_nvml_counts_millijoules_of_its_gpu():
 
 
 def test_a_gpu_without_the_counter_is_estimated_from_its_board_power(monkeypatch):
-    monkeypatch.setattr(energy, "NvmlMeter", lambda index: NvmlMeter(index, FakeNvml(supported=False)))
+    monkeypatch.setattr(energy, "NvmlMeter", lambda index, uuid: NvmlMeter(index, FakeNvml(supported=False)))
     meter, why = open_meter("cuda", 0, accelerator_w=400.0)
     assert isinstance(meter, ConstantPower) and meter.watts == 400.0
     assert meter.label.startswith("estimated (400 W") and "upper bound" in meter.label
     assert why and why[0].startswith("NVML energy counter unreadable (RuntimeError: Not Supported")
+    meter, why = open_meter("cuda", 0)  # no board power known either: the GPU goes uncounted, and says so
+    assert not meter.measured and why[-1] == "no board power for this GPU in the catalogue: the GPU is not counted"
+
+
+def test_nvml_finds_torchs_gpu_by_uuid_not_by_index(monkeypatch):
+    """NVML numbers all GPUs and ignores CUDA_VISIBLE_DEVICES: torch's cuda:0 may be GPU 3."""
+    nvml = FakeNvml()
+    nvml.nvmlDeviceGetHandleByUUID = lambda uuid: ("gpu", uuid)
+    meter = NvmlMeter(0, nvml, uuid="GPU-1234")
+    assert meter.handle == ("gpu", "GPU-1234") and "GPU-1234" in meter.label
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(LookupError):  # no uuid and a remapped index: refuse rather than read another GPU
+        NvmlMeter(0, nvml)

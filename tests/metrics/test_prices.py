@@ -60,5 +60,8 @@ def test_a_runs_price_declared_from_the_catalogue_or_estimated():
     cpu = resolve_price(rows, None, None, "cpu", "AMD EPYC 9R14", 2)
     assert cpu.usd_per_hour == pytest.approx(rows["c7a.large"].usd_per_hour) and "c7a.large" in cpu.label
     assert resolve_price(rows, None, None, "cuda", "Some Future GPU", 8) is None
+    assert resolve_price(rows, None, None, "cuda", "NVIDIA L40S", 8) is None  # not an L4
+    two = resolve_price(rows, None, "p4d.24xlarge", "cuda", "NVIDIA A100-SXM4-40GB", 192, 16, hosts=2)
+    assert two.usd_per_hour == pytest.approx(2 * rows["p4d.24xlarge"].usd_per_hour) and "x 2 machines" in two.label
     with pytest.raises(UserError, match="cost.instance 'p9.huge' is not in the price catalogue"):
         resolve_price(rows, None, "p9.huge", "cpu", "x", 2)

@@ -110,8 +110,10 @@ def compare_(a, b, as_json) -> None:
     for path in (a, b):
         try:
             figures.append(json.loads(Path(path).read_text()))
-        except json.JSONDecodeError:
-            raise UserError(f"{path}: not the JSON of `frugality cost train|serve --json`") from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            figures.append(None)
+        if not isinstance(figures[-1], dict):
+            raise UserError(f"{path}: not the JSON of `frugality cost train|serve --json`")
     ratios = compare_figures(*figures)
     if not ratios:
         raise UserError(f"{a} and {b} share no figure to compare")

@@ -29,7 +29,7 @@ def ls(as_json) -> None:
                        f"bf16 {'native' if d['native_bf16'] else 'not native'}; {_gib(d['memory_gib'])} memory")
         else:
             limit = f", power limit {d['power_limit_w']:.0f} W" if d["power_limit_w"] else ""
-            click.echo(f"cuda:{d['index']} {d['name']}: {_gib(d['memory_gib'])}, compute capability "
+            click.echo(f"gpu{d['index']}   {d['name']}: {_gib(d['memory_gib'])}, compute capability "
                        f"{d['compute_capability']}, driver {d['driver']}{limit}")
 
 
@@ -70,7 +70,7 @@ def top(runs_dir, interval, once, as_json) -> None:
 def _lines(snapshot: dict) -> list[str]:
     lines = [f"{'device':8} {'util':>6} {'memory':>17} {'power':>9}"]
     for d in snapshot["devices"]:
-        name = "cpu" if d["kind"] == "cpu" else f"cuda:{d['index']}"
+        name = "cpu" if d["kind"] == "cpu" else f"gpu{d['index']}"
         util = "n/a" if d["utilisation"] is None else f"{d['utilisation']:.0%}"
         memory = (f"{d['memory_used_gib']:.1f}/{d['memory_gib']:.1f} GiB"
                   if d["memory_used_gib"] is not None and d["memory_gib"] else "n/a")

@@ -48,9 +48,10 @@ def compare(run_a, run_b, tolerance, plots, as_json) -> None:
     if as_json:
         click.echo(json.dumps(result))
     else:
-        a, b = result["final_val_loss"]
-        click.echo(f"{result['verdict']}: final validation loss at step {result['final_step']}: {a:.6f} (A) vs "
-                   f"{b:.6f} (B), {result['final_val_rel_diff']:+.4%} (tolerance {result['tolerance']:.4%})")
+        a, b = (f"{v:.6f}" if isinstance(v, (int, float)) else str(v) for v in result["final_val_loss"])
+        diff = result["final_val_rel_diff"]
+        click.echo(f"{result['verdict']}: final validation loss at step {result['final_step']}: {a} (A) vs {b} (B), "
+                   f"{'not a number' if diff is None else format(diff, '+.4%')} (tolerance {result['tolerance']:.4%})")
         click.echo(f"training loss over {result['train_steps_compared']} shared steps: largest deviation "
                    f"{result['train_loss_max_rel_dev']:.4%}" + _at(result['train_loss_max_rel_dev_step']))
         click.echo(f"gradient norm: largest deviation {result['grad_norm_max_rel_dev']:.4%}"
@@ -58,6 +59,10 @@ def compare(run_a, run_b, tolerance, plots, as_json) -> None:
         for key, (x, y) in result["cost"].items():
             if x is not None or y is not None:
                 click.echo(f"{key}: {_show(x)} (A) vs {_show(y)} (B)")
+        for run, labels in zip("AB", result["cost_labels"]):
+            known = "; ".join(f"{k} {v.split(' (')[0]}" for k, v in labels.items() if v)
+            if known:
+                click.echo(f"{run}'s figures: {known} (summary.json says how)")
         if plots:
             click.echo(f"plot: {result['plot']}")
     raise click.exceptions.Exit(0 if result["verdict"] == "PASS" else 1)

@@ -80,10 +80,10 @@ def cost_line(c: dict) -> str:
     """The run's cost in one line, each figure's kind in brackets."""
     kind = lambda label: label.split(" ", 1)[0].split(":", 1)[0]  # measured, estimated, declared, catalogue
     labels = c["labels"]
-    money = (f"${c['usd']:.4f} [{kind(labels['price'])}], {c['tokens_per_dollar']:,} tokens/$"
+    money = (f"${c['usd']:.4f} [{kind(labels['price'])}], {_fmt(c['tokens_per_dollar'], ',')} tokens/$"
              if c.get("usd") is not None else "no price (set cost.instance or cost.price_per_hour)")
     line = (f"cost: {money}; {c['kwh'] * 1000:.3f} Wh [{kind(labels['energy'])}], "
-            f"{c['joules_per_token']:.4g} J/token, {c['kg_co2e'] * 1000:.3f} g CO2e")
+            f"{_fmt(c['joules_per_token'], '.4g')} J/token, {c['kg_co2e'] * 1000:.3f} g CO2e")
     target = c.get("target")
     if target:
         line += (f"; loss {target['loss']:g} reached at step {target['step']:g} after {target['elapsed_s']:.0f} s"

@@ -78,9 +78,11 @@ def load_trajectory(run_dir: str | Path) -> Trajectory:
             train[record["step"]] = record
         elif record.get("kind") == "eval":
             evals[record["step"]] = record
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    return Trajectory(train, evals, summary)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {}  # a run that never finished a session (or a damaged file): no figures from it
+    return Trajectory(train, evals, summary if isinstance(summary, dict) else {})
 
 
 def compare_runs(run_a: str | Path, run_b: str | Path) -> Comparison:
@@ -123,15 +125,18 @@ def parity(run_a: str | Path, run_b: str | Path, tolerance: float = DEFAULT_TOLE
     if c.eval_steps[-1] != max(a.eval) or c.eval_steps[-1] != max(b.eval):
         raise UserError(f"the runs' last evaluations differ (steps {max(a.eval)} and {max(b.eval)}): "
                         f"compare runs of the same length")
-    final = c.final_val_rel_diff
+    numbers = all(isinstance(v, (int, float)) and v == v for v in (c.val_loss_a[-1], c.val_loss_b[-1]))
+    final = c.final_val_rel_diff if numbers else None  # a diverged run ("nan" in the log) fails
     loss_dev, loss_step = c.largest("loss")
     norm_dev, norm_step = c.largest("grad_norm")
     side = {}
+    costs = [t.summary.get("cost") if isinstance(t.summary.get("cost"), dict) else {} for t in (a, b)]
     for key in ("tokens", "wall_time_s", "tokens_per_s", "usd", "tokens_per_dollar", "kwh", "joules_per_token",
                 "kg_co2e"):
-        side[key] = [t.summary.get("cost", {}).get(key) for t in (a, b)]
+        side[key] = [c.get(key) for c in costs]
+    labels = [{k: c.get("labels", {}).get(k) for k in ("price", "energy")} for c in costs]
     return {
-        "verdict": "PASS" if abs(final) <= tolerance else "FAIL",
+        "verdict": "PASS" if numbers and abs(final) <= tolerance else "FAIL",
         "tolerance": tolerance,
         "final_step": c.eval_steps[-1],
         "final_val_loss": [c.val_loss_a[-1], c.val_loss_b[-1]],
@@ -140,4 +145,5 @@ def parity(run_a: str | Path, run_b: str | Path, tolerance: float = DEFAULT_TOLE
         "train_loss_max_rel_dev": loss_dev, "train_loss_max_rel_dev_step": loss_step,
         "grad_norm_max_rel_dev": norm_dev, "grad_norm_max_rel_dev_step": norm_step,
         "cost": side,
+        "cost_labels": labels,  # how each run's dollars and energy are known
     }

@@ -14,7 +14,6 @@ half up, at the end (`ROUNDING`), so a figure never depends on float accidents.
 from __future__ import annotations
 
 import math
-from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
 from frugality.errors import UserError
@@ -27,14 +26,15 @@ ROUNDING = {"tokens_per_s": 1, "tokens_per_dollar": 0, "usd_per_million_tokens":
 
 def exact(value) -> Fraction:
     """A number as the user wrote it (2.05 is 205/100, not the float nearest to it)."""
-    return Fraction(str(value)) if isinstance(value, (float, str)) else Fraction(value)
+    try:
+        return Fraction(str(value)) if isinstance(value, (float, str)) else Fraction(value)
+    except (ValueError, OverflowError, TypeError):
+        raise UserError(f"{value!r} is not a finite number") from None
 
 
 def rounded(name: str, value: Fraction) -> float | int:
-    places = ROUNDING[name]
-    q = Decimal(value.numerator) / Decimal(value.denominator)
-    r = q.quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP)
-    return int(r) if places == 0 else float(r)
+    r = _half_up(value, ROUNDING[name])
+    return int(r) if ROUNDING[name] == 0 else r
 
 
 def _positive(name: str, value) -> Fraction:
@@ -76,24 +76,35 @@ def serve_figures(rate_per_hour, per_instance_per_s, usd_per_hour, watts=None) -
 def compare_figures(a: dict, b: dict) -> dict:
     """B against A for every figure both have: the ratio b/a, and the % B saves where lower
     is better (costs, energy, instances) or gains where higher is better."""
-    higher_is_better = {"tokens_per_s", "tokens_per_dollar", "inferences_per_hour"}
+    higher_is_better = {"tokens_per_s", "tokens_per_dollar", "inferences_per_hour", "utilisation"}
     out = {}
     for key in a.keys() & b.keys():
         x, y = a[key], b[key]
-        if not isinstance(x, (int, float)) or not isinstance(y, (int, float)) or not x:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not isinstance(y, (int, float)) or not x:
             continue
         ratio = exact(y) / exact(x)
         better = ratio - 1 if key in higher_is_better else 1 - ratio
-        out[key] = {"a": x, "b": y, "ratio": float(round(ratio, 4)), "b_better_by": float(round(better, 4))}
+        out[key] = {"a": x, "b": y, "ratio": _half_up(ratio, 4), "b_better_by": _half_up(better, 4)}
     return dict(sorted(out.items()))
 
 
-def run_figures(tokens: int, seconds: float, joules: float, usd_per_hour: float | None,
-                pue: float, gco2_per_kwh: float) -> dict:
-    """A run's totals: its tokens, time and device energy as dollars, kWh at the wall
-    (device energy x PUE), J per token and kg CO2e."""
-    kwh = joules * pue / 3.6e6
-    usd = None if usd_per_hour is None else usd_per_hour * seconds / 3600
+def _half_up(value: Fraction, places: int) -> float:
+    """Rounded to `places` decimals, halves away from zero, in exact integer arithmetic."""
+    scaled = abs(value) * 10**places
+    units = math.floor(scaled + Fraction(1, 2))
+    return math.copysign(units / 10**places, value) if units else 0.0
+
+
+def kwh(joules: float, pue: float) -> float:
+    """Device joules as kWh at the wall (x PUE)."""
+    return round(joules * pue / 3.6e6, 9)
+
+
+def run_figures(tokens: int, seconds: float, joules: float, usd: float | None, pue: float,
+                gco2_per_kwh: float) -> dict:
+    """A run's totals: its tokens, time, device energy and dollars as tokens/s, tokens per
+    dollar, kWh at the wall (device energy x PUE), J per token and kg CO2e."""
+    energy = kwh(joules, pue)
     return {
         "tokens": tokens,
         "wall_time_s": round(seconds, 2),
@@ -102,9 +113,9 @@ def run_figures(tokens: int, seconds: float, joules: float, usd_per_hour: float 
         "tokens_per_dollar": round(tokens / usd) if usd else None,
         "usd_per_million_tokens": round(usd / tokens * 1e6, 4) if usd is not None and tokens else None,
         "device_energy_j": round(joules, 1),
-        "kwh": round(kwh, 9),
+        "kwh": energy,
         "joules_per_token": round(joules * pue / tokens, 6) if tokens else None,
-        "kg_co2e": round(kwh * gco2_per_kwh / 1000, 9),
+        "kg_co2e": round(energy * gco2_per_kwh / 1000, 9),
     }
 
 
@@ -114,13 +125,15 @@ def at_target(points: list[dict], target: float) -> dict | None:
     it. `points`: {"step", "loss", "elapsed_s", "energy_j", "usd"} in step order."""
     previous = None
     for point in points:
+        if not isinstance(point["loss"], (int, float)) or point["loss"] != point["loss"]:
+            continue  # a non-finite evaluation (logged as a string) reaches nothing
         if point["loss"] <= target:
             if previous is None or previous["loss"] == point["loss"]:
                 return {k: point[k] for k in ("step", "elapsed_s", "energy_j", "usd")}
             f = (previous["loss"] - target) / (previous["loss"] - point["loss"])
-            mix = lambda k: None if point[k] is None else previous[k] + f * (point[k] - previous[k])
+            mix = lambda k: None if point[k] is None or previous[k] is None else previous[k] + f * (point[k] - previous[k])
+            usd = mix("usd")
             return {"step": round(mix("step"), 1), "elapsed_s": round(mix("elapsed_s"), 2),
-                    "energy_j": round(mix("energy_j"), 1),
-                    "usd": None if point["usd"] is None else round(mix("usd"), 6)}
+                    "energy_j": round(mix("energy_j"), 1), "usd": None if usd is None else round(usd, 6)}
         previous = point
     return None

@@ -1,6 +1,8 @@
 """The devices of this machine for `frugality ls` (what they are) and `frugality top`
 (what they are doing): CPUs from Linux's /proc and torch's probe, NVIDIA GPUs from NVML
-(`nvidia-ml-py`), each figure absent rather than guessed where it cannot be read."""
+(`nvidia-ml-py`), each figure absent rather than guessed where it cannot be read. GPUs are
+numbered as NVML numbers them (all of the machine's, as nvidia-smi shows them), which is
+not torch's numbering under CUDA_VISIBLE_DEVICES."""
 
 from __future__ import annotations
 

@@ -32,14 +32,18 @@ CCF_VCPU_MIN_W, CCF_VCPU_MAX_W = 0.74, 3.5
 
 class Meter:
     """Joules since `start()`. `sample()` is called often (every step) so that counters
-    that wrap are never read a whole range apart."""
+    that wrap are never read a whole range apart. `kind`: measured, declared or estimated."""
 
-    measured: bool = False
+    kind: str = "estimated"
     how: str = ""
 
     @property
+    def measured(self) -> bool:
+        return self.kind == "measured"
+
+    @property
     def label(self) -> str:
-        return f"measured ({self.how})" if self.measured else f"estimated ({self.how})"
+        return f"{self.kind} ({self.how})"
 
     def start(self) -> None: ...
     def sample(self) -> None: ...
@@ -70,7 +74,7 @@ class RaplMeter(Meter):
     """The CPU packages (and their DRAM where exposed) through Linux powercap. Counts the
     whole socket: other processes on it are included, as the label says."""
 
-    measured = True
+    kind = "measured"
 
     def __init__(self, root: Path = POWERCAP, share: int = 1) -> None:
         self.share = share
@@ -102,19 +106,28 @@ class RaplMeter(Meter):
 
 
 class NvmlMeter(Meter):
-    """One NVIDIA GPU's total-energy counter (the GPU only, not the host)."""
+    """One NVIDIA GPU's total-energy counter (the GPU only, not the host). The GPU is found
+    by its UUID where torch gives one: NVML numbers every GPU of the machine and ignores
+    CUDA_VISIBLE_DEVICES, so torch's cuda:0 may be NVML's GPU 3."""
 
-    measured = True
+    kind = "measured"
 
-    def __init__(self, index: int, nvml=None) -> None:
+    def __init__(self, index: int, nvml=None, uuid: str | None = None) -> None:
         if nvml is None:
             import pynvml as nvml  # nvidia-ml-py
 
             nvml.nvmlInit()
         self.nvml = nvml
-        self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        if uuid is not None:
+            self.handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            which = uuid
+        elif not os.environ.get("CUDA_VISIBLE_DEVICES"):
+            self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            which = f"GPU {index}"
+        else:
+            raise LookupError("CUDA_VISIBLE_DEVICES is set and torch gives no UUID to find the GPU by")
         nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)  # raises where unsupported (before Volta)
-        self.how = f"NVML energy counter of GPU {index}; host CPU and memory not included"
+        self.how = f"NVML energy counter of {which}; host CPU and memory not included"
         self.counter: _Counter | None = None
 
     def start(self) -> None:
@@ -131,8 +144,8 @@ class NvmlMeter(Meter):
 class ConstantPower(Meter):
     """A declared or catalogue power drawn for the whole wall time."""
 
-    def __init__(self, watts: float, why: str, share: int = 1) -> None:
-        self.watts = watts / share
+    def __init__(self, watts: float, why: str, share: int = 1, kind: str = "estimated") -> None:
+        self.watts, self.kind = watts / share, kind
         self.how = f"{watts:g} W x wall time; {why}"
 
     def start(self) -> None:
@@ -173,16 +186,17 @@ def open_meter(device_type: str, index: int | None = None, watts: float | None =
     device's own counter, then an estimate (an accelerator's board power from the
     catalogue, or the vCPU model on CPUs)."""
     if watts is not None:
-        return ConstantPower(watts, "declared in cost.watts", share), []
+        return ConstantPower(watts, "cost.watts, the machine's draw", share, kind="declared"), []
     passed: list[str] = []
     if device_type == "cuda":
         try:
-            return NvmlMeter(index or 0), passed
+            return NvmlMeter(index or 0, uuid=_torch_uuid(index or 0)), passed
         except Exception as e:  # no library, no driver, a GPU before Volta
             passed.append(f"NVML energy counter unreadable ({type(e).__name__}: {e})")
         if accelerator_w is not None:
             return ConstantPower(accelerator_w, "the accelerator's board power from the price catalogue, "
                                                 "an upper bound"), passed
+        passed.append("no board power for this GPU in the catalogue: the GPU is not counted")
     else:
         try:
             meter = RaplMeter(powercap, share)
@@ -191,6 +205,20 @@ def open_meter(device_type: str, index: int | None = None, watts: float | None =
         except (OSError, ValueError) as e:
             passed.append(f"RAPL unreadable ({e.strerror if isinstance(e, OSError) and e.strerror else e})")
     return CpuUtilisationModel(vcpus(), share=share), passed
+
+
+def _torch_uuid(index: int) -> str | None:
+    """NVML's name for torch's cuda:index ("GPU-<uuid>"), where torch knows it."""
+    try:
+        import torch
+
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    except Exception:
+        return None
+    if uuid is None:
+        return None
+    text = str(uuid)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
 
 
 def _read_text(path: Path) -> str:

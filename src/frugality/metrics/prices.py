@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -94,21 +95,33 @@ def _parse(text: str, where: str) -> dict[str, Instance]:
     return rows
 
 
-def resolve_price(catalogue: dict[str, Instance], price_per_hour: float | None, instance: str | None,
-                  device_type: str, device_name: str, vcpus: int, devices: int = 1) -> Price | None:
-    """What this run's machine costs per hour (all `devices` of it), and how that is known;
-    None where nothing in the catalogue resembles it."""
-    row = catalogue.get(instance) if instance else None
-    if instance and row is None:
+def check_cost(instance: str | None, user_file: str | None) -> dict[str, Instance]:
+    """The catalogue, with `instance` checked against it: before a run writes anything."""
+    catalogue = load_catalogue(user_file)
+    if instance and instance not in catalogue:
         raise UserError(f"cost.instance {instance!r} is not in the price catalogue; `frugality cost "
                         f"instances` lists them, or set cost.price_per_hour")
+    return catalogue
+
+
+def resolve_price(catalogue: dict[str, Instance], price_per_hour: float | None, instance: str | None,
+                  device_type: str, device_name: str, vcpus: int, devices: int = 1, hosts: int = 1) -> Price | None:
+    """What this run costs per hour, and how that is known; None where nothing in the
+    catalogue resembles its machines. A declared or catalogue price is per machine, times
+    `hosts`; `devices` is the number of accelerators the run uses (or of hosts on CPUs),
+    `vcpus` all hosts' together."""
+    row = catalogue.get(instance) if instance else None
+    if instance and row is None:
+        check_cost(instance, None)  # raises, naming the instance
+    machines = f" x {hosts} machines" if hosts > 1 else ""
     if price_per_hour is not None:
         provider = row.provider if row else None
-        return Price(price_per_hour, f"declared in cost.price_per_hour (${price_per_hour:g}/h)", provider,
-                     _board_power(row, devices) if row else None)
+        return Price(price_per_hour * hosts, f"declared in cost.price_per_hour (${price_per_hour:g}/h{machines})",
+                     provider, _board_power(row, devices) if row else None)
     if row is not None:
-        return Price(row.usd_per_hour, f"catalogue: {row.instance} on demand in {row.region}, "
-                     f"${row.usd_per_hour:g}/h ({row.source}, {row.date})", row.provider, _board_power(row, devices))
+        return Price(row.usd_per_hour * hosts, f"catalogue: {row.instance} on demand in {row.region}, "
+                     f"${row.usd_per_hour:g}/h{machines} ({row.source}, {row.date})", row.provider,
+                     _board_power(row, devices))
     return _estimate(catalogue, device_type, device_name, vcpus, devices)
 
 
@@ -120,7 +133,7 @@ def _estimate(catalogue, device_type, device_name, vcpus, devices) -> Price | No
     if device_type == "cuda":
         name = device_name.upper()
         matches = [r for r in catalogue.values() if r.accelerator_count and
-                   _accelerator_family(r.accelerator) and _accelerator_family(r.accelerator) in name]
+                   re.search(rf"\b{re.escape(_accelerator_family(r.accelerator))}\b", name)]
         if not matches:
             return None
         row = min(matches, key=lambda r: r.usd_per_hour / r.accelerator_count)

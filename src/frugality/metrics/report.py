@@ -11,7 +11,7 @@ from frugality.metrics.compare import Trajectory, load_trajectory
 
 # The x axes of loss.png: (title, the train/eval record's field, scale to the unit shown)
 AXES = (("step", "step", 1.0), ("tokens (millions)", "tokens", 1e-6), ("hours", "elapsed_s", 1 / 3600),
-        ("dollars", "usd", 1.0), ("kWh", "energy_j", 1 / 3.6e6))
+        ("dollars", "usd", 1.0), ("device kWh (before PUE)", "energy_j", 1 / 3.6e6))
 
 
 def write_report(runs: list[str | Path], out: str | Path, names: list[str] | None = None) -> list[Path]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from frugality.metrics.prices import check_cost
 from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
 from frugality.distributed import World, describe, wrap
@@ -68,6 +69,7 @@ def check_recipe(recipe: Recipe, device: torch.device) -> None:
     get_task(recipe.train.task).check(recipe.model.family)
     resolve_policy(recipe.train.precision, device)
     disabled_kernels()  # a misspelt FRUGALITY_DISABLE_KERNELS fails now, not mid-run
+    check_cost(recipe.cost.instance, recipe.cost.catalogue)  # an unknown instance or a bad catalogue too
 
 
 def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None = None,
