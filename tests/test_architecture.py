@@ -11,7 +11,7 @@ import frugality
 LAYERS = (
     ("cli",),
     ("bench",),
-    ("training",),
+    ("training", "inference"),
     ("runtime", "health"),
     ("compile", "distributed", "interop", "tasks"),
     ("precision", "metrics"),

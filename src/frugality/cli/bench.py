@@ -133,3 +133,42 @@ def bench_scale(recipe, nprocs, strategies, steps, overrides, json_path, markdow
     rows = run(recipe, resolved, list(overrides), counts, names, steps,
                log=lambda line: click.echo(line, err=True))
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
+
+
+@bench.command("infer")
+@click.argument("model", type=click.Path())
+@click.option("--input", "input_path", type=click.Path(), help="Texts (.txt, .jsonl, .parquet) [default: the "
+              "WordNet glosses of ../shared/assets, else the bundled corpus's lines].")
+@click.option("--text-field", default="text", show_default=True)
+@click.option("--texts", "count", default=5000, show_default=True, help="How many texts (the first N).")
+@click.option("--batch", default=64, show_default=True, help="Texts per batch, for both.")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--rounds", default=3, show_default=True, help="Alternating timed rounds; the best of each counts.")
+@click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
+@click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
+def bench_infer(model, input_path, text_field, count, batch, precision, rounds, json_path, markdown_path) -> None:
+    """Embedding throughput of frugality against sentence-transformers' encode on MODEL
+    (e.g. all-MiniLM-L6-v2), the same texts, batch size and precision: texts/s and the
+    cosine between the outputs."""
+    from itertools import islice
+
+    from frugality.bench.infer import bench_embed, markdown_table, rows_json
+    from frugality.errors import UserError
+    from frugality.inference.inputs import open_inputs
+
+    if count < 1 or batch < 1 or rounds < 1:
+        raise UserError("--texts, --batch and --rounds must be positive")
+    if input_path is None:
+        input_path = _default_texts()
+    texts = [text for _, text in islice(open_inputs([input_path], text_field), count)]
+    rows = bench_embed(model, texts, batch, precision, rounds, log=lambda line: click.echo(line, err=True))
+    _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
+
+
+def _default_texts() -> str:
+    """The WordNet glosses beside a source checkout (../shared/assets), else the corpus."""
+    import frugality
+    from frugality.data.bundled import corpus_files
+
+    glosses = Path(frugality.__file__).resolve().parents[3] / "shared" / "assets" / "pairs" / "wordnet-glosses.jsonl.gz"
+    return str(glosses if glosses.is_file() else corpus_files()[0])

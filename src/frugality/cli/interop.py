@@ -21,7 +21,7 @@ def import_hf_command(source, out) -> None:
     `frugality train RECIPE --init-from OUT` or `frugality export hf OUT`."""
     from frugality.interop.weights import save_weights
     from frugality.config.recipe import Recipe
-    from frugality.interop.hf import import_hf
+    from frugality.interop.hf import SENTENCE_TRANSFORMERS_FILES, import_hf
 
     config, state = import_hf(source)
     out = Path(out)
@@ -31,6 +31,9 @@ def import_hf_command(source, out) -> None:
     if tokenizer.is_file():
         files["tokenizer.json"] = tokenizer.read_bytes()
         data["tokenizer"] = str((out / "tokenizer.json").resolve())
+    for name in SENTENCE_TRANSFORMERS_FILES:  # how an embedding model pools, for `frugality embed`
+        if (Path(source) / name).is_file():
+            files[name] = (Path(source) / name).read_bytes()
     recipe = Recipe.model_validate({"name": out.name, "description": f"imported from {source}",
                                     "model": config.model_dump(), "data": data})
     files["recipe.toml"] = recipe.to_toml().encode()

@@ -17,6 +17,7 @@ from frugality.cli.compile import compile_
 from frugality.cli.cost import cost
 from frugality.cli.data import data
 from frugality.cli.devices import ls, top
+from frugality.cli.embed import embed
 from frugality.cli.doctor import doctor
 from frugality.cli.interop import export, import_
 from frugality.cli.launch import launch
@@ -50,6 +51,7 @@ cli.add_command(ckpt)
 cli.add_command(report)
 cli.add_command(compare)
 cli.add_command(cost)
+cli.add_command(embed)
 cli.add_command(ls)
 cli.add_command(top)
 

@@ -20,6 +20,9 @@ import torch
 from frugality.errors import UserError
 from frugality.interop import hf_bert, hf_gpt_neox, hf_llama
 
+# sentence-transformers' files that say how an encoder pools; carried along by import.
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json")
+
 # One adapter module per model family, each with the same five names: FAMILY, MODEL_TYPE,
 # config_from_hf(hf config, checkpoint tensor names), config_to_hf(config),
 # from_hf(state, config) and to_hf(state, config).

@@ -6,6 +6,7 @@ clear error naming the first tensor that differs."""
 from __future__ import annotations
 
 import shutil
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch import nn
 
 from frugality.checkpoint import CheckpointManager, safe_load, single_process_ok
 from frugality.checkpoint.safe import read_metadata
+from frugality.config.recipe import Recipe
 from frugality.errors import UserError
 from frugality.interop.hf import import_hf
 
@@ -106,11 +108,21 @@ def save_weights(path: str | Path, state: dict[str, torch.Tensor], files: Mappin
     with single_process_ok():
         dcp.save({"model": state}, checkpoint_id=partial, no_dist=True)
     for name, data in files.items():
+        (partial / name).parent.mkdir(parents=True, exist_ok=True)  # e.g. 1_Pooling/config.json
         (partial / name).write_bytes(data)
     if final.exists():
         final.rmdir()
     partial.rename(final)
     return final
+
+
+def recipe_beside(source: WeightsSource) -> Recipe:
+    """The recipe.toml beside a checkpoint: in the folder itself (imported) or in the run
+    directory two levels up (runs/<name>/checkpoints/step_N)."""
+    for folder in (source.path, source.path.parent.parent):
+        if (folder / "recipe.toml").is_file():
+            return Recipe.model_validate(tomllib.loads((folder / "recipe.toml").read_text()))
+    raise UserError(f"{source.path}: no recipe.toml beside the checkpoint to describe the model")
 
 
 def stored_dtype(source: WeightsSource) -> torch.dtype | None:

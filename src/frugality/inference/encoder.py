@@ -1,0 +1,147 @@
+"""A text encoder ready to embed: a BERT-family model, its tokenizer and its pooling, from
+a Hugging Face folder (e.g. sentence-transformers/all-MiniLM-L6-v2), a folder written by
+`frugality import hf`, or a run directory.
+
+Pooling follows sentence-transformers' own files where the folder has them (`modules.json`,
+`1_Pooling/config.json`, `sentence_bert_config.json`): mean or CLS pooling, L2
+normalisation when a Normalize module is listed, and the maximum length texts are cut to.
+Without them: mean pooling, no normalisation, the model's maximum length."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from frugality.data.tokenizer import load_tokenizer
+from frugality.errors import UserError
+from frugality.hardware import probe
+from frugality.interop.weights import load_weights, recipe_beside, resolve_source
+from frugality.interop.hf import import_hf
+from frugality.models import build_model
+from frugality.models.bert import Bert
+
+@dataclass(frozen=True)
+class Pooling:
+    mode: str = "mean"  # "mean" or "cls"
+    normalize: bool = False
+    max_length: int | None = None  # None: the model's max_seq_len
+
+
+def read_pooling(folder: Path) -> Pooling:
+    """The pooling sentence-transformers' files in `folder` describe (defaults without them)."""
+    pooling = Pooling()
+    modules = _json(folder / "modules.json")
+    if isinstance(modules, list):
+        types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
+        pooling = replace(pooling, normalize=any(t.endswith("Normalize") for t in types))
+    config = _json(folder / "1_Pooling" / "config.json") or {}
+    if config.get("pooling_mode_cls_token"):
+        pooling = replace(pooling, mode="cls")
+    elif config and not config.get("pooling_mode_mean_tokens", True):
+        raise UserError(f"{folder / '1_Pooling' / 'config.json'}: only mean and CLS pooling are supported")
+    bert = _json(folder / "sentence_bert_config.json") or {}
+    if isinstance(bert.get("max_seq_length"), int):
+        pooling = replace(pooling, max_length=bert["max_seq_length"])
+    return pooling
+
+
+def _json(path: Path):
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg})") from None
+
+
+class Encoder:
+    """Texts in, one embedding (float32) per text out."""
+
+    def __init__(self, model: Bert, tokenizer: Tokenizer, pooling: Pooling, device: torch.device,
+                 dtype: torch.dtype, source: str) -> None:
+        self.model, self.tokenizer, self.pooling = model.eval(), tokenizer, pooling
+        self.device, self.dtype, self.source = device, dtype, source
+        self.max_length = min(pooling.max_length or model.config.max_seq_len, model.config.max_seq_len)
+        tokenizer.enable_truncation(self.max_length)
+        tokenizer.no_padding()
+        self.dim = model.config.hidden_size
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids with the model's special tokens ([CLS] ... [SEP]), cut to max_length."""
+        return [e.ids for e in self.tokenizer.encode_batch(texts)]
+
+    @torch.inference_mode()
+    def embed_tokens(self, rows: list[list[int]], pad_to: int) -> np.ndarray:
+        """Embeddings of token rows padded to `pad_to`: (len(rows), dim) float32."""
+        ids = torch.zeros(len(rows), pad_to, dtype=torch.long)
+        mask = torch.zeros(len(rows), pad_to, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row)
+            mask[i, :len(row)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        hidden = self.model(ids, mask)
+        if self.pooling.mode == "cls":
+            pooled = hidden[:, 0].float()
+        else:
+            weights = mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = ((hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)).float()
+        if self.pooling.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
+        return pooled.cpu().numpy()
+
+
+def resolve_precision(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """'auto' is bf16 where bf16 products are native (AMX, AVX512-BF16, CUDA 8.0+), else
+    fp32; the dtype and why."""
+    if name == "fp32":
+        return torch.float32, "fp32 (asked for)"
+    if name == "bf16":
+        return torch.bfloat16, "bf16 (asked for)"
+    if name != "auto":
+        raise UserError(f"--precision {name!r}: choose auto, fp32 or bf16")
+    hw = probe(device)
+    return (torch.bfloat16, f"bf16: {hw.why}") if hw.native_bf16 else (torch.float32, f"fp32: {hw.why}")
+
+
+def load_encoder(path: str | Path, device: torch.device, precision: str = "auto",
+                 normalize: bool | None = None, max_length: int | None = None) -> tuple[Encoder, str]:
+    """The encoder at `path` on `device`, and the precision line (what was chosen, why)."""
+    folder = Path(path)
+    if not folder.exists():
+        raise UserError(f"model {folder}: no such folder")
+    dtype, why = resolve_precision(precision, device)
+    if (folder / "config.json").is_file():  # a Hugging Face folder
+        config, state = import_hf(folder)
+        _check_encoder(config, folder)
+        model = build_model(config)
+        model.load_state_dict(state, strict=True)
+        tokenizer_path, pooling_folder = folder / "tokenizer.json", folder
+    else:  # a frugality checkpoint: an imported folder or a run directory
+        source = resolve_source(folder)
+        recipe = recipe_beside(source)
+        _check_encoder(recipe.model, folder)
+        with torch.device("meta"):
+            model = build_model(recipe.model)
+        model = model.to_empty(device="cpu")
+        load_weights(source, model)
+        own = source.path / "tokenizer.json"  # an imported folder's, wherever it was moved
+        tokenizer_path = own if own.is_file() else Path(recipe.data.tokenizer)
+        pooling_folder = source.path if (source.path / "modules.json").is_file() else folder
+    tokenizer = load_tokenizer(str(tokenizer_path)).tokenizer
+    pooling = read_pooling(pooling_folder)
+    if normalize is not None:
+        pooling = replace(pooling, normalize=normalize)
+    if max_length is not None:
+        pooling = replace(pooling, max_length=max_length)
+    model = model.to(device=device, dtype=dtype)
+    return Encoder(model, tokenizer, pooling, device, dtype, str(folder)), why
+
+
+def _check_encoder(config, folder: Path) -> None:
+    if config.family != "bert":
+        raise UserError(f"model {folder}: a {config.family} model; `embed` takes an encoder (BERT family)")

