@@ -28,9 +28,18 @@ from frugality.training.trainer import train
 @pytest.fixture
 def compiled_cache(micro_compiled, tmp_path):
     """A copy of the micro recipe's compiled graphs (`frugality compile`, once per session),
-    that a test may add to or alter."""
+    that a test may alter."""
     shutil.copytree(micro_compiled[0], tmp_path / "compiled")
     return tmp_path / "compiled"
+
+
+@pytest.fixture(scope="module")
+def shared_cache(micro_compiled, tmp_path_factory):
+    """A copy for this module's tests that only add to it: the first to compile a new shape
+    publishes it, and the next fetches it instead of compiling it again."""
+    folder = tmp_path_factory.mktemp("shared") / "compiled"
+    shutil.copytree(micro_compiled[0], folder)
+    return folder
 
 
 def _recipe(micro_recipe_file, cache, *extra):
@@ -93,8 +102,8 @@ def _batch(recipe, rows):
 
 @pytest.mark.parametrize("mode", ["error", "warn"])
 def test_a_changed_batch_shape_after_warm_up_is_reported_with_its_reason(
-        micro_recipe_file, compiled_cache, mode):
-    recipe = _recipe(micro_recipe_file, compiled_cache, f"compile.on_recompile={mode}")
+        micro_recipe_file, shared_cache, mode):
+    recipe = _recipe(micro_recipe_file, shared_cache, f"compile.on_recompile={mode}")
     session, step, evaluate = _session(recipe)
     try:
         evaluate(0, _batch(recipe, 2))

@@ -16,9 +16,9 @@ def test_every_format_in_order_with_its_ids(tmp_path):
     (tmp_path / "a.txt").write_text("first line\n\n  \nsecond line\n")
     with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
         f.write(json.dumps({"id": 7, "text": "seven"}) + "\n\n" + json.dumps({"id": "x", "text": "ex"}) + "\n")
-    inputs = open_inputs([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl.gz")])
-    assert list(inputs) == [("a.txt:1", "first line"), ("a.txt:4", "second line"), ("b.jsonl.gz:1", "seven"),
-                            ("b.jsonl.gz:3", "ex")]
+    a, b = tmp_path / "a.txt", tmp_path / "b.jsonl.gz"
+    inputs = open_inputs([str(a), str(b)])
+    assert list(inputs) == [(f"{a}:1", "first line"), (f"{a}:4", "second line"), (f"{b}:1", "seven"), (f"{b}:3", "ex")]
     assert [i for i, _ in open_inputs([str(tmp_path / "b.jsonl.gz")], id_field="id")] == ["7", "x"]
     assert [r["bytes"] > 0 for r in inputs.identity()] == [True, True]
 
@@ -42,3 +42,6 @@ def test_bad_lines_are_named(tmp_path):
         list(open_inputs([str(tmp_path / "noid.jsonl")], id_field="id"))
     with pytest.raises(UserError, match="no input"):
         open_inputs([])
+    (tmp_path / "fake.jsonl.gz").write_text("not gzip")
+    with pytest.raises(UserError, match=r"input .*fake.jsonl.gz: cannot be read \(BadGzipFile"):
+        list(open_inputs([str(tmp_path / "fake.jsonl.gz")]))

@@ -13,22 +13,23 @@ Inside a shard, texts are sorted by token length and batched by a token budget (
 texts or few long ones per batch), each batch padded to its longest text only; results go
 back to input order.
 
-`nproc` processes share the pending shards. On a CPU, several single-threaded processes
-embed more texts per second than one process whose threads split each product: an
-encoder's products are small (a batch of short texts by a 384-wide layer), and torch's
-threads spend much of their time in step with each other. `auto` starts one process per
-usable CPU (at most 8, and at most one per 20,000 texts), each with its share of the
-threads; on CUDA, one per GPU. A new job cuts its texts into at least as many shards as
-it has processes.
+`nproc` processes share the pending shards, each with its share of the CPU threads (an
+encoder's products are small, and one thread per process avoids threads waiting on each
+other where cores are independent; on the 2-vCPU EPYC VM two processes ran no faster than
+one with two threads) or its own GPU. `auto` starts one process per usable CPU (at most
+8, and at most one per 20,000 texts: a process takes seconds to start), or one per GPU.
+A new job cuts its texts into at least as many shards as it has processes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -70,8 +71,19 @@ def shard_names(k: int, fmt: str) -> tuple[str, ...]:
     return (f"{stem}.ids.json", f"{stem}.npy") if fmt == "npy" else (f"{stem}.parquet",)
 
 
-def is_complete(out: Path, k: int, fmt: str) -> bool:
-    return (out / shard_names(k, fmt)[-1]).is_file()  # written last, by a rename
+def is_complete(out: Path, k: int, fmt: str, rows: int) -> bool:
+    """Shard k's last file (written last, by a rename) is there and holds its `rows`."""
+    path = out / shard_names(k, fmt)[-1]
+    if not path.is_file():
+        return False
+    try:
+        if fmt == "npy":
+            return np.load(path, mmap_mode="r").shape[0] == rows
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows == rows
+    except Exception:  # unreadable: redo it
+        return False
 
 
 def resolve_processes(nproc: int | str, count: int, device) -> int:
@@ -87,35 +99,52 @@ def resolve_processes(nproc: int | str, count: int, device) -> int:
     return max(1, min(vcpus(), MAX_CPU_PROCESSES, count // TEXTS_PER_PROCESS))
 
 
-def prepare(settings: EmbedSettings, inputs: Inputs, encoder_line: dict, processes=lambda count: 1) -> dict:
+def prepare(settings: EmbedSettings, inputs: Inputs, encoder_line: dict, model: dict,
+            processes=lambda count: 1) -> dict:
     """Check or create the job in `out` (before any shard is written); the job record.
-    A new job's shard size is the one asked for, or smaller so that each of
-    `processes(count)` processes gets a shard."""
+    What must match on a rerun is what decides the output: the model's weights (`model`,
+    its files' sizes and times), the inputs (sizes and times), the fields, the format and
+    shard size asked for, and the encoder as resolved (dtype, pooling, normalisation,
+    length); not how the options were spelt, nor batch sizes or process counts. A new
+    job's shard size is the one asked for, or smaller so that each of `processes(count)`
+    processes gets a shard."""
     out = Path(settings.out)
-    job = {"settings": asdict(settings) | {"model": str(Path(settings.model).resolve())},
-           "inputs": inputs.identity(), "text_field": inputs.text_field, "id_field": inputs.id_field,
-           "encoder": encoder_line}
+    job = {"model": model, "inputs": inputs.identity(), "text_field": inputs.text_field,
+           "id_field": inputs.id_field, "format": settings.format, "shard_size_asked": settings.shard_size,
+           "encoder": {k: v for k, v in encoder_line.items() if k != "precision"}}
     existing = out / JOB_FILE
     if existing.is_file():
         try:
             before = json.loads(existing.read_text())
         except json.JSONDecodeError:
             raise UserError(f"{existing}: damaged; remove the folder or choose another --out") from None
-        changed = _first_difference({k: v for k, v in before.items() if k not in ("count", "shard_size")}, job)
+        changed = _first_difference({k: v for k, v in before.items() if k in job}, job)
         if changed:
             raise UserError(f"{out} holds an embedding job with other settings ({changed} differs); rerun it "
                             f"as it was, or choose another --out")
         return before
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} exists and is not an embedding job's folder; choose another")
-    count = sum(1 for _ in inputs)
-    if count == 0:
-        raise UserError("the inputs hold no text")
+    count = _count_unique(inputs)
     job["count"] = count
+    job["precision"] = encoder_line.get("precision")
     job["shard_size"] = min(settings.shard_size, -(-count // processes(count)))
     out.mkdir(parents=True, exist_ok=True)
     _write_atomic(out / JOB_FILE, json.dumps(job, indent=2).encode())
     return job
+
+
+def _count_unique(inputs: Inputs) -> int:
+    """The number of texts, after checking that no two share an id."""
+    seen: set[str] = set()
+    for text_id, _ in inputs:
+        if text_id in seen:
+            raise UserError(f"id {text_id!r} occurs twice in the inputs: ids must be unique (--id-field names "
+                            f"the field; without it, FILE:LINE is)")
+        seen.add(text_id)
+    if not seen:
+        raise UserError("the inputs hold no text")
+    return len(seen)
 
 
 def _first_difference(a, b, where: str = "") -> str | None:
@@ -136,18 +165,21 @@ def _first_difference(a, b, where: str = "") -> str | None:
 
 def pending_shards(out: Path, count: int, shard_size: int, fmt: str) -> list[int]:
     shards = -(-count // shard_size)
-    return [k for k in range(shards) if not is_complete(out, k, fmt)]
+    return [k for k in range(shards) if not is_complete(out, k, fmt, min(shard_size, count - k * shard_size))]
 
 
-def run_shards(encoder, inputs: Inputs, settings: EmbedSettings, size: int, shards: list[int],
+def run_shards(encoder, inputs: Inputs, settings: EmbedSettings, size: int, shards: list[int], count: int,
                report=lambda n: None) -> int:
     """Embed and write `shards` (numbers, of `size` texts), streaming through the inputs
-    once; the number of shards written. `report(n)` hears of every n texts embedded."""
+    once (the first `count` texts: what the job counted); the number of shards written.
+    `report(n)` hears of every n texts embedded."""
     wanted, written = set(shards), 0
     ids: list[str] = []
     texts: list[str] = []
     current = None
     for index, (text_id, text) in enumerate(inputs):
+        if index >= count:
+            break
         k = index // size
         if k not in wanted:
             continue
@@ -198,6 +230,7 @@ def write_shard(out: Path, k: int, ids: list[str], vectors: np.ndarray, fmt: str
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out / names[1])
+        _sync_folder(out)
         return
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -205,7 +238,19 @@ def write_shard(out: Path, k: int, ids: list[str], vectors: np.ndarray, fmt: str
     table = pa.table({"id": ids, "embedding": pa.FixedSizeListArray.from_arrays(vectors.reshape(-1), vectors.shape[1])})
     tmp = out / f".{names[0]}.tmp"
     pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
     os.replace(tmp, out / names[0])
+    _sync_folder(out)
+
+
+def _sync_folder(folder: Path) -> None:
+    """The renames themselves on disk: a power cut cannot undo a shard counted complete."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -218,16 +263,16 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def write_manifest(out: Path, job: dict, dim: int) -> dict:
-    s = job["settings"]
-    count, size, fmt = job["count"], job["shard_size"], s["format"]
+    count, size, fmt = job["count"], job["shard_size"], job["format"]
     shards = []
     for k in range(-(-count // size)):
         names = shard_names(k, fmt)
         entry = {"first": k * size, "count": min(size, count - k * size)}
         entry |= {"ids": names[0], "embeddings": names[1]} if fmt == "npy" else {"table": names[0]}
         shards.append(entry)
-    manifest = {"format": f"frugality-embeddings/1 ({fmt})", "model": s["model"], "count": count, "dim": dim,
-                "dtype": "float32", "encoder": job["encoder"], "inputs": job["inputs"], "shards": shards,
+    manifest = {"format": f"frugality-embeddings/1 ({fmt})", "model": job["model"]["weights"], "count": count,
+                "dim": dim, "dtype": "float32", "encoder": job["encoder"] | {"precision": job.get("precision")},
+                "inputs": job["inputs"], "shards": shards,
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S")}
     _write_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=2).encode())
     return manifest
@@ -258,7 +303,8 @@ def read_embeddings(out: str | Path) -> tuple[list[str], np.ndarray]:
 
 
 def encoder_record(encoder, why: str) -> dict:
-    """What a resumed job must find unchanged about the encoder."""
+    """How the encoder was resolved: a resumed job must find all of it but the precision
+    phrase (which names the machine) unchanged."""
     return {"dtype": str(encoder.dtype).removeprefix("torch."), "precision": why, "pooling": encoder.pooling.mode,
             "normalize": encoder.pooling.normalize, "max_length": encoder.max_length, "dim": encoder.dim}
 
@@ -274,42 +320,64 @@ def run_job(settings: EmbedSettings, inputs: Inputs, nproc: int | str = "auto", 
 
     device = resolve_device(settings.device)
     encoder, why = load_encoder(settings.model, device, settings.precision, settings.normalize, settings.max_length)
-    job = prepare(settings, inputs, encoder_record(encoder, why), lambda n: resolve_processes(nproc, n, device))
+    job = prepare(settings, inputs, encoder_record(encoder, why), encoder.identity(),
+                  lambda n: resolve_processes(nproc, n, device))
     out, count, size = Path(settings.out), job["count"], job["shard_size"]
-    clean_partials(out)
-    pending = pending_shards(out, count, size, settings.format)
-    processes = min(resolve_processes(nproc, count, device), len(pending))
-    todo = sum(min(size, count - k * size) for k in pending)
-    t0 = time.perf_counter()
-    with tqdm(total=count, initial=count - todo, unit="text", disable=not progress, dynamic_ncols=True) as bar:
-        if processes <= 1:
-            run_shards(encoder, inputs, settings, size, pending, report=bar.update)
-        else:
-            del encoder  # each worker loads its own
-            _run_workers(settings, inputs, size, pending, processes, device, bar)
-    seconds = time.perf_counter() - t0
-    missing = pending_shards(out, count, size, settings.format)
-    if missing:
-        raise JobIncomplete(f"shards {missing[:5]} were not written; rerun the same command to finish")
-    manifest = write_manifest(out, job, job["encoder"]["dim"])
+    with _locked(out):
+        clean_partials(out)
+        pending = pending_shards(out, count, size, settings.format)
+        processes = min(resolve_processes(nproc, count, device), len(pending))
+        todo = sum(min(size, count - k * size) for k in pending)
+        t0 = time.perf_counter()
+        with tqdm(total=count, initial=count - todo, unit="text", disable=not progress, dynamic_ncols=True,
+                  mininterval=1.0) as bar:
+            if processes <= 1:
+                run_shards(encoder, inputs, settings, size, pending, count, report=bar.update)
+            else:  # each worker loads the very weights this process resolved (a run's checkpoint then)
+                workers = replace(settings, model=str(encoder.source))
+                del encoder
+                _run_workers(workers, inputs, size, pending, count, processes, device, bar)
+        seconds = time.perf_counter() - t0
+        missing = pending_shards(out, count, size, settings.format)
+        if missing:
+            raise JobIncomplete(f"shards {missing[:5]} were not written; rerun the same command to finish")
+        manifest = write_manifest(out, job, job["encoder"]["dim"])
     return {"count": count, "embedded": todo, "seconds": seconds, "texts_per_s": todo / seconds if seconds else None,
             "shards": len(manifest["shards"]), "resumed_from": count - todo, "precision": why, "out": str(out),
             "processes": max(1, processes)}
 
 
-def _worker(rank: int, settings: EmbedSettings, inputs: Inputs, size: int, shards: list[int], device: str,
-            threads: int, queue) -> None:
-    import torch
+@contextmanager
+def _locked(out: Path):
+    """One job per --out at a time: a second one (or workers left by a killed parent)
+    would write the same temporary files."""
+    with open(out / ".lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"{out} is in use by another embedding job; wait for it to end") from None
+        yield
 
-    from frugality.inference.encoder import load_encoder
 
-    torch.set_num_threads(threads)
-    encoder, _ = load_encoder(settings.model, torch.device(device), settings.precision, settings.normalize,
-                              settings.max_length)
-    run_shards(encoder, inputs, settings, size, shards, report=queue.put)
+def _worker(rank: int, settings: EmbedSettings, inputs: Inputs, size: int, shards: list[int], count: int,
+            device: str, threads: int, queue) -> None:
+    """A worker process: its shards, progress and any error (one line) through `queue`.
+    Ctrl-C is the parent's to handle: it ends the workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import torch
+
+        from frugality.inference.encoder import load_encoder
+
+        torch.set_num_threads(threads)
+        encoder, _ = load_encoder(settings.model, torch.device(device), settings.precision, settings.normalize,
+                                  settings.max_length)
+        run_shards(encoder, inputs, settings, size, shards, count, report=queue.put)
+    except Exception as e:  # noqa: BLE001 - reported by the parent as one line
+        queue.put(("error", rank, f"{type(e).__name__}: {e}" if not isinstance(e, UserError) else str(e)))
 
 
-def _run_workers(settings, inputs, size, pending, nproc, device, bar) -> None:
+def _run_workers(settings, inputs, size, pending, count, nproc, device, bar) -> None:
     """`nproc` processes, each with its share of the pending shards and of the CPU threads
     (or its own GPU); progress comes back through a queue."""
     import multiprocessing as mp
@@ -324,21 +392,31 @@ def _run_workers(settings, inputs, size, pending, nproc, device, bar) -> None:
     workers = []
     for rank in range(nproc):
         where = f"cuda:{rank % gpus}" if gpus else str(device)
-        p = ctx.Process(target=_worker, args=(rank, settings, inputs, size, pending[rank::nproc], where, threads, q),
+        p = ctx.Process(target=_worker, args=(rank, settings, inputs, size, pending[rank::nproc], count, where,
+                                              threads, q),
                         daemon=True)
         p.start()
         workers.append(p)
+    error = None
     try:
         while any(p.is_alive() for p in workers) or not q.empty():
             try:
-                bar.update(q.get(timeout=0.5))
+                message = q.get(timeout=0.5)
             except queues.Empty:
-                pass
+                continue
+            if isinstance(message, tuple):  # a worker's error: stop the others
+                error = error or message
+                for p in workers:
+                    p.terminate()
+            else:
+                bar.update(message)
     finally:
         for p in workers:
             if p.is_alive():
                 p.terminate()
             p.join()
+    if error is not None:
+        raise UserError(f"embedding process {error[1]}: {error[2]}")
     failed = [(rank, p.exitcode) for rank, p in enumerate(workers) if p.exitcode]
     if failed:
         rank, code = failed[0]

@@ -63,13 +63,21 @@ class Encoder:
     """Texts in, one embedding (float32) per text out."""
 
     def __init__(self, model: Bert, tokenizer: Tokenizer, pooling: Pooling, device: torch.device,
-                 dtype: torch.dtype, source: str) -> None:
+                 dtype: torch.dtype, source: Path) -> None:
         self.model, self.tokenizer, self.pooling = model.eval(), tokenizer, pooling
-        self.device, self.dtype, self.source = device, dtype, source
+        self.device, self.dtype, self.source = device, dtype, source  # source: the folder the weights came from
         self.max_length = min(pooling.max_length or model.config.max_seq_len, model.config.max_seq_len)
         tokenizer.enable_truncation(self.max_length)
         tokenizer.no_padding()
         self.dim = model.config.hidden_size
+
+    def identity(self) -> dict:
+        """What a resumed job checks is the same model: the folder of the weights and each
+        of its files' size and modification time."""
+        files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(self.source.iterdir())
+                 if p.is_file() and (p.suffix in (".safetensors", ".bin", ".distcp") or
+                                     p.name in ("config.json", ".metadata", "tokenizer.json"))}
+        return {"weights": str(self.source.resolve()), "files": files}
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids with the model's special tokens ([CLS] ... [SEP]), cut to max_length."""
@@ -88,8 +96,8 @@ class Encoder:
         if self.pooling.mode == "cls":
             pooled = hidden[:, 0].float()
         else:
-            weights = mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = ((hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)).float()
+            weights = mask.unsqueeze(-1).float()  # summed in fp32: bf16 sums lose small terms
+            pooled = (hidden.float() * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
         if self.pooling.normalize:
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
         return pooled.cpu().numpy()
@@ -120,15 +128,16 @@ def load_encoder(path: str | Path, device: torch.device, precision: str = "auto"
         _check_encoder(config, folder)
         model = build_model(config)
         model.load_state_dict(state, strict=True)
-        tokenizer_path, pooling_folder = folder / "tokenizer.json", folder
+        tokenizer_path, pooling_folder, weights = folder / "tokenizer.json", folder, folder
     else:  # a frugality checkpoint: an imported folder or a run directory
-        source = resolve_source(folder)
+        source = resolve_source(folder, "model")
         recipe = recipe_beside(source)
         _check_encoder(recipe.model, folder)
         with torch.device("meta"):
             model = build_model(recipe.model)
         model = model.to_empty(device="cpu")
         load_weights(source, model)
+        weights = source.path  # the checkpoint itself: a run's latest when MODEL is a run
         own = source.path / "tokenizer.json"  # an imported folder's, wherever it was moved
         tokenizer_path = own if own.is_file() else Path(recipe.data.tokenizer)
         pooling_folder = source.path if (source.path / "modules.json").is_file() else folder
@@ -139,7 +148,7 @@ def load_encoder(path: str | Path, device: torch.device, precision: str = "auto"
     if max_length is not None:
         pooling = replace(pooling, max_length=max_length)
     model = model.to(device=device, dtype=dtype)
-    return Encoder(model, tokenizer, pooling, device, dtype, str(folder)), why
+    return Encoder(model, tokenizer, pooling, device, dtype, weights), why
 
 
 def _check_encoder(config, folder: Path) -> None:

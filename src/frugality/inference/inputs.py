@@ -2,7 +2,7 @@
 never sit in memory at once: `.txt` (a text per non-blank line), `.jsonl` (a JSON object
 per line; the text and, optionally, the id in named fields) and `.parquet` (the same two
 columns; needs pyarrow), gzipped or not for the line formats. A text's id is its id field,
-or else `FILE:LINE` (the row number for parquet)."""
+or else `FILE:LINE` (the row number for parquet), FILE as given on the command line."""
 
 from __future__ import annotations
 
@@ -33,19 +33,22 @@ class Inputs:
         """(id, text) for every text of every file, in order."""
         for path in self.paths:
             kind = _kind(path)
-            if kind == ".parquet":
-                yield from self._parquet(path)
-            else:
-                yield from self._lines(path, kind)
+            try:
+                if kind == ".parquet":
+                    yield from self._parquet(path)
+                else:
+                    yield from self._lines(path, kind)
+            except (OSError, EOFError, UnicodeError) as e:  # not gzip, cut short, unreadable
+                raise UserError(f"input {path}: cannot be read ({type(e).__name__}: {e})") from None
 
     def _lines(self, path: Path, kind: str) -> Iterator[tuple[str, str]]:
         opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        with opener(path, "rt", encoding="utf-8-sig", errors="replace") as f:  # a BOM is not text
             for number, line in enumerate(f, start=1):
                 if kind == ".txt":
                     text = line.rstrip("\r\n")
                     if text.strip():
-                        yield f"{path.name}:{number}", text
+                        yield f"{path}:{number}", text
                     continue
                 if not line.strip():
                     continue
@@ -59,9 +62,10 @@ class Inputs:
         if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
             raise UserError(f"{path} line {number}: no text field {self.text_field!r} (--text-field names it)")
         if self.id_field is None:
-            return f"{path.name}:{number}", record[self.text_field]
-        if self.id_field not in record:
-            raise UserError(f"{path} line {number}: no id field {self.id_field!r} (--id-field names it)")
+            return f"{path}:{number}", record[self.text_field]
+        if not isinstance(record.get(self.id_field), (str, int)) or isinstance(record.get(self.id_field), bool):
+            raise UserError(f"{path} line {number}: no id field {self.id_field!r} holding a string or an "
+                            f"integer (--id-field names it)")
         return str(record[self.id_field]), record[self.text_field]
 
     def _parquet(self, path: Path) -> Iterator[tuple[str, str]]:
@@ -79,9 +83,11 @@ class Inputs:
             data = batch.to_pydict()
             for i, text in enumerate(data[self.text_field]):
                 row += 1
-                if text is None:
-                    raise UserError(f"{path} row {row}: the text is null")
-                yield (str(data[self.id_field][i]) if self.id_field else f"{path.name}:{row}"), text
+                if not isinstance(text, str):
+                    raise UserError(f"{path} row {row}: the text is {'null' if text is None else type(text).__name__}")
+                if self.id_field and data[self.id_field][i] is None:
+                    raise UserError(f"{path} row {row}: the id is null")
+                yield (str(data[self.id_field][i]) if self.id_field else f"{path}:{row}"), text
 
 
 def _kind(path: Path) -> str:

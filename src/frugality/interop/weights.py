@@ -30,10 +30,11 @@ class WeightsSource:
     has_optimizer: bool = False
 
 
-def resolve_source(path: str | Path) -> WeightsSource:
+def resolve_source(path: str | Path, what: str = "--init-from") -> WeightsSource:
+    """The weights at `path`; `what` names it in errors (the flag or argument it came from)."""
     p = Path(path)
     if not p.exists():
-        raise UserError(f"--init-from {p}: no such file or folder")
+        raise UserError(f"{what} {p}: no such file or folder")
     if (p / "config.json").is_file():
         return WeightsSource(p, "hf")
     if (p / ".metadata").is_file():
@@ -41,7 +42,7 @@ def resolve_source(path: str | Path) -> WeightsSource:
     latest = CheckpointManager(p / "checkpoints").latest()
     if latest is not None:
         return WeightsSource(latest, "dcp", "optim" in _top_level_keys(latest))
-    raise UserError(f"--init-from {p}: not a run directory with a checkpoint, a checkpoint "
+    raise UserError(f"{what} {p}: not a run directory with a checkpoint, a checkpoint "
                     "folder, or a Hugging Face checkpoint folder (config.json)")
 
 

@@ -109,7 +109,7 @@ def run_figures(tokens: int, seconds: float, joules: float, usd: float | None, p
         "tokens": tokens,
         "wall_time_s": round(seconds, 2),
         "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
-        "usd": None if usd is None else round(usd, 6),
+        "usd": None if usd is None else round(usd, 9),
         "tokens_per_dollar": round(tokens / usd) if usd else None,
         "usd_per_million_tokens": round(usd / tokens * 1e6, 4) if usd is not None and tokens else None,
         "device_energy_j": round(joules, 1),
@@ -134,6 +134,6 @@ def at_target(points: list[dict], target: float) -> dict | None:
             mix = lambda k: None if point[k] is None or previous[k] is None else previous[k] + f * (point[k] - previous[k])
             usd = mix("usd")
             return {"step": round(mix("step"), 1), "elapsed_s": round(mix("elapsed_s"), 2),
-                    "energy_j": round(mix("energy_j"), 1), "usd": None if usd is None else round(usd, 6)}
+                    "energy_j": round(mix("energy_j"), 1), "usd": None if usd is None else round(usd, 9)}
         previous = point
     return None

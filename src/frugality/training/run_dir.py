@@ -205,8 +205,9 @@ def _progress(run_dir: Path) -> dict:
     """Step, total steps, tokens/s and ETA from the log's last train record."""
     last = None
     try:
-        with open(run_dir / METRICS_FILE) as f:
-            for line in f:
+        with open(run_dir / METRICS_FILE, "rb") as f:  # the log's tail: it grows for the whole run
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            for line in f.read().decode("utf-8", "replace").splitlines():
                 if '"kind": "train"' in line:
                     last = line
         total = tomllib.loads((run_dir / RECIPE_FILE).read_text()).get("train", {}).get("steps")

@@ -114,7 +114,7 @@ class Cost(Callback):
             self._gather(state)  # every rank ends its session at this step
         if self.main:
             elapsed = self.elapsed_s()
-            result.record.update(elapsed_s=round(elapsed, 3), usd=_round(self.usd(elapsed), 6))
+            result.record.update(elapsed_s=round(elapsed, 3), usd=_round(self.usd(elapsed), 9))
             if result.final:
                 figures = self.figures(state.step * _tokens_per_step(state.recipe), None)
                 result.record.update(energy_j=round(self.energy_j(), 1),
@@ -125,7 +125,7 @@ class Cost(Callback):
         if self.main:
             elapsed = self.elapsed_s()
             point = {"step": state.step, "loss": result.loss, "elapsed_s": round(elapsed, 3),
-                     "energy_j": round(self.energy_j(), 1), "usd": _round(self.usd(elapsed), 6)}
+                     "energy_j": round(self.energy_j(), 1), "usd": _round(self.usd(elapsed), 9)}
             self.evals = [p for p in self.evals if p["step"] < state.step] + [point]  # a rollback re-evaluates
             result.record.update({k: v for k, v in point.items() if k not in ("step", "loss")},
                                  tokens=state.step * _tokens_per_step(state.recipe))
