@@ -95,6 +95,13 @@ def test_a_changed_job_or_bad_input_is_one_line_and_writes_nothing(tmp_path, tex
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds an embedding job with other settings (encoder.normalize differs)" in err[0]
     assert sorted(p.name for p in out.iterdir()) == before
+    import fcntl
+
+    with open(out / ".lock", "a") as held:  # another job holds the folder
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert main(["embed", MODEL, str(texts_file), "--out", str(out), "--text-field", "body", "--no-progress",
+                     "--precision", "fp32"]) == 2
+    assert "is in use by another embedding job" in capsys.readouterr().err
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"body": "fine"}\n{"text": "no body"}\n')
