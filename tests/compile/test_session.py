@@ -48,10 +48,12 @@ def _recipe(micro_recipe_file, cache, *extra):
                                                 f'compile.cache="{cache}"', *extra])
 
 
-def test_an_altered_signed_entry_is_compiled_locally_and_the_run_completes(
-        micro_recipe_file, compiled_cache, tmp_path, monkeypatch):
+def test_an_altered_signed_entry_is_refused_and_the_run_completes(
+        micro_recipe_file, compiled_cache, tmp_path, monkeypatch, broken_compiler):
     """Someone with write access but not the key swaps a generated file and fixes the
-    archive's hash: the entry is refused, nothing from it runs, the run compiles its own."""
+    archive's hash: the entry is refused, nothing from it runs, the run goes on without it
+    (here eagerly: this machine's compiler is made to fail, which spares the test a cold
+    compile; a run with a working one compiles its own graphs)."""
     import json
 
     from frugality.compile.cache import CompileCacheWarning
@@ -71,7 +73,7 @@ def test_an_altered_signed_entry_is_compiled_locally_and_the_run_completes(
     with pytest.warns(CompileCacheWarning, match="altered after it was signed"):
         result = train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
     stats = result.summary["compile"]
-    assert not stats["fetched"] and stats["cache_misses"] == 3 and stats["cache_hits"] == 0
+    assert not stats["fetched"] and stats["cache_hits"] == 0 and stats["fallbacks"]
     assert result.final_step == recipe.train.steps
     assert not (tmp_path / "pwned").exists()
 
