@@ -192,7 +192,7 @@ class CheckpointManager:
             if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
                 shutil.rmtree(final)
             partial.rename(final)
-            _fsync_dir(self.folder)
+            fsync_dir(self.folder)
             # older than the checkpoints kept: complete ones, and step folders a crash or an
             # older version left without .metadata
             done = self.complete()
@@ -326,7 +326,7 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make a rename in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from frugality.checkpoint import fsync_dir
 from frugality.errors import UserError
 from frugality.inference.inputs import Inputs
 
@@ -230,7 +231,7 @@ def write_shard(out: Path, k: int, ids: list[str], vectors: np.ndarray, fmt: str
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out / names[1])
-        _sync_folder(out)
+        fsync_dir(out)  # the rename on disk: a power cut cannot undo a complete shard
         return
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -241,16 +242,7 @@ def write_shard(out: Path, k: int, ids: list[str], vectors: np.ndarray, fmt: str
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, out / names[0])
-    _sync_folder(out)
-
-
-def _sync_folder(folder: Path) -> None:
-    """The renames themselves on disk: a power cut cannot undo a shard counted complete."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(out)  # the rename on disk: a power cut cannot undo a complete shard
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
