@@ -10,7 +10,8 @@
   ranks or sessions measured differently.
 - A resumed run adds its earlier sessions' time, energy and dollars, read back from the
   log's last record that has them (the log is cut at the checkpoint resumed from). What a
-  crashed session spent after its last record is not known, and not counted.
+  crashed session spent after its last record is not known, and not counted; nor is the
+  energy since the last evaluation of a session stopped by a signal (docs/cost.md).
 """
 
 from __future__ import annotations
