@@ -225,30 +225,22 @@ def write_shard(out: Path, k: int, ids: list[str], vectors: np.ndarray, fmt: str
     names = shard_names(k, fmt)
     if fmt == "npy":
         _write_atomic(out / names[0], json.dumps(ids).encode())
-        tmp = out / f".{names[1]}.tmp"
-        with open(tmp, "wb") as f:
-            np.save(f, vectors)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out / names[1])
-        fsync_dir(out)  # the rename on disk: a power cut cannot undo a complete shard
-        return
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+        _write_atomic(out / names[1], lambda f: np.save(f, vectors))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
 
-    table = pa.table({"id": ids, "embedding": pa.FixedSizeListArray.from_arrays(vectors.reshape(-1), vectors.shape[1])})
-    tmp = out / f".{names[0]}.tmp"
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out / names[0])
-    fsync_dir(out)  # the rename on disk: a power cut cannot undo a complete shard
+        embedding = pa.FixedSizeListArray.from_arrays(vectors.reshape(-1), vectors.shape[1])
+        _write_atomic(out / names[0], lambda f: pq.write_table(pa.table({"id": ids, "embedding": embedding}), f))
+    fsync_dir(out)  # the renames on disk: a power cut cannot undo a complete shard
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, content) -> None:
+    """`content` (bytes, or a function writing to a binary file) under a temporary name,
+    synced, then renamed to `path`."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        content(f) if callable(content) else f.write(content)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -69,6 +69,7 @@ class Sampler:
         self.proc_stat = proc_stat
         self.cpu_before = self._cpu_times()
         self.t0 = time.perf_counter()
+        self.rapl_joules = 0.0  # at the last sample
         try:
             self.rapl = RaplMeter(powercap)
             self.rapl.start()
@@ -97,8 +98,8 @@ class Sampler:
                "memory_used_gib": _used_gib(), "memory_gib": _meminfo_gib("MemTotal"), "power_w": None}
         if self.rapl is not None and seconds > 0:
             joules = self.rapl.joules()
-            cpu["power_w"] = round((joules - getattr(self, "_rapl_last", 0.0)) / seconds, 1)
-            self._rapl_last = joules
+            cpu["power_w"] = round((joules - self.rapl_joules) / seconds, 1)
+            self.rapl_joules = joules
         devices = [cpu]
         if self.nvml is not None:
             nvml = self.nvml
