@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
+from frugality.models.kv_cache import KVCache, LayerCache
 from frugality.models.layers import CausalAttention, OutputLayer, RotaryEmbedding, check_length
 
 
@@ -76,11 +77,12 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_seq_len, cfg.rotary_base, cfg.head_size)
         self.attend = CausalAttention()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq, hidden = x.shape
         qkv = self.qkv(x).view(batch, seq, self.num_heads, 3, self.head_size)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # (B, heads, T, head_size)
-        y = self.attend(q, k, v, self.rotary if self.rotary.dim else None)
+        rotary = self.rotary if self.rotary.dim else None
+        y = self.attend(q, k, v, rotary) if cache is None else cache.attend(q, k, v, rotary)
         return self.out(y.transpose(1, 2).reshape(batch, seq, hidden))
 
 
@@ -104,10 +106,10 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         if self.parallel_residual:
-            return h + self.attn(self.attn_norm(h)) + self.mlp(self.mlp_norm(h))
-        h = h + self.attn(self.attn_norm(h))
+            return h + self.attn(self.attn_norm(h), cache) + self.mlp(self.mlp_norm(h))
+        h = h + self.attn(self.attn_norm(h), cache)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -140,10 +142,18 @@ class GPTNeoX(nn.Module):
             else:
                 p.normal_(0.0, small)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab); or, given next-token `targets` (B, T), the mean cross-entropy."""
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab); or, given next-token `targets` (B, T), the mean cross-entropy.
+        Decoding, with a `cache`: the tokens sit at `positions` (B, T) of their rows (-1:
+        padding), their keys and values go into the cache, and only the last column's
+        logits (B, 1, vocab) come back."""
         check_length(input_ids, self.config.max_seq_len)
         h = self.embed(input_ids)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output.logits_or_loss(self.final_norm(h), targets)
+        if cache is None:
+            for layer in self.layers:
+                h = layer(h)
+            return self.output.logits_or_loss(self.final_norm(h), targets)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cache.layer(i, positions))
+        return self.output(self.final_norm(h[:, -1:]))

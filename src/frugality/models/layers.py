@@ -44,11 +44,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape (batch, heads, seq, head_size); channels past `dim` pass through."""
-        seq_len = x.shape[-2]
-        cos = self.cos[:seq_len].to(x.dtype)
-        sin = self.sin[:seq_len].to(x.dtype)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate x of shape (batch, heads, seq, head_size) by positions 0..seq-1, or by each
+        row's own `positions` (batch, seq) when decoding; channels past `dim` pass through."""
+        if positions is None:
+            seq_len = x.shape[-2]
+            cos = self.cos[:seq_len].to(x.dtype)
+            sin = self.sin[:seq_len].to(x.dtype)
+        else:
+            cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # (batch, 1, seq, head_size)
+            sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         return x * cos + self.swap_halves(x) * sin
 
     def swap_halves(self, x: torch.Tensor) -> torch.Tensor:

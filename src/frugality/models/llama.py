@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
+from frugality.models.kv_cache import KVCache, LayerCache
 from frugality.models.layers import CausalAttention, OutputLayer, RotaryEmbedding, check_length
 
 
@@ -78,12 +79,12 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_size, cfg.max_seq_len, cfg.rope_theta)
         self.attend = CausalAttention()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q(x).view(b, t, self.heads, self.head_size).transpose(1, 2)
         k = self.k(x).view(b, t, self.kv_heads, self.head_size).transpose(1, 2)
         v = self.v(x).view(b, t, self.kv_heads, self.head_size).transpose(1, 2)
-        y = self.attend(q, k, v, self.rotary)
+        y = self.attend(q, k, v, self.rotary) if cache is None else cache.attend(q, k, v, self.rotary)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -106,8 +107,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h))
+    def forward(self, h: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cache)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -137,9 +138,15 @@ class Llama(nn.Module):
             else:
                 p.normal_(0.0, self.config.init_std)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """As GPTNeoX.forward: logits, the loss given `targets`, or a decoding step with a `cache`."""
         check_length(input_ids, self.config.max_seq_len)
         h = self.embed(input_ids)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output.logits_or_loss(self.final_norm(h), targets)
+        if cache is None:
+            for layer in self.layers:
+                h = layer(h)
+            return self.output.logits_or_loss(self.final_norm(h), targets)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cache.layer(i, positions))
+        return self.output(self.final_norm(h[:, -1:]))
