@@ -18,6 +18,7 @@ from frugality.cli.cost import cost
 from frugality.cli.data import data
 from frugality.cli.devices import ls, top
 from frugality.cli.embed import embed
+from frugality.cli.generate import generate
 from frugality.cli.doctor import doctor
 from frugality.cli.interop import export, import_
 from frugality.cli.launch import launch
@@ -52,6 +53,7 @@ cli.add_command(report)
 cli.add_command(compare)
 cli.add_command(cost)
 cli.add_command(embed)
+cli.add_command(generate)
 cli.add_command(ls)
 cli.add_command(top)
 

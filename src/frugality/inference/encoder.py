@@ -10,12 +10,14 @@ Without them: mean pooling, no normalisation, the model's maximum length."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
+from torch import nn
 
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
@@ -116,38 +118,52 @@ def resolve_precision(name: str, device: torch.device) -> tuple[torch.dtype, str
     return (torch.bfloat16, f"bf16: {hw.why}") if hw.native_bf16 else (torch.float32, f"fp32: {hw.why}")
 
 
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model read from a folder, on the CPU, with where its tokenizer and weights are."""
+
+    model: nn.Module
+    tokenizer: str  # a tokenizer.json beside the weights, else the recipe's data.tokenizer (a name or path)
+    weights: Path  # the folder the weights came from: a run's latest checkpoint when MODEL is a run
+
+
+def load_model(path: str | Path, check: Callable[[object, Path], None]) -> LoadedModel:
+    """The model at `path`: a Hugging Face folder, a folder from `frugality import hf`, or a
+    run directory (its latest checkpoint); `check(config, folder)` refuses a family the
+    caller cannot use before any weights are read."""
+    folder = Path(path)
+    if not folder.exists():
+        raise UserError(f"model {folder}: no such folder")
+    if (folder / "config.json").is_file():  # a Hugging Face folder
+        config, state = import_hf(folder)
+        check(config, folder)
+        model = build_model(config)
+        model.load_state_dict(state, strict=True)
+        return LoadedModel(model, str(folder / "tokenizer.json"), folder)
+    # a frugality checkpoint: an imported folder or a run directory
+    source = resolve_source(folder, "model")
+    recipe = recipe_beside(source)
+    check(recipe.model, folder)
+    model = build_model(recipe.model)  # built for real, not on "meta": the rotary tables are in no checkpoint
+    load_weights(source, model)
+    own = source.path / "tokenizer.json"  # an imported folder's, wherever it was moved
+    return LoadedModel(model, str(own) if own.is_file() else recipe.data.tokenizer, source.path)
+
+
 def load_encoder(path: str | Path, device: torch.device, precision: str = "auto",
                  normalize: bool | None = None, max_length: int | None = None) -> tuple[Encoder, str]:
     """The encoder at `path` on `device`, and the precision line (what was chosen, why)."""
     folder = Path(path)
-    if not folder.exists():
-        raise UserError(f"model {folder}: no such folder")
     dtype, why = resolve_precision(precision, device)
-    if (folder / "config.json").is_file():  # a Hugging Face folder
-        config, state = import_hf(folder)
-        _check_encoder(config, folder)
-        model = build_model(config)
-        model.load_state_dict(state, strict=True)
-        tokenizer_path, pooling_folder, weights = folder / "tokenizer.json", folder, folder
-    else:  # a frugality checkpoint: an imported folder or a run directory
-        source = resolve_source(folder, "model")
-        recipe = recipe_beside(source)
-        _check_encoder(recipe.model, folder)
-        with torch.device("meta"):
-            model = build_model(recipe.model)
-        model = model.to_empty(device="cpu")
-        load_weights(source, model)
-        weights = source.path  # the checkpoint itself: a run's latest when MODEL is a run
-        own = source.path / "tokenizer.json"  # an imported folder's, wherever it was moved
-        tokenizer_path = own if own.is_file() else Path(recipe.data.tokenizer)
-        pooling_folder = source.path if (source.path / "modules.json").is_file() else folder
-    tokenizer = load_tokenizer(str(tokenizer_path)).tokenizer
-    pooling = read_pooling(pooling_folder)
+    loaded = load_model(folder, _check_encoder)
+    tokenizer = load_tokenizer(loaded.tokenizer).tokenizer
+    weights = loaded.weights
+    pooling = read_pooling(weights if (weights / "modules.json").is_file() else folder)
     if normalize is not None:
         pooling = replace(pooling, normalize=normalize)
     if max_length is not None:
         pooling = replace(pooling, max_length=max_length)
-    model = model.to(device=device, dtype=dtype)
+    model = loaded.model.to(device=device, dtype=dtype)
     return Encoder(model, tokenizer, pooling, device, dtype, weights), why
 
 

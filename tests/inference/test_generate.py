@@ -1,0 +1,232 @@
+"""`frugality generate`: greedy output equals transformers' generate token for token on
+GPT-NeoX (partial rotary) and Llama (grouped-query attention) weights saved by
+`save_pretrained`, for one prompt and for a left-padded batch; sampling repeats with its
+seed; stop tokens and strings end rows; a compiled decoding step never recompiles after
+warm-up; the command end to end, and its refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from frugality.cli.main import main
+from frugality.errors import UserError
+from frugality.inference.generate import Engine, Sampling, cache_length, load_decoder, pick
+
+transformers = pytest.importorskip("transformers")
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+
+VOCAB = 256
+EOS = 0
+
+
+def _tokenizer() -> Tokenizer:
+    """A word-level tokenizer of VOCAB words: `<|endoftext|>`, then w1 ... w255."""
+    vocab = {"<|endoftext|>": EOS, **{f"w{i}": i for i in range(1, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    return tokenizer
+
+
+def _save(model, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    _tokenizer().save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _spread(model):
+    """Larger random weights than the default init, so that greedy choices are decided by
+    clear margins rather than by float rounding."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3 if "embed" in name else 0.15)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def neox_folder(tmp_path_factory) -> Path:
+    config = transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=128,
+                                        rotary_pct=0.25, bos_token_id=EOS, eos_token_id=EOS)
+    return _save(_spread(transformers.GPTNeoXForCausalLM(config)), tmp_path_factory.mktemp("neox"))
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory) -> Path:
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
+                                      max_position_embeddings=128, bos_token_id=1, eos_token_id=EOS,
+                                      pad_token_id=EOS)
+    return _save(_spread(transformers.LlamaForCausalLM(config)), tmp_path_factory.mktemp("llama"))
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [250], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29],
+           [3, 3, 3, 4]]
+
+
+def _theirs(folder: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, batched with left padding."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # every row runs to `new` tokens
+    width = max(map(len, prompts))
+    ids = torch.tensor([[EOS] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=EOS)
+    return out[:, width:].tolist()
+
+
+def _ours(folder: Path, prompts: list[list[int]], new: int, batch: int | None = None, **sampling) -> list[list[int]]:
+    decoder, _ = load_decoder(folder, torch.device("cpu"), "fp32")
+    engine = Engine(decoder, batch or len(prompts), cache_length(max(map(len, prompts)), new, decoder.max_seq_len))
+    return [c.tokens for c in engine.generate(prompts, Sampling(max_new_tokens=new, **sampling))]
+
+
+@pytest.mark.parametrize("family", ["neox", "llama"])
+def test_greedy_equals_transformers_token_for_token(family, request):
+    folder = request.getfixturevalue(f"{family}_folder")
+    assert _ours(folder, PROMPTS[:1], 24) == _theirs(folder, PROMPTS[:1], 24)  # one prompt
+    theirs = _theirs(folder, PROMPTS, 24)
+    assert _ours(folder, PROMPTS, 24) == theirs  # a left-padded batch of different lengths
+    assert _ours(folder, PROMPTS, 24, batch=6) == theirs  # filler rows change nothing
+
+
+def test_sampling_repeats_with_its_seed_and_top_k_1_is_greedy(neox_folder):
+    hot = dict(temperature=1.5, top_k=50, top_p=0.9)
+    first = _ours(neox_folder, PROMPTS, 16, seed=3, **hot)
+    assert _ours(neox_folder, PROMPTS, 16, seed=3, **hot) == first
+    assert _ours(neox_folder, PROMPTS, 16, seed=4, **hot) != first
+    assert _ours(neox_folder, PROMPTS, 16, temperature=0.7, top_k=1, seed=5) == _ours(neox_folder, PROMPTS, 16)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    generator = torch.Generator().manual_seed(0)
+    drawn = {pick(logits, Sampling(temperature=1.0, top_p=0.75), generator).item() for _ in range(200)}
+    assert drawn == {0, 1}
+    drawn = {pick(logits, Sampling(temperature=1.0, top_k=3), generator).item() for _ in range(200)}
+    assert drawn == {0, 1, 2}
+
+
+def test_stop_tokens_and_strings_end_rows(neox_folder):
+    decoder, _ = load_decoder(neox_folder, torch.device("cpu"), "fp32")
+    engine = Engine(decoder, 4, 64)
+    free = engine.generate(PROMPTS, Sampling(max_new_tokens=12))
+    stop = free[0].tokens[3]  # row 0's fourth token: that row stops there (others may too, earlier)
+    stopped = engine.generate(PROMPTS, Sampling(max_new_tokens=12, stop_ids=(stop,)))
+    assert stopped[0].tokens == free[0].tokens[:4] and stopped[0].finish == "stop"
+    assert stopped[0].text == decoder.decode(free[0].tokens[:3])
+    for got, full in zip(stopped, free):
+        assert got.tokens == full.tokens[:len(got.tokens)]
+        assert got.finish == "stop" or got.tokens == full.tokens
+    word = decoder.decode(free[1].tokens[2:3])
+    cut = engine.generate(PROMPTS, Sampling(max_new_tokens=12, stop_strings=(word,)))
+    assert cut[1].finish == "stop" and word not in cut[1].text and len(cut[1].tokens) <= 3
+
+
+def test_streaming_pieces_add_up_to_the_text(llama_folder):
+    decoder, _ = load_decoder(llama_folder, torch.device("cpu"), "fp32")
+    pieces: list[str] = []
+    [done] = Engine(decoder, 1, 64).generate(PROMPTS[:1], Sampling(max_new_tokens=10),
+                                             on_text=lambda row, piece: pieces.append(piece))
+    assert len(pieces) > 1 and "".join(pieces) == done.text
+
+
+def test_compiled_decoding_never_recompiles_after_warm_up(llama_folder):
+    import torch._dynamo
+
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    decoder, _ = load_decoder(llama_folder, torch.device("cpu"), "fp32")
+    engine = Engine(decoder, 4, 64, compile=backend)
+    sampling = Sampling(max_new_tokens=8)
+    warm = engine.generate(PROMPTS, sampling)  # warm-up: the 32-token prefill bucket and the decoding step
+    assert len(compiles) >= 2
+    compiled = len(compiles)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = engine.generate(PROMPTS, sampling)
+        other = engine.generate([[7, 8, 9] * 6, [1, 2]], Sampling(max_new_tokens=8, temperature=1.0, top_k=5))
+    assert len(compiles) == compiled and again == warm and len(other) == 2
+    assert [c.tokens for c in warm] == _ours(llama_folder, PROMPTS, 8)  # compiled as eager
+    torch._dynamo.reset()
+
+
+def _write_prompts(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": p, "n": i}) + "\n" for i, p in enumerate(prompts)))
+    return path
+
+
+def test_the_command_from_a_prompt_file_to_jsonl(neox_folder, tmp_path, capsys):
+    prompts = ["w5 w17 w33", "w250", "w12 w13 w14 w15 w16 w17 w18", "w3 w3", "w9"]
+    source = _write_prompts(tmp_path / "prompts.jsonl", prompts)
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", str(neox_folder), "--input", str(source), "--text-field", "text", "--id-field", "n",
+                 "--out", str(out),
+                 "--max-new-tokens", "6", "--batch", "2", "--precision", "fp32"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["0", "1", "2", "3", "4"] and [r["prompt"] for r in rows] == prompts
+    ids = [[int(w[1:]) for w in p.split()] for p in prompts]
+    theirs = _theirs(neox_folder, ids, 6)
+    for row, expected in zip(rows, theirs):
+        stop = EOS in expected  # the tokenizer's end token stops a row by default
+        tokens = expected[:expected.index(EOS) + 1] if stop else expected
+        assert row["completion"] == _tokenizer().decode(tokens[:-1] if stop else tokens)
+        assert row["prompt_tokens"] == len(row["prompt"].split()) and row["completion_tokens"] == len(tokens)
+        assert row["finish"] == ("stop" if stop else "length")
+    assert "5 prompts" in capsys.readouterr().err
+    # an existing --out is refused, and left as it was
+    before = out.read_text()
+    assert main(["generate", str(neox_folder), "--input", str(source), "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err and out.read_text() == before
+
+
+def test_one_prompt_streams_to_the_terminal(llama_folder, capsys):
+    assert main(["generate", str(llama_folder), "--prompt", "w5 w17 w33", "--max-new-tokens", "5",
+                 "--stop-token", "none"]) == 0
+    [expected] = _theirs(llama_folder, [[5, 17, 33]], 5)  # (this tokenizer adds no <s>)
+    assert capsys.readouterr().out == _tokenizer().decode(expected) + "\n"
+
+
+def test_an_imported_folder_generates_as_the_hugging_face_one(llama_folder, tmp_path, capsys):
+    assert main(["import", "hf", str(llama_folder), "--out", str(tmp_path / "imported")]) == 0
+    outputs = []
+    for model in (llama_folder, tmp_path / "imported"):
+        capsys.readouterr()
+        assert main(["generate", str(model), "--prompt", "w9 w8 w7", "--max-new-tokens", "6"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].strip()
+
+
+def test_refusals_are_one_error_line(neox_folder, tmp_path, capsys):
+    def error(*args) -> str:
+        assert main(["generate", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err, err
+        return err
+
+    assert "no such folder" in error(str(tmp_path / "missing"), "--prompt", "hi")
+    bert = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64)
+    _save(transformers.BertModel(bert), tmp_path / "bert")
+    capsys.readouterr()  # transformers' progress bar
+    assert "takes a decoder" in error(str(tmp_path / "bert"), "--prompt", "hi")
+    assert "--prompt or --input" in error(str(neox_folder))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "w1"}\n{"text": "w2"}\n')
+    assert f"{bad} line 2" in error(str(neox_folder), "--input", str(bad), "--out", str(tmp_path / "o.jsonl"))
+    assert not (tmp_path / "o.jsonl").exists()
+    assert "--max-new-tokens" in error(str(neox_folder), "--prompt", "w1", "--max-new-tokens", "500")
+    with pytest.raises(UserError, match="top-p"):
+        Sampling(top_p=0.0)
