@@ -34,7 +34,7 @@ from frugality.models import FAMILIES, ModelConfig
 # (frugality.precision, frugality.compile.levels, frugality.tasks) read them from here.
 PRECISIONS = ("auto", "fp32", "amp-bf16", "bf16-sr", "bf16", "fp8")
 COMPILE_LEVELS = ("O0", "O1", "O2")
-TASKS = ("causal_lm",)
+TASKS = ("causal_lm", "masked_lm", "contrastive")
 DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
 
 
@@ -57,9 +57,18 @@ class DataConfig(_Section):
         default=8, description="sequences per forward pass on one device; the rest is accumulated"
     )
     val_fraction: float = Field(default=0.02, gt=0.0, lt=0.5)
+    fields: tuple[str, str] | tuple[str, str, str] = Field(
+        default=("query", "text"), description="contrastive: the JSONL fields of the query, the positive and "
+        "(optionally) a hard negative")
+    buckets: tuple[PositiveInt, ...] = Field(
+        default=(), description="contrastive: the padded lengths a batch may take besides seq_len (the "
+        "longest); each is one compiled shape")
+    mask_prob: float = Field(default=0.15, gt=0.0, lt=1.0, description="masked_lm: share of tokens predicted")
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
+        if any(b > self.seq_len for b in self.buckets):
+            raise ValueError(f"buckets ({list(self.buckets)}) must not exceed seq_len ({self.seq_len})")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"global_batch_size ({self.global_batch_size}) must be a multiple of "

@@ -14,6 +14,7 @@ from frugality.data.tokenizer import LoadedTokenizer
 
 BUNDLED_PREFIX = "bundled:"
 _CORPORA = ("gutenberg",)
+_PAIRS = {"wordnet": "wordnet-glosses.jsonl.gz"}  # (query, positive) text pairs
 
 
 def corpus_files(name: str = "gutenberg") -> list[Path]:
@@ -21,6 +22,13 @@ def corpus_files(name: str = "gutenberg") -> list[Path]:
         raise ValueError(f"no bundled corpus {name!r} (have: {', '.join(_CORPORA)})")
     folder = resources.files("frugality") / "assets" / "corpus"
     return sorted(Path(str(p)) for p in folder.iterdir() if p.name.endswith(".txt.gz"))
+
+
+def bundled_pairs(name: str) -> str:
+    """Path of a bundled JSONL of text pairs (for contrastive training)."""
+    if name not in _PAIRS:
+        raise ValueError(f"no bundled pairs {name!r} (have: {', '.join(_PAIRS)}; or give a .jsonl path)")
+    return str(resources.files("frugality") / "assets" / "pairs" / _PAIRS[name])
 
 
 def bundled_dataset(name: str, tokenizer: LoadedTokenizer, progress: bool = True) -> str:

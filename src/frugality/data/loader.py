@@ -137,8 +137,8 @@ def validation_batches(
     available = len(samples.val_ids) // micro_batch_size
     if available < 1:
         raise UserError(
-            f"the validation split has {len(samples.val_ids)} samples of {samples.block} tokens, "
-            f"fewer than one batch of {micro_batch_size}; raise data.val_fraction or lower "
+            f"the validation split has {len(samples.val_ids)} samples, fewer than one batch of "
+            f"{micro_batch_size}; raise data.val_fraction or lower "
             "data.micro_batch_size"
         )
     b, count = micro_batch_size, min(batches, available)

@@ -4,6 +4,8 @@
   `<|endoftext|>`.
 - `gpt2`: OpenAI's original GPT-2 byte-level BPE (`encoder.json` + `vocab.bpe`); id 50256
   is `<|endoftext|>`.
+- `bert-uncased`: BERT's uncased WordPiece (all-MiniLM-L6-v2's); adds [CLS] ... [SEP]
+  where special tokens are asked for; [SEP] ends documents.
 Anything else is a path: a `tokenizer.json`, or a folder holding one, or a folder holding
 GPT-2-style `vocab.json`/`encoder.json` + `merges.txt`/`vocab.bpe`.
 """
@@ -19,7 +21,7 @@ from tokenizers.implementations import ByteLevelBPETokenizer
 
 from frugality.errors import UserError
 
-_ALIASES = {"pythia": "pythia", "gpt-neox-20b": "pythia", "gpt2": "gpt2"}
+_ALIASES = {"pythia": "pythia", "gpt-neox-20b": "pythia", "gpt2": "gpt2", "bert-uncased": "bert-uncased"}
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 
 

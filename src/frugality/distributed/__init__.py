@@ -182,6 +182,16 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Every rank's CPU tensor concatenated along dim 0, in rank order (row counts may
+    differ). Small tensors only: it goes through pickled objects on the default group."""
+    if not dist.is_initialized():
+        return rows
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rows)
+    return torch.cat(gathered)
+
+
 def barrier() -> None:
     """Wait for every rank (nothing at world size 1)."""
     if dist.is_initialized():

@@ -10,6 +10,7 @@ from frugality.interop.weights import load_weights, recipe_beside, resolve_sourc
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 from frugality.interop.hf import export_hf
+from frugality.interop.sentence_transformers import module_files
 from frugality.models import build_model
 
 
@@ -27,5 +28,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
         files = {"tokenizer.json": load_tokenizer(recipe.data.tokenizer).tokenizer.to_str().encode()}
     except UserError:
         files = {}  # the recipe's tokenizer is gone: export the weights alone
+    state = model.state_dict()
+    if recipe.model.family == "bert":  # an embedding model: sentence-transformers loads it as it embeds
+        files.update(module_files(recipe.model, state, recipe.model.max_seq_len))
     # Buffers (rotary tables) are not exported; only the loaded parameters are.
-    return export_hf(recipe.model, model.state_dict(), out, files)
+    return export_hf(recipe.model, state, out, files)

@@ -19,6 +19,7 @@ import torch
 
 from frugality.errors import UserError
 from frugality.interop import hf_bert, hf_gpt_neox, hf_llama
+from frugality.interop.sentence_transformers import read_modules
 
 # sentence-transformers' files that say how an encoder pools; carried along by import.
 SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json")
@@ -105,6 +106,10 @@ def import_hf(folder: str | Path):
         state = _from_hf(config, weights if weights is not None else read_hf_weights(folder))
     except KeyError as e:
         raise UserError(f"{folder}: {e.args[0]}") from None
+    if config.family == "bert":  # a sentence-transformers folder: its pooling, Dense head, Normalize
+        fields, head = read_modules(folder)
+        config = config.model_copy(update=fields)
+        state.update(head)
     _check_against_config(state, config, config_path)
     return config, state
 
@@ -145,7 +150,8 @@ def export_hf(config, state: dict[str, torch.Tensor], out: str | Path,
     staging.mkdir(parents=True)
     save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
     (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    for name, data in files.items():  # e.g. tokenizer.json
+    for name, data in files.items():  # e.g. tokenizer.json, 1_Pooling/config.json
+        (staging / name).parent.mkdir(parents=True, exist_ok=True)
         (staging / name).write_bytes(data)
     _same_mode(staging)
     if out.exists():
@@ -159,5 +165,6 @@ def _same_mode(folder: Path) -> None:
     its file through a private temporary file, mode 0600."""
     umask = os.umask(0)
     os.umask(umask)
-    for f in folder.iterdir():
-        f.chmod(0o666 & ~umask)
+    for f in folder.rglob("*"):
+        if f.is_file():
+            f.chmod(0o666 & ~umask)

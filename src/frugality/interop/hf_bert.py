@@ -46,7 +46,10 @@ def to_hf(state: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.Te
     """Names as `BertModel` (encoder only) or `BertForMaskedLM` (with the MLM head, under
     a `bert.` prefix) save them. The decoder weight is the word embedding: transformers
     re-ties it."""
-    out = NAMES.to_theirs({k: v for k, v in state.items() if k != "mlm.decoder.weight"})
+    # The embedding head and the temperature are not BertModel's: sentence-transformers'
+    # Dense modules carry the head (frugality.interop.sentence_transformers).
+    out = NAMES.to_theirs({k: v for k, v in state.items() if k != "mlm.decoder.weight"
+                           and not k.startswith("head.") and k != "logit_scale"})
     if cfg.mlm_head:
         out = {(k if k.startswith("cls.") else "bert." + k): v for k, v in out.items()}
     return out

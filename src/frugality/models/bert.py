@@ -3,10 +3,17 @@ all-MiniLM-L6-v2: learned absolute positions and token types, post-LayerNorm blo
 (eps 1e-12), exact GELU, bidirectional attention over non-padding tokens, an optional
 tanh pooler and an optional masked-LM head tied to the word embeddings. Computes what
 `transformers.BertModel` / `BertForMaskedLM` compute (tests/models/test_bert.py).
+
+As an embedding model it pools the hidden states (mean of the non-padding tokens, or the
+first token), passes them through an optional MLP projection head and optionally
+L2-normalises them: what sentence-transformers' Pooling, Dense and Normalize modules do.
+A learnable temperature (CLIP's logit scale) lives here too, so that it is checkpointed
+and optimised with the weights.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -32,6 +39,15 @@ class BertConfig(BaseModel):
     pooler: bool = True
     mlm_head: bool = False
     init_std: float = Field(default=0.02, gt=0.0)
+    # As an embedding model (contrastive training, `frugality embed`, sentence-transformers export):
+    pooling: Literal["mean", "cls"] = "mean"
+    head: tuple[PositiveInt, ...] = Field(default=(), description="widths of the MLP projection head's layers "
+                                    "after pooling (empty: none); the last layer is linear")
+    head_activation: Literal["tanh", "relu", "gelu"] = Field(default="gelu", description="between head layers")
+    normalize: bool = Field(default=False, description="L2-normalise the embeddings")
+    temperature: float = Field(default=0.05, gt=0.0, description="contrastive loss: similarities are divided "
+                               "by it (the initial value when learnt)")
+    learn_temperature: bool = False
 
     @model_validator(mode="after")
     def _check_shapes(self) -> "BertConfig":
@@ -99,6 +115,9 @@ class MaskedLMHead(nn.Module):
         return self.decoder(self.norm(self.act(self.dense(h))))
 
 
+ACTIVATIONS = {"tanh": torch.tanh, "relu": F.relu, "gelu": F.gelu}
+
+
 class Bert(nn.Module):
     """input_ids (B, T) [+ attention_mask, token_type_ids] -> hidden states (B, T, d); with
     the masked-LM head, `mlm_logits(hidden)` gives (B, T, vocab)."""
@@ -110,13 +129,19 @@ class Bert(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size) if cfg.pooler else None
         self.mlm = MaskedLMHead(cfg, self.embeddings.word) if cfg.mlm_head else None
+        widths = [cfg.hidden_size, *cfg.head]
+        self.head = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        # log(1 / temperature), as CLIP keeps it: positive and well scaled for the optimizer
+        self.logit_scale = nn.Parameter(torch.empty(1)) if cfg.learn_temperature else None
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """BERT's initialisation: N(0, 0.02) weights, zero biases, unit norms."""
         for name, p in self.named_parameters():
-            if name.endswith("bias"):
+            if name == "logit_scale":
+                p.fill_(math.log(1.0 / self.config.temperature))
+            elif name.endswith("bias"):
                 p.zero_()
             elif "norm" in name:
                 p.fill_(1.0)
@@ -124,14 +149,46 @@ class Bert(nn.Module):
                 p.normal_(0.0, self.config.init_std)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, *, embed: bool = False,
+                contrastive_groups: int | None = None, mlm_targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (B, T, d); or sentence embeddings (`embed`); or a training loss:
+        InfoNCE over rows stacked as `contrastive_groups` groups (`info_nce`), or the
+        masked-LM cross-entropy against `mlm_targets` (-100 where nothing is predicted).
+        Losses are computed here, in forward, so that DDP and FSDP see every use of the
+        parameters (the temperature included)."""
         check_length(input_ids, self.config.max_seq_len)
         # Padding keys are masked out for every query: a (B, 1, 1, T) boolean mask.
         mask = attention_mask.bool()[:, None, None, :] if attention_mask is not None else None
         h = self.embeddings(input_ids, token_type_ids)
         for layer in self.layers:
             h = layer(h, mask)
-        return h
+        if mlm_targets is not None:
+            logits = self.mlm_logits(h).float()
+            return F.cross_entropy(logits.flatten(0, 1), mlm_targets.flatten(), ignore_index=-100)
+        if not embed and contrastive_groups is None:
+            return h
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        pooled = pool(h, attention_mask, self.config.pooling)
+        if contrastive_groups is None:
+            return self.project(pooled, self.config.normalize)
+        return info_nce(self.project(pooled, normalize=True), contrastive_groups, self.similarity_scale())
+
+    def similarity_scale(self) -> torch.Tensor | float:
+        """1 / temperature; learnt, it is kept at most 100 (CLIP's bound) so that the
+        softmax cannot collapse onto one pair."""
+        if self.logit_scale is None:
+            return 1.0 / self.config.temperature
+        return self.logit_scale.clamp(max=math.log(100.0)).exp()
+
+    def project(self, pooled: torch.Tensor, normalize: bool) -> torch.Tensor:
+        """The projection head (activation between layers, the last linear), then L2."""
+        activation = ACTIVATIONS[self.config.head_activation]
+        for i, layer in enumerate(self.head):
+            pooled = layer(pooled.to(layer.weight.dtype))
+            if i < len(self.head) - 1:
+                pooled = activation(pooled)
+        return F.normalize(pooled, p=2, dim=-1) if normalize else pooled
 
     def pooled(self, hidden: torch.Tensor) -> torch.Tensor:
         """BERT's pooler: tanh(dense(hidden state of the first token))."""
@@ -145,9 +202,30 @@ class Bert(nn.Module):
         return self.mlm(hidden)
 
 
+def info_nce(embeddings: torch.Tensor, groups: int, scale: torch.Tensor | float) -> torch.Tensor:
+    """Symmetric InfoNCE with in-batch negatives (van den Oord et al., 2018; CLIP's form):
+    rows are n queries, n positives, then (with 3 groups) n hard negatives, L2-normalised.
+    Each query must pick its positive among every positive and negative of the batch, and
+    each positive its query among the queries; the loss is the mean of both directions."""
+    n = embeddings.shape[0] // groups
+    queries, documents = embeddings[:n].float(), embeddings[n:].float()
+    labels = torch.arange(n, device=embeddings.device)
+    forward = F.cross_entropy(scale * queries @ documents.T, labels)
+    backward = F.cross_entropy(scale * documents[:n] @ queries.T, labels)
+    return (forward + backward) / 2
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str = "mean") -> torch.Tensor:
+    """One float32 vector per row: the mean of the non-padding tokens' hidden states (summed
+    in float32: bf16 sums lose small terms), or the first token's ("cls")."""
+    if mode == "cls":
+        return hidden[:, 0].float()
+    weights = attention_mask.unsqueeze(-1).float()
+    return (hidden.float() * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+
+
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True) -> torch.Tensor:
     """Sentence embeddings as sentence-transformers computes them: the mean of the
     non-padding tokens' hidden states, then (optionally) L2-normalised."""
-    weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
-    pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+    pooled = pool(hidden, attention_mask).to(hidden.dtype)
     return F.normalize(pooled, p=2, dim=-1) if normalize else pooled

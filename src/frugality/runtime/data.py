@@ -1,6 +1,7 @@
 """A recipe's training data, opened and checked before anything is written: the tokenizer,
-the dataset (the bundled corpus tokenized on first use), packed samples, the resumable
-training stream and the held-out validation batches."""
+the dataset (the bundled corpus tokenized on first use), packed samples — or, for
+contrastive training, tokenized text pairs — the resumable training stream and the
+held-out validation batches."""
 
 from __future__ import annotations
 
@@ -9,20 +10,22 @@ from dataclasses import dataclass
 import torch
 
 from frugality.config.recipe import Recipe
-from frugality.data.bundled import BUNDLED_PREFIX, bundled_dataset
+from frugality.data.bundled import BUNDLED_PREFIX, bundled_dataset, bundled_pairs
 from frugality.data.indexed import IndexedDataset
 from frugality.data.loader import PackedSamples, TrainStream, validation_batches
+from frugality.data.pairs import PairSamples
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 
 
 @dataclass
 class TrainingData:
-    dataset: IndexedDataset
-    samples: PackedSamples
+    samples: PackedSamples | PairSamples
     stream: TrainStream  # the training batches, in a resumable order
-    val_batches: list[torch.Tensor]  # this rank's forwards at each evaluation
+    val_batches: list  # this rank's forwards at each evaluation (tensors, or TextBatches of pairs)
     val_counted: int  # how many of them count (the rest keep the ranks in step)
+    description: str  # for the run header: samples and tokens
+    mask_id: int | None = None  # the tokenizer's [MASK], for masked-LM training
 
 
 def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, world_size: int = 1) -> TrainingData:
@@ -34,19 +37,41 @@ def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, wor
             f"tokenizer {recipe.data.tokenizer!r} has {tokenizer.vocab_size} tokens, more than "
             f"model.vocab_size ({recipe.model.vocab_size})"
         )
-    dataset = _open_dataset(recipe, tokenizer, progress)
-    samples = PackedSamples(dataset, recipe.data.seq_len, recipe.data.val_fraction, recipe.seed)
+    if recipe.train.task == "contrastive":
+        samples = _open_pairs(recipe, tokenizer)
+    else:
+        dataset = _open_dataset(recipe, tokenizer, progress)
+        samples = PackedSamples(dataset, recipe.data.seq_len, recipe.data.val_fraction, recipe.seed)
+        # A dataset tokenized for another vocabulary shows in its first tokens; scanning them
+        # all would take minutes on a large corpus.
+        if int(dataset.tokens[: 1 << 24].max(initial=0)) >= recipe.model.vocab_size:
+            raise UserError(
+                f"dataset {dataset.prefix}: holds token ids >= model.vocab_size "
+                f"({recipe.model.vocab_size}); was it tokenized with another tokenizer?"
+            )
     stream = TrainStream(samples, recipe.data.global_batch_size, recipe.data.micro_batch_size, rank, world_size)
     val_batches, val_counted = validation_batches(samples, recipe.train.eval_batches,
                                                   recipe.data.micro_batch_size, rank, world_size)
-    # A dataset tokenized for another vocabulary shows in its first tokens; scanning them
-    # all would take minutes on a large corpus.
-    if int(dataset.tokens[: 1 << 24].max(initial=0)) >= recipe.model.vocab_size:
-        raise UserError(
-            f"dataset {dataset.prefix}: holds token ids >= model.vocab_size "
-            f"({recipe.model.vocab_size}); was it tokenized with another tokenizer?"
-        )
-    return TrainingData(dataset, samples, stream, val_batches, val_counted)
+    if isinstance(samples, PairSamples):
+        description = samples.description
+    else:
+        description = f"{len(samples.train_ids):,} training samples ({samples.dataset.num_tokens:,} tokens)"
+    mask_id = tokenizer.tokenizer.token_to_id("[MASK]")
+    if recipe.train.task == "masked_lm" and mask_id is None:
+        raise UserError(f"train.task masked_lm: tokenizer {recipe.data.tokenizer!r} has no [MASK] token "
+                        "(use data.tokenizer = \"bert-uncased\" or a BERT tokenizer)")
+    return TrainingData(samples, stream, val_batches, val_counted, description, mask_id)
+
+
+def _open_pairs(recipe: Recipe, tokenizer) -> PairSamples:
+    name = recipe.data.dataset
+    if name.startswith(BUNDLED_PREFIX):
+        try:
+            name = bundled_pairs(name.removeprefix(BUNDLED_PREFIX))
+        except ValueError as e:
+            raise UserError(f"data.dataset: {e}") from None
+    buckets = tuple(sorted({*recipe.data.buckets, recipe.data.seq_len}))
+    return PairSamples(name, tokenizer.tokenizer, recipe.data.fields, buckets, recipe.data.val_fraction, recipe.seed)
 
 
 def _open_dataset(recipe: Recipe, tokenizer, progress: bool) -> IndexedDataset:

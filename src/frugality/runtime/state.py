@@ -79,6 +79,9 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
     the recipe's dataset. The recipe's micro-batch and sequence length key the compiled graphs."""
     task = get_task(recipe.train.task)
     task.check(recipe.model.family)
+    if hasattr(task, "configure"):  # masked LM: the tokenizer's [MASK] id
+        task = task.configure(data.mask_id if data is not None and data.mask_id is not None else 0,
+                              recipe.data.mask_prob)
     policy, note = resolve_policy(recipe.train.precision, device)
     torch.manual_seed(recipe.seed)
     with device:
@@ -91,5 +94,5 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
                                 fused=recipe.train.fused_optimizer)
     compiled = CompileSession.for_recipe(recipe, device, policy)
     return TrainState(recipe, device, policy, task, model, optimizer, compiled,
-                      [note, "layers: " + ", ".join(choices)], data, world,
+                      [note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")], data, world,
                       recent_losses=deque(maxlen=recipe.train.loss_spike_window))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from frugality.distributed import all_mean, all_sum, no_sync
+from frugality.distributed import all_gather_rows, all_mean, all_sum, no_sync
 from frugality.runtime.state import TrainState
 from frugality.training.schedule import learning_rate
 
@@ -29,6 +29,7 @@ class StepResult:
     final: bool  # the last step of this session
     rejected: str | None = None  # why the update was not applied (a non-finite value, a spike)
     record: dict = field(default_factory=dict)  # what callbacks measured, for the log
+    tokens: int = 0  # the tokens every rank's forwards processed in this step (padding included)
 
 
 @dataclass
@@ -52,10 +53,12 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         batches = state.data.stream.next_step()
-        loss, norm = _run(state, callbacks, "train", state.step + 1, lambda: train_step(state, batches))
+        phase = "train" + state.task.shape_key(batches[0])  # a length bucket's first step is its warm-up
+        loss, norm = _run(state, callbacks, phase, state.step + 1, lambda: train_step(state, batches))
         state.step += 1
         callbacks.on_step_end(state, StepResult(state.step, loss, norm, lr, time.perf_counter() - t0,
-                                                state.step == stop_at, state.rejected))
+                                                state.step == stop_at, state.rejected,
+                                                tokens=step_tokens(state, batches)))
         if state.rolled_back:  # a policy restored the last checkpoint: go on from its step
             state.rolled_back = False
             continue
@@ -65,6 +68,17 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
         if state.stop_requested:  # asked during the step (or the evaluation before it): stop, saved
             break
     callbacks.on_train_end(state)
+
+
+def step_tokens(state: TrainState, batches: list) -> int:
+    """Tokens processed by every rank in a step: the same on each rank when batches have one
+    shape; summed over the ranks when length buckets make them differ."""
+    mine = sum(state.task.tokens(b) for b in batches)
+    if not state.world.distributed:
+        return mine
+    if not state.task.shape_key(batches[0]):
+        return mine * state.world.world_size
+    return int(all_sum([mine], state.device)[0])
 
 
 def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[float, float]:
@@ -145,9 +159,28 @@ def validation_loss(state: TrainState) -> float:
     return total / count
 
 
+@torch.no_grad()
+def retrieval_metrics(state: TrainState) -> dict:
+    """For tasks that embed (contrastive): recall@k and MRR of the held-out queries among
+    every rank's held-out positives (the counted batches only)."""
+    pairs = []
+    for batch in state.data.val_batches:
+        with state.autocast:
+            pairs.append(state.task.embed_pairs(state.model, batch.to(state.device)))
+    queries = torch.cat([q for q, _ in pairs[: state.data.val_counted]]).cpu()
+    positives = torch.cat([p for _, p in pairs[: state.data.val_counted]]).cpu()
+    if state.world.distributed:
+        queries, positives = all_gather_rows(queries), all_gather_rows(positives)
+    return state.task.retrieval_metrics(queries, positives)
+
+
 def evaluate(state: TrainState, callbacks) -> float:
-    loss = _run(state, callbacks, "eval", state.step, lambda: validation_loss(state))
-    callbacks.on_eval(state, EvalResult(state.step, loss))
+    def run():
+        loss = validation_loss(state)
+        return loss, retrieval_metrics(state) if hasattr(state.task, "embed_pairs") else {}
+
+    loss, metrics = _run(state, callbacks, "eval", state.step, run)
+    callbacks.on_eval(state, EvalResult(state.step, loss, dict(metrics)))
     return loss
 
 

@@ -168,7 +168,14 @@ def _header(state: TrainState, plan, source, init_from, resume_optimizer: bool) 
     n_params = sum(p.numel() for p in state.model.parameters())
     lines.append(
         f"{recipe.name}: {recipe.model.family} {n_params / 1e6:.1f}M parameters, {state.policy.label} on "
-        f"{state.device}, {recipe.train.steps} steps of {recipe.data.global_batch_size} x {recipe.data.seq_len} "
-        f"tokens, {len(data.samples.train_ids):,} training samples ({data.dataset.num_tokens:,} tokens) -> {plan.path}"
+        f"{state.device}, {recipe.train.steps} steps of {_batch_shape(recipe)}, {data.description} -> {plan.path}"
     )
     return lines
+
+
+def _batch_shape(recipe: Recipe) -> str:
+    d = recipe.data
+    if recipe.train.task == "contrastive":
+        buckets = "/".join(str(b) for b in sorted({*d.buckets, d.seq_len}))
+        return f"{d.global_batch_size} pairs ({len(d.fields)} texts each, padded to {buckets} tokens)"
+    return f"{d.global_batch_size} x {d.seq_len} tokens"

@@ -36,5 +36,6 @@ def step():
     """step(state, loss=, seconds=, final=, rejected=): count a step and return its StepResult."""
     def make(state, loss=2.0, seconds=0.5, final=False, rejected=None):
         state.step += 1
-        return StepResult(state.step, loss, 1.0, 1e-3, seconds, final, rejected)
+        tokens = state.recipe.data.global_batch_size * state.recipe.data.seq_len  # as the loop counts them
+        return StepResult(state.step, loss, 1.0, 1e-3, seconds, final, rejected, tokens=tokens)
     return make

@@ -44,6 +44,7 @@ class Cost(Callback):
         self.evals: list[dict] = []  # this run's evaluation points, earlier sessions' too
         self.joules = 0.0  # all ranks, this session, as of the last gathering
         self.measuring_ranks = 0
+        self.tokens_seen = 0  # as of the last step (Throughput counts them)
 
     def on_train_start(self, state) -> None:
         recipe, world, c = state.recipe, state.world, state.recipe.cost
@@ -110,6 +111,7 @@ class Cost(Callback):
         return self.before["energy_j"] + self.joules
 
     def on_step_end(self, state, result) -> None:
+        self.tokens_seen = result.record.get("tokens", 0)  # counted by Throughput, before this callback
         self.meter.sample()  # counters that wrap are read often
         if result.final:
             self._gather(state)  # every rank ends its session at this step
@@ -117,7 +119,7 @@ class Cost(Callback):
             elapsed = self.elapsed_s()
             result.record.update(elapsed_s=round(elapsed, 3), usd=_round(self.usd(elapsed), 9))
             if result.final:
-                figures = self.figures(state.step * _tokens_per_step(state.recipe), None)
+                figures = self.figures(result.record.get("tokens", 0), None)
                 result.record.update(energy_j=round(self.energy_j(), 1),
                                      **{k: figures[k] for k in LOGGED if figures[k] is not None})
 
@@ -129,7 +131,7 @@ class Cost(Callback):
                      "energy_j": round(self.energy_j(), 1), "usd": _round(self.usd(elapsed), 9)}
             self.evals = [p for p in self.evals if p["step"] < state.step] + [point]  # a rollback re-evaluates
             result.record.update({k: v for k, v in point.items() if k not in ("step", "loss")},
-                                 tokens=state.step * _tokens_per_step(state.recipe))
+                                 tokens=self.tokens_seen)
 
     def on_train_end(self, state) -> None:
         self._gather(state)
@@ -172,10 +174,6 @@ class Cost(Callback):
         if self.notes:
             labels["energy_fallbacks"] = "; ".join(self.notes)
         return labels
-
-
-def _tokens_per_step(recipe) -> int:
-    return recipe.data.global_batch_size * recipe.data.seq_len
 
 
 def _round(value: float | None, places: int) -> float | None:

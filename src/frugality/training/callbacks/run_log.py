@@ -24,8 +24,10 @@ class RunLog(Callback):
 
     def on_eval(self, state, result) -> None:
         loss = result.loss
-        self.logger.log("eval", state.step, {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf,
-                                             **result.record})
+        record = {"loss": loss}
+        if state.recipe.train.task != "contrastive":  # a language model's (masked LM: pseudo-) perplexity
+            record["perplexity"] = math.exp(loss) if loss < 700 else math.inf
+        self.logger.log("eval", state.step, {**record, **result.record})
 
     def on_train_end(self, state) -> None:
         if state.compiled.enabled:

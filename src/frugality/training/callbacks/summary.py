@@ -51,11 +51,11 @@ class Summary(Callback):
             "final_step": state.step,
             "total_steps": recipe.train.steps,
             "interrupted": state.stop_requested,
-            "tokens_seen": state.step * t.tokens_per_step,
+            "tokens_seen": round(state.step * t.tokens_per_step),
             "wall_time_s": round(time.perf_counter() - self.wall_start, 2),
             "train_time_s": round(sum(t.step_times), 2),
             "median_step_time_s": round(median, 4) if median is not None else float("nan"),
-            "median_tokens_per_s": round(t.tokens_per_step / median, 1) if median is not None else None,
+            "median_tokens_per_s": round(t.median_tokens_per_s(), 1) if median is not None else None,
             "median_mfu": None if mfu is None else round(mfu, 4),
             "peak_flops": t.peak,
             "final_train_loss": self.train_loss,
@@ -66,5 +66,5 @@ class Summary(Callback):
             "compile": state.compiled.stats.as_dict(),
         }
         if self.cost is not None:
-            self.summary["cost"] = self.cost.figures(state.step * t.tokens_per_step, recipe.cost.target_loss)
+            self.summary["cost"] = self.cost.figures(round(state.step * t.tokens_per_step), recipe.cost.target_loss)
         rundir.write_summary(self.run_dir, self.summary)

@@ -14,13 +14,18 @@ from frugality.training.callbacks import Callback
 class Throughput(Callback):
     def __init__(self) -> None:
         self.step_times: list[float] = []
+        self.step_tokens: list[int] = []
         self.peak: float | None = None
         self.flops_per_token = 0.0
-        self.tokens_per_step = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """The mean over this session's steps: a constant for packed sequences; with length
+        buckets (contrastive training), what the buckets padded to on average."""
+        return sum(self.step_tokens) / len(self.step_tokens) if self.step_tokens else 0
 
     def on_train_start(self, state) -> None:
         r = state.recipe
-        self.tokens_per_step = r.data.global_batch_size * r.data.seq_len
         self.flops_per_token = training_flops_per_token(state.model, r.model.num_layers, r.model.hidden_size,
                                                         r.data.seq_len)
         self.peak = (r.metrics.peak_tflops * 1e12 if r.metrics.peak_tflops
@@ -29,13 +34,20 @@ class Throughput(Callback):
 
     def on_step_end(self, state, result) -> None:
         self.step_times.append(result.seconds)
-        tokens_per_s = self.tokens_per_step / result.seconds
+        self.step_tokens.append(result.tokens)
+        tokens_per_s = result.tokens / result.seconds
         result.record.update(tokens_per_s=tokens_per_s, mfu=mfu(self.flops_per_token * tokens_per_s, self.peak),
-                             step_time_s=result.seconds, tokens=result.step * self.tokens_per_step)
+                             step_time_s=result.seconds, tokens=round(result.step * self.tokens_per_step))
 
     def median_step_time(self) -> float | None:
         return statistics.median(self.step_times) if self.step_times else None
 
+    def median_tokens_per_s(self) -> float | None:
+        """The median of the steps' tokens/s (with buckets, steps differ in tokens too)."""
+        if not self.step_times:
+            return None
+        return statistics.median(n / t for n, t in zip(self.step_tokens, self.step_times))
+
     def median_mfu(self) -> float | None:
-        median = self.median_step_time()
-        return None if median is None else mfu(self.flops_per_token * self.tokens_per_step / median, self.peak)
+        rate = self.median_tokens_per_s()
+        return None if rate is None else mfu(self.flops_per_token * rate, self.peak)

@@ -1,0 +1,52 @@
+"""Contrastive training of a text encoder: a batch is a `frugality.data.pairs.TextBatch` of
+queries, positives and (optionally) hard negatives; the loss is symmetric InfoNCE with
+in-batch negatives (`frugality.models.bert.info_nce`), at the model's temperature, fixed or
+learnt. Evaluation adds retrieval metrics over the held-out pairs: each query ranks every
+held-out positive by cosine similarity."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from frugality.errors import UserError
+
+RECALL_AT = (1, 10)
+
+
+class Contrastive:
+    name = "contrastive"
+    families = ("bert",)  # encoders
+
+    def check(self, family: str) -> None:
+        if family not in self.families:
+            raise UserError(f"model.family {family!r}: task {self.name} trains encoders ({', '.join(self.families)})")
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        return model(batch.ids, batch.mask, contrastive_groups=batch.groups)
+
+    def tokens(self, batch) -> int:
+        """Tokens the step's forward processed, padding included (the work done)."""
+        return batch.ids.numel()
+
+    def shape_key(self, batch) -> str:
+        """Each length bucket is a graph of its own: its first use is its warm-up."""
+        return f"@{batch.ids.shape[1]}"
+
+    @torch.no_grad()
+    def embed_pairs(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """L2-normalised float32 embeddings of the batch's queries and positives."""
+        embeddings = torch.nn.functional.normalize(model(batch.ids, batch.mask, embed=True).float(), dim=-1)
+        n = batch.pairs
+        return embeddings[:n], embeddings[n:2 * n]
+
+    def retrieval_metrics(self, queries: torch.Tensor, positives: torch.Tensor) -> dict[str, float]:
+        """recall@k (the right positive among the k most similar) and the mean reciprocal
+        rank, query i's right positive being positive i, among all of them."""
+        scores = queries @ positives.T
+        right = scores.diagonal().unsqueeze(1)
+        rank = (scores > right).sum(1) + 1  # ties counted in the query's favour
+        metrics = {f"recall@{k}": (rank <= k).float().mean().item() for k in RECALL_AT}
+        metrics["mrr"] = (1.0 / rank.float()).mean().item()
+        metrics["candidates"] = positives.shape[0]
+        return metrics

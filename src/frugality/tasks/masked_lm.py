@@ -1,0 +1,65 @@
+"""Masked language modelling (BERT's pre-training objective, Devlin et al., 2019): a share
+of the tokens (`data.mask_prob`, 15%) is chosen for prediction; of those, 80% are replaced
+by [MASK], 10% by a random token and 10% left as they are. The loss is the cross-entropy
+at the chosen positions only.
+
+Batches are packed token blocks as for causal LM ((B, T + 1); the last token is unused).
+Training draws its masks from torch's global generator, which checkpoints carry, so a
+resumed run masks alike; evaluation draws from a fixed seed, so every evaluation scores
+the same masked positions."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from frugality.errors import UserError
+
+EVAL_SEED = 0xB3E7
+
+
+class MaskedLM:
+    name = "masked_lm"
+    families = ("bert",)
+
+    def __init__(self, mask_id: int | None = None, mask_prob: float = 0.15) -> None:
+        self.mask_id, self.mask_prob = mask_id, mask_prob
+
+    def configure(self, mask_id: int, mask_prob: float) -> "MaskedLM":
+        """This task for a tokenizer's [MASK] id and a masking share."""
+        return MaskedLM(mask_id, mask_prob)
+
+    def check(self, family: str) -> None:
+        if family not in self.families:
+            raise UserError(f"model.family {family!r}: task {self.name} trains encoders ({', '.join(self.families)})")
+
+    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        tokens = batch[:, :-1]
+        generator = None
+        if not model.training:
+            generator = torch.Generator(device=tokens.device).manual_seed(EVAL_SEED)
+        inputs, targets = self.mask(tokens, model_vocab(model), generator)
+        return model(inputs, mlm_targets=targets)
+
+    def mask(self, tokens: torch.Tensor, vocab_size: int, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mask_id is None:
+            raise RuntimeError("MaskedLM needs configure(mask_id, ...) before use")
+        draw = torch.rand(tokens.shape, generator=generator, device=tokens.device)
+        chosen = draw < self.mask_prob
+        targets = torch.where(chosen, tokens, torch.full_like(tokens, -100))
+        kind = torch.rand(tokens.shape, generator=generator, device=tokens.device)
+        random_ids = torch.randint(vocab_size, tokens.shape, generator=generator, device=tokens.device)
+        inputs = torch.where(chosen & (kind < 0.8), torch.full_like(tokens, self.mask_id), tokens)
+        inputs = torch.where(chosen & (kind >= 0.8) & (kind < 0.9), random_ids, inputs)
+        return inputs, targets
+
+    def tokens(self, batch: torch.Tensor) -> int:
+        return batch.shape[0] * (batch.shape[1] - 1)
+
+    def shape_key(self, batch) -> str:
+        return ""
+
+
+def model_vocab(model: nn.Module) -> int:
+    module = getattr(model, "module", model)  # inside a DDP wrapper
+    return module.config.vocab_size
