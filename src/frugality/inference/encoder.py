@@ -25,7 +25,7 @@ from frugality.hardware import probe
 from frugality.interop.weights import load_weights, recipe_beside, resolve_source
 from frugality.interop.hf import import_hf
 from frugality.models import build_model
-from frugality.models.bert import Bert
+from frugality.models.bert import Bert, pool
 
 @dataclass(frozen=True)
 class Pooling:
@@ -71,7 +71,7 @@ class Encoder:
         self.max_length = min(pooling.max_length or model.config.max_seq_len, model.config.max_seq_len)
         tokenizer.enable_truncation(self.max_length)
         tokenizer.no_padding()
-        self.dim = model.config.hidden_size
+        self.dim = (model.config.head or (model.config.hidden_size,))[-1]
 
     def identity(self) -> dict:
         """What a resumed job checks is the same model: the folder of the weights and each
@@ -94,15 +94,8 @@ class Encoder:
             ids[i, :len(row)] = torch.tensor(row)
             mask[i, :len(row)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        hidden = self.model(ids, mask)
-        if self.pooling.mode == "cls":
-            pooled = hidden[:, 0].float()
-        else:
-            weights = mask.unsqueeze(-1).float()  # summed in fp32: bf16 sums lose small terms
-            pooled = (hidden.float() * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
-        if self.pooling.normalize:
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
-        return pooled.cpu().numpy()
+        pooled = pool(self.model(ids, mask), mask, self.pooling.mode)
+        return self.model.project(pooled, self.pooling.normalize).float().cpu().numpy()  # through any head
 
 
 def resolve_precision(name: str, device: torch.device) -> tuple[torch.dtype, str]:
@@ -158,7 +151,11 @@ def load_encoder(path: str | Path, device: torch.device, precision: str = "auto"
     loaded = load_model(folder, _check_encoder)
     tokenizer = load_tokenizer(loaded.tokenizer).tokenizer
     weights = loaded.weights
-    pooling = read_pooling(weights if (weights / "modules.json").is_file() else folder)
+    # sentence-transformers' files where the folder has them, else the model's own settings
+    st_folder = weights if (weights / "modules.json").is_file() else folder
+    pooling = read_pooling(st_folder)
+    if not (st_folder / "modules.json").is_file():
+        pooling = replace(pooling, mode=loaded.model.config.pooling, normalize=loaded.model.config.normalize)
     if normalize is not None:
         pooling = replace(pooling, normalize=normalize)
     if max_length is not None:
