@@ -88,6 +88,77 @@ def micro_recipe_file(tmp_path) -> Path:
     return path
 
 
+# An encoder trained contrastively on WordNet pairs, a step in milliseconds.
+MICRO_PAIRS_RECIPE = """
+name = "micro-pairs"
+seed = 11
+
+[model]
+family = "bert"
+hidden_size = 32
+num_layers = 2
+num_heads = 4
+intermediate_size = 64
+vocab_size = 30522
+max_seq_len = 64
+pooler = false
+head = [24, 16]
+normalize = true
+learn_temperature = true
+
+[data]
+dataset = "{pairs}"
+tokenizer = "bert-uncased"
+seq_len = 32
+buckets = [8, 16]
+global_batch_size = 8
+micro_batch_size = 4
+val_fraction = 0.1
+
+[optim]
+lr = 1e-3
+min_lr = 1e-4
+warmup_steps = 1
+
+[train]
+task = "contrastive"
+precision = "fp32"
+steps = 4
+eval_interval = 2
+eval_batches = 4
+save_interval = 2
+
+[metrics]
+peak_tflops = 1.0
+"""
+
+
+@pytest.fixture(scope="session")
+def micro_pairs_file(tmp_path_factory) -> Path:
+    """The first 400 pairs of the bundled WordNet file."""
+    import gzip
+    from itertools import islice
+
+    from frugality.data.bundled import bundled_pairs
+
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    with gzip.open(bundled_pairs("wordnet"), "rt") as f:
+        path.write_text("".join(islice(f, 400)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def micro_pairs_recipe_text(micro_pairs_file) -> str:
+    return MICRO_PAIRS_RECIPE.replace("{pairs}", str(micro_pairs_file))
+
+
+@pytest.fixture
+def micro_pairs_recipe(tmp_path, micro_pairs_file) -> Path:
+    path = tmp_path / "micro-pairs.toml"
+    path.write_text(MICRO_PAIRS_RECIPE.replace("{pairs}", str(micro_pairs_file)))
+    return path
+
+
 CACHE_KEY = "fleet-key-of-32-random-characters"  # signs the compile cache entries of the tests
 
 

@@ -1,79 +1,18 @@
 """Contrastive training of an encoder: the loss, the retrieval metrics, and whole runs of a
 micro BERT on WordNet pairs (evaluation records, bucketed shapes, bit-identical resume)."""
 
-import gzip
 import json
-from itertools import islice
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from frugality.config.recipe import load_recipe
-from frugality.data.bundled import bundled_pairs
 from frugality.errors import UserError
 from frugality.models.bert import info_nce
 from frugality.tasks import Contrastive
 from frugality.training import trainer
 
-MICRO_PAIRS = """
-name = "micro-pairs"
-seed = 11
-
-[model]
-family = "bert"
-hidden_size = 32
-num_layers = 2
-num_heads = 4
-intermediate_size = 64
-vocab_size = 30522
-max_seq_len = 64
-pooler = false
-head = [24, 16]
-normalize = true
-learn_temperature = true
-
-[data]
-dataset = "{pairs}"
-tokenizer = "bert-uncased"
-seq_len = 32
-buckets = [8, 16]
-global_batch_size = 8
-micro_batch_size = 4
-val_fraction = 0.1
-
-[optim]
-lr = 1e-3
-min_lr = 1e-4
-warmup_steps = 1
-
-[train]
-task = "contrastive"
-precision = "fp32"
-steps = 4
-eval_interval = 2
-eval_batches = 4
-save_interval = 2
-
-[metrics]
-peak_tflops = 1.0
-"""
-
-
-@pytest.fixture(scope="module")
-def pairs_file(tmp_path_factory):
-    """The first 400 WordNet pairs of the bundled file."""
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    with gzip.open(bundled_pairs("wordnet"), "rt") as f:
-        path.write_text("".join(islice(f, 400)))
-    return path
-
-
-@pytest.fixture
-def recipe_file(tmp_path, pairs_file):
-    path = tmp_path / "micro-pairs.toml"
-    path.write_text(MICRO_PAIRS.replace("{pairs}", str(pairs_file)))
-    return path
 
 
 def test_info_nce_is_the_mean_of_both_directions_of_cross_entropy():
@@ -96,8 +35,8 @@ def test_retrieval_metrics_rank_each_querys_own_positive():
     assert m["mrr"] == pytest.approx((1 + 1 / 2 + 1 / 2) / 3) and m["candidates"] == 3
 
 
-def test_a_run_logs_retrieval_metrics_uses_the_buckets_and_learns(recipe_file, tmp_path):
-    recipe = load_recipe(str(recipe_file), ["train.steps=8", "train.eval_interval=8", "optim.lr=3e-3"])
+def test_a_run_logs_retrieval_metrics_uses_the_buckets_and_learns(micro_pairs_recipe, tmp_path):
+    recipe = load_recipe(str(micro_pairs_recipe), ["train.steps=8", "train.eval_interval=8", "optim.lr=3e-3"])
     result = trainer.train(recipe, run_dir=tmp_path / "run", progress=False)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]
@@ -114,8 +53,8 @@ def test_a_run_logs_retrieval_metrics_uses_the_buckets_and_learns(recipe_file, t
     assert summary["tokens_seen"] == steps[-1]["tokens"] and summary["median_tokens_per_s"] > 0
 
 
-def test_a_stopped_contrastive_run_resumes_bit_identically(recipe_file, tmp_path):
-    recipe = load_recipe(str(recipe_file))
+def test_a_stopped_contrastive_run_resumes_bit_identically(micro_pairs_recipe, tmp_path):
+    recipe = load_recipe(str(micro_pairs_recipe))
     whole = trainer.train(recipe, run_dir=tmp_path / "whole", progress=False)
     trainer.train(recipe, run_dir=tmp_path / "split", progress=False, until_step=2)
     resumed = trainer.train(recipe, run_dir=tmp_path / "split", progress=False)
@@ -125,13 +64,13 @@ def test_a_stopped_contrastive_run_resumes_bit_identically(recipe_file, tmp_path
     assert losses(tmp_path / "split") == losses(tmp_path / "whole")
 
 
-def test_bad_pairs_and_a_decoder_are_one_line_each(recipe_file, tmp_path):
+def test_bad_pairs_and_a_decoder_are_one_line_each(micro_pairs_recipe, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query": "a", "text": "b"}\n{"query": "c"}\n')
     with pytest.raises(UserError, match=r"bad.jsonl:2: field 'text' is missing"):
-        trainer.train(load_recipe(str(recipe_file), [f'data.dataset="{bad}"']), run_dir=tmp_path / "r1", progress=False)
+        trainer.train(load_recipe(str(micro_pairs_recipe), [f'data.dataset="{bad}"']), run_dir=tmp_path / "r1", progress=False)
     with pytest.raises(UserError, match="choose the fields with data.fields"):
-        trainer.train(load_recipe(str(recipe_file), ['data.fields=["query", "gloss"]']), run_dir=tmp_path / "r2",
+        trainer.train(load_recipe(str(micro_pairs_recipe), ['data.fields=["query", "gloss"]']), run_dir=tmp_path / "r2",
                       progress=False)
     with pytest.raises(UserError, match="task contrastive trains encoders"):
         trainer.train(load_recipe("tiny", ["train.task=contrastive"]), run_dir=tmp_path / "r3", progress=False)

@@ -1,0 +1,51 @@
+"""Masked language modelling: BERT's 80/10/10 masking, evaluation masks that do not change
+between evaluations, and a micro BERT that learns on the bundled corpus."""
+
+import pytest
+import torch
+
+from frugality.config.recipe import load_recipe
+from frugality.errors import UserError
+from frugality.models.bert import Bert, BertConfig
+from frugality.tasks import MaskedLM
+from frugality.training import trainer
+
+MICRO = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=64",
+         "data.seq_len=32", "data.global_batch_size=8", "data.micro_batch_size=8", "train.steps=12",
+         "train.eval_interval=12", "train.eval_batches=2", "optim.warmup_steps=1", "train.precision=fp32",
+         "metrics.peak_tflops=1.0"]
+
+
+def test_masking_follows_berts_80_10_10_rule():
+    task = MaskedLM().configure(mask_id=103, mask_prob=0.15)
+    tokens = torch.randint(1000, 2000, (64, 512), generator=torch.Generator().manual_seed(0))
+    inputs, targets = task.mask(tokens, 30522, torch.Generator().manual_seed(1))
+    chosen = targets != -100
+    assert chosen.float().mean().item() == pytest.approx(0.15, abs=0.01)
+    assert torch.equal(targets[chosen], tokens[chosen]) and torch.equal(inputs[~chosen], tokens[~chosen])
+    n = chosen.sum().item()
+    assert (inputs[chosen] == 103).sum().item() / n == pytest.approx(0.8, abs=0.02)
+    assert (inputs[chosen] == tokens[chosen]).sum().item() / n == pytest.approx(0.1, abs=0.02)
+
+
+def test_evaluation_masks_the_same_positions_every_time():
+    task = MaskedLM().configure(mask_id=103, mask_prob=0.15)
+    model = Bert(BertConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, mlm_head=True)).eval()
+    batch = torch.randint(1000, 2000, (2, 33))
+    with torch.no_grad():
+        assert task.loss(model, batch) == task.loss(model, batch)
+    model.train()
+    assert task.loss(model, batch) != task.loss(model, batch)  # training draws new masks
+
+
+def test_a_micro_bert_learns_the_bundled_corpus(tmp_path):
+    result = trainer.train(load_recipe("bert-mlm", MICRO + ["optim.lr=1e-2", "optim.min_lr=1e-3"]), run_dir=tmp_path / "run",
+                           progress=False)
+    assert result.evals[12] < result.evals[0] - 0.5  # from ~ln(30522) = 10.3
+
+
+def test_a_tokenizer_without_mask_is_refused(tmp_path):
+    with pytest.raises(UserError, match=r"has no \[MASK\] token"):
+        trainer.train(load_recipe("bert-mlm", MICRO + ["data.tokenizer=gpt2", "model.vocab_size=50304"]),
+                      run_dir=tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
