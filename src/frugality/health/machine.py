@@ -108,6 +108,10 @@ def _dataset(recipe: Recipe) -> Check:
     name = recipe.data.dataset
     if name.startswith(BUNDLED_PREFIX):
         return Check("machine", "dataset", INFO, name, "bundled with frugality")
+    if recipe.train.task == "contrastive":  # a JSONL of pairs, read whole when training starts
+        if not os.access(name, os.R_OK) or not Path(name).is_file():
+            return Check("machine", "dataset", FAIL, name, "no readable file of pairs")
+        return Check("machine", "dataset", PASS, name, f"{Path(name).stat().st_size:,} bytes of pairs readable")
     try:
         dataset = IndexedDataset(name)
     except Exception as e:  # noqa: BLE001 - a missing or malformed dataset is this check's result
