@@ -85,3 +85,28 @@ def test_bench_infer_times_both_and_compares_their_outputs(tmp_path, capsys):
     assert all(r["texts"] == 40 and r["batch"] == 16 and r["texts_per_s"] > 0 for r in rows)
     assert rows[1]["min_cosine"] >= 0.99999 and rows[0]["vs_sentence_transformers"] == 1.0
     assert "| frugality | float32 | 16 | 40 |" in capsys.readouterr().out
+
+
+def test_bench_infer_generate_times_both_and_compares_their_tokens(tmp_path, capsys):
+    import shutil
+
+    import pytest
+    import torch
+
+    from frugality.data.tokenizer import shipped_tokenizer_dir
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, vocab_size=50304, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox")
+    shutil.copy(shipped_tokenizer_dir("pythia") / "tokenizer.json", tmp_path / "neox" / "tokenizer.json")
+    out = tmp_path / "rows.json"
+    assert main(["bench", "infer", str(tmp_path / "neox"), "--generate", "--batch", "1,2", "--prompt-tokens", "12",
+                 "--new-tokens", "5", "--rounds", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["implementation"], r["batch"]) for r in rows] == [
+        ("transformers", 1), ("frugality", 1), ("transformers", 2), ("frugality", 2)]
+    assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
+    assert [r["same_tokens"] for r in rows] == [None, True, None, True]
+    assert "| frugality | 2 | 12 | 5 |" in capsys.readouterr().out

@@ -69,3 +69,100 @@ def markdown_table(rows: list[dict]) -> str:
 
 def rows_json(rows: list[dict]) -> str:
     return json.dumps(rows, indent=2)
+
+
+def bench_generate(model: str, batches: list[int], prompt_tokens: int, new_tokens: int, rounds: int,
+                   compile: bool = False, log=print) -> list[dict]:
+    """`frugality generate`'s engine against transformers' `generate` on the same weights
+    (fp32, greedy, no stop token, `new_tokens` each, prompts of `prompt_tokens` tokens cut
+    from the bundled corpus, so neither pads), alternating rounds, the best of each. Both are timed alike: a run of one new
+    token is the prefill; a run of `new_tokens` less that one is the decoding of the other
+    `new_tokens - 1`. Also whether the two outputs agree token for token."""
+    import transformers
+
+    from frugality.inference.generate import Engine, Sampling, cache_length, load_decoder
+
+    device = torch.device("cpu")
+    decoder, _ = load_decoder(model, device, "fp32")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    theirs.generation_config.eos_token_id = None  # every row runs to max_new_tokens, as ours do
+    prompts, width = _corpus_prompts(decoder, max(batches), prompt_tokens), prompt_tokens
+    length = cache_length(width, new_tokens, decoder.max_seq_len)
+    engines = {b: Engine(decoder, b, length, "inductor" if compile else None) for b in batches}
+
+    def ours(batch: int, new: int) -> list[list[int]]:
+        done = engines[batch].generate(prompts[:batch], Sampling(max_new_tokens=new))
+        return [c.tokens for c in done]
+
+    def hf(batch: int, new: int) -> list[list[int]]:
+        ids = torch.tensor(prompts[:batch])
+        with torch.no_grad():
+            out = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                  pad_token_id=0)
+        return out[:, width:].tolist()
+
+    impls = {"transformers": hf, "frugality": ours}
+    for batch in batches:  # warm-up: allocator, thread pools, compilation
+        for fn in impls.values():
+            fn(batch, 2)
+    best: dict[tuple[str, int, int], float] = {}
+    outputs: dict[tuple[str, int], list[list[int]]] = {}
+    for r in range(rounds):
+        for batch in batches:
+            for name, fn in impls.items():
+                for new in (1, new_tokens):
+                    t0 = time.perf_counter()
+                    out = fn(batch, new)
+                    seconds = time.perf_counter() - t0
+                    best[name, batch, new] = min(best.get((name, batch, new), seconds), seconds)
+                    if new == new_tokens:
+                        outputs[name, batch] = out
+                log(f"round {r + 1}, batch {batch}: " + ", ".join(
+                    f"{name} {_rates(best, name, batch, width, new_tokens)[1]:,.0f} decode tokens/s"
+                    for name in impls if (name, batch, new_tokens) in best))
+    rows = []
+    for batch in batches:
+        for name in impls:
+            prefill, decode = _rates(best, name, batch, width, new_tokens)
+            reference = _rates(best, "transformers", batch, width, new_tokens)
+            rows.append({"implementation": name + (" (compiled)" if compile and name == "frugality" else ""),
+                         "batch": batch, "prompt_tokens": width, "new_tokens": new_tokens,
+                         "prefill_tokens_per_s": round(prefill, 1), "decode_tokens_per_s": round(decode, 1),
+                         "prefill_vs_transformers": round(prefill / reference[0], 3),
+                         "decode_vs_transformers": round(decode / reference[1], 3),
+                         "same_tokens": None if name == "transformers" else
+                         outputs[name, batch] == outputs["transformers", batch],
+                         "precision": "float32", "threads": torch.get_num_threads()})
+    return rows
+
+
+def _rates(best: dict, name: str, batch: int, width: int, new_tokens: int) -> tuple[float, float]:
+    """(prefill, decode) tokens/s from the best runs of one and of `new_tokens` new tokens."""
+    one, full = best[name, batch, 1], best.get((name, batch, new_tokens), float("nan"))
+    return batch * width / one, batch * (new_tokens - 1) / max(full - one, 1e-9)
+
+
+def generate_markdown_table(rows: list[dict]) -> str:
+    lines = ["| implementation | batch | prompt tokens | new tokens | prefill tokens/s | decode tokens/s | "
+             "decode vs transformers | same tokens |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        same = "—" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
+        lines.append(f"| {r['implementation']} | {r['batch']} | {r['prompt_tokens']} | {r['new_tokens']} | "
+                     f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | "
+                     f"{r['decode_vs_transformers']:.2f}× | {same} |")
+    return "\n".join(lines)
+
+
+def _corpus_prompts(decoder, count: int, tokens: int) -> list[list[int]]:
+    """`count` prompts of exactly `tokens` tokens: consecutive pieces of the bundled
+    corpus, in the model's tokenizer (ids the model has)."""
+    import gzip
+
+    from frugality.data.bundled import corpus_files
+
+    with gzip.open(corpus_files()[0], "rt") as f:
+        text = f.read(8 * count * tokens + 10_000)
+    ids = [i for i in decoder.tokenizer.encode(text, add_special_tokens=False).ids if i < decoder.model.config.vocab_size]
+    if len(ids) < count * tokens:
+        raise ValueError(f"the corpus gave {len(ids)} tokens, short of {count} x {tokens}")
+    return [ids[k * tokens:(k + 1) * tokens] for k in range(count)]

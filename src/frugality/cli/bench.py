@@ -137,31 +137,54 @@ def bench_scale(recipe, nprocs, strategies, steps, overrides, json_path, markdow
 
 @bench.command("infer")
 @click.argument("model", type=click.Path())
+@click.option("--generate", "generation", is_flag=True, help="Text generation instead of embeddings: `frugality "
+              "generate` against transformers' generate on a decoder MODEL (GPT-NeoX, Llama).")
 @click.option("--input", "input_path", type=click.Path(), help="Texts (.txt, .jsonl, .parquet) [default: the "
               "WordNet glosses of ../shared/assets, else the bundled corpus's lines].")
 @click.option("--text-field", default="text", show_default=True)
 @click.option("--texts", "count", default=5000, show_default=True, help="How many texts (the first N).")
-@click.option("--batch", default=64, show_default=True, help="Texts per batch, for both.")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--batch", help="Texts per batch, for both [default: 64]; with --generate, comma-separated batch "
+              "sizes [default: 1,8].")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="fp32", show_default=True,
+              help="Embeddings only: --generate compares in fp32.")
+@click.option("--prompt-tokens", default=128, show_default=True, help="With --generate: tokens per prompt "
+              "(pieces of the bundled corpus).")
+@click.option("--new-tokens", default=64, show_default=True, help="With --generate: greedy tokens per prompt.")
+@click.option("--compile", "compile_", is_flag=True, help="With --generate: frugality's prefill and decoding "
+              "step compiled by Inductor (compilation is part of the untimed warm-up).")
 @click.option("--rounds", default=3, show_default=True, help="Alternating timed rounds; the best of each counts.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
-def bench_infer(model, input_path, text_field, count, batch, precision, rounds, json_path, markdown_path) -> None:
+def bench_infer(model, generation, input_path, text_field, count, batch, precision, prompt_tokens, new_tokens,
+                compile_, rounds, json_path, markdown_path) -> None:
     """Embedding throughput of frugality against sentence-transformers' encode on MODEL
     (e.g. all-MiniLM-L6-v2), the same texts, batch size and precision: texts/s and the
-    cosine between the outputs."""
+    cosine between the outputs. With --generate, generation throughput against
+    transformers' generate on a decoder: prefill and decode tokens/s at each batch size,
+    and whether the greedy outputs agree token for token."""
     from itertools import islice
 
-    from frugality.bench.infer import bench_embed, markdown_table, rows_json
+    from frugality.bench.infer import bench_embed, bench_generate, generate_markdown_table, markdown_table, rows_json
+    from frugality.cli.options import comma_ints
     from frugality.errors import UserError
     from frugality.inference.inputs import open_inputs
 
-    if count < 1 or batch < 1 or rounds < 1:
-        raise UserError("--texts, --batch and --rounds must be positive")
+    log = lambda line: click.echo(line, err=True)  # noqa: E731
+    if rounds < 1:
+        raise UserError("--rounds must be positive")
+    if generation:
+        if prompt_tokens < 1 or new_tokens < 2:
+            raise UserError("--prompt-tokens must be positive and --new-tokens at least 2")
+        rows = bench_generate(model, comma_ints(batch or "1,8", "--batch"), prompt_tokens, new_tokens, rounds,
+                              compile_, log=log)
+        _write(generate_markdown_table(rows), rows_json(rows), markdown_path, json_path)
+        return
+    if not (batch or "64").isdigit() or int(batch or 64) < 1 or count < 1:
+        raise UserError("--texts and --batch must be positive (one batch size without --generate)")
     if input_path is None:
         input_path = _default_texts()
     texts = [text for _, text in islice(open_inputs([input_path], text_field), count)]
-    rows = bench_embed(model, texts, batch, precision, rounds, log=lambda line: click.echo(line, err=True))
+    rows = bench_embed(model, texts, int(batch or 64), precision, rounds, log=log)
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 
