@@ -178,3 +178,21 @@ def test_a_run_saved_in_one_process_resumes_on_two_ranks(micro_recipe_file, tmp_
     assert sorted(grown) == list(range(1, 9))
     for step in range(5, 9):
         assert grown[step] == pytest.approx(straight[step], rel=1e-4), step
+
+
+def test_an_encoder_trains_contrastively_on_two_ranks_as_in_one_process(micro_pairs_recipe, tmp_path):
+    """DDP with a pooler the loss never reaches (frozen, so DDP waits for no gradient of it),
+    micro-batches of a step padded to one bucket, and one evaluation batch: rank 1 counts none."""
+    sets = ["model.pooler=true", "train.eval_batches=1", "data.micro_batch_size=2", "train.steps=3",
+            "train.eval_interval=3"]
+    one = _train(micro_pairs_recipe, tmp_path / "one", 1, *sets)
+    two = _train(micro_pairs_recipe, tmp_path / "two", 2, *sets)
+    assert "not trained (task contrastive does not use them): pooler" in two.stdout
+    # one process takes all four micro-batches of a step (two on each rank): the same losses
+    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
+    evals = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "eval"]
+    assert [e["candidates"] for e in evals] == [2, 2] and "recall@1" in evals[-1]
+    # each rank pads its own micro-batches to their bucket; one process pads all four to theirs
+    tokens = lambda run: json.loads((run / "summary.json").read_text())["tokens_seen"]
+    assert 0 < tokens(tmp_path / "two") <= tokens(tmp_path / "one")

@@ -19,6 +19,20 @@ def test_pythia_70m_counts():
     assert training_flops_per_token(model, layers, d, 2048) == 343_523_328  # as docs/training.md says
 
 
+def test_a_tied_embedding_counts_once_as_the_output_product():
+    from frugality.models import Bert, BertConfig, Llama, LlamaConfig
+
+    with torch.device("meta"):
+        tied = Llama(LlamaConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vocab_size=1000,
+                                 tie_embeddings=True))
+        untied = Llama(LlamaConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vocab_size=1000))
+        bert = Bert(BertConfig(hidden_size=64, num_layers=1, num_heads=4, intermediate_size=128, vocab_size=1000,
+                               mlm_head=True, pooler=False))
+    assert non_embedding_params(tied) == non_embedding_params(untied)  # the output product is there either way
+    tables = 512 * 64 + 2 * 64  # positions, token types: lookups only
+    assert non_embedding_params(bert) == sum(p.numel() for p in bert.parameters()) - tables
+
+
 def test_peak_probe_measures_something_plausible():
     flops = measure_peak_flops(torch.device("cpu"), torch.float32, size=256)
     assert 1e8 < flops < 1e15

@@ -36,19 +36,21 @@ def test_retrieval_metrics_rank_each_querys_own_positive():
 
 
 def test_a_run_logs_retrieval_metrics_uses_the_buckets_and_learns(micro_pairs_recipe, tmp_path):
-    recipe = load_recipe(str(micro_pairs_recipe), ["train.steps=8", "train.eval_interval=8", "optim.lr=3e-3"])
+    recipe = load_recipe(str(micro_pairs_recipe), ["train.steps=8", "train.eval_interval=8", "optim.lr=3e-3",
+                                                   "data.global_batch_size=4", "data.micro_batch_size=2"])
     result = trainer.train(recipe, run_dir=tmp_path / "run", progress=False)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 8]
     for r in evals:
-        assert 0 <= r["recall@1"] <= r["recall@10"] <= 1 and 0 < r["mrr"] <= 1 and r["candidates"] == 16
+        assert 0 <= r["recall@1"] <= r["recall@10"] <= 1 and 0 < r["mrr"] <= 1 and r["candidates"] == 8
         assert "perplexity" not in r
     assert result.evals[8] < result.evals[0]
-    # tokens are what the buckets padded to: 8 pairs x 2 texts x 8, 16 or 32 tokens a step
+    # tokens are what the buckets padded to: 4 pairs x 2 texts x 16, 24 or 32 tokens a step,
+    # every micro-batch of a step padded alike
     steps = [r for r in records if r["kind"] == "train"]
-    increments = {b["tokens"] - a["tokens"] for a, b in zip(steps, steps[1:])}
-    assert all(0 < t <= 8 * 2 * 32 for t in increments), increments
+    increments = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + steps, steps)]
+    assert set(increments) <= {4 * 2 * 16, 4 * 2 * 24, 4 * 2 * 32} and len(set(increments)) > 1, increments
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["tokens_seen"] == steps[-1]["tokens"] and summary["median_tokens_per_s"] > 0
 
@@ -62,6 +64,27 @@ def test_a_stopped_contrastive_run_resumes_bit_identically(micro_pairs_recipe, t
     losses = lambda run: [json.loads(l)["loss"] for l in (run / "metrics.jsonl").read_text().splitlines()
                           if json.loads(l)["kind"] == "train"]
     assert losses(tmp_path / "split") == losses(tmp_path / "whole")
+    tokens = lambda run: json.loads((run / "summary.json").read_text())["tokens_seen"]
+    assert tokens(tmp_path / "split") == tokens(tmp_path / "whole")  # counted across the resume
+
+
+def test_a_pretrained_encoder_gains_a_head_and_a_learnt_temperature(micro_pairs_recipe, tmp_path, capsys):
+    from frugality.cli.main import main
+
+    plain = ["--set", "model.head=[]", "--set", "model.learn_temperature=false"]
+    args = ["train", str(micro_pairs_recipe), "--no-progress", "--set", "train.steps=2"]
+    assert main(args + plain + ["--run-dir", str(tmp_path / "plain")]) == 0
+    assert main(args + ["--run-dir", str(tmp_path / "headed"), "--init-from", str(tmp_path / "plain")]) == 0
+    out = capsys.readouterr().out
+    assert "--init-from has no head.0, head.1, logit_scale: trained from their initialisation" in out
+    assert f"initialised from {tmp_path / 'plain'}" in out
+
+
+def test_plan_sizes_the_encoder_recipes(capsys):
+    from frugality.cli.main import main
+
+    assert main(["plan", "minilm-pairs"]) == 0 and main(["plan", "bert-mlm"]) == 0
+    assert "minilm-pairs" in capsys.readouterr().out
 
 
 def test_bad_pairs_and_a_decoder_are_one_line_each(micro_pairs_recipe, tmp_path):
@@ -74,4 +97,7 @@ def test_bad_pairs_and_a_decoder_are_one_line_each(micro_pairs_recipe, tmp_path)
                       progress=False)
     with pytest.raises(UserError, match="task contrastive trains encoders"):
         trainer.train(load_recipe("tiny", ["train.task=contrastive"]), run_dir=tmp_path / "r3", progress=False)
-    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
+    with pytest.raises(UserError, match="at least two pairs per micro-batch"):
+        trainer.train(load_recipe(str(micro_pairs_recipe), ["data.micro_batch_size=1"]), run_dir=tmp_path / "r4",
+                      progress=False)
+    assert not any((tmp_path / r).exists() for r in ("r1", "r2", "r3", "r4"))

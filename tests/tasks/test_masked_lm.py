@@ -44,6 +44,21 @@ def test_a_micro_bert_learns_the_bundled_corpus(tmp_path):
     assert result.evals[12] < result.evals[0] - 0.5  # from ~ln(30522) = 10.3
 
 
+def test_special_tokens_are_never_masked():
+    task = MaskedLM().configure(mask_id=103, mask_prob=0.5, special_ids=(101, 102))
+    tokens = torch.full((8, 64), 102)
+    tokens[:, ::2] = 2000
+    _, targets = task.mask(tokens, 30522, torch.Generator().manual_seed(0))
+    assert (targets[:, 1::2] == -100).all() and (targets[:, ::2] != -100).any()
+
+
+def test_a_bert_without_the_masked_lm_head_is_refused(tmp_path):
+    with pytest.raises(UserError, match="needs model.mlm_head = true"):
+        trainer.train(load_recipe("bert-mlm", MICRO + ["model.mlm_head=false"]), run_dir=tmp_path / "run",
+                      progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_tokenizer_without_mask_is_refused(tmp_path):
     with pytest.raises(UserError, match=r"has no \[MASK\] token"):
         trainer.train(load_recipe("bert-mlm", MICRO + ["data.tokenizer=gpt2", "model.vocab_size=50304"]),

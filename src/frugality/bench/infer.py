@@ -11,6 +11,7 @@ import time
 import numpy as np
 import torch
 
+from frugality.errors import UserError
 from frugality.inference.embed import embed_texts
 from frugality.inference.encoder import load_encoder
 
@@ -86,6 +87,9 @@ def bench_generate(model: str, batches: list[int], prompt_tokens: int, new_token
     decoder, _ = load_decoder(model, device, "fp32")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     theirs.generation_config.eos_token_id = None  # every row runs to max_new_tokens, as ours do
+    if prompt_tokens + new_tokens - 1 > decoder.max_seq_len:
+        raise UserError(f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens} pass the model's "
+                        f"{decoder.max_seq_len} positions")
     prompts, width = _corpus_prompts(decoder, max(batches), prompt_tokens), prompt_tokens
     length = cache_length(width, new_tokens, decoder.max_seq_len)
     engines = {b: Engine(decoder, b, length, "inductor" if compile else None) for b in batches}
@@ -164,5 +168,6 @@ def _corpus_prompts(decoder, count: int, tokens: int) -> list[list[int]]:
         text = f.read(8 * count * tokens + 10_000)
     ids = [i for i in decoder.tokenizer.encode(text, add_special_tokens=False).ids if i < decoder.model.config.vocab_size]
     if len(ids) < count * tokens:
-        raise ValueError(f"the corpus gave {len(ids)} tokens, short of {count} x {tokens}")
+        raise UserError(f"the bundled corpus gave {len(ids)} tokens, short of {count} prompts x {tokens} tokens; "
+                        "lower --prompt-tokens or --batch")
     return [ids[k * tokens:(k + 1) * tokens] for k in range(count)]

@@ -54,6 +54,8 @@ def generate(model, prompt, input_path, text_field, id_field, out, overwrite, ma
         raise UserError("--out goes with --input; a --prompt's completion streams to the terminal")
     if out and Path(out).exists() and not overwrite:
         raise UserError(f"--out {out}: already exists (--overwrite replaces it)")
+    if out and not Path(out).absolute().parent.is_dir():
+        raise UserError(f"--out {out}: no folder {Path(out).absolute().parent} to write it in")
     inputs = None if input_path is None else open_inputs([input_path], text_field, id_field)
     settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                     stop_strings=tuple(stop_strings))

@@ -69,6 +69,9 @@ class DataConfig(_Section):
     def _check(self) -> "DataConfig":
         if any(b > self.seq_len for b in self.buckets):
             raise ValueError(f"buckets ({list(self.buckets)}) must not exceed seq_len ({self.seq_len})")
+        if len({*self.buckets, self.seq_len}) > 4:  # x 2 (training, evaluation): dynamo's 8 graphs per code
+            raise ValueError(f"buckets ({list(self.buckets)}): at most three besides seq_len (each is a compiled "
+                             "graph for training and one for evaluation)")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"global_batch_size ({self.global_batch_size}) must be a multiple of "

@@ -77,22 +77,23 @@ class TrainStream:
     def epoch(self) -> float:
         return self.consumed_samples / len(self.samples.train_ids)
 
-    def next_step(self) -> list[torch.Tensor]:
-        """grad_accum micro-batches of shape (micro_batch_size, seq_len + 1)."""
+    def next_step(self) -> list:
+        """grad_accum micro-batches of shape (micro_batch_size, seq_len + 1) (or, for samples
+        that gather several at once, of one shape they choose: pairs padded to one bucket)."""
         start, b, w = self.consumed_samples, self.micro_batch_size, self.world_size
-        micro = [
-            self._take(start + (m * w + self.rank) * b, b) for m in range(self.grad_accum)
-        ]
+        ids = [self._ids(start + (m * w + self.rank) * b, b) for m in range(self.grad_accum)]
         self.consumed_samples += self.global_batch_size
-        return micro
+        if hasattr(self.samples, "gather_step"):
+            return self.samples.gather_step(ids)
+        return [self.samples.gather(i) for i in ids]
 
-    def _take(self, position: int, count: int) -> torch.Tensor:
+    def _ids(self, position: int, count: int) -> np.ndarray:
         n = len(self.samples.train_ids)
         ids = np.empty(count, dtype=np.int64)
         for j, pos in enumerate(range(position, position + count)):
             epoch, offset = divmod(pos, n)
             ids[j] = self._epoch_order(epoch)[offset]
-        return self.samples.gather(ids)
+        return ids
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:

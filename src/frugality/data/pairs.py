@@ -104,15 +104,27 @@ class PairSamples:
     def description(self) -> str:
         return f"{len(self.train_ids):,} training pairs ({self.num_tokens:,} tokens)"
 
-    def gather(self, ids: np.ndarray) -> TextBatch:
-        """The pairs `ids` as one batch padded to the smallest bucket that fits."""
-        rows = [self._ids[g][self._starts[g][i]:self._starts[g][i + 1]] for g in range(self.groups)
-                for i in ids.tolist()]
-        longest = max(len(r) for r in rows)
-        length = next(b for b in self.buckets if b >= longest)
+    def gather(self, ids: np.ndarray, length: int | None = None) -> TextBatch:
+        """The pairs `ids` as one batch padded to `length`, by default the smallest bucket
+        that fits."""
+        rows = self._rows(ids)
+        length = length or self.bucket(max(len(r) for r in rows))
         tokens = torch.zeros(len(rows), length, dtype=torch.long)
         mask = torch.zeros(len(rows), length, dtype=torch.long)
         for j, row in enumerate(rows):
             tokens[j, :len(row)] = torch.from_numpy(row.astype(np.int64))
             mask[j, :len(row)] = 1
         return TextBatch(tokens, mask, self.groups)
+
+    def gather_step(self, ids: list[np.ndarray]) -> list[TextBatch]:
+        """A step's micro-batches, all padded to the bucket of the step's longest text: one
+        compiled shape per step, so that a step's first micro-batch names its graph."""
+        length = self.bucket(max(len(r) for i in ids for r in self._rows(i)))
+        return [self.gather(i, length) for i in ids]
+
+    def bucket(self, longest: int) -> int:
+        return next(b for b in self.buckets if b >= longest)
+
+    def _rows(self, ids: np.ndarray) -> list[np.ndarray]:
+        return [self._ids[g][self._starts[g][i]:self._starts[g][i + 1]] for g in range(self.groups)
+                for i in ids.tolist()]

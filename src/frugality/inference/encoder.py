@@ -24,6 +24,7 @@ from frugality.errors import UserError
 from frugality.hardware import probe
 from frugality.interop.weights import load_weights, recipe_beside, resolve_source
 from frugality.interop.hf import import_hf
+from frugality.interop.sentence_transformers import pooling_mode
 from frugality.models import build_model
 from frugality.models.bert import Bert, pool
 
@@ -41,11 +42,7 @@ def read_pooling(folder: Path) -> Pooling:
     if isinstance(modules, list):
         types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
         pooling = replace(pooling, normalize=any(t.endswith("Normalize") for t in types))
-    config = _json(folder / "1_Pooling" / "config.json") or {}
-    if config.get("pooling_mode_cls_token"):
-        pooling = replace(pooling, mode="cls")
-    elif config and not config.get("pooling_mode_mean_tokens", True):
-        raise UserError(f"{folder / '1_Pooling' / 'config.json'}: only mean and CLS pooling are supported")
+    pooling = replace(pooling, mode=pooling_mode(folder / "1_Pooling" / "config.json"))
     bert = _json(folder / "sentence_bert_config.json") or {}
     if isinstance(bert.get("max_seq_length"), int):
         pooling = replace(pooling, max_length=bert["max_seq_length"])

@@ -50,12 +50,7 @@ def read_modules(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         if kind == "Transformer":
             continue
         if kind == "Pooling":
-            config = _json(path / "config.json") if (path / "config.json").is_file() else {}
-            mode = config.get("pooling_mode") or ("cls" if config.get("pooling_mode_cls_token") else "mean")
-            if mode not in ("mean", "cls") or (config.get("pooling_mode_max_tokens") or
-                                               config.get("pooling_mode_mean_sqrt_len_tokens")):
-                raise UserError(f"{path / 'config.json'}: only mean and CLS pooling are supported")
-            fields["pooling"] = mode
+            fields["pooling"] = pooling_mode(path / "config.json")
         elif kind == "Dense":
             config = _json(path / "config.json")
             index = len(widths)
@@ -81,6 +76,24 @@ def read_modules(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         if inner:
             fields["head_activation"] = _BY_CLASS[inner.pop()]
     return fields, state
+
+
+def pooling_mode(path: Path) -> str:
+    """"mean" or "cls" from a Pooling module's config.json (either generation of keys;
+    mean without one). Any other pooling, or several at once (sentence-transformers then
+    concatenates them), is refused: frugality would compute something else."""
+    config = _json(path) if path.is_file() else {}
+    if "pooling_mode" in config:
+        modes = {str(config["pooling_mode"])}
+    else:
+        modes = {key.removeprefix("pooling_mode_") for key, on in config.items()
+                 if key.startswith("pooling_mode_") and on is True}
+    modes = {"mean" if m in ("mean_tokens", "mean") else "cls" if m in ("cls_token", "cls") else m for m in modes}
+    if not modes:
+        return "mean"
+    if len(modes) > 1 or modes - {"mean", "cls"}:
+        raise UserError(f"{path}: pooling {sorted(modes)}: frugality pools by the mean or the CLS token, one of them")
+    return modes.pop()
 
 
 def _dense_weights(path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -54,8 +54,11 @@ def _top_level_keys(path: Path) -> set[str]:
     return {key.split(".", 1)[0] for key in _metadata(path)}
 
 
-def _check_shapes(theirs: dict[str, tuple], ours: dict[str, torch.Tensor], where: Path) -> None:
+def _check_shapes(theirs: dict[str, tuple], ours: dict[str, torch.Tensor], where: Path,
+                  optional: tuple[str, ...] = ()) -> None:
     for name, tensor in ours.items():
+        if name not in theirs and name.startswith(optional) and optional:
+            continue  # a part the source never had (an embedding head): it starts as initialised
         if name not in theirs:
             raise UserError(f"--init-from {where}: has no tensor {name!r} that the recipe's model needs")
         if tuple(theirs[name]) != tuple(tensor.shape):
@@ -72,30 +75,42 @@ def _read_hf(source: WeightsSource) -> dict[str, torch.Tensor]:
     return import_hf(source.path)[1]
 
 
+def _optional(model: nn.Module) -> tuple[str, ...]:
+    """Parameters a source may lack and the model then keeps as initialised: those a model
+    adds on top of a pretrained one (BERT's embedding head and learnt temperature)."""
+    return tuple(getattr(model, "optional_in_checkpoints", ()))
+
+
+def _their_shapes(source: WeightsSource) -> dict[str, tuple]:
+    meta = _metadata(source.path)
+    return {k.removeprefix("model."): m.size for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
+
+
 def check_compatible(source: WeightsSource, model: nn.Module) -> None:
     ours = model.state_dict()
     if source.kind == "hf":
-        _check_shapes({k: v.shape for k, v in _read_hf(source).items()}, ours, source.path)
+        _check_shapes({k: v.shape for k, v in _read_hf(source).items()}, ours, source.path, _optional(model))
         return
-    meta = _metadata(source.path)
-    theirs = {k.removeprefix("model."): m.size for k, m in meta.items()
-              if k.startswith("model.") and hasattr(m, "size")}
-    _check_shapes(theirs, ours, source.path)
+    _check_shapes(_their_shapes(source), ours, source.path, _optional(model))
 
 
 @torch.no_grad()
-def load_weights(source: WeightsSource, model: nn.Module) -> None:
+def load_weights(source: WeightsSource, model: nn.Module) -> list[str]:
     """Copy the source's weights into `model` in place (cast to its dtype and device),
-    after checking every shape."""
+    after checking every shape; returns the names the source lacked, left as initialised
+    (only parts a model may add to a pretrained one, `optional_in_checkpoints`)."""
+    ours = model.state_dict()  # tensors share storage with the parameters
     if source.kind == "hf":
         state = _read_hf(source)  # read once: checked, then copied
-        _check_shapes({k: v.shape for k, v in state.items()}, model.state_dict(), source.path)
-        for name, tensor in model.state_dict().items():
-            tensor.copy_(state[name])
-        return
-    check_compatible(source, model)
-    state = {"model": model.state_dict()}  # tensors share storage with the parameters
-    safe_load(state, source.path, no_dist=True)
+        _check_shapes({k: v.shape for k, v in state.items()}, ours, source.path, _optional(model))
+        for name, tensor in ours.items():
+            if name in state:
+                tensor.copy_(state[name])
+        return [name for name in ours if name not in state]
+    theirs = _their_shapes(source)
+    _check_shapes(theirs, ours, source.path, _optional(model))
+    safe_load({"model": {k: v for k, v in ours.items() if k in theirs}}, source.path, no_dist=True)
+    return [name for name in ours if name not in theirs]
 
 
 def save_weights(path: str | Path, state: dict[str, torch.Tensor], files: Mapping[str, bytes] = MappingProxyType({})) -> Path:

@@ -14,8 +14,11 @@ from torch import nn
 
 
 def non_embedding_params(model: nn.Module) -> int:
-    """Parameters that take part in matrix products: all but nn.Embedding tables."""
-    lookup = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    """Parameters that take part in matrix products: all but nn.Embedding tables, unless a
+    table is also an output layer's weight (tied, as BERT's masked-LM decoder or a tied
+    Llama's output): then it takes part in the output product."""
+    products = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+    lookup = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()} - products
     return sum(p.numel() for p in model.parameters() if id(p) not in lookup)
 
 

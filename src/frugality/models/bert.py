@@ -122,6 +122,10 @@ class Bert(nn.Module):
     """input_ids (B, T) [+ attention_mask, token_type_ids] -> hidden states (B, T, d); with
     the masked-LM head, `mlm_logits(hidden)` gives (B, T, vocab)."""
 
+    # What fine-tuning may add to a pretrained encoder: absent from its weights, kept as
+    # initialised by --init-from (frugality.interop.weights).
+    optional_in_checkpoints = ("head.", "logit_scale")
+
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.config = cfg

@@ -26,6 +26,7 @@ class TrainingData:
     val_counted: int  # how many of them count (the rest keep the ranks in step)
     description: str  # for the run header: samples and tokens
     mask_id: int | None = None  # the tokenizer's [MASK], for masked-LM training
+    special_ids: tuple[int, ...] = ()  # [CLS], [SEP], [PAD]...: never masked
 
 
 def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, world_size: int = 1) -> TrainingData:
@@ -38,6 +39,9 @@ def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, wor
             f"model.vocab_size ({recipe.model.vocab_size})"
         )
     if recipe.train.task == "contrastive":
+        if recipe.data.micro_batch_size < 2:
+            raise UserError("data.micro_batch_size = 1: contrastive training needs at least two pairs per micro-batch "
+                            "(each pair's negatives are the others)")
         samples = _open_pairs(recipe, tokenizer)
     else:
         dataset = _open_dataset(recipe, tokenizer, progress)
@@ -60,7 +64,8 @@ def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, wor
     if recipe.train.task == "masked_lm" and mask_id is None:
         raise UserError(f"train.task masked_lm: tokenizer {recipe.data.tokenizer!r} has no [MASK] token "
                         "(use data.tokenizer = \"bert-uncased\" or a BERT tokenizer)")
-    return TrainingData(samples, stream, val_batches, val_counted, description, mask_id)
+    specials = tuple(i for t in ("[CLS]", "[SEP]", "[PAD]") if (i := tokenizer.tokenizer.token_to_id(t)) is not None)
+    return TrainingData(samples, stream, val_batches, val_counted, description, mask_id, specials)
 
 
 def _open_pairs(recipe: Recipe, tokenizer) -> PairSamples:

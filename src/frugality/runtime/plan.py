@@ -33,7 +33,7 @@ from torch import nn
 from frugality.config.recipe import Recipe
 from frugality.models import build_model
 from frugality.precision import get_policy
-from frugality.tasks import get_task
+from frugality.tasks import task_for
 
 HEADROOM = 0.9  # of the device memory that the counted parts may take
 
@@ -102,12 +102,13 @@ def saved_activation_bytes(model: nn.Module, recipe: Recipe) -> int:
         saved[id(base)] = base  # held, so that ids stay unique until counted
         return t
 
-    batch = torch.zeros((recipe.data.micro_batch_size, recipe.data.seq_len + 1), dtype=torch.long, device="meta")
+    task = task_for(recipe)
+    batch = task.example_batch(recipe, torch.device("meta"))
     sdpa = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = lambda q, k, v, **_: _FlashAttentionSaves.apply(q, k, v)
     try:
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            get_task(recipe.train.task).loss(model, batch)
+            task.loss(model, batch)
     finally:
         F.scaled_dot_product_attention = sdpa
     parameters = {id(p) for p in model.parameters()}

@@ -29,7 +29,7 @@ from frugality.kernels.specialize import specialize
 from frugality.models import build_model
 from frugality.precision import PrecisionPolicy, resolve_policy
 from frugality.runtime.data import TrainingData
-from frugality.tasks import get_task
+from frugality.tasks import freeze_unused, task_for
 from frugality.runtime.optim import build_optimizer
 
 
@@ -52,6 +52,7 @@ class TrainState:
     rejected: str | None = None  # why the last step's update was not applied (non-finite, a spike)
     recent_losses: deque = field(default_factory=deque)  # applied steps' losses, for spike detection
     rolled_back: bool = False  # a policy restored the last checkpoint during this step
+    tokens_seen: int = 0  # every rank's tokens of every step so far (checkpointed: buckets make steps differ)
 
     @property
     def module(self) -> nn.Module:
@@ -66,7 +67,7 @@ class TrainState:
 def check_recipe(recipe: Recipe, device: torch.device) -> None:
     """The checks `build_state` makes first (task and model family, precision on this
     device), for callers that must refuse bad input before doing anything else."""
-    get_task(recipe.train.task).check(recipe.model.family)
+    task_for(recipe)
     resolve_policy(recipe.train.precision, device)
     disabled_kernels()  # a misspelt FRUGALITY_DISABLE_KERNELS fails now, not mid-run
     check_cost(recipe.cost.instance, recipe.cost.catalogue)  # an unknown instance or a bad catalogue too
@@ -77,15 +78,12 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
     """The training state for `recipe` on `device` (see the module's docstring for the
     order); `data` from `frugality.runtime.data.open_training_data` where batches come from
     the recipe's dataset. The recipe's micro-batch and sequence length key the compiled graphs."""
-    task = get_task(recipe.train.task)
-    task.check(recipe.model.family)
-    if hasattr(task, "configure"):  # masked LM: the tokenizer's [MASK] id
-        task = task.configure(data.mask_id if data is not None and data.mask_id is not None else 0,
-                              recipe.data.mask_prob)
+    task = task_for(recipe, data.mask_id if data is not None else None, data.special_ids if data is not None else ())
     policy, note = resolve_policy(recipe.train.precision, device)
     torch.manual_seed(recipe.seed)
     with device:
         model = policy.prepare_model(build_model(recipe.model))
+    frozen = freeze_unused(task, model)  # before any wrapping: DDP must not wait for their gradients
     choices = specialize(model, device, policy)
     if world.distributed:
         model = wrap(model, recipe.parallel, world, device)
@@ -93,6 +91,13 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
     optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
                                 fused=recipe.train.fused_optimizer)
     compiled = CompileSession.for_recipe(recipe, device, policy)
-    return TrainState(recipe, device, policy, task, model, optimizer, compiled,
-                      [note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")], data, world,
+    notes = [note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")]
+    if frozen:
+        notes.append(f"not trained (task {task.name} does not use them): {_prefixes(frozen)}")
+    return TrainState(recipe, device, policy, task, model, optimizer, compiled, notes, data, world,
                       recent_losses=deque(maxlen=recipe.train.loss_spike_window))
+
+
+def _prefixes(names: list[str]) -> str:
+    """pooler.weight, pooler.bias, mlm.dense.weight -> pooler, mlm.dense"""
+    return ", ".join(dict.fromkeys(name.rsplit(".", 1)[0] if "." in name else name for name in names))

@@ -15,7 +15,10 @@ class CausalLM:
     name = "causal_lm"
     families = ("gpt-neox", "llama")  # the decoders
 
-    def check(self, family: str) -> None:
+    unused = ()  # prefixes of parameters the loss never reaches
+
+    def check(self, model) -> None:
+        family = model.family
         if family not in self.families:
             raise UserError(f"model.family {family!r}: task {self.name} trains decoders "
                             f"({', '.join(self.families)}); {family} models can be imported, exported "
@@ -29,3 +32,6 @@ class CausalLM:
 
     def shape_key(self, batch) -> str:
         return ""  # one shape per run
+
+    def example_batch(self, recipe, device) -> torch.Tensor:
+        return torch.zeros((recipe.data.micro_batch_size, recipe.data.seq_len + 1), dtype=torch.long, device=device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from frugality.data.pairs import TextBatch
 from frugality.errors import UserError
 
 RECALL_AT = (1, 10)
@@ -18,9 +19,12 @@ class Contrastive:
     name = "contrastive"
     families = ("bert",)  # encoders
 
-    def check(self, family: str) -> None:
-        if family not in self.families:
-            raise UserError(f"model.family {family!r}: task {self.name} trains encoders ({', '.join(self.families)})")
+    unused = ("pooler.", "mlm.")  # BERT's pooler and masked-LM head (the tied decoder weight is the embedding's)
+
+    def check(self, model) -> None:
+        if model.family not in self.families:
+            raise UserError(f"model.family {model.family!r}: task {self.name} trains encoders "
+                            f"({', '.join(self.families)})")
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         return model(batch.ids, batch.mask, contrastive_groups=batch.groups)
@@ -33,6 +37,11 @@ class Contrastive:
         """Each length bucket is a graph of its own: its first use is its warm-up."""
         return f"@{batch.ids.shape[1]}"
 
+    def example_batch(self, recipe, device) -> TextBatch:
+        rows = len(recipe.data.fields) * recipe.data.micro_batch_size
+        ids = torch.zeros((rows, recipe.data.seq_len), dtype=torch.long, device=device)
+        return TextBatch(ids, torch.ones_like(ids), len(recipe.data.fields))
+
     @torch.no_grad()
     def embed_pairs(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """L2-normalised float32 embeddings of the batch's queries and positives."""
@@ -43,6 +52,8 @@ class Contrastive:
     def retrieval_metrics(self, queries: torch.Tensor, positives: torch.Tensor) -> dict[str, float]:
         """recall@k (the right positive among the k most similar) and the mean reciprocal
         rank, query i's right positive being positive i, among all of them."""
+        if not len(queries):
+            return {}
         scores = queries @ positives.T
         right = scores.diagonal().unsqueeze(1)
         rank = (scores > right).sum(1) + 1  # ties counted in the query's favour

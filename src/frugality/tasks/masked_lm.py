@@ -22,16 +22,22 @@ class MaskedLM:
     name = "masked_lm"
     families = ("bert",)
 
-    def __init__(self, mask_id: int | None = None, mask_prob: float = 0.15) -> None:
-        self.mask_id, self.mask_prob = mask_id, mask_prob
+    unused = ("pooler.", "head.", "logit_scale")  # the embedding model's parts
 
-    def configure(self, mask_id: int, mask_prob: float) -> "MaskedLM":
-        """This task for a tokenizer's [MASK] id and a masking share."""
-        return MaskedLM(mask_id, mask_prob)
+    def __init__(self, mask_id: int | None = None, mask_prob: float = 0.15, special_ids: tuple[int, ...] = ()) -> None:
+        self.mask_id, self.mask_prob, self.special_ids = mask_id, mask_prob, tuple(special_ids)
 
-    def check(self, family: str) -> None:
-        if family not in self.families:
-            raise UserError(f"model.family {family!r}: task {self.name} trains encoders ({', '.join(self.families)})")
+    def configure(self, mask_id: int, mask_prob: float, special_ids: tuple[int, ...] = ()) -> "MaskedLM":
+        """This task for a tokenizer's [MASK] id, a masking share, and the special tokens
+        ([SEP] between documents) that are never chosen."""
+        return MaskedLM(mask_id, mask_prob, special_ids)
+
+    def check(self, model) -> None:
+        if model.family not in self.families:
+            raise UserError(f"model.family {model.family!r}: task {self.name} trains encoders "
+                            f"({', '.join(self.families)})")
+        if not model.mlm_head:
+            raise UserError("train.task masked_lm needs model.mlm_head = true (the masked-LM head)")
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         tokens = batch[:, :-1]
@@ -46,6 +52,8 @@ class MaskedLM:
             raise RuntimeError("MaskedLM needs configure(mask_id, ...) before use")
         draw = torch.rand(tokens.shape, generator=generator, device=tokens.device)
         chosen = draw < self.mask_prob
+        if self.special_ids:
+            chosen &= ~torch.isin(tokens, torch.tensor(self.special_ids, device=tokens.device))
         targets = torch.where(chosen, tokens, torch.full_like(tokens, -100))
         kind = torch.rand(tokens.shape, generator=generator, device=tokens.device)
         random_ids = torch.randint(vocab_size, tokens.shape, generator=generator, device=tokens.device)
@@ -58,6 +66,9 @@ class MaskedLM:
 
     def shape_key(self, batch) -> str:
         return ""
+
+    def example_batch(self, recipe, device) -> torch.Tensor:
+        return torch.zeros((recipe.data.micro_batch_size, recipe.data.seq_len + 1), dtype=torch.long, device=device)
 
 
 def model_vocab(model: nn.Module) -> int:

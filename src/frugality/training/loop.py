@@ -56,9 +56,10 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
         phase = "train" + state.task.shape_key(batches[0])  # a length bucket's first step is its warm-up
         loss, norm = _run(state, callbacks, phase, state.step + 1, lambda: train_step(state, batches))
         state.step += 1
+        tokens = step_tokens(state, batches)
+        state.tokens_seen += tokens
         callbacks.on_step_end(state, StepResult(state.step, loss, norm, lr, time.perf_counter() - t0,
-                                                state.step == stop_at, state.rejected,
-                                                tokens=step_tokens(state, batches)))
+                                                state.step == stop_at, state.rejected, tokens=tokens))
         if state.rolled_back:  # a policy restored the last checkpoint: go on from its step
             state.rolled_back = False
             continue
@@ -167,8 +168,9 @@ def retrieval_metrics(state: TrainState) -> dict:
     for batch in state.data.val_batches:
         with state.autocast:
             pairs.append(state.task.embed_pairs(state.model, batch.to(state.device)))
-    queries = torch.cat([q for q, _ in pairs[: state.data.val_counted]]).cpu()
-    positives = torch.cat([p for _, p in pairs[: state.data.val_counted]]).cpu()
+    counted = pairs[: state.data.val_counted] or [(q[:0], p[:0]) for q, p in pairs[:1]]  # a rank may count none
+    queries = torch.cat([q for q, _ in counted]).cpu()
+    positives = torch.cat([p for _, p in counted]).cpu()
     if state.world.distributed:
         queries, positives = all_gather_rows(queries), all_gather_rows(positives)
     return state.task.retrieval_metrics(queries, positives)

@@ -130,7 +130,10 @@ def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: boo
             check_compatible(source, state.module)
             CheckpointManager(source.path.parent).load(source.path, state.model, state.optimizer)
         else:
-            load_weights(source, state.module)
+            fresh = load_weights(source, state.module)
+            if fresh:
+                state.choices.append(f"--init-from has no {', '.join(sorted({n.rsplit('.', 1)[0] for n in fresh}))}: "
+                                     "trained from their initialisation")
         rng.seed_everything(seed)
     elif plan.resume_from is not None:
         stored = stored_dtype(WeightsSource(plan.resume_from, "dcp"))

@@ -26,7 +26,7 @@ def state():
                            policy=SimpleNamespace(compute_dtype=torch.float32, state_bytes_per_param=16,
                                                   label="fp32", name="fp32"),
                            compiled=SimpleNamespace(enabled=True, stats=stats, closed=0),
-                           world=World(), recent_losses=deque([2.5, 2.4], maxlen=50),
+                           world=World(), recent_losses=deque([2.5, 2.4], maxlen=50), tokens_seen=0,
                            data=SimpleNamespace(stream=SimpleNamespace(epoch=0.5, state_dict=lambda: {"pos": 1},
                                                                      reshuffles=[])))
 
@@ -37,5 +37,6 @@ def step():
     def make(state, loss=2.0, seconds=0.5, final=False, rejected=None):
         state.step += 1
         tokens = state.recipe.data.global_batch_size * state.recipe.data.seq_len  # as the loop counts them
+        state.tokens_seen += tokens
         return StepResult(state.step, loss, 1.0, 1e-3, seconds, final, rejected, tokens=tokens)
     return make

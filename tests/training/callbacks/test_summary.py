@@ -9,7 +9,7 @@ from frugality.training.callbacks.throughput import Throughput
 def test_the_summary_has_the_whole_runs_validation_losses(state, step, tmp_path):
     # an earlier session of the run logged step 0's evaluation
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 0, "loss": 9.0}) + "\n")
-    state.step = 4
+    state.step, state.tokens_seen = 4, 4 * 64  # as restored from the checkpoint of step 4
     throughput, memory = Throughput(), Memory(None)
     memory.record = {"bytes_per_param": 16.0}
     summary = Summary(tmp_path, throughput, memory)

@@ -14,7 +14,8 @@ def training_state(state) -> dict:
     RNG states, the losses spike detection looks back on, and the precision policy (a resume
     under another policy is refused)."""
     return {"data": state.data.stream.state_dict(), "rng": rng.get_state(), "step": state.step,
-            "precision": state.policy.name, "recent_losses": list(state.recent_losses)}
+            "precision": state.policy.name, "recent_losses": list(state.recent_losses),
+            "tokens_seen": state.tokens_seen}
 
 
 def restore_training_state(state, extra: dict) -> None:
@@ -23,6 +24,8 @@ def restore_training_state(state, extra: dict) -> None:
     rng.set_state(extra["rng"])
     state.recent_losses.clear()
     state.recent_losses.extend(extra.get("recent_losses", []))
+    d = state.recipe.data  # older checkpoints did not count tokens: packed sequences all have seq_len
+    state.tokens_seen = int(extra.get("tokens_seen", extra.get("step", 0) * d.global_batch_size * d.seq_len))
 
 
 class Checkpointing(Callback):

@@ -51,7 +51,7 @@ class Summary(Callback):
             "final_step": state.step,
             "total_steps": recipe.train.steps,
             "interrupted": state.stop_requested,
-            "tokens_seen": round(state.step * t.tokens_per_step),
+            "tokens_seen": state.tokens_seen,
             "wall_time_s": round(time.perf_counter() - self.wall_start, 2),
             "train_time_s": round(sum(t.step_times), 2),
             "median_step_time_s": round(median, 4) if median is not None else float("nan"),
@@ -66,5 +66,5 @@ class Summary(Callback):
             "compile": state.compiled.stats.as_dict(),
         }
         if self.cost is not None:
-            self.summary["cost"] = self.cost.figures(round(state.step * t.tokens_per_step), recipe.cost.target_loss)
+            self.summary["cost"] = self.cost.figures(state.tokens_seen, recipe.cost.target_loss)
         rundir.write_summary(self.run_dir, self.summary)

@@ -37,7 +37,7 @@ class Throughput(Callback):
         self.step_tokens.append(result.tokens)
         tokens_per_s = result.tokens / result.seconds
         result.record.update(tokens_per_s=tokens_per_s, mfu=mfu(self.flops_per_token * tokens_per_s, self.peak),
-                             step_time_s=result.seconds, tokens=round(result.step * self.tokens_per_step))
+                             step_time_s=result.seconds, tokens=state.tokens_seen)
 
     def median_step_time(self) -> float | None:
         return statistics.median(self.step_times) if self.step_times else None
