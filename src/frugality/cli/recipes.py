@@ -39,10 +39,11 @@ def _machine() -> None:
 
 
 def _size_order(name: str) -> tuple:
-    """tiny first, then by model size as written in the name (14m < 1b < 20b)."""
+    """tiny first, then the recipes without a size in their name (the encoders) by name, then
+    by model size as written in the name (14m < 1b < 20b)."""
     units = {"m": 1e6, "b": 1e9}
     tail = name.rsplit("-", 1)[-1]
     try:
-        return (1, float(tail[:-1]) * units[tail[-1]])
+        return (2, float(tail[:-1]) * units[tail[-1]], name)
     except (ValueError, KeyError):
-        return (0, 0.0)
+        return (0 if name == "tiny" else 1, 0.0, name)
