@@ -62,7 +62,8 @@ def main() -> int:
               f"{args.warmup} warm-up steps (their time, compilation included, in the last column). frugality ×: "
               f"frugality's tokens/s over the row's (on frugality's row: over the fastest peer's), with the "
               f"median and quartiles of the step-pair ratios.\n\n")
-    write_results(Path(__file__).parent / "results", "peers", args.recipe, header, markdown_table(rows),
+    shapes = args.shapes.replace(",", "-")  # one file per set of shapes
+    write_results(Path(__file__).parent / "results", "peers", f"{args.recipe}-{shapes}", header, markdown_table(rows),
                   json.dumps(json.loads(rows_json(rows)), indent=1))
     return 0
 
