@@ -113,12 +113,17 @@ def test_a_changed_batch_shape_after_warm_up_is_reported_with_its_reason(
         step(2, _batch(recipe, 2))  # the warmed-up shape: no compilation
         assert session.stats.cache_misses == 0 and session.stats.cache_hits == 3  # from the cache
         assert session.stats.recompiles == 0
+        # another implementation's compilation (a peer in bench train) is not this session's
+        with session.outside():
+            torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+        step(3, _batch(recipe, 2))
+        assert session.stats.recompiles == 0 and session.stats.graphs == 3
         if mode == "error":
-            with pytest.raises(RecompileError, match=r"at step 3: .*size mismatch at index 0\. expected 2, actual 3"):
-                step(3, _batch(recipe, 3))
+            with pytest.raises(RecompileError, match=r"at step 4: .*size mismatch at index 0\. expected 2, actual 3"):
+                step(4, _batch(recipe, 3))
         else:
-            with pytest.warns(RecompileWarning, match=r"at step 3: .*size mismatch at index 0\. expected 2, actual 3"):
-                step(3, _batch(recipe, 3))
+            with pytest.warns(RecompileWarning, match=r"at step 4: .*size mismatch at index 0\. expected 2, actual 3"):
+                step(4, _batch(recipe, 3))
         assert session.stats.graphs > 3  # the new shape's graph (compiled, or cached by the other mode)
         assert session.stats.recompiles == 1
         assert "expected 2, actual 3" in session.stats.recompile_reasons[0]

@@ -23,6 +23,7 @@ a cold compile 53 s instead of 40 s: the right trade when one compile serves a f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -222,6 +223,32 @@ class CompileSession:
                     "static, so a changed batch shape or a new code path caused it)")
             warnings.warn(message, RecompileWarning, stacklevel=3)
         return reasons
+
+    @contextlib.contextmanager
+    def outside(self):
+        """Code run in this block is another's (a peer's step in `frugality bench train`):
+        what it compiles is not this session's. It is not counted, not taken for a
+        recompilation, and not published with this session's graphs (Inductor writes it to
+        the directory it used before this session)."""
+        if not self.enabled:
+            yield
+            return
+        before, (hits, misses) = list(_metrics()), _counters()
+        ours = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        if self._previous_dir is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = self._previous_dir
+        try:
+            yield
+        finally:
+            if ours is not None:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = ours
+            theirs = [m for m in _metrics() if not any(m is b for b in before)]
+            self._seen_metrics = self._seen_metrics + theirs
+            self._start_metrics = self._start_metrics + theirs  # out of compile_s too
+            after_hits, after_misses = _counters()
+            self._base = (self._base[0] + after_hits - hits, self._base[1] + after_misses - misses)
 
     # -- 4. close ---------------------------------------------------------------------------
     def publish(self) -> None:
