@@ -25,7 +25,7 @@ from frugality.hardware import probe
 from frugality.interop.weights import load_weights, recipe_beside, resolve_source
 from frugality.interop.hf import import_hf
 from frugality.interop.sentence_transformers import pooling_mode
-from frugality.models import build_model
+from frugality.models import build_empty
 from frugality.models.bert import Bert, pool
 
 @dataclass(frozen=True)
@@ -127,15 +127,17 @@ def load_model(path: str | Path, check: Callable[[object, Path], None]) -> Loade
     if (folder / "config.json").is_file():  # a Hugging Face folder
         config, state = import_hf(folder)
         check(config, folder)
-        model = build_model(config)
+        model = build_empty(config)
         model.load_state_dict(state, strict=True)
         return LoadedModel(model, str(folder / "tokenizer.json"), folder)
     # a frugality checkpoint: an imported folder or a run directory
     source = resolve_source(folder, "model")
     recipe = recipe_beside(source)
     check(recipe.model, folder)
-    model = build_model(recipe.model)  # built for real, not on "meta": the rotary tables are in no checkpoint
-    load_weights(source, model)
+    model = build_empty(recipe.model)  # no initialisation: every weight is loaded
+    missing = load_weights(source, model)
+    if missing:  # uninitialised memory must never pass for weights
+        raise UserError(f"model {folder}: the checkpoint {source.path} lacks {missing[0]!r}")
     own = source.path / "tokenizer.json"  # an imported folder's, wherever it was moved
     return LoadedModel(model, str(own) if own.is_file() else recipe.data.tokenizer, source.path)
 

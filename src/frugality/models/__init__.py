@@ -29,6 +29,21 @@ ModelConfig = Annotated[
 ]
 
 
+def build_empty(cfg, device="cpu") -> nn.Module:
+    """The model's structure to load weights into, without the cost of initialising them:
+    built on the meta device, its parameters then allocated (uninitialised) on `device`,
+    and the buffers no checkpoint holds (rotary tables) computed there."""
+    import torch
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model = model.to_empty(device=device)
+    for module in model.modules():
+        if hasattr(module, "reset_tables"):
+            module.reset_tables()
+    return model
+
+
 def build_model(cfg) -> nn.Module:
     """Instantiate the model a config describes, initialised on the current default device."""
     try:
@@ -38,4 +53,4 @@ def build_model(cfg) -> nn.Module:
 
 
 __all__ = ["FAMILIES", "Bert", "BertConfig", "GPTNeoX", "GPTNeoXConfig", "Llama", "LlamaConfig",
-           "ModelConfig", "build_model"]
+           "ModelConfig", "build_empty", "build_model"]

@@ -33,16 +33,27 @@ class RotaryEmbedding(nn.Module):
         head_size = dim if head_size is None else head_size
         if dim % 2 or dim > head_size:
             raise ValueError(f"rotary dimension must be even and at most the head size ({head_size}), got {dim}")
-        self.dim = dim
-        half = dim // 2
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, dim/2)
-        cos = torch.ones(max_seq_len, head_size)
-        sin = torch.zeros(max_seq_len, head_size)
-        cos[:, :half] = cos[:, half:dim] = angles.cos()
-        sin[:, :half], sin[:, half:dim] = -angles.sin(), angles.sin()
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.dim, self.base = dim, base
+        self.register_buffer("cos", torch.empty(max_seq_len, head_size), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_size), persistent=False)
+        self.reset_tables()
+
+    @torch.no_grad()
+    def reset_tables(self) -> None:
+        """(Re)compute the tables in place, on whatever device they are: a model built on
+        the meta device and moved with `to_empty` has them uninitialised
+        (`frugality.models.build_empty`)."""
+        if self.cos.is_meta:
+            return
+        max_seq_len, dim, half = self.cos.shape[0], self.dim, self.dim // 2
+        positions = torch.arange(max_seq_len, dtype=torch.float32, device=self.cos.device)
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=self.cos.device) / dim))
+        angles = torch.outer(positions, inv_freq)  # (T, dim/2)
+        self.cos.fill_(1.0)
+        self.sin.zero_()
+        self.cos[:, :half] = angles.cos()
+        self.cos[:, half:dim] = angles.cos()
+        self.sin[:, :half], self.sin[:, half:dim] = -angles.sin(), angles.sin()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate x of shape (batch, heads, seq, head_size) by positions 0..seq-1, or by each
