@@ -120,7 +120,8 @@ class LoadedModel:
 def load_model(path: str | Path, check: Callable[[object, Path], None]) -> LoadedModel:
     """The model at `path`: a Hugging Face folder, a folder from `frugality import hf`, or a
     run directory (its latest checkpoint); `check(config, folder)` refuses a family the
-    caller cannot use before any weights are read."""
+    caller cannot use before the model is built (a checkpoint's weights are not read by then;
+    a Hugging Face folder's are, since BERT's heads are told by its tensor names)."""
     folder = Path(path)
     if not folder.exists():
         raise UserError(f"model {folder}: no such folder")
