@@ -76,8 +76,9 @@ def bench_generate(model: str, batches: list[int], prompt_tokens: int, new_token
                    compile: bool = False, log=print) -> list[dict]:
     """`frugality generate`'s engine against transformers' `generate` on the same weights
     (fp32, greedy, no stop token, `new_tokens` each, prompts of `prompt_tokens` tokens cut
-    from the bundled corpus, so neither pads), alternating rounds, the best of each. Both are timed alike: a run of one new
-    token is the prefill; a run of `new_tokens` less that one is the decoding of the other
+    from the bundled corpus: all of one length, so transformers pads none; frugality pads them
+    to its prompt bucket, 16, 32, 64, ...), alternating rounds, the best of each. Both are
+    timed alike: a run of one new token is the prefill; a run of `new_tokens` less that one is the decoding of the other
     `new_tokens - 1`. Also whether the two outputs agree token for token."""
     import transformers
 
