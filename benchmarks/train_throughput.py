@@ -61,7 +61,7 @@ def main() -> int:
         f"{machine_line()}\n"
         f"Each pass alternates frugality and transformers step by step in one process; medians of "
         f"{args.steps} timed steps after {args.warmup} warm-up steps (frugality's compilation "
-        f"happens in the warm-up). vs transformers: the ratio of the medians, and in parentheses "
+        f"happens in the warm-up). frugality ×: the ratio of the medians (frugality over transformers), in parentheses "
         f"the median and quartiles of the ratio within each step pair (transformers' step over "
         f"frugality's step just before it, run in the same conditions). MFU against the measured matmul peak of the compute dtype "
         f"(fp32 for fp32, bf16 otherwise; {peaks}), 6N + 12·L·H·T FLOPs per token; "

@@ -30,7 +30,7 @@ def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp
     assert 0 < q1 <= median <= q3 and rows[3]["speedup_pairs"] == rows[2]["speedup_pairs"]
     assert rows[2]["versus"] == "transformers" and rows[3]["versus"] is None
     assert rows[2]["compile_level"] == "O0" and rows[3]["compile_level"] is None
-    assert rows[2]["runs_as"].startswith("bf16-sr") and rows[3]["runs_as"] == "bf16-sr"  # transformers: as named
+    assert rows[2]["runs_as"].startswith("bf16-sr") and rows[3]["runs_as"] == "bf16 (no stochastic rounding)"
     assert f"| frugality | {rows[2]['runs_as']} | O0 | 2 × 16 |" in (tmp_path / "table.md").read_text()
     assert "× (pairs " in (tmp_path / "table.md").read_text()
     assert "GFLOP/s) |" in (tmp_path / "table.md").read_text()  # the pass's probe, per row
@@ -69,8 +69,8 @@ def test_bench_train_races_every_peer_and_names_those_that_cannot_run(micro_reci
     assert rows["litgpt"]["precision"] == "amp-bf16" and rows["transformers-compiled"]["compile_level"] == "torch.compile"
     fastest = max(("transformers", "transformers-compiled", "litgpt"), key=lambda n: rows[n]["tokens_per_s"])
     assert rows["frugality"]["versus"] == fastest and rows["frugality"]["speedup"] == rows[fastest]["speedup"]
-    assert rows["torchtitan"]["tokens_per_s"] is None and "CUDA GPUs only" in rows["torchtitan"]["skipped"]
-    assert "| torchtitan | fp32 | | 2 × 16 | not run: torchtitan trains on CUDA GPUs only |" in (tmp_path / "t.md").read_text()
+    assert rows["torchtitan"]["tokens_per_s"] is None and "needs CUDA and is not set up" in rows["torchtitan"]["skipped"]
+    assert "| torchtitan | fp32 | | 2 × 16 | not run: torchtitan needs CUDA" in (tmp_path / "t.md").read_text()
 
 
 def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
@@ -82,6 +82,10 @@ def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
     assert "choose peers from transformers, transformers-compiled, litgpt" in capsys.readouterr().err
     assert main(["bench", "train", str(micro_recipe_file), "--baseline", "litgpt:fp17"]) == 2
     assert "unknown precision 'fp17'" in capsys.readouterr().err
+    assert main(["bench", "train", str(micro_recipe_file), "--baseline", "litgpt,litgpt:amp-bf16"]) == 2
+    assert "names litgpt twice" in capsys.readouterr().err
+    assert main(["bench", "train", str(micro_recipe_file), "--baseline", "litgpt", "--warmup", "0"]) == 2
+    assert "litgpt compile in their first step" in capsys.readouterr().err
 
 
 def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp_path):

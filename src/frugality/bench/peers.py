@@ -8,11 +8,11 @@ documentation or training script sets it up, on the recipe's GPT-NeoX architectu
 - `litgpt`: litgpt's own `GPT` and its pretraining step (`litgpt/pretrain.py`):
   `torch.compile(model)`, `chunked_cross_entropy`, AdamW (fused on CUDA only, as there),
   gradient clipping;
-- `torchtitan` and `liger-kernel`: CUDA only (torchtitan's Llama training step with
-  compile; transformers with liger-kernel's fused layers and loss).
+- `torchtitan` and `liger-kernel` (torchtitan's Llama step; transformers with liger-kernel's
+  fused layers and loss): both need CUDA and are not set up yet: their rows say so.
 
-A peer that cannot run here (not installed, needs CUDA, cannot build the architecture) is
-a row that says why, never left out. Peers install with `./scripts/setup.sh --peers`.
+A peer that cannot run here (not installed, needs CUDA, not set up, cannot build the
+architecture or the precision, fails to compile) is a row that says why, never left out. Peers install with `./scripts/setup.sh --peers`.
 """
 
 from __future__ import annotations
@@ -61,25 +61,30 @@ def parse_baselines(spec: str | None) -> list[tuple[str, str | None]]:
                             f":PRECISION), or a precision for transformers")
         if precision and precision not in PRECISIONS:
             raise UserError(f"--baseline {item!r}: unknown precision {precision!r} (have: {', '.join(PRECISIONS)})")
+        if any(name == seen for seen, _ in out):
+            raise UserError(f"--baseline names {name} twice: one precision per peer and run")
         out.append((name, precision or None))
     return out
 
 
 def build_peer(name: str, recipe: Recipe, precision: str, device: torch.device) -> PeerRunner:
-    if name in CUDA_ONLY and device.type != "cuda":
-        raise PeerUnavailable(f"{name} trains on CUDA GPUs only")
+    if name in CUDA_ONLY:
+        raise PeerUnavailable(f"{name} needs CUDA and is not set up in this version of the benchmark")
     if recipe.model.family != "gpt-neox":
         raise PeerUnavailable(f"the peers are set up for GPT-NeoX recipes; this one is {recipe.model.family}")
+    if precision not in ("fp32", "amp-bf16", "bf16", "bf16-sr"):
+        raise PeerUnavailable(f"{name} has no {precision} training here")
     if name in ("transformers", "transformers-compiled"):
         compiled = name == "transformers-compiled"
-        model, optimizer, autocast = build_transformers(recipe, precision, device, fused_adamw=compiled)
+        try:
+            model, optimizer, autocast = build_transformers(recipe, precision, device, fused_adamw=compiled)
+        except UserError as e:  # transformers not installed
+            raise PeerUnavailable(str(e)) from None
         if compiled:
             model = torch.compile(model)
         clip = recipe.optim.grad_clip
         return PeerRunner(lambda b: transformers_step(model, optimizer, autocast, b, clip), model, optimizer, compiled)
-    if name == "litgpt":
-        return _litgpt(recipe, precision, device)
-    raise PeerUnavailable(f"{name} is not set up in this version of frugality's benchmark")
+    return _litgpt(recipe, precision, device)
 
 
 def _litgpt(recipe: Recipe, precision: str, device: torch.device) -> PeerRunner:
@@ -98,8 +103,6 @@ def _litgpt(recipe: Recipe, precision: str, device: torch.device) -> PeerRunner:
     model = GPT(config).to(device)
     if precision in ("bf16", "bf16-sr"):  # litgpt's "bf16-true": the weights in bf16
         model = model.to(torch.bfloat16)
-    elif precision not in ("fp32", "amp-bf16"):
-        raise PeerUnavailable(f"litgpt has no {precision} training")
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "amp-bf16"
                 else contextlib.nullcontext())  # "bf16-mixed"
     model.train()
@@ -112,7 +115,8 @@ def _litgpt(recipe: Recipe, precision: str, device: torch.device) -> PeerRunner:
         with autocast:
             loss = chunked_cross_entropy(compiled_model(batch[:, :-1]), batch[:, 1:])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        if o.grad_clip > 0:  # 0: off, as in the recipe
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
         return loss.item()

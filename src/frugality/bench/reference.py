@@ -49,7 +49,8 @@ def transformers_step(model, optimizer, autocast, batch: torch.Tensor, grad_clip
     with autocast:
         loss = model(input_ids=inputs, labels=inputs).loss
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if grad_clip > 0:  # 0: off (TrainingArguments' max_grad_norm=0 likewise)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()

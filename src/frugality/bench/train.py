@@ -113,8 +113,11 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
         keep_freed_memory()  # as in training, for every implementation
     rows = []
     for precision in precisions:
+        peer_default = baseline or precision
+        if peer_default == "auto":  # what `auto` picks, in the peers' usual form: amp-bf16 for bf16
+            peer_default = "fp32" if resolve_policy("auto", device)[0].name == "fp32" else "amp-bf16"
         impl_precision = {impl: precision if impl == "frugality" else
-                          (peer_precisions or {}).get(impl) or baseline or precision for impl in impls}
+                          (peer_precisions or {}).get(impl) or peer_default for impl in impls}
         runners, skipped = {}, {}
         for impl in impls:
             try:
@@ -134,19 +137,27 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
         ours = runners["frugality"][3] if "frugality" in runners else None
         for i in range(warmup + steps):
             data = random_batch(recipe, batch, seq, device, i)
-            for impl in running:  # A B C A B C ...: the same conditions for all
+            for impl in list(running):  # A B C A B C ...: the same conditions for all
                 step = runners[impl][0]
                 # a compiled peer's graphs are its own, not frugality's (counted, published)
-                apart = ours.outside() if ours is not None and impl != "frugality" else contextlib.nullcontext()
-                _sync(device)
-                t0 = time.perf_counter()
-                with apart:
-                    step(data)
-                _sync(device)
+                with ours.outside() if ours is not None and impl != "frugality" else contextlib.nullcontext():
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    try:
+                        step(data)
+                    except Exception as e:  # noqa: BLE001 - a peer that fails (to compile) is a row saying so
+                        if impl == "frugality" or i >= warmup:
+                            raise
+                        skipped[impl] = f"failed in its warm-up: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                        log(f"{impl:21} {skipped[impl]}")
+                        running.remove(impl)
+                        continue
+                    _sync(device)
+                    seconds = time.perf_counter() - t0
                 if i >= warmup:
-                    times[impl].append(time.perf_counter() - t0)
+                    times[impl].append(seconds)
                 else:
-                    warmup_s[impl] += time.perf_counter() - t0
+                    warmup_s[impl] += seconds
             if i >= warmup:
                 for dtype, probe in probes.items():
                     probe_rates[dtype].append(probe.sample())
@@ -225,8 +236,22 @@ def _significant(x: float | None, digits: int = 4) -> float | None:
 
 
 def _policy(impl: str, precision: str, device: torch.device):
-    """frugality's policy fitted to the device; transformers runs the policy as named."""
-    return resolve_policy(precision, device)[0] if impl == "frugality" else get_policy(precision)
+    """frugality's policy fitted to the device; a peer runs the policy as named, and at
+    bf16-sr without stochastic rounding (plain AdamW on bf16 weights, labelled so)."""
+    if impl == "frugality":
+        return resolve_policy(precision, device)[0]
+    policy = get_policy(precision)
+    if precision == "bf16-sr":
+        return _Relabelled(policy, "bf16 (no stochastic rounding)")
+    return policy
+
+
+class _Relabelled:
+    def __init__(self, policy, label: str) -> None:
+        self._policy, self.label = policy, label
+
+    def __getattr__(self, name):
+        return getattr(self._policy, name)
 
 
 def markdown_table(rows: list[BenchRow]) -> str:

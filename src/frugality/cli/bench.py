@@ -49,9 +49,10 @@ def _write(table: str, rows_json: str, markdown_path, json_path) -> None:
 @click.option("--warmup", default=2, show_default=True, help="Untimed steps first (allocator, compilation).")
 @click.option("--only", help="Run one implementation: frugality or a peer.")
 @click.option("--baseline", metavar="PEER[:PRECISION],...",
-              help="Peers to race, comma-separated: transformers, transformers-compiled, litgpt, torchtitan, "
-                   "liger-kernel; each optionally at a precision (transformers-compiled:amp-bf16); a bare "
-                   "precision is transformers at it [default: transformers at the pass's precision].")
+              help="Peers to race, comma-separated: transformers, transformers-compiled, litgpt (torchtitan and "
+                   "liger-kernel: rows saying they are not set up yet); each optionally at a precision "
+                   "(transformers-compiled:amp-bf16); a bare precision is transformers at it [default: "
+                   "transformers at the pass's precision].")
 @click.option("--no-memory", is_flag=True, help="Skip the peak-memory subprocesses.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
@@ -77,6 +78,11 @@ def bench_train(recipe, precisions, batch, seq, steps, warmup, only, baseline, n
         if only != "frugality" and only not in PEERS:
             raise UserError(f"--only {only!r}: choose frugality or a peer ({', '.join(PEERS)})")
         impls = (only,)
+    compiled = [i for i in impls if i in ("transformers-compiled", "litgpt") or
+                (i == "frugality" and resolved.compile.level != "O0")]
+    if warmup < 1 and compiled:
+        raise UserError(f"--warmup 0: {', '.join(compiled)} compile in their first step; "
+                        "it must be a warm-up step (--warmup 1 or more)")
     rows = run(resolved, names, batch, seq, steps=steps, warmup=warmup, impls=impls,
                peer_precisions={name: p for name, p in peers if p}, memory=not no_memory,
                log=lambda line: click.echo(line, err=True))

@@ -24,7 +24,9 @@ def restore_training_state(state, extra: dict) -> None:
     rng.set_state(extra["rng"])
     state.recent_losses.clear()
     state.recent_losses.extend(extra.get("recent_losses", []))
-    d = state.recipe.data  # older checkpoints did not count tokens: packed sequences all have seq_len
+    # Checkpoints older than the count are all of packed sequences (contrastive training
+    # came with it): seq_len tokens each.
+    d = state.recipe.data
     state.tokens_seen = int(extra.get("tokens_seen", extra.get("step", 0) * d.global_batch_size * d.seq_len))
 
 
