@@ -9,7 +9,6 @@ Without them: mean pooling, no normalisation, the model's maximum length."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,7 +23,7 @@ from frugality.errors import UserError
 from frugality.hardware import probe
 from frugality.interop.weights import load_weights, recipe_beside, resolve_source
 from frugality.interop.hf import import_hf
-from frugality.interop.sentence_transformers import pooling_mode
+from frugality.interop.sentence_transformers import pooling_mode, read_json
 from frugality.models import build_empty
 from frugality.models.bert import Bert, pool
 
@@ -38,24 +37,16 @@ class Pooling:
 def read_pooling(folder: Path) -> Pooling:
     """The pooling sentence-transformers' files in `folder` describe (defaults without them)."""
     pooling = Pooling()
-    modules = _json(folder / "modules.json")
+    modules = read_json(folder / "modules.json")
     if isinstance(modules, list):
         types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
         pooling = replace(pooling, normalize=any(t.endswith("Normalize") for t in types))
     pooling = replace(pooling, mode=pooling_mode(folder / "1_Pooling" / "config.json"))
-    bert = _json(folder / "sentence_bert_config.json") or {}
+    bert = read_json(folder / "sentence_bert_config.json") or {}
     if isinstance(bert.get("max_seq_length"), int):
         pooling = replace(pooling, max_length=bert["max_seq_length"])
     return pooling
 
-
-def _json(path: Path):
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e.msg})") from None
 
 
 class Encoder:
@@ -152,10 +143,11 @@ def load_encoder(path: str | Path, device: torch.device, precision: str = "auto"
     tokenizer = load_tokenizer(loaded.tokenizer).tokenizer
     weights = loaded.weights
     # sentence-transformers' files where the folder has them, else the model's own settings
-    st_folder = weights if (weights / "modules.json").is_file() else folder
-    pooling = read_pooling(st_folder)
-    if not (st_folder / "modules.json").is_file():
-        pooling = replace(pooling, mode=loaded.model.config.pooling, normalize=loaded.model.config.normalize)
+    st_folder = next((f for f in (weights, folder) if (f / "modules.json").is_file()), None)
+    if st_folder is not None:
+        pooling = read_pooling(st_folder)
+    else:
+        pooling = replace(read_pooling(folder), mode=loaded.model.config.pooling, normalize=loaded.model.config.normalize)
     if normalize is not None:
         pooling = replace(pooling, normalize=normalize)
     if max_length is not None:

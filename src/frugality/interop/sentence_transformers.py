@@ -28,7 +28,10 @@ IDENTITY = "torch.nn.modules.linear.Identity"
 _BY_CLASS = {cls.rsplit(".", 1)[-1]: name for name, cls in ACTIVATION_CLASSES.items()}
 
 
-def _json(path: Path):
+def read_json(path: Path):
+    """A module file's JSON; None where the file is absent; one error line where it is not JSON."""
+    if not path.is_file():
+        return None
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -39,7 +42,7 @@ def read_modules(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(BertConfig fields, head tensors) from a sentence-transformers folder's modules;
     ({}, {}) for a plain transformers folder. A module frugality cannot run is refused in
     one line rather than silently skipped (its embeddings would differ)."""
-    modules = _json(folder / "modules.json") if (folder / "modules.json").is_file() else None
+    modules = read_json(folder / "modules.json")
     if not isinstance(modules, list):
         return {}, {}
     fields: dict = {"normalize": False}
@@ -52,7 +55,7 @@ def read_modules(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         if kind == "Pooling":
             fields["pooling"] = pooling_mode(path / "config.json")
         elif kind == "Dense":
-            config = _json(path / "config.json")
+            config = read_json(path / "config.json") or {}
             index = len(widths)
             weight, bias = _dense_weights(path)
             widths.append(int(config["out_features"]))
@@ -82,7 +85,7 @@ def pooling_mode(path: Path) -> str:
     """"mean" or "cls" from a Pooling module's config.json (either generation of keys;
     mean without one). Any other pooling, or several at once (sentence-transformers then
     concatenates them), is refused: frugality would compute something else."""
-    config = _json(path) if path.is_file() else {}
+    config = read_json(path) or {}
     if "pooling_mode" in config:
         modes = {str(config["pooling_mode"])}
     else:

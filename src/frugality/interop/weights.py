@@ -57,7 +57,7 @@ def _top_level_keys(path: Path) -> set[str]:
 def _check_shapes(theirs: dict[str, tuple], ours: dict[str, torch.Tensor], where: Path,
                   optional: tuple[str, ...] = ()) -> None:
     for name, tensor in ours.items():
-        if name not in theirs and name.startswith(optional) and optional:
+        if name not in theirs and name.startswith(optional):
             continue  # a part the source never had (an embedding head): it starts as initialised
         if name not in theirs:
             raise UserError(f"--init-from {where}: has no tensor {name!r} that the recipe's model needs")

@@ -14,11 +14,14 @@ import torch
 from torch import nn
 
 from frugality.errors import UserError
+from frugality.tasks.causal_lm import CausalLM
 
 EVAL_SEED = 0xB3E7
 
 
-class MaskedLM:
+class MaskedLM(CausalLM):
+    """Packed token blocks as CausalLM's (its `tokens`, `shape_key`, `example_batch`)."""
+
     name = "masked_lm"
     families = ("bert",)
 
@@ -60,15 +63,6 @@ class MaskedLM:
         inputs = torch.where(chosen & (kind < 0.8), torch.full_like(tokens, self.mask_id), tokens)
         inputs = torch.where(chosen & (kind >= 0.8) & (kind < 0.9), random_ids, inputs)
         return inputs, targets
-
-    def tokens(self, batch: torch.Tensor) -> int:
-        return batch.shape[0] * (batch.shape[1] - 1)
-
-    def shape_key(self, batch) -> str:
-        return ""
-
-    def example_batch(self, recipe, device) -> torch.Tensor:
-        return torch.zeros((recipe.data.micro_batch_size, recipe.data.seq_len + 1), dtype=torch.long, device=device)
 
 
 def model_vocab(model: nn.Module) -> int:
