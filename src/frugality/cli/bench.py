@@ -150,6 +150,40 @@ def bench_scale(recipe, nprocs, strategies, steps, overrides, json_path, markdow
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 
+@bench.command("profile")
+@click.argument("recipe", required=False)
+@click.option("--precision", default="fp32", show_default=True, help="frugality's precision policy.")
+@click.option("--batch", type=int, help="Sequences per step [default: the recipe's micro_batch_size].")
+@click.option("--seq", type=int, help="Tokens per sequence [default: the recipe's seq_len].")
+@click.option("--steps", default=2, show_default=True, help="Profiled steps per implementation.")
+@click.option("--warmup", default=2, show_default=True, help="Unprofiled steps first (allocator, compilation).")
+@click.option("--baseline", metavar="PEER[:PRECISION],...", help="Peers to profile too, as for bench train "
+              "[default: none].")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
+@click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
+@click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
+def bench_profile(recipe, precision, batch, seq, steps, warmup, baseline, overrides, json_path, markdown_path) -> None:
+    """Where a training step's time goes, by kind of work: the output layer's and the blocks'
+    matrix products (and their rate), attention, loss, optimizer, compiled kernels,
+    elementwise ops, time outside ops; for frugality and each --baseline peer, one at a time
+    on the same shape (torch profiler)."""
+    from frugality.bench.peers import parse_baselines
+    from frugality.bench.profile import markdown_table, profile_steps, rows_json
+    from frugality.bench.train import for_shape
+    from frugality.errors import UserError
+
+    resolved, (precision,), batch, seq = _resolve(recipe, overrides, precision, batch, seq)
+    if steps < 1 or warmup < 1:
+        raise UserError("--steps and --warmup must be positive (the first step compiles or allocates)")
+    if resolved.train.task != "causal_lm":
+        raise UserError(f"bench profile times causal language models; recipe {resolved.name} trains "
+                        f"{resolved.train.task}")
+    runs = [("frugality", precision)] + [(name, p or precision) for name, p in (parse_baselines(baseline) if baseline else [])]
+    rows = [profile_steps(for_shape(resolved, p, batch, seq), impl, p, batch, seq, steps, warmup,
+                          log=lambda line: click.echo(line, err=True)) for impl, p in runs]
+    _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
+
+
 @bench.command("infer")
 @click.argument("model", type=click.Path())
 @click.option("--generate", "generation", is_flag=True, help="Text generation instead of embeddings: `frugality "

@@ -141,8 +141,9 @@ class TrainConfig(_Section):
     task: Literal[TASKS] = Field(default="causal_lm", description="what is trained: see frugality.tasks")
     fused_optimizer: bool = Field(
         default=True,
-        description="bf16 policies: one fused update pass (a C kernel on CPU, torch.compile "
-        "elsewhere); false runs the same formula as eager torch ops",
+        description="one fused update pass: bf16 policies' BF16AdamW (a C kernel on CPU, torch.compile "
+        "elsewhere), float32 ones' torch AdamW(fused=True); false runs the same formula as eager torch ops "
+        "(bf16) or torch's foreach AdamW (float32)",
     )
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
     runs_dir: str = Field(default="runs", description="parent of the run directory")

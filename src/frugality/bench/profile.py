@@ -1,0 +1,145 @@
+"""`frugality bench profile`: where a training step's time goes, by kind of work, for
+frugality and its peers on the same shape — the torch profiler's op events sorted into a few
+categories that explain a step:
+
+- matrix products, split into the output layer's (an operand as wide as the vocabulary)
+  and the rest (the blocks' linear layers), with the rate they ran at;
+- attention kernels; the loss (softmax and cross-entropy, or frugality's fused output
+  loss); the optimizer step; gradient clipping;
+- compiled (Inductor-fused) kernels: the time inside compiled regions that no aten op
+  claims;
+- elementwise work, norms and copies (every other aten op);
+- time outside every op: Python, autograd's bookkeeping, the C kernels frugality calls
+  through ctypes outside a named range.
+
+Each op's *self* time goes to one category, so the categories add up to the profiled wall
+time. Steps are profiled after the warm-up (compilation), one implementation at a time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from frugality.bench.peers import PeerUnavailable
+from frugality.bench.train import make_runner, random_batch
+from frugality.config.recipe import Recipe
+from frugality.runtime.device import resolve_device
+
+CATEGORIES = (
+    "matrix products: output layer",
+    "matrix products: blocks",
+    "attention",
+    "loss (softmax, cross-entropy)",
+    "optimizer step",
+    "gradient clipping",
+    "compiled (fused) kernels",
+    "elementwise, norms, copies",
+    "outside ops (Python, autograd, ctypes)",
+)
+MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_mkl_linear",
+           "mkl::_mkl_linear", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_addmm_activation"}
+LOSS_WORDS = ("log_softmax", "nll_loss", "cross_entropy", "LinearCrossEntropy")
+COMPILED_WORDS = ("Torch-Compiled Region", "CompiledFxGraph", "CompiledFunction", "## Call")
+
+
+@dataclass
+class StepProfile:
+    impl: str
+    precision: str
+    batch: int
+    seq: int
+    steps: int
+    step_s: float  # wall time per profiled step
+    seconds: dict[str, float] = field(default_factory=dict)  # category -> seconds per step
+    matmul_gflops: float | None = None  # the products' rate: their FLOPs over their time
+    skipped: str | None = None
+
+
+def categorize(name: str, ancestors: list[str], shapes: list, vocab: int) -> str:
+    """The category of an op event's self time, from its name, its enclosing events' names
+    and its input shapes."""
+    if any(a.startswith(("Optimizer.step", "Optimizer.zero_grad")) for a in [*ancestors, name]):
+        return "optimizer step"
+    if name in MATMULS:
+        wide = any(isinstance(s, (list, tuple)) and vocab in s for s in shapes)
+        return "matrix products: output layer" if wide else "matrix products: blocks"
+    if "attention" in name or "flash" in name:
+        return "attention"
+    if any(w in name for w in LOSS_WORDS):
+        return "loss (softmax, cross-entropy)"
+    if name.startswith(("aten::_foreach_norm", "aten::linalg_vector_norm", "aten::_foreach_mul")) or \
+            "clip_grad" in name or "get_total_norm" in name:
+        return "gradient clipping"
+    if any(w in name for w in COMPILED_WORDS):
+        return "compiled (fused) kernels"
+    if name.startswith("aten::"):
+        return "elementwise, norms, copies"
+    return "outside ops (Python, autograd, ctypes)"
+
+
+def profile_steps(recipe: Recipe, impl: str, precision: str, batch: int, seq: int, steps: int = 2,
+                  warmup: int = 2, log=print) -> StepProfile:
+    """Profile `steps` steps of `impl` (frugality or a peer) after `warmup` steps."""
+    device = resolve_device(recipe.train.device)
+    row = StepProfile(impl, precision, batch, seq, steps, 0.0)
+    try:
+        step, *_, session, _ = make_runner(impl, recipe, precision, device, batch, seq)
+    except PeerUnavailable as e:
+        row.skipped = str(e)
+        return row
+    for i in range(warmup):
+        step(random_batch(recipe, batch, seq, device, i))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, record_shapes=True, with_flops=True) as prof:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(random_batch(recipe, batch, seq, device, warmup + i))
+        wall = time.perf_counter() - t0
+    if session is not None:
+        session.close()
+        session.cleanup()
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    flops = matmul_s = 0.0
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        ancestors, parent = [], event.cpu_parent
+        while parent is not None:
+            ancestors.append(parent.name)
+            parent = parent.cpu_parent
+        category = categorize(event.name, ancestors, event.input_shapes or [], recipe.model.vocab_size)
+        self_s = event.self_cpu_time_total / 1e6
+        seconds[category] += self_s
+        if category.startswith("matrix products"):
+            flops += event.flops or 0
+            matmul_s += self_s
+    inside = sum(seconds.values())
+    seconds["outside ops (Python, autograd, ctypes)"] += max(wall - inside, 0.0)
+    row.step_s = wall / steps
+    row.seconds = {k: v / steps for k, v in seconds.items()}
+    row.matmul_gflops = flops / matmul_s / 1e9 if matmul_s and flops else None
+    log(f"{impl:21} {row.step_s:.3f} s/step; products {row.matmul_gflops or 0:.0f} GFLOP/s")
+    return row
+
+
+def markdown_table(rows: list[StepProfile]) -> str:
+    ran = [r for r in rows if r.skipped is None]
+    head = "| seconds per step (share) | " + " | ".join(f"{r.impl} {r.precision}" for r in ran) + " |"
+    lines = [head, "|---|" + "---|" * len(ran)]
+    for category in CATEGORIES:
+        cells = [f"{r.seconds[category]:.3f} ({r.seconds[category] / r.step_s:.0%})" for r in ran]
+        lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    lines.append("| **step** | " + " | ".join(f"**{r.step_s:.3f}**" for r in ran) + " |")
+    lines.append("| products' rate, GFLOP/s | " + " | ".join(
+        "—" if r.matmul_gflops is None else f"{r.matmul_gflops:.0f}" for r in ran) + " |")
+    lines += [f"\n{r.impl}: not profiled: {r.skipped}" for r in rows if r.skipped is not None]
+    return "\n".join(lines)
+
+
+def rows_json(rows: list[StepProfile]) -> str:
+    import json
+    from dataclasses import asdict
+
+    return json.dumps([asdict(r) for r in rows], indent=1)
