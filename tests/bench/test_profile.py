@@ -13,6 +13,7 @@ def test_categories_come_from_names_ancestors_and_shapes():
     assert categorize("aten::mm", ["Optimizer.step#AdamW.step"], [], vocab) == "optimizer step"
     assert categorize("aten::_fused_adamw_", ["Optimizer.step#AdamW.step"], [], vocab) == "optimizer step"
     assert categorize("aten::_scaled_dot_product_flash_attention_for_cpu", [], [], vocab) == "attention"
+    assert categorize("aten::bmm", [], [[64, 256, 64], [64, 64, 512]], vocab) == "attention"
     assert categorize("frugality::cross_entropy_rows", [], [], vocab) == "loss (softmax, cross-entropy)"
     assert categorize("aten::_log_softmax", [], [], vocab) == "loss (softmax, cross-entropy)"
     assert categorize("Torch-Compiled Region: 0/0", [], [], vocab) == "compiled (fused) kernels"

@@ -3,8 +3,8 @@ frugality and its peers on the same shape — the torch profiler's op events sor
 categories that explain a step:
 
 - matrix products, split into the output layer's (an operand as wide as the vocabulary)
-  and the rest (the blocks' linear layers), with the rate they ran at;
-- attention kernels; the loss (softmax and cross-entropy, or frugality's fused output
+  and the rest (the blocks' linear layers), with the rate all products ran at;
+- attention: its kernels and its batched products (bmm); the loss (softmax and cross-entropy, or frugality's fused output
   loss); the optimizer step; gradient clipping;
 - compiled (Inductor-fused) kernels: the time inside compiled regions that no aten op
   claims;
@@ -38,7 +38,8 @@ CATEGORIES = (
     "elementwise, norms, copies",
     "outside ops (Python, autograd, ctypes)",
 )
-MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_mkl_linear",
+BATCHED_MATMULS = {"aten::bmm", "aten::baddbmm"}
+MATMULS = {"aten::mm", "aten::addmm", "aten::addbmm", "aten::_mkl_linear",
            "mkl::_mkl_linear", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_addmm_activation"}
 LOSS_WORDS = ("log_softmax", "nll_loss", "cross_entropy", "LinearCrossEntropy")
 COMPILED_WORDS = ("Torch-Compiled Region", "CompiledFxGraph", "CompiledFunction", "## Call")
@@ -62,6 +63,8 @@ def categorize(name: str, ancestors: list[str], shapes: list, vocab: int) -> str
     and its input shapes."""
     if any(a.startswith(("Optimizer.step", "Optimizer.zero_grad")) for a in [*ancestors, name]):
         return "optimizer step"
+    if name in BATCHED_MATMULS:  # products of attention's scores and probabilities (blocked or math paths)
+        return "attention"
     if name in MATMULS:
         wide = any(isinstance(s, (list, tuple)) and vocab in s for s in shapes)
         return "matrix products: output layer" if wide else "matrix products: blocks"
@@ -112,7 +115,7 @@ def profile_steps(recipe: Recipe, impl: str, precision: str, batch: int, seq: in
         category = categorize(event.name, ancestors, event.input_shapes or [], recipe.model.vocab_size)
         self_s = event.self_cpu_time_total / 1e6
         seconds[category] += self_s
-        if category.startswith("matrix products"):
+        if event.name in MATMULS | BATCHED_MATMULS and category != "optimizer step":
             flops += event.flops or 0
             matmul_s += self_s
     inside = sum(seconds.values())
@@ -132,7 +135,7 @@ def markdown_table(rows: list[StepProfile]) -> str:
         cells = [f"{r.seconds[category]:.3f} ({r.seconds[category] / r.step_s:.0%})" for r in ran]
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
     lines.append("| **step** | " + " | ".join(f"**{r.step_s:.3f}**" for r in ran) + " |")
-    lines.append("| products' rate, GFLOP/s | " + " | ".join(
+    lines.append("| matrix products' rate (attention's included), GFLOP/s | " + " | ".join(
         "—" if r.matmul_gflops is None else f"{r.matmul_gflops:.0f}" for r in ran) + " |")
     lines += [f"\n{r.impl}: not profiled: {r.skipped}" for r in rows if r.skipped is not None]
     return "\n".join(lines)
