@@ -38,6 +38,21 @@ def test_evaluation_masks_the_same_positions_every_time():
     assert task.loss(model, batch) != task.loss(model, batch)  # training draws new masks
 
 
+def test_each_rank_masks_its_own_positions_and_a_resume_masks_alike(monkeypatch):
+    import frugality.tasks.masked_lm as masked_lm
+
+    task = MaskedLM().configure(mask_id=103, mask_prob=0.15)
+    model = Bert(BertConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, mlm_head=True)).train()
+    seen = []
+    monkeypatch.setattr(model, "forward", lambda inputs, mlm_targets: seen.append(mlm_targets != -100))
+    batch = torch.randint(1000, 2000, (4, 129))
+    for rank in (0, 1, 0):
+        monkeypatch.setattr(masked_lm, "_rank", lambda: rank)
+        torch.manual_seed(7)  # the global generator: alike on every rank, restored on resume
+        task.loss(model, batch)
+    assert torch.equal(seen[0], seen[2]) and not torch.equal(seen[0], seen[1])
+
+
 def test_a_micro_bert_learns_the_bundled_corpus(tmp_path):
     result = trainer.train(load_recipe("bert-mlm", MICRO + ["optim.lr=1e-2", "optim.min_lr=1e-3"]), run_dir=tmp_path / "run",
                            progress=False)

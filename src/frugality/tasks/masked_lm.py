@@ -4,8 +4,11 @@ by [MASK], 10% by a random token and 10% left as they are. The loss is the cross
 at the chosen positions only.
 
 Batches are packed token blocks as for causal LM ((B, T + 1); the last token is unused).
-Training draws its masks from torch's global generator, which checkpoints carry, so a
-resumed run masks alike; evaluation draws from a fixed seed, so every evaluation scores
+Training masks come from a generator seeded per batch by one draw of torch's global
+generator plus the process's rank: the global generator advances alike on every rank and
+checkpoints carry it, so a resumed run masks alike, while each data-parallel rank masks
+its own positions (from the global generator alone, every rank would mask the same
+positions of its batch). Evaluation draws from a fixed seed, so every evaluation scores
 the same masked positions."""
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ class MaskedLM(CausalLM):
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         tokens = batch[:, :-1]
-        generator = None
-        if not model.training:
-            generator = torch.Generator(device=tokens.device).manual_seed(EVAL_SEED)
+        generator = None  # on the meta device (`frugality plan`), which has none
+        if tokens.device.type != "meta":
+            seed = int(torch.randint(2**62, (1,)).item()) + _rank() if model.training else EVAL_SEED
+            generator = torch.Generator(device=tokens.device).manual_seed(seed)
         inputs, targets = self.mask(tokens, model_vocab(model), generator)
         return model(inputs, mlm_targets=targets)
 
@@ -63,6 +67,13 @@ class MaskedLM(CausalLM):
         inputs = torch.where(chosen & (kind < 0.8), torch.full_like(tokens, self.mask_id), tokens)
         inputs = torch.where(chosen & (kind >= 0.8) & (kind < 0.9), random_ids, inputs)
         return inputs, targets
+
+
+def _rank() -> int:
+    """This process's data-parallel rank (every rank is one: frugality's parallelism is data
+    parallelism), 0 outside a process group."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def model_vocab(model: nn.Module) -> int:
