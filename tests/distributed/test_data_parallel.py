@@ -196,3 +196,18 @@ def test_an_encoder_trains_contrastively_on_two_ranks_as_in_one_process(micro_pa
     # each rank pads its own micro-batches to their bucket; one process pads all four to theirs
     tokens = lambda run: json.loads((run / "summary.json").read_text())["tokens_seen"]
     assert 0 < tokens(tmp_path / "two") <= tokens(tmp_path / "one")
+
+
+def test_gathered_negatives_on_two_ranks_train_as_one_process_with_both_batches(micro_pairs_recipe, tmp_path):
+    """parallel.gather_negatives: each rank's 2 queries meet both ranks' documents, so two
+    ranks of 2 pairs train as one process of 4 pairs (losses of three steps: the updates'
+    gradients, through the gather's backward, included). The rank-local loss differs."""
+    sets = ["train.eval_batches=1", "data.global_batch_size=4", "train.steps=3", "train.eval_interval=3"]
+    one = _train(micro_pairs_recipe, tmp_path / "one", 1, *sets, "data.micro_batch_size=4")
+    two = _train(micro_pairs_recipe, tmp_path / "two", 2, *sets, "data.micro_batch_size=2",
+                 "parallel.gather_negatives=true")
+    local = _train(micro_pairs_recipe, tmp_path / "local", 2, *sets, "data.micro_batch_size=2")
+    assert "contrastive negatives gathered from all 2 ranks" in two.stdout
+    assert "negatives gathered" not in local.stdout + one.stdout
+    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
+    assert _losses(tmp_path / "local")[1] != pytest.approx(_losses(tmp_path / "one")[1], rel=1e-3)

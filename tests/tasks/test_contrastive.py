@@ -27,6 +27,37 @@ def test_info_nce_is_the_mean_of_both_directions_of_cross_entropy():
     assert torch.allclose(info_nce(torch.cat([q, p, n]), 3, 20.0), with_negatives)
 
 
+@pytest.mark.parametrize("groups", [2, 3])
+def test_info_nce_over_gathered_parts_is_info_nce_over_their_union(groups):
+    """Two parts of n pairs (data-parallel ranks), each scoring its own queries and
+    positives against both parts' documents and queries: the mean of their losses, and its
+    gradient, are those of one batch of 2n pairs."""
+    n, d = 3, 8
+    rows = F.normalize(torch.randn(groups, 2, n, d), dim=-1).requires_grad_()  # [group][part][pair]
+    union = info_nce(rows.flatten(1, 2).flatten(0, 1), groups, 20.0)
+    (full_grad,) = torch.autograd.grad(union, rows)
+
+    def gather_for(part):
+        def gather(local):  # this part's rows in place, the other part's as they are
+            queries = torch.equal(local, rows[0, part])  # else the documents
+            whole = rows[0, 1 - part] if queries else rows[1:, 1 - part].flatten(0, 1)
+            return torch.cat([local, whole] if part == 0 else [whole, local]), part
+        return gather
+
+    parts = [info_nce(rows[:, p].flatten(0, 1), groups, 20.0, gather_for(p)) for p in (0, 1)]
+    mean = (parts[0] + parts[1]) / 2
+    (grad,) = torch.autograd.grad(mean, rows)
+    assert torch.allclose(mean, union, atol=1e-6) and torch.allclose(grad, full_grad, atol=1e-6)
+    assert not torch.allclose(parts[0], info_nce(rows[:, 0].flatten(0, 1), groups, 20.0))  # more negatives
+
+
+def test_gather_negatives_is_refused_for_other_tasks():
+    from frugality.runtime.state import check_recipe
+
+    with pytest.raises(UserError, match="parallel.gather_negatives = true: only contrastive training"):
+        check_recipe(load_recipe("tiny", ["parallel.gather_negatives=true"]), torch.device("cpu"))
+
+
 def test_retrieval_metrics_rank_each_querys_own_positive():
     queries = torch.eye(3)
     positives = torch.tensor([[1.0, 0, 0], [0, 0, 1.0], [0, 1.0, 0]])  # query 0 right; 1 and 2 swapped

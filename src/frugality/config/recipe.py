@@ -191,6 +191,10 @@ class ParallelConfig(_Section):
         default=True, description="fsdp/hsdp: free each block's gathered parameters after its forward "
         "(gathered again for backward); false keeps them, trading memory for one all-gather less")
     timeout_s: PositiveInt = Field(default=600, description="a collective waiting longer fails the run")
+    gather_negatives: bool = Field(
+        default=False, description="contrastive training: each query is scored against every rank's documents "
+        "(gathered, gradients flowing back), not only its own rank's: world-size times the in-batch negatives, "
+        "as one process with world-size times the micro-batch")
 
 
 class MetricsConfig(_Section):

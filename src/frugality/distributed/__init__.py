@@ -192,6 +192,32 @@ def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat(gathered)
 
 
+class _GatherWithGrad(torch.autograd.Function):
+    """Every rank's rows, stacked in rank order; the gradient of this rank's rows is the sum
+    of every rank's gradient for them (each rank's loss reaches every rank's rows)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor) -> torch.Tensor:
+        ctx.rank, ctx.n = dist.get_rank(), rows.shape[0]
+        out = rows.new_empty((dist.get_world_size() * rows.shape[0], *rows.shape[1:]))
+        dist.all_gather_single(out, rows.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)  # a reduce-scatter, on every backend (gloo has none); the rows are few
+        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
+
+
+def gather_with_grad(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Every rank's `rows` (the same shape on each) stacked in rank order, differentiable,
+    and this rank's index among them; `rows` and 0 outside a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return rows, 0
+    return _GatherWithGrad.apply(rows), dist.get_rank()
+
+
 def barrier() -> None:
     """Wait for every rank (nothing at world size 1)."""
     if dist.is_initialized():

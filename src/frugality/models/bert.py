@@ -154,10 +154,12 @@ class Bert(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, *, embed: bool = False,
-                contrastive_groups: int | None = None, mlm_targets: torch.Tensor | None = None) -> torch.Tensor:
+                contrastive_groups: int | None = None, mlm_targets: torch.Tensor | None = None,
+                gather=None) -> torch.Tensor:
         """Hidden states (B, T, d); or sentence embeddings (`embed`); or a training loss:
         InfoNCE over rows stacked as `contrastive_groups` groups (`info_nce`), or the
         masked-LM cross-entropy against `mlm_targets` (-100 where nothing is predicted).
+        `gather` (see `info_nce`) brings other processes' embeddings in as negatives.
         Losses are computed here, in forward, so that DDP and FSDP see every use of the
         parameters (the temperature included)."""
         check_length(input_ids, self.config.max_seq_len)
@@ -176,7 +178,7 @@ class Bert(nn.Module):
         pooled = pool(h, attention_mask, self.config.pooling)
         if contrastive_groups is None:
             return self.project(pooled, self.config.normalize)
-        return info_nce(self.project(pooled, normalize=True), contrastive_groups, self.similarity_scale())
+        return info_nce(self.project(pooled, normalize=True), contrastive_groups, self.similarity_scale(), gather)
 
     def similarity_scale(self) -> torch.Tensor | float:
         """1 / temperature; learnt, it is kept at most 100 (CLIP's bound) so that the
@@ -206,16 +208,27 @@ class Bert(nn.Module):
         return self.mlm(hidden)
 
 
-def info_nce(embeddings: torch.Tensor, groups: int, scale: torch.Tensor | float) -> torch.Tensor:
+def info_nce(embeddings: torch.Tensor, groups: int, scale: torch.Tensor | float, gather=None) -> torch.Tensor:
     """Symmetric InfoNCE with in-batch negatives (van den Oord et al., 2018; CLIP's form):
     rows are n queries, n positives, then (with 3 groups) n hard negatives, L2-normalised.
     Each query must pick its positive among every positive and negative of the batch, and
-    each positive its query among the queries; the loss is the mean of both directions."""
+    each positive its query among the queries; the loss is the mean of both directions.
+
+    `gather(rows) -> (every part's rows stacked, this part's index)`, given by the caller
+    (data parallelism: `frugality.distributed.gather_with_grad`), widens the candidates to
+    every part's documents and queries; this part's loss is over its own queries and
+    positives, so the mean over the parts is InfoNCE over the union of their batches."""
     n = embeddings.shape[0] // groups
     queries, documents = embeddings[:n].float(), embeddings[n:].float()
+    candidates, others, first = documents, queries, 0  # single device: the batch itself
+    if gather is not None:
+        candidates, part = gather(documents)
+        others, _ = gather(queries)
+        first = part * n  # this part's first query among all queries
+        # documents are stacked part by part, (groups - 1) * n each: positives first
     labels = torch.arange(n, device=embeddings.device)
-    forward = F.cross_entropy(scale * queries @ documents.T, labels)
-    backward = F.cross_entropy(scale * documents[:n] @ queries.T, labels)
+    forward = F.cross_entropy(scale * queries @ candidates.T, labels + (first * (groups - 1) if gather else 0))
+    backward = F.cross_entropy(scale * documents[:n] @ others.T, labels + first)
     return (forward + backward) / 2
 
 

@@ -23,7 +23,8 @@ from torch import nn
 from frugality.metrics.prices import check_cost
 from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
-from frugality.distributed import World, describe, wrap
+from frugality.errors import UserError
+from frugality.distributed import World, describe, gather_with_grad, wrap
 from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.kernels.specialize import specialize
 from frugality.models import build_model
@@ -67,10 +68,16 @@ class TrainState:
 def check_recipe(recipe: Recipe, device: torch.device) -> None:
     """The checks `build_state` makes first (task and model family, precision on this
     device), for callers that must refuse bad input before doing anything else."""
-    task_for(recipe)
+    _check_gather(task_for(recipe), recipe)
     resolve_policy(recipe.train.precision, device)
     disabled_kernels()  # a misspelt FRUGALITY_DISABLE_KERNELS fails now, not mid-run
     check_cost(recipe.cost.instance, recipe.cost.catalogue)  # an unknown instance or a bad catalogue too
+
+
+def _check_gather(task, recipe: Recipe) -> None:
+    if recipe.parallel.gather_negatives and not hasattr(task, "across_ranks"):
+        raise UserError(f"parallel.gather_negatives = true: only contrastive training has negatives to gather "
+                        f"(train.task is {recipe.train.task!r})")
 
 
 def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None = None,
@@ -79,6 +86,9 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
     order); `data` from `frugality.runtime.data.open_training_data` where batches come from
     the recipe's dataset. The recipe's micro-batch and sequence length key the compiled graphs."""
     task = task_for(recipe, data.mask_id if data is not None else None, data.special_ids if data is not None else ())
+    _check_gather(task, recipe)
+    if world.distributed and recipe.parallel.gather_negatives:
+        task = task.across_ranks(gather_with_grad)  # every rank's documents as negatives
     policy, note = resolve_policy(recipe.train.precision, device)
     torch.manual_seed(recipe.seed)
     with device:
@@ -88,6 +98,8 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
     if world.distributed:
         model = wrap(model, recipe.parallel, world, device)
         choices.append(describe(recipe.parallel, world))
+        if recipe.parallel.gather_negatives:
+            choices.append(f"contrastive negatives gathered from all {world.world_size} ranks")
     optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
                                 fused=recipe.train.fused_optimizer)
     compiled = CompileSession.for_recipe(recipe, device, policy)

@@ -21,13 +21,22 @@ class Contrastive:
 
     unused = ("pooler.", "mlm.")  # BERT's pooler and masked-LM head (the tied decoder weight is the embedding's)
 
+    def __init__(self, gather=None) -> None:
+        self.gather = gather  # `frugality.distributed.gather_with_grad` with parallel.gather_negatives
+
+    def across_ranks(self, gather) -> "Contrastive":
+        """This task with every rank's documents as candidates in training (evaluation keeps
+        each rank's own: ranks may hold different numbers of evaluation batches)."""
+        return Contrastive(gather)
+
     def check(self, model) -> None:
         if model.family not in self.families:
             raise UserError(f"model.family {model.family!r}: task {self.name} trains encoders "
                             f"({', '.join(self.families)})")
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
-        return model(batch.ids, batch.mask, contrastive_groups=batch.groups)
+        gather = self.gather if model.training else None
+        return model(batch.ids, batch.mask, contrastive_groups=batch.groups, gather=gather)
 
     def tokens(self, batch) -> int:
         """Tokens the step's forward processed, padding included (the work done)."""
