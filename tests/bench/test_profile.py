@@ -19,8 +19,14 @@ def test_categories_come_from_names_ancestors_and_shapes():
     assert categorize("Torch-Compiled Region: 0/0", [], [], vocab) == "compiled (fused) kernels"
     assert categorize("aten::_foreach_norm", [], [], vocab) == "gradient clipping"
     assert categorize("aten::gelu", [], [], vocab) == "elementwise, norms, copies"
-    assert categorize("autograd::engine::evaluate_function: MmBackward0", [], [], vocab) == \
-        "outside ops (Python, autograd, ctypes)"
+    for wrapper in ("MmBackward0", "LinearCrossEntropyBackward", "LogSoftmaxBackward0"):
+        assert categorize(f"autograd::engine::evaluate_function: {wrapper}", [], [], vocab) == \
+            "outside ops (Python, autograd, ctypes)"
+    assert categorize("LinearCrossEntropy", [], [], vocab) == "matrix products: output layer"  # its C products
+    assert categorize("frugality::linear_product", [], [], vocab) == "matrix products: blocks"
+    assert categorize("frugality::gelu", [], [], vocab) == "elementwise, norms, copies"
+    assert categorize("aten::mm", [], [[2048, 512], [512, 2048]], 2048) == "matrix products: output layer"
+    assert categorize("aten::mm", [], [[vocab]], vocab) == "matrix products: blocks"  # 2-D operands only
 
 
 def test_bench_profile_splits_the_step_of_frugality_and_a_peer(micro_recipe_file, tmp_path, capsys):
@@ -40,3 +46,9 @@ def test_bench_profile_splits_the_step_of_frugality_and_a_peer(micro_recipe_file
     assert "needs CUDA" in rows[2]["skipped"]
     table = capsys.readouterr().out
     assert "| matrix products: output layer |" in table and "torchtitan: not profiled" in table
+
+
+def test_bench_profile_refuses_a_list_of_precisions_in_one_line(micro_recipe_file, capsys):
+    assert main(["bench", "profile", str(micro_recipe_file), "--precision", "fp32,bf16-sr"]) != 0
+    err = capsys.readouterr().err
+    assert "--precision 'fp32,bf16-sr': one policy" in err and "Traceback" not in err

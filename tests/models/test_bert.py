@@ -104,3 +104,27 @@ def test_minilm_imports_and_exports_through_the_cli(tmp_path):
     with pytest.raises(UserError, match="task causal_lm trains decoders"):
         trainer.train(load_recipe(str(tmp_path / "minilm" / "recipe.toml")), run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_skipping_the_padding_gives_the_padded_results(pooling):
+    """unpad=True: the embeddings, the contrastive loss and every gradient equal the padded
+    computation's, with rows of many lengths (one without padding, one of a single token)."""
+    torch.manual_seed(0)
+    model = Bert(BertConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, pooler=False,
+                            head=(24, 16), pooling=pooling, learn_temperature=True))
+    lengths = [12, 3, 7, 1, 9, 5]
+    ids = torch.randint(1000, 2000, (6, 12))
+    mask = (torch.arange(12) < torch.tensor(lengths).unsqueeze(1)).long()
+    ids = ids * mask  # padding id 0, as the data path pads
+    results = {}
+    for unpad in (False, True):
+        model.zero_grad()
+        embeddings = model(ids, mask, embed=True, unpad=unpad)
+        loss = model(ids, mask, contrastive_groups=2, unpad=unpad)
+        loss.backward()
+        results[unpad] = embeddings, loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+    (e0, l0, g0), (e1, l1, g1) = results[False], results[True]
+    assert torch.allclose(e0, e1, atol=1e-6) and torch.allclose(l0, l1, atol=1e-6)
+    assert g0.keys() == g1.keys() and all(torch.allclose(g0[n], g1[n], atol=1e-6) for n in g0)
+    assert any(g0[n].abs().sum() > 0 for n in g0 if n.startswith("layers."))  # the gradients reach the layers

@@ -77,7 +77,8 @@ def build_peer(name: str, recipe: Recipe, precision: str, device: torch.device) 
     if name in ("transformers", "transformers-compiled"):
         compiled = name == "transformers-compiled"
         try:
-            model, optimizer, autocast = build_transformers(recipe, precision, device, fused_adamw=compiled)
+            # fused AdamW for both: TrainingArguments' default optimizer on torch >= 2.8
+            model, optimizer, autocast = build_transformers(recipe, precision, device, fused_adamw=True)
         except UserError as e:  # transformers not installed
             raise PeerUnavailable(str(e)) from None
         if compiled:

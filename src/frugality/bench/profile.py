@@ -9,11 +9,17 @@ categories that explain a step:
 - compiled (Inductor-fused) kernels: the time inside compiled regions that no aten op
   claims;
 - elementwise work, norms and copies (every other aten op);
-- time outside every op: Python, autograd's bookkeeping, the C kernels frugality calls
-  through ctypes outside a named range.
+- time outside every op: Python, autograd's bookkeeping (every backward node's own time),
+  the C kernels frugality calls through ctypes outside a named range.
 
 Each op's *self* time goes to one category, so the categories add up to the profiled wall
-time. Steps are profiled after the warm-up (compilation), one implementation at a time."""
+time. Steps are profiled after the warm-up (compilation), one implementation at a time,
+on the CPU (a GPU's time is in its kernels, which this does not read). frugality's fused
+output layer is one autograd Function (`LinearCrossEntropy`): its own time, the products it
+runs through ctypes on AMX CPUs, counts as output-layer products, and its row pass has a
+named range of its own (loss). The products' rate is left out when a tenth or more of the
+products' time is in products whose FLOPs the profiler does not count (frugality's C
+products)."""
 
 from __future__ import annotations
 
@@ -25,7 +31,9 @@ import torch
 from frugality.bench.peers import PeerUnavailable
 from frugality.bench.train import make_runner, random_batch
 from frugality.config.recipe import Recipe
+from frugality.errors import UserError
 from frugality.runtime.device import resolve_device
+from frugality.runtime.host_memory import keep_freed_memory
 
 CATEGORIES = (
     "matrix products: output layer",
@@ -40,8 +48,10 @@ CATEGORIES = (
 )
 BATCHED_MATMULS = {"aten::bmm", "aten::baddbmm"}
 MATMULS = {"aten::mm", "aten::addmm", "aten::addbmm", "aten::_mkl_linear",
-           "mkl::_mkl_linear", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_addmm_activation"}
-LOSS_WORDS = ("log_softmax", "nll_loss", "cross_entropy", "LinearCrossEntropy")
+           "mkl::_mkl_linear", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_addmm_activation",
+           "frugality::linear_product", "frugality::weight_grad"}
+OUTPUT_LAYER_FUNCTIONS = {"LinearCrossEntropy"}  # their own time: products through ctypes (AMX)
+LOSS_WORDS = ("log_softmax", "nll_loss", "cross_entropy")
 COMPILED_WORDS = ("Torch-Compiled Region", "CompiledFxGraph", "CompiledFunction", "## Call")
 
 
@@ -63,10 +73,14 @@ def categorize(name: str, ancestors: list[str], shapes: list, vocab: int) -> str
     and its input shapes."""
     if any(a.startswith(("Optimizer.step", "Optimizer.zero_grad")) for a in [*ancestors, name]):
         return "optimizer step"
+    if name.startswith("autograd::engine::evaluate_function"):  # a backward node's own bookkeeping
+        return "outside ops (Python, autograd, ctypes)"
+    if name in OUTPUT_LAYER_FUNCTIONS:
+        return "matrix products: output layer"
     if name in BATCHED_MATMULS:  # products of attention's scores and probabilities (blocked or math paths)
         return "attention"
     if name in MATMULS:
-        wide = any(isinstance(s, (list, tuple)) and vocab in s for s in shapes)
+        wide = any(isinstance(s, (list, tuple)) and len(s) == 2 and vocab in s for s in shapes)
         return "matrix products: output layer" if wide else "matrix products: blocks"
     if "attention" in name or "flash" in name:
         return "attention"
@@ -77,34 +91,48 @@ def categorize(name: str, ancestors: list[str], shapes: list, vocab: int) -> str
         return "gradient clipping"
     if any(w in name for w in COMPILED_WORDS):
         return "compiled (fused) kernels"
-    if name.startswith("aten::"):
+    if name.startswith(("aten::", "frugality::")):  # frugality's: its GELU kernel
         return "elementwise, norms, copies"
     return "outside ops (Python, autograd, ctypes)"
 
 
 def profile_steps(recipe: Recipe, impl: str, precision: str, batch: int, seq: int, steps: int = 2,
                   warmup: int = 2, log=print) -> StepProfile:
-    """Profile `steps` steps of `impl` (frugality or a peer) after `warmup` steps."""
+    """Profile `steps` steps of `impl` (frugality or a peer) after `warmup` steps; a peer that
+    cannot run here, or fails in its warm-up, is a row saying why."""
     device = resolve_device(recipe.train.device)
+    if device.type != "cpu":
+        raise UserError(f"bench profile reads CPU time; {device} runs its work in kernels this version does not "
+                        "read (--set train.device=cpu, or torch.profiler with CUDA activity)")
+    keep_freed_memory()  # as in training and bench train: no page faults charged to big buffers
     row = StepProfile(impl, precision, batch, seq, steps, 0.0)
     try:
         step, *_, session, _ = make_runner(impl, recipe, precision, device, batch, seq)
     except PeerUnavailable as e:
         row.skipped = str(e)
         return row
-    for i in range(warmup):
-        step(random_batch(recipe, batch, seq, device, i))
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, record_shapes=True, with_flops=True) as prof:
-        t0 = time.perf_counter()
-        for i in range(steps):
-            step(random_batch(recipe, batch, seq, device, warmup + i))
-        wall = time.perf_counter() - t0
-    if session is not None:
-        session.close()
-        session.cleanup()
+    batches = [random_batch(recipe, batch, seq, device, i) for i in range(warmup + steps)]
+    try:
+        for i in range(warmup):
+            try:
+                step(batches[i])
+            except Exception as e:  # noqa: BLE001 - a peer that fails (to compile) is a row saying so
+                if impl == "frugality":
+                    raise
+                row.skipped = f"failed in its warm-up: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                return row
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+                                    with_flops=True) as prof:
+            t0 = time.perf_counter()
+            for b in batches[warmup:]:
+                step(b)
+            wall = time.perf_counter() - t0
+    finally:
+        if session is not None:
+            session.close()
+            session.cleanup()
     seconds = dict.fromkeys(CATEGORIES, 0.0)
-    flops = matmul_s = 0.0
+    flops = counted_s = uncounted_s = 0.0
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CPU:
             continue
@@ -115,15 +143,21 @@ def profile_steps(recipe: Recipe, impl: str, precision: str, batch: int, seq: in
         category = categorize(event.name, ancestors, event.input_shapes or [], recipe.model.vocab_size)
         self_s = event.self_cpu_time_total / 1e6
         seconds[category] += self_s
-        if event.name in MATMULS | BATCHED_MATMULS and category != "optimizer step":
-            flops += event.flops or 0
-            matmul_s += self_s
+        if category == "optimizer step" or not (event.name in MATMULS | BATCHED_MATMULS or
+                                                category.startswith("matrix products")):
+            continue
+        if event.flops:  # aten's products: FLOPs from their shapes
+            flops, counted_s = flops + event.flops, counted_s + self_s
+        else:  # frugality's C products
+            uncounted_s += self_s
     inside = sum(seconds.values())
     seconds["outside ops (Python, autograd, ctypes)"] += max(wall - inside, 0.0)
     row.step_s = wall / steps
     row.seconds = {k: v / steps for k, v in seconds.items()}
-    row.matmul_gflops = flops / matmul_s / 1e9 if matmul_s and flops else None
-    log(f"{impl:21} {row.step_s:.3f} s/step; products {row.matmul_gflops or 0:.0f} GFLOP/s")
+    if counted_s and uncounted_s < 0.1 * (counted_s + uncounted_s):
+        row.matmul_gflops = flops / counted_s / 1e9
+    log(f"{impl:21} {row.step_s:.3f} s/step; products "
+        f"{'n/a' if row.matmul_gflops is None else f'{row.matmul_gflops:.0f} GFLOP/s'}")
     return row
 
 

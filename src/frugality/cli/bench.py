@@ -172,6 +172,8 @@ def bench_profile(recipe, precision, batch, seq, steps, warmup, baseline, overri
     from frugality.bench.train import for_shape
     from frugality.errors import UserError
 
+    if "," in precision or precision == "auto":
+        raise UserError(f"--precision {precision!r}: one policy, named (fp32, amp-bf16, bf16-sr, bf16, ...)")
     resolved, (precision,), batch, seq = _resolve(recipe, overrides, precision, batch, seq)
     if steps < 1 or warmup < 1:
         raise UserError("--steps and --warmup must be positive (the first step compiles or allocates)")
@@ -179,6 +181,8 @@ def bench_profile(recipe, precision, batch, seq, steps, warmup, baseline, overri
         raise UserError(f"bench profile times causal language models; recipe {resolved.name} trains "
                         f"{resolved.train.task}")
     runs = [("frugality", precision)] + [(name, p or precision) for name, p in (parse_baselines(baseline) if baseline else [])]
+    if any(p == "auto" for _, p in runs):
+        raise UserError("--baseline ...:auto: name the peer's precision (fp32, amp-bf16, ...)")
     rows = [profile_steps(for_shape(resolved, p, batch, seq), impl, p, batch, seq, steps, warmup,
                           log=lambda line: click.echo(line, err=True)) for impl, p in runs]
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)

@@ -205,7 +205,7 @@ class _GatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # reduced in place: never autograd's own
         dist.all_reduce(grad)  # a reduce-scatter, on every backend (gloo has none); the rows are few
         return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
 

@@ -72,7 +72,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             torch.mm(hidden, kernels.transposed(weight) if amx_layout else weight.t(), out=logits)
         n = logits.shape[0]
         # Over the rows, in place: the loss per row, and (softmax - onehot) / n if wanted.
-        # a named range: the C kernel's time is otherwise no op's (`frugality bench profile`)
+        # the row pass's own profiler range, apart from this Function's products (`bench profile`)
         with torch.profiler.record_function("frugality::cross_entropy_rows"):
             row_losses = rows_in_c(logits, targets, 1.0 / n, want_grad)
             if row_losses is None:

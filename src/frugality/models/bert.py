@@ -7,6 +7,10 @@ tanh pooler and an optional masked-LM head tied to the word embeddings. Computes
 As an embedding model it pools the hidden states (mean of the non-padding tokens, or the
 first token), passes them through an optional MLP projection head and optionally
 L2-normalises them: what sentence-transformers' Pooling, Dense and Normalize modules do.
+Embedding a padded batch can skip the padding (`unpad=True`): the hidden states are kept as
+one row per real token between the layers, so the linear layers (most of the work) only
+see real tokens; attention alone pads them back, per text, behind its mask. The result is
+the padded computation's, token for token.
 A learnable temperature (CLIP's logit scale) lives here too, so that it is checkpointed
 and optimised with the weights.
 """
@@ -79,12 +83,41 @@ class Attention(nn.Module):
         self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, tokens: "Unpadded | None" = None) -> torch.Tensor:
+        if tokens is not None:  # x: (real tokens, d); attention runs on them padded back
+            q, k, v = (tokens.pad(proj(x)).view(tokens.rows, tokens.length, self.heads, self.head_size).transpose(1, 2)
+                       for proj in (self.query, self.key, self.value))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.out(tokens.unpad(y.transpose(1, 2).flatten(0, 1).flatten(1)))
         b, t, d = x.shape
         q, k, v = (proj(x).view(b, t, self.heads, self.head_size).transpose(1, 2)
                    for proj in (self.query, self.key, self.value))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # bidirectional
         return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Unpadded:
+    """Where a padded (rows, length) batch's real tokens are: `unpad` keeps their rows of a
+    (rows * length, ...) tensor, in order; `pad` puts them back, zeros between."""
+
+    def __init__(self, attention_mask: torch.Tensor) -> None:
+        self.rows, self.length = attention_mask.shape
+        self.index = attention_mask.flatten().nonzero().squeeze(1)
+        self.counts = attention_mask.sum(1)
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        return padded.index_select(0, self.index)
+
+    def pad(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.new_zeros((self.rows * self.length, *rows.shape[1:])).index_copy(0, self.index, rows)
+
+    def pool(self, hidden: torch.Tensor, mode: str) -> torch.Tensor:
+        """`pool` of the unpadded hidden states: float32, one vector per row."""
+        if mode == "cls":  # each row's first token (position 0 is always real: [CLS])
+            return hidden.index_select(0, self.counts.cumsum(0) - self.counts).float()
+        sums = hidden.new_zeros((self.rows, hidden.shape[1]), dtype=torch.float32)
+        sums = sums.index_add(0, self.index // self.length, hidden.float())
+        return sums / self.counts.unsqueeze(1).clamp(min=1).float()
 
 
 class Block(nn.Module):
@@ -97,8 +130,8 @@ class Block(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
         self.mlp_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        h = self.attn_norm(h + self.attn(h, mask))  # post-LN
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None, tokens: Unpadded | None = None) -> torch.Tensor:
+        h = self.attn_norm(h + self.attn(h, mask, tokens))  # post-LN
         return self.mlp_norm(h + self.down(self.act(self.up(h))))
 
 
@@ -155,17 +188,25 @@ class Bert(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, *, embed: bool = False,
                 contrastive_groups: int | None = None, mlm_targets: torch.Tensor | None = None,
-                gather=None) -> torch.Tensor:
+                gather=None, unpad: bool = False) -> torch.Tensor:
         """Hidden states (B, T, d); or sentence embeddings (`embed`); or a training loss:
         InfoNCE over rows stacked as `contrastive_groups` groups (`info_nce`), or the
         masked-LM cross-entropy against `mlm_targets` (-100 where nothing is predicted).
         `gather` (see `info_nce`) brings other processes' embeddings in as negatives.
+        `unpad` (embeddings and the contrastive loss, with an attention mask) skips the
+        padding in every layer but attention; the results are the same.
         Losses are computed here, in forward, so that DDP and FSDP see every use of the
         parameters (the temperature included)."""
         check_length(input_ids, self.config.max_seq_len)
         # Padding keys are masked out for every query: a (B, 1, 1, T) boolean mask.
         mask = attention_mask.bool()[:, None, None, :] if attention_mask is not None else None
         h = self.embeddings(input_ids, token_type_ids)
+        if unpad and attention_mask is not None and (embed or contrastive_groups is not None):
+            tokens = Unpadded(attention_mask)
+            h = tokens.unpad(h.flatten(0, 1))
+            for layer in self.layers:
+                h = layer(h, mask, tokens)
+            return self._embed_or_contrast(tokens.pool(h, self.config.pooling), contrastive_groups, gather)
         for layer in self.layers:
             h = layer(h, mask)
         if mlm_targets is not None:
@@ -175,7 +216,9 @@ class Bert(nn.Module):
             return h
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        pooled = pool(h, attention_mask, self.config.pooling)
+        return self._embed_or_contrast(pool(h, attention_mask, self.config.pooling), contrastive_groups, gather)
+
+    def _embed_or_contrast(self, pooled: torch.Tensor, contrastive_groups: int | None, gather) -> torch.Tensor:
         if contrastive_groups is None:
             return self.project(pooled, self.config.normalize)
         return info_nce(self.project(pooled, normalize=True), contrastive_groups, self.similarity_scale(), gather)

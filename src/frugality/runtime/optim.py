@@ -19,6 +19,15 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def apply_fused_choice(optimizer: torch.optim.Optimizer, fused: bool) -> None:
+    """Put the recipe's fused/foreach choice back after loading a checkpoint: torch's AdamW
+    keeps the saved param groups' flags, so a run saved before (or with another setting)
+    would otherwise resume with the other implementation. BF16AdamW takes it from the recipe."""
+    if type(optimizer) is torch.optim.AdamW:
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = (True, None) if fused else (None, True)
+
+
 def build_optimizer(
     model: nn.Module,
     cfg: OptimConfig,

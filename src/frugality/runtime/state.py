@@ -23,8 +23,8 @@ from torch import nn
 from frugality.metrics.prices import check_cost
 from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
-from frugality.errors import UserError
 from frugality.distributed import World, describe, gather_with_grad, wrap
+from frugality.errors import UserError
 from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.kernels.specialize import specialize
 from frugality.models import build_model
@@ -75,7 +75,7 @@ def check_recipe(recipe: Recipe, device: torch.device) -> None:
 
 
 def _check_gather(task, recipe: Recipe) -> None:
-    if recipe.parallel.gather_negatives and not hasattr(task, "across_ranks"):
+    if recipe.parallel.gather_negatives and not hasattr(task, "configured"):
         raise UserError(f"parallel.gather_negatives = true: only contrastive training has negatives to gather "
                         f"(train.task is {recipe.train.task!r})")
 
@@ -87,8 +87,9 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
     the recipe's dataset. The recipe's micro-batch and sequence length key the compiled graphs."""
     task = task_for(recipe, data.mask_id if data is not None else None, data.special_ids if data is not None else ())
     _check_gather(task, recipe)
-    if world.distributed and recipe.parallel.gather_negatives:
-        task = task.across_ranks(gather_with_grad)  # every rank's documents as negatives
+    if hasattr(task, "configured"):  # contrastive: every rank's documents as negatives; unpadded when eager
+        task = task.configured(gather_with_grad if world.distributed and recipe.parallel.gather_negatives else None,
+                               unpad=recipe.compile.level == "O0")
     policy, note = resolve_policy(recipe.train.precision, device)
     torch.manual_seed(recipe.seed)
     with device:
@@ -98,12 +99,15 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
     if world.distributed:
         model = wrap(model, recipe.parallel, world, device)
         choices.append(describe(recipe.parallel, world))
-        if recipe.parallel.gather_negatives:
-            choices.append(f"contrastive negatives gathered from all {world.world_size} ranks")
     optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
                                 fused=recipe.train.fused_optimizer)
     compiled = CompileSession.for_recipe(recipe, device, policy)
     notes = [note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")]
+    if recipe.parallel.gather_negatives:
+        notes.append(f"contrastive negatives gathered from all {world.world_size} ranks" if world.distributed else
+                     "parallel.gather_negatives: one process, nothing to gather")
+    if getattr(task, "unpad", False):
+        notes.append("padding skipped in every layer but attention (eager: the real tokens' count varies)")
     if frozen:
         notes.append(f"not trained (task {task.name} does not use them): {_prefixes(frozen)}")
     return TrainState(recipe, device, policy, task, model, optimizer, compiled, notes, data, world,

@@ -21,13 +21,15 @@ class Contrastive:
 
     unused = ("pooler.", "mlm.")  # BERT's pooler and masked-LM head (the tied decoder weight is the embedding's)
 
-    def __init__(self, gather=None) -> None:
+    def __init__(self, gather=None, unpad: bool = False) -> None:
         self.gather = gather  # `frugality.distributed.gather_with_grad` with parallel.gather_negatives
+        self.unpad = unpad  # skip the padding in every layer but attention (eager runs: shapes vary)
 
-    def across_ranks(self, gather) -> "Contrastive":
-        """This task with every rank's documents as candidates in training (evaluation keeps
-        each rank's own: ranks may hold different numbers of evaluation batches)."""
-        return Contrastive(gather)
+    def configured(self, gather=None, unpad: bool = False) -> "Contrastive":
+        """This task with every rank's documents as candidates in training (`gather`;
+        evaluation keeps each rank's own: ranks may hold different numbers of evaluation
+        batches), and with the padding skipped (`unpad`)."""
+        return Contrastive(gather, unpad)
 
     def check(self, model) -> None:
         if model.family not in self.families:
@@ -36,11 +38,12 @@ class Contrastive:
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         gather = self.gather if model.training else None
-        return model(batch.ids, batch.mask, contrastive_groups=batch.groups, gather=gather)
+        return model(batch.ids, batch.mask, contrastive_groups=batch.groups, gather=gather, unpad=self.unpad)
 
     def tokens(self, batch) -> int:
-        """Tokens the step's forward processed, padding included (the work done)."""
-        return batch.ids.numel()
+        """Tokens the step's forward processed (the work done): the real ones when the
+        padding is skipped, else padding included."""
+        return int(batch.mask.sum()) if self.unpad else batch.ids.numel()
 
     def shape_key(self, batch) -> str:
         """Each length bucket is a graph of its own: its first use is its warm-up."""
@@ -54,7 +57,7 @@ class Contrastive:
     @torch.no_grad()
     def embed_pairs(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """L2-normalised float32 embeddings of the batch's queries and positives."""
-        embeddings = torch.nn.functional.normalize(model(batch.ids, batch.mask, embed=True).float(), dim=-1)
+        embeddings = torch.nn.functional.normalize(model(batch.ids, batch.mask, embed=True, unpad=self.unpad).float(), dim=-1)
         n = batch.pairs
         return embeddings[:n], embeddings[n:2 * n]
 

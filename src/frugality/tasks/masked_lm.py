@@ -49,7 +49,9 @@ class MaskedLM(CausalLM):
         tokens = batch[:, :-1]
         generator = None  # on the meta device (`frugality plan`), which has none
         if tokens.device.type != "meta":
-            seed = int(torch.randint(2**62, (1,)).item()) + _rank() if model.training else EVAL_SEED
+            # torch seeds from 32 bits: one 32-bit draw, moved per rank by an odd constant
+            seed = (int(torch.randint(2**32, (1,)).item()) + _rank() * 0x9E3779B1) % 2**32 if model.training \
+                else EVAL_SEED
             generator = torch.Generator(device=tokens.device).manual_seed(seed)
         inputs, targets = self.mask(tokens, model_vocab(model), generator)
         return model(inputs, mlm_targets=targets)

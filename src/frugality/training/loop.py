@@ -29,7 +29,7 @@ class StepResult:
     final: bool  # the last step of this session
     rejected: str | None = None  # why the update was not applied (a non-finite value, a spike)
     record: dict = field(default_factory=dict)  # what callbacks measured, for the log
-    tokens: int = 0  # the tokens every rank's forwards processed in this step (padding included)
+    tokens: int = 0  # the tokens every rank's forwards processed in this step, as the task counts them
 
 
 @dataclass

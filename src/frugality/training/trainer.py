@@ -40,6 +40,7 @@ from frugality.training.callbacks.summary import Summary
 from frugality.training.callbacks.throughput import Throughput
 from frugality.training.callbacks.watchdog import Watchdog
 from frugality.runtime.host_memory import keep_freed_memory
+from frugality.runtime.optim import apply_fused_choice
 from frugality.training.loop import fit
 
 
@@ -129,6 +130,7 @@ def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: boo
         if resume_optimizer:
             check_compatible(source, state.module)
             CheckpointManager(source.path.parent).load(source.path, state.model, state.optimizer)
+            apply_fused_choice(state.optimizer, state.recipe.train.fused_optimizer)
         else:
             fresh = load_weights(source, state.module)
             if fresh:
@@ -142,6 +144,7 @@ def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: boo
                             f"this run resolves train.precision = {state.recipe.train.precision!r} to "
                             f"{state.policy.name} here; resume with the run's precision (--set train.precision=...)")
         extra = checkpoints.load(plan.resume_from, state.model, state.optimizer)
+        apply_fused_choice(state.optimizer, state.recipe.train.fused_optimizer)
         saved = extra.get("precision", state.policy.name)
         if saved != state.policy.name:  # e.g. `auto` resolving otherwise on another machine
             raise UserError(f"{plan.resume_from}: trained with precision {saved}, but this run resolves "
