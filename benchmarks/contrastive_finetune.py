@@ -67,8 +67,8 @@ def main() -> int:
               f"{summary['final_step']} steps of 64 WordNet (word, gloss) pairs, {summary['precision']}; each "
               f"held-out query ranks {rows[0]['candidates']} held-out glosses by cosine. Overrides: "
               f"{' '.join(args.overrides) or 'none'}.\n\n")
-    footer = (f"\n\nTraining: {summary['wall_time_s']:.0f} s, median {summary['median_tokens_per_s']:,.0f} padded "
-              f"tokens/s. The export loaded by sentence-transformers against frugality's embeddings of the run, "
+    footer = (f"\n\nTraining: {summary['wall_time_s']:.0f} s, median {summary['median_tokens_per_s']:,.0f} "
+              f"tokens/s (real tokens: the padding is skipped, eager). The export loaded by sentence-transformers against frugality's embeddings of the run, "
               f"1,000 glosses: minimum cosine {cosine:.6f}.\n\n`{closing[-2] if len(closing) > 1 else closing[-1]}`\n")
     write_results(Path(__file__).parent / "results", "contrastive_finetune", "minilm-pairs", header,
                   "\n".join(lines) + footer, json.dumps({"evals": rows, "min_cosine": cosine, "summary": summary}, indent=2))

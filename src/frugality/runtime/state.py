@@ -108,6 +108,9 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
                      "parallel.gather_negatives: one process, nothing to gather")
     if getattr(task, "unpad", False):
         notes.append("padding skipped in every layer but attention (eager: the real tokens' count varies)")
+    elif hasattr(task, "configured"):
+        notes.append(f"padding kept in every layer: compiled blocks ({recipe.compile.level}) take static shapes; "
+                     "compile.level = O0 skips it, often faster for short texts")
     if frozen:
         notes.append(f"not trained (task {task.name} does not use them): {_prefixes(frozen)}")
     return TrainState(recipe, device, policy, task, model, optimizer, compiled, notes, data, world,
