@@ -48,7 +48,7 @@ def main() -> int:
             loss, _ = train_step(state, micro_batches)
             if i >= args.warmup:
                 seconds[name].append(time.perf_counter() - t0)
-                tokens[name] += sum(state.task.tokens(b) for b in micro_batches)
+                tokens[name] += sum(int(b.mask.sum()) if name == "skipped" else b.ids.numel() for b in micro_batches)
             losses[name].append(loss)
     padded = tokens["kept"]
     rows = [{"padding": name, "step_s": round(statistics.median(ts), 3),

@@ -117,13 +117,18 @@ def test_skipping_the_padding_gives_the_padded_results(pooling):
     ids = torch.randint(1000, 2000, (6, 12))
     mask = (torch.arange(12) < torch.tensor(lengths).unsqueeze(1)).long()
     ids = ids * mask  # padding id 0, as the data path pads
+    types = torch.randint(0, 2, ids.shape)
+    rows_seen = []
+    model.layers[0].up.register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[0]))
     results = {}
     for unpad in (False, True):
         model.zero_grad()
-        embeddings = model(ids, mask, embed=True, unpad=unpad)
-        loss = model(ids, mask, contrastive_groups=2, unpad=unpad)
+        embeddings = model(ids, mask, types, embed=True, unpad=unpad)
+        loss = model(ids, mask, types, contrastive_groups=2, unpad=unpad)
         loss.backward()
         results[unpad] = embeddings, loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+    # the MLP saw 6 rows of 12 padded, then the 37 real tokens rounded up to 64 (Unpadded.MULTIPLE)
+    assert rows_seen == [6, 6, 64, 64]
     (e0, l0, g0), (e1, l1, g1) = results[False], results[True]
     assert torch.allclose(e0, e1, atol=1e-6) and torch.allclose(l0, l1, atol=1e-6)
     assert g0.keys() == g1.keys() and all(torch.allclose(g0[n], g1[n], atol=1e-6) for n in g0)

@@ -51,13 +51,15 @@ def test_info_nce_over_gathered_parts_is_info_nce_over_their_union(groups):
     assert not torch.allclose(parts[0], info_nce(rows[:, 0].flatten(0, 1), groups, 20.0))  # more negatives
 
 
-def test_a_step_counts_real_tokens_when_the_padding_is_skipped():
+def test_a_step_counts_its_real_tokens_at_every_level_and_configuring_keeps_what_is_not_named():
     from frugality.data.pairs import TextBatch
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
     batch = TextBatch(mask * 7, mask, 2)
-    assert Contrastive().configured(unpad=True).tokens(batch) == 10
-    assert Contrastive().configured(unpad=False).tokens(batch) == Contrastive().tokens(batch) == 16
+    gather = object()
+    task = Contrastive().configured(gather=gather, unpad=True).configured(unpad=False)
+    assert task.gather is gather and not task.unpad
+    assert task.tokens(batch) == Contrastive().configured(unpad=True).tokens(batch) == 10  # padding never counts
 
 
 def test_gather_negatives_is_refused_for_other_tasks():
@@ -86,8 +88,7 @@ def test_a_run_logs_retrieval_metrics_uses_the_buckets_and_learns(micro_pairs_re
         assert 0 <= r["recall@1"] <= r["recall@10"] <= 1 and 0 < r["mrr"] <= 1 and r["candidates"] == 8
         assert "perplexity" not in r
     assert result.evals[8] < result.evals[0]
-    # eager (O0): the padding is skipped, so a step counts its real tokens, not the 4 pairs x
-    # 2 texts x 16, 24 or 32 its bucket pads to
+    # a step counts its real tokens, not the 4 pairs x 2 texts x 16, 24 or 32 its bucket pads to
     steps = [r for r in records if r["kind"] == "train"]
     increments = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + steps, steps)]
     assert all(0 < i <= 4 * 2 * 32 for i in increments), increments

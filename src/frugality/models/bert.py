@@ -98,12 +98,21 @@ class Attention(nn.Module):
 
 class Unpadded:
     """Where a padded (rows, length) batch's real tokens are: `unpad` keeps their rows of a
-    (rows * length, ...) tensor, in order; `pad` puts them back, zeros between."""
+    (rows * length, ...) tensor, in order; `pad` puts them back, zeros between.
+
+    The kept rows are rounded up to a multiple of `MULTIPLE` with padding positions, which
+    attention masks and pooling ignores: products whose kernels need a multiple of 16 or 32
+    rows (fp8's scaled products, the AMX linear kernels) keep them."""
+
+    MULTIPLE = 32
 
     def __init__(self, attention_mask: torch.Tensor) -> None:
         self.rows, self.length = attention_mask.shape
-        self.index = attention_mask.flatten().nonzero().squeeze(1)
-        self.counts = attention_mask.sum(1)
+        real = attention_mask.flatten().bool()
+        self.index = real.nonzero().squeeze(1)
+        extra = -len(self.index) % self.MULTIPLE
+        if extra:
+            self.index = torch.cat([self.index, (~real).nonzero().squeeze(1)[:extra]]).sort().values
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         return padded.index_select(0, self.index)
@@ -111,13 +120,9 @@ class Unpadded:
     def pad(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.new_zeros((self.rows * self.length, *rows.shape[1:])).index_copy(0, self.index, rows)
 
-    def pool(self, hidden: torch.Tensor, mode: str) -> torch.Tensor:
-        """`pool` of the unpadded hidden states: float32, one vector per row."""
-        if mode == "cls":  # each row's first token (position 0 is always real: [CLS])
-            return hidden.index_select(0, self.counts.cumsum(0) - self.counts).float()
-        sums = hidden.new_zeros((self.rows, hidden.shape[1]), dtype=torch.float32)
-        sums = sums.index_add(0, self.index // self.length, hidden.float())
-        return sums / self.counts.unsqueeze(1).clamp(min=1).float()
+    def padded(self, rows: torch.Tensor) -> torch.Tensor:
+        """The kept rows back in the (rows, length, ...) layout, zeros elsewhere."""
+        return self.pad(rows).view(self.rows, self.length, *rows.shape[1:])
 
 
 class Block(nn.Module):
@@ -206,7 +211,8 @@ class Bert(nn.Module):
             h = tokens.unpad(h.flatten(0, 1))
             for layer in self.layers:
                 h = layer(h, mask, tokens)
-            return self._embed_or_contrast(tokens.pool(h, self.config.pooling), contrastive_groups, gather)
+            pooled = pool(tokens.padded(h), attention_mask, self.config.pooling)  # the padded path's pooling
+            return self._embed_or_contrast(pooled, contrastive_groups, gather)
         for layer in self.layers:
             h = layer(h, mask)
         if mlm_targets is not None:

@@ -88,8 +88,8 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
     task = task_for(recipe, data.mask_id if data is not None else None, data.special_ids if data is not None else ())
     _check_gather(task, recipe)
     if hasattr(task, "configured"):  # contrastive: every rank's documents as negatives; unpadded when eager
-        task = task.configured(gather_with_grad if world.distributed and recipe.parallel.gather_negatives else None,
-                               unpad=recipe.compile.level == "O0")
+        task = task.configured(gather=gather_with_grad if world.distributed and recipe.parallel.gather_negatives
+                               else None, unpad=recipe.compile.level == "O0")
     policy, note = resolve_policy(recipe.train.precision, device)
     torch.manual_seed(recipe.seed)
     with device:

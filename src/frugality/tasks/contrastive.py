@@ -25,11 +25,14 @@ class Contrastive:
         self.gather = gather  # `frugality.distributed.gather_with_grad` with parallel.gather_negatives
         self.unpad = unpad  # skip the padding in every layer but attention (eager runs: shapes vary)
 
-    def configured(self, gather=None, unpad: bool = False) -> "Contrastive":
+    _KEEP = object()
+
+    def configured(self, *, gather=_KEEP, unpad=_KEEP) -> "Contrastive":
         """This task with every rank's documents as candidates in training (`gather`;
         evaluation keeps each rank's own: ranks may hold different numbers of evaluation
-        batches), and with the padding skipped (`unpad`)."""
-        return Contrastive(gather, unpad)
+        batches), and with the padding skipped (`unpad`); what is not named stays."""
+        return Contrastive(self.gather if gather is self._KEEP else gather,
+                           self.unpad if unpad is self._KEEP else unpad)
 
     def check(self, model) -> None:
         if model.family not in self.families:
@@ -41,9 +44,10 @@ class Contrastive:
         return model(batch.ids, batch.mask, contrastive_groups=batch.groups, gather=gather, unpad=self.unpad)
 
     def tokens(self, batch) -> int:
-        """Tokens the step's forward processed (the work done): the real ones when the
-        padding is skipped, else padding included."""
-        return int(batch.mask.sum()) if self.unpad else batch.ids.numel()
+        """The step's real tokens, the texts' own: the same count whether the layers skip
+        the padding (eager) or not (compiled levels), so that tokens/s, MFU and a resumed
+        run's `tokens_seen` mean the same at every level (useful work, not padding)."""
+        return int(batch.mask.sum())
 
     def shape_key(self, batch) -> str:
         """Each length bucket is a graph of its own: its first use is its warm-up."""

@@ -20,6 +20,7 @@ import warnings
 
 from frugality.checkpoint import step_of
 from frugality.errors import FrugalityWarning, RunDiverged
+from frugality.runtime.optim import apply_fused_choice
 from frugality.training.callbacks import Callback
 from frugality.training.callbacks.checkpointing import restore_training_state
 
@@ -72,6 +73,7 @@ class DivergenceGuard(Callback):
         if path is None:
             raise RunDiverged(f"{what}; stopping: no checkpoint to roll back to yet")
         extra = self.checkpoints.load(path, state.model, state.optimizer)
+        apply_fused_choice(state.optimizer, state.recipe.train.fused_optimizer)  # not the saved groups' flags
         restore_training_state(state, extra)
         state.step = step_of(path)
         self.rollbacks = done + 1

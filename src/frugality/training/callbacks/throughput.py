@@ -20,8 +20,8 @@ class Throughput(Callback):
 
     @property
     def tokens_per_step(self) -> float:
-        """The mean over this session's steps: a constant for packed sequences; with length
-        buckets (contrastive training), what the buckets padded to on average."""
+        """The mean over this session's steps: a constant for packed sequences; for
+        contrastive training, the texts' real tokens on average."""
         return sum(self.step_tokens) / len(self.step_tokens) if self.step_tokens else 0
 
     def on_train_start(self, state) -> None:
