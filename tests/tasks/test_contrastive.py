@@ -62,6 +62,25 @@ def test_a_step_counts_its_real_tokens_at_every_level_and_configuring_keeps_what
     assert task.tokens(batch) == Contrastive().configured(unpad=True).tokens(batch) == 10  # padding never counts
 
 
+def test_evaluation_takes_its_loss_and_its_retrieval_embeddings_from_one_forward():
+    from frugality.data.pairs import TextBatch
+    from frugality.models.bert import Bert, BertConfig
+
+    model = Bert(BertConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, head=(16,),
+                            pooler=False)).eval()
+    mask = (torch.arange(10) < torch.tensor([10, 4, 7, 2, 9, 5]).unsqueeze(1)).long()
+    batch = TextBatch(torch.randint(1000, 2000, (6, 10)) * mask, mask, 3)
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    task = Contrastive().configured(unpad=True)
+    loss, (queries, positives) = task.evaluate(model, batch)
+    assert len(calls) == 1
+    with torch.no_grad():
+        embedded = F.normalize(model(batch.ids, batch.mask, embed=True), dim=-1)
+        assert torch.allclose(loss, task.loss(model, batch), atol=1e-6)
+    assert torch.allclose(queries, embedded[:2], atol=1e-6) and torch.allclose(positives, embedded[2:4], atol=1e-6)
+
+
 def test_gather_negatives_is_refused_for_other_tasks():
     from frugality.runtime.state import check_recipe
 

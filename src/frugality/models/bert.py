@@ -193,13 +193,15 @@ class Bert(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, *, embed: bool = False,
                 contrastive_groups: int | None = None, mlm_targets: torch.Tensor | None = None,
-                gather=None, unpad: bool = False) -> torch.Tensor:
+                gather=None, unpad: bool = False, with_embeddings: bool = False):
         """Hidden states (B, T, d); or sentence embeddings (`embed`); or a training loss:
         InfoNCE over rows stacked as `contrastive_groups` groups (`info_nce`), or the
         masked-LM cross-entropy against `mlm_targets` (-100 where nothing is predicted).
         `gather` (see `info_nce`) brings other processes' embeddings in as negatives.
         `unpad` (embeddings and the contrastive loss, with an attention mask) skips the
-        padding in every layer but attention; the results are the same.
+        padding in every layer but attention; the results are the same. `with_embeddings`
+        (with `contrastive_groups`): (loss, the L2-normalised embeddings it scored), so that
+        an evaluation needs one forward for its loss and its retrieval metrics.
         Losses are computed here, in forward, so that DDP and FSDP see every use of the
         parameters (the temperature included)."""
         check_length(input_ids, self.config.max_seq_len)
@@ -212,7 +214,7 @@ class Bert(nn.Module):
             for layer in self.layers:
                 h = layer(h, mask, tokens)
             pooled = pool(tokens.padded(h), attention_mask, self.config.pooling)  # the padded path's pooling
-            return self._embed_or_contrast(pooled, contrastive_groups, gather)
+            return self._embed_or_contrast(pooled, contrastive_groups, gather, with_embeddings)
         for layer in self.layers:
             h = layer(h, mask)
         if mlm_targets is not None:
@@ -222,12 +224,16 @@ class Bert(nn.Module):
             return h
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        return self._embed_or_contrast(pool(h, attention_mask, self.config.pooling), contrastive_groups, gather)
+        return self._embed_or_contrast(pool(h, attention_mask, self.config.pooling), contrastive_groups, gather,
+                                       with_embeddings)
 
-    def _embed_or_contrast(self, pooled: torch.Tensor, contrastive_groups: int | None, gather) -> torch.Tensor:
+    def _embed_or_contrast(self, pooled: torch.Tensor, contrastive_groups: int | None, gather,
+                           with_embeddings: bool = False):
         if contrastive_groups is None:
             return self.project(pooled, self.config.normalize)
-        return info_nce(self.project(pooled, normalize=True), contrastive_groups, self.similarity_scale(), gather)
+        embeddings = self.project(pooled, normalize=True)
+        loss = info_nce(embeddings, contrastive_groups, self.similarity_scale(), gather)
+        return (loss, embeddings) if with_embeddings else loss
 
     def similarity_scale(self) -> torch.Tensor | float:
         """1 / temperature; learnt, it is kept at most 100 (CLIP's bound) so that the

@@ -59,11 +59,13 @@ class Contrastive:
         return TextBatch(ids, torch.ones_like(ids), len(recipe.data.fields))
 
     @torch.no_grad()
-    def embed_pairs(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """L2-normalised float32 embeddings of the batch's queries and positives."""
-        embeddings = torch.nn.functional.normalize(model(batch.ids, batch.mask, embed=True, unpad=self.unpad).float(), dim=-1)
+    def evaluate(self, model: nn.Module, batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One forward: the batch's loss (this rank's negatives) and the L2-normalised
+        float32 embeddings of its queries and positives, for the retrieval metrics."""
+        loss, embeddings = model(batch.ids, batch.mask, contrastive_groups=batch.groups, unpad=self.unpad,
+                                 with_embeddings=True)
         n = batch.pairs
-        return embeddings[:n], embeddings[n:2 * n]
+        return loss, (embeddings[:n].float(), embeddings[n:2 * n].float())
 
     def retrieval_metrics(self, queries: torch.Tensor, positives: torch.Tensor) -> dict[str, float]:
         """recall@k (the right positive among the k most similar) and the mean reciprocal

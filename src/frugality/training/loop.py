@@ -146,28 +146,32 @@ def _spike(state: TrainState, loss: float) -> str | None:
 
 
 @torch.no_grad()
-def validation_loss(state: TrainState) -> float:
+def validation_loss(state: TrainState) -> tuple[float, dict]:
+    """The mean loss over every rank's counted validation batches; for tasks that embed
+    (contrastive), also recall@k and MRR of the held-out queries among every rank's
+    held-out positives, from the same forwards (`task.evaluate`)."""
     state.model.eval()
-    losses = []
+    losses, pairs = [], []
     for batch in state.data.val_batches:
         with state.autocast:
-            losses.append(state.task.loss(state.model, batch.to(state.device)))
+            if hasattr(state.task, "evaluate"):
+                loss, embedded = state.task.evaluate(state.model, batch.to(state.device))
+                pairs.append(embedded)
+            else:
+                loss = state.task.loss(state.model, batch.to(state.device))
+        losses.append(loss)
     counted = losses[: state.data.val_counted]
+    metrics = retrieval_metrics(state, pairs) if hasattr(state.task, "evaluate") else {}
     if not state.world.distributed:
-        return torch.stack(counted).mean().item()
+        return torch.stack(counted).mean().item(), metrics
     # ranks hold different numbers of the (equal-sized) batches: the mean over all of them
     total, count = all_sum([sum(loss.item() for loss in counted), len(counted)], state.device)
-    return total / count
+    return total / count, metrics
 
 
-@torch.no_grad()
-def retrieval_metrics(state: TrainState) -> dict:
-    """For tasks that embed (contrastive): recall@k and MRR of the held-out queries among
-    every rank's held-out positives (the counted batches only)."""
-    pairs = []
-    for batch in state.data.val_batches:
-        with state.autocast:
-            pairs.append(state.task.embed_pairs(state.model, batch.to(state.device)))
+def retrieval_metrics(state: TrainState, pairs: list) -> dict:
+    """recall@k and MRR from each validation batch's (queries, positives), the counted
+    batches only, gathered from every rank."""
     counted = pairs[: state.data.val_counted] or [(q[:0], p[:0]) for q, p in pairs[:1]]  # a rank may count none
     queries = torch.cat([q for q, _ in counted]).cpu()
     positives = torch.cat([p for _, p in counted]).cpu()
@@ -177,11 +181,7 @@ def retrieval_metrics(state: TrainState) -> dict:
 
 
 def evaluate(state: TrainState, callbacks) -> float:
-    def run():
-        loss = validation_loss(state)
-        return loss, retrieval_metrics(state) if hasattr(state.task, "embed_pairs") else {}
-
-    loss, metrics = _run(state, callbacks, "eval", state.step, run)
+    loss, metrics = _run(state, callbacks, "eval", state.step, lambda: validation_loss(state))
     callbacks.on_eval(state, EvalResult(state.step, loss, dict(metrics)))
     return loss
 
