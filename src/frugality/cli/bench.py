@@ -180,7 +180,8 @@ def bench_profile(recipe, precision, batch, seq, steps, warmup, baseline, overri
     if resolved.train.task != "causal_lm":
         raise UserError(f"bench profile times causal language models; recipe {resolved.name} trains "
                         f"{resolved.train.task}")
-    runs = [("frugality", precision)] + [(name, p or precision) for name, p in (parse_baselines(baseline) if baseline else [])]
+    peers = parse_baselines(baseline) if baseline else []
+    runs = [("frugality", precision)] + [(name, p or precision) for name, p in peers]
     if any(p == "auto" for _, p in runs):
         raise UserError("--baseline ...:auto: name the peer's precision (fp32, amp-bf16, ...)")
     rows = [profile_steps(for_shape(resolved, p, batch, seq), impl, p, batch, seq, steps, warmup,

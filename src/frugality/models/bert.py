@@ -85,8 +85,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, tokens: "Unpadded | None" = None) -> torch.Tensor:
         if tokens is not None:  # x: (real tokens, d); attention runs on them padded back
-            q, k, v = (tokens.pad(proj(x)).view(tokens.rows, tokens.length, self.heads, self.head_size).transpose(1, 2)
-                       for proj in (self.query, self.key, self.value))
+            shape = (tokens.rows, tokens.length, self.heads, self.head_size)
+            q, k, v = (tokens.pad(proj(x)).view(shape).transpose(1, 2) for proj in (self.query, self.key, self.value))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             return self.out(tokens.unpad(y.transpose(1, 2).flatten(0, 1).flatten(1)))
         b, t, d = x.shape
