@@ -50,6 +50,7 @@ BATCHED_MATMULS = {"aten::bmm", "aten::baddbmm"}
 MATMULS = {"aten::mm", "aten::addmm", "aten::addbmm", "aten::_mkl_linear",
            "mkl::_mkl_linear", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_addmm_activation",
            "frugality::linear_product", "frugality::weight_grad"}
+PRODUCTS = MATMULS | BATCHED_MATMULS  # every product whose time the rate divides by
 OUTPUT_LAYER_FUNCTIONS = {"LinearCrossEntropy"}  # their own time: products through ctypes (AMX)
 LOSS_WORDS = ("log_softmax", "nll_loss", "cross_entropy")
 COMPILED_WORDS = ("Torch-Compiled Region", "CompiledFxGraph", "CompiledFunction", "## Call")
@@ -143,7 +144,7 @@ def profile_steps(recipe: Recipe, impl: str, precision: str, batch: int, seq: in
         category = categorize(event.name, ancestors, event.input_shapes or [], recipe.model.vocab_size)
         self_s = event.self_cpu_time_total / 1e6
         seconds[category] += self_s
-        if category == "optimizer step" or not (event.name in MATMULS | BATCHED_MATMULS or
+        if category == "optimizer step" or not (event.name in PRODUCTS or
                                                 category.startswith("matrix products")):
             continue
         if event.flops:  # aten's products: FLOPs from their shapes
