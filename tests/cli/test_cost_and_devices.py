@@ -46,6 +46,22 @@ def test_cost_compare_reads_two_json_lines(tmp_path, capsys):
     (["cost", "serve", "--rate", "lots", "--per-instance-throughput", "1", "--price-per-hour", "1"],
      "--rate 'lots': not a number"),
     (["cost", "train", "--seq-per-s", "0", "--seq-len", "8", "--price-per-hour", "1"], "--seq-per-s must be positive"),
+    # a number that is not finite, or not above zero: each option named
+    (["cost", "train", "--seq-per-s", "nan", "--seq-len", "8", "--price-per-hour", "1"],
+     "--seq-per-s: nan is not a finite number"),
+    (["cost", "train", "--seq-per-s", "1", "--seq-len", "-8", "--price-per-hour", "1"], "--seq-len must be positive"),
+    (["cost", "train", "--seq-per-s", "1", "--seq-len", "8", "--price-per-hour", "inf"],
+     "--price-per-hour: inf is not a finite number"),
+    (["cost", "train", "--seq-per-s", "1", "--seq-len", "8", "--price-per-hour", "-2"],
+     "--price-per-hour must be positive"),
+    (["cost", "serve", "--rate", "nan/h", "--per-instance-throughput", "1", "--price-per-hour", "1"],
+     "--rate: 'nan' is not a finite number"),
+    (["cost", "serve", "--rate", "10", "--per-instance-throughput", "-inf", "--price-per-hour", "1"],
+     "--per-instance-throughput: '-inf' is not a finite number"),
+    (["cost", "serve", "--rate", "10", "--per-instance-throughput", "1", "--price-per-hour", "1", "--watts", "nan"],
+     "--watts: nan is not a finite number"),
+    (["cost", "serve", "--rate", "10", "--per-instance-throughput", "1", "--price-per-hour", "0"],
+     "--price-per-hour must be positive"),
 ])
 def test_bad_cost_input_is_one_line(capsys, argv, message):
     assert main(argv) == 2

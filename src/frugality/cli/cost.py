@@ -40,6 +40,11 @@ def _price(price_per_hour, instance, catalogue):
     return row.usd_per_hour, row, f"catalogue: {row.instance} on demand in {row.region}, {row.date.split(' (')[0]}"
 
 
+def _price_name(price_per_hour) -> str:
+    """What a bad price is called in the error: the option when the user gave one."""
+    return "the price per hour" if price_per_hour is None else "--price-per-hour"
+
+
 def _emit(figures: dict, as_json: bool, lines: list[str]) -> None:
     if as_json:
         click.echo(json.dumps(figures, sort_keys=True))
@@ -62,7 +67,7 @@ def train_(seq_per_s, seq_len, price_per_hour, instance, catalogue, as_json) -> 
     from frugality.metrics.cost import train_figures
 
     usd, row, source = _price(price_per_hour, instance, catalogue)
-    f = train_figures(seq_per_s, seq_len, usd) | {"instance": row.instance if row else None, "price": source}
+    f = train_figures(seq_per_s, seq_len, usd, _price_name(price_per_hour)) | {"instance": row.instance if row else None, "price": source}
     _emit(f, as_json, [
         f"{f['tokens_per_s']:,g} tokens/s at ${f['usd_per_hour']:g}/h ({source})",
         f"{f['tokens_per_dollar']:,} tokens per dollar, ${f['usd_per_million_tokens']:.4f} per million tokens",
@@ -86,7 +91,7 @@ def serve(rate, per_instance_throughput, watts, price_per_hour, instance, catalo
         watts = row.accelerator_tdp_w * row.accelerator_count
         energy = f"estimated: {row.accelerator_count} x {row.accelerator_tdp_w:g} W board power, accelerators only"
     f = serve_figures(_number(rate.removesuffix("/h"), "--rate"), _number(per_instance_throughput.removesuffix("/s"),
-                      "--per-instance-throughput"), usd, watts)
+                      "--per-instance-throughput"), usd, watts, _price_name(price_per_hour))
     f |= {"instance": row.instance if row else None, "price": source, "energy": energy}
     kwh = (f"{f['kwh_per_million_inferences']:.4f} kWh per million inferences ({energy})"
            if f["kwh_per_million_inferences"] is not None else "energy unknown (give --watts)")

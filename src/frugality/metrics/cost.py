@@ -38,16 +38,19 @@ def rounded(name: str, value: Fraction) -> float | int:
 
 
 def _positive(name: str, value) -> Fraction:
-    v = exact(value)
+    try:
+        v = exact(value)
+    except UserError as e:  # nan, inf: the option named, as for any other bad value
+        raise UserError(f"{name}: {e}") from None
     if v <= 0:
         raise UserError(f"{name} must be positive (got {value})")
     return v
 
 
-def train_figures(seq_per_s, seq_len, usd_per_hour) -> dict:
+def train_figures(seq_per_s, seq_len, usd_per_hour, price_name: str = "the price per hour") -> dict:
     """tokens/s, tokens per dollar and $ per million tokens of a training throughput."""
     tokens_per_s = _positive("--seq-per-s", seq_per_s) * _positive("--seq-len", seq_len)
-    price = _positive("the price per hour", usd_per_hour)
+    price = _positive(price_name, usd_per_hour)
     per_hour = tokens_per_s * 3600
     return {"tokens_per_s": rounded("tokens_per_s", tokens_per_s),
             "usd_per_hour": rounded("usd_per_hour", price),
@@ -55,11 +58,12 @@ def train_figures(seq_per_s, seq_len, usd_per_hour) -> dict:
             "usd_per_million_tokens": rounded("usd_per_million_tokens", price / per_hour * 1_000_000)}
 
 
-def serve_figures(rate_per_hour, per_instance_per_s, usd_per_hour, watts=None) -> dict:
+def serve_figures(rate_per_hour, per_instance_per_s, usd_per_hour, watts=None,
+                  price_name: str = "the price per hour") -> dict:
     """The fleet that serves `rate_per_hour` inferences and what a million of them cost."""
     rate = _positive("--rate", rate_per_hour)
     capacity = _positive("--per-instance-throughput", per_instance_per_s) * 3600  # per instance per hour
-    price = _positive("the price per hour", usd_per_hour)
+    price = _positive(price_name, usd_per_hour)
     instances = math.ceil(rate / capacity)
     millions = rate / 1_000_000
     figures = {"inferences_per_hour": rounded("inferences_per_hour", rate), "instances": instances,
