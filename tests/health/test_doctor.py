@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,6 +83,23 @@ def test_doctor_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert main(["doctor", "--quick", "--threshold", "speed=1"]) == 2
     assert existing.read_text() == "keep"
     assert capsys.readouterr().err.count("error:") == 2
+
+
+def test_a_read_only_run_directory_is_a_failed_check(tmp_path):
+    """A run directory on a read-only file system (a read-only mount: root writes through
+    permission bits) is the disk-write check failing, in the table, with doctor's status 1."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fulldisk
+
+    runs = tmp_path / "runs"
+    done = fulldisk.run_on_small_disk(runs, 1 << 20, ["doctor", "--quick", "--run-dir", str(runs), "--threshold",
+                                                      "min_free_disk_gib=0.0005"], cwd=tmp_path, read_only=True)
+    out, left = fulldisk.left(done)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"| machine | disk write at {runs} | fail | not writable | [Errno 30] Read-only file system" in out
+    assert f"| machine | free disk at {runs} | pass |" in out  # the other checks ran and are reported
+    assert "doctor: 1 check(s) failed: disk write at" in done.stderr and "Traceback" not in done.stderr
+    assert left == []
 
 
 def test_preflight_runs_before_step_one_and_refuses_a_broken_device(micro_recipe_file, tmp_path, monkeypatch):

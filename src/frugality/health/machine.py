@@ -72,7 +72,10 @@ def _disk(run_root: Path, limits: dict[str, float], write_mib: int) -> list[Chec
     except OSError as e:
         checks.append(Check("machine", f"disk write at {existing}", FAIL, "not writable", str(e)))
     finally:
-        probe_file.unlink(missing_ok=True)
+        try:
+            probe_file.unlink(missing_ok=True)
+        except OSError:  # a read-only file system refuses even to remove a file that is not there
+            pass
     return checks
 
 
