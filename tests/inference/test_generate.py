@@ -192,6 +192,23 @@ def test_the_command_from_a_prompt_file_to_jsonl(neox_folder, tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err and out.read_text() == before
 
 
+def test_an_out_that_is_the_input_is_refused_before_anything_is_written(neox_folder, tmp_path, capsys,
+                                                                        monkeypatch):
+    source = _write_prompts(tmp_path / "prompts.jsonl", ["w5 w17", "w250"])
+    before = source.read_text()
+    (tmp_path / "link.jsonl").symlink_to(source)
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for spelling in (str(source), "./prompts.jsonl", "sub/../prompts.jsonl", str(tmp_path / "link.jsonl")):
+        assert main(["generate", str(neox_folder), "--input", "prompts.jsonl", "--text-field", "text",
+                     "--out", spelling, "--overwrite", "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: --out {spelling}: is the --input file prompts.jsonl; write the completions to another " \
+                      "file", err
+        assert source.read_text() == before and (tmp_path / "link.jsonl").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "prompts.jsonl", "sub"]  # no partial file
+
+
 def test_one_prompt_streams_to_the_terminal(llama_folder, capsys):
     assert main(["generate", str(llama_folder), "--prompt", "w5 w17 w33", "--max-new-tokens", "5",
                  "--stop-token", "none"]) == 0

@@ -52,6 +52,9 @@ def generate(model, prompt, input_path, text_field, id_field, out, overwrite, ma
         raise UserError("give either --prompt or --input (a file of prompts)")
     if out and prompt is not None:
         raise UserError("--out goes with --input; a --prompt's completion streams to the terminal")
+    if out and input_path and Path(out).exists() and Path(input_path).exists() and os.path.samefile(out, input_path):
+        # however spelt (./X, a symlink, a hard link): --overwrite would replace the prompts with their completions
+        raise UserError(f"--out {out}: is the --input file {input_path}; write the completions to another file")
     if out and Path(out).exists() and not overwrite:
         raise UserError(f"--out {out}: already exists (--overwrite replaces it)")
     if out and not Path(out).absolute().parent.is_dir():
