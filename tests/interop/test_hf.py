@@ -44,6 +44,25 @@ def test_import_then_export_round_trips_through_transformers(tmp_path, layout, c
     assert tokenizer("Hello world").input_ids == [12092, 1533]
 
 
+@pytest.mark.parametrize("name, recipe_name", [("my model", "my-model"), ("modèle ünï", "modele-uni")])
+def test_an_out_folder_with_a_space_or_accents_imports_and_exports(tmp_path, name, recipe_name, capsys):
+    """A folder name that is not a valid recipe name gives the recipe a name made from it."""
+    import shutil
+
+    from frugality.data.tokenizer import shipped_tokenizer_dir
+
+    _hf_model().save_pretrained(tmp_path / "hf")
+    shutil.copy(shipped_tokenizer_dir("pythia") / "tokenizer.json", tmp_path / "hf" / "tokenizer.json")
+    out = tmp_path / "models" / name
+    assert main(["import", "hf", str(tmp_path / "hf"), "--out", str(out)]) == 0, capsys.readouterr().err
+    recipe = load_recipe(str(out / "recipe.toml"))
+    assert recipe.name == recipe_name and recipe.data.tokenizer == str((out / "tokenizer.json").resolve())
+    assert main(["export", "hf", str(out), "--out", str(tmp_path / f"{name} hf")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name} hf").eval()
+    tokens = torch.randint(0, 50304, (1, 16))
+    assert (_logits(back, tokens) - _logits(_hf_model(), tokens)).abs().max().item() <= 1e-4
+
+
 def test_a_trained_run_exports_with_equal_logits(micro_recipe_file, tmp_path):
     recipe = load_recipe(str(micro_recipe_file), ["train.steps=2"])
     trainer.train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
@@ -124,7 +143,8 @@ def test_init_from_a_hugging_face_folder_directly(micro_recipe_file, tmp_path):
     samples = PackedSamples(IndexedDataset(bundled_dataset("gutenberg", load_tokenizer("pythia"), progress=False)),
                             recipe.data.seq_len, recipe.data.val_fraction, recipe.seed)
     losses = []
-    for batch in validation_batches(samples, recipe.train.eval_batches, recipe.data.micro_batch_size)[0]:
+    for batch in validation_batches(samples, recipe.train.eval_batches, recipe.data.global_batch_size,
+                                    recipe.data.micro_batch_size)[0]:
         logits = _logits(theirs, batch[:, :-1])
         losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
     assert result.evals[0] == pytest.approx(torch.stack(losses).mean().item(), abs=1e-4)

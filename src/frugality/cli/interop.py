@@ -34,12 +34,22 @@ def import_hf_command(source, out) -> None:
     for name in SENTENCE_TRANSFORMERS_FILES:  # how an embedding model pools, for `frugality embed`
         if (Path(source) / name).is_file():
             files[name] = (Path(source) / name).read_bytes()
-    recipe = Recipe.model_validate({"name": out.name, "description": f"imported from {source}",
+    recipe = Recipe.model_validate({"name": _recipe_name(out), "description": f"imported from {source}",
                                     "model": config.model_dump(), "data": data})
     files["recipe.toml"] = recipe.to_toml().encode()
     save_weights(out, state, files)
     n = sum(t.numel() for t in state.values())
     click.echo(f"imported {source} -> {out}: {config.family}, {n:,} parameters")
+
+
+def _recipe_name(out: Path) -> str:
+    """The recipe's name from the folder's (a recipe name is letters, digits, '.', '_' and
+    '-'): accents dropped, any other run of characters a '-' ("my model" -> "my-model")."""
+    import re
+    import unicodedata
+
+    plain = "".join(c for c in unicodedata.normalize("NFKD", out.resolve().name) if not unicodedata.combining(c))
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", plain).strip("-") or "imported"
 
 
 @click.group("export")
