@@ -79,3 +79,33 @@ def test_the_output_folder_is_made_and_empty_inputs_are_refused(tmp_path, tok, c
         with pytest.raises(UserError, match=f"input {tmp_path / name}: empty"):
             prepare([tmp_path / name], tok, tmp_path / "out" / name, progress=False)
     assert not list(tmp_path.glob("out/**/*.bin"))  # nothing written for them
+
+
+def _one_error(capsys, argv) -> str:
+    from frugality.cli.main import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error" in line]  # the progress bar aside
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_a_directory_or_a_text_that_is_not_a_string_is_said_as_such(tmp_path, capsys):
+    books = tmp_path / "books"
+    books.mkdir()
+    (books / "a.jsonl.gz").write_bytes(b"")
+    out = str(tmp_path / "out")
+    assert _one_error(capsys, ["data", "prepare", str(books), "--out", out]) == (
+        f"error: input {books}: a directory; give its files, e.g. {books}/*.jsonl.gz")
+    (tmp_path / "empty").mkdir()
+    assert f"a directory; give its files, e.g. {tmp_path / 'empty'}/*.txt" in _one_error(
+        capsys, ["data", "prepare", str(tmp_path / "empty"), "--out", out])
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"text": "fine"}\n{"text": 123}\n')
+    assert _one_error(capsys, ["data", "prepare", str(numbers), "--out", out]) == (
+        f"error: input {numbers}:2: field 'text' is not a string (a number)")
+    (tmp_path / "null.jsonl").write_text('{"text": null}\n')
+    assert "null.jsonl:1: field 'text' is not a string (null)" in _one_error(
+        capsys, ["data", "prepare", str(tmp_path / "null.jsonl"), "--out", out])
+    assert not list(tmp_path.glob("out*"))

@@ -173,3 +173,22 @@ def test_an_imported_folder_embeds_as_the_hugging_face_one(tmp_path, texts_file)
     assert rows == imported.tokenize(_texts(8))
     longest = max(map(len, rows))
     assert np.array_equal(hf.embed_tokens(rows, longest), imported.embed_tokens(rows, longest))
+
+
+def test_a_directory_or_a_text_that_is_not_a_string_is_said_as_such(tmp_path, capsys):
+    def error(*inputs) -> str:
+        assert main(["embed", MODEL, *map(str, inputs), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err, err
+        return err
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "part-0.jsonl").write_text('{"text": "a"}\n')
+    assert error(folder) == f"error: input {folder}: a directory; give its files, e.g. {folder}/*.jsonl"
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"text": "fine"}\n{"text": 123}\n')
+    assert error(numbers) == f"error: {numbers} line 2: the text field 'text' is not a string (a number)"
+    (tmp_path / "list.jsonl").write_text('{"text": ["a", "b"]}\n')
+    assert "list.jsonl line 1: the text field 'text' is not a string (an array)" in error(tmp_path / "list.jsonl")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

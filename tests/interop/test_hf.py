@@ -99,6 +99,13 @@ def test_unsupported_and_broken_sources_are_one_line_errors(tmp_path, capsys):
     assert main(["import", "hf", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")]) == 2
     assert "no config.json" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    # export names its own argument (not train's --init-from)
+    assert main(["export", "hf", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: checkpoint {tmp_path / 'nothing'}: no such file or folder"
+    (tmp_path / "empty").mkdir()
+    assert main(["export", "hf", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: checkpoint {tmp_path / 'empty'}: not a run directory")
+    assert not (tmp_path / "out").exists()
 
 
 def test_init_from_continues_where_the_source_left_off(micro_recipe_file, tmp_path):

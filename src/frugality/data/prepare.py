@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from frugality.data.indexed import IndexedDatasetWriter, paths, token_dtype
+from frugality.data.text import json_type
 from frugality.data.tokenizer import LoadedTokenizer
 from frugality.errors import UserError
 
@@ -83,6 +85,8 @@ def _check_inputs(files: list[Path], out_prefix: str | Path, overwrite: bool) ->
     if not files:
         raise UserError("data prepare: no input files given")
     for f in files:
+        if f.is_dir():
+            raise UserError(f"input {f}: a directory; give its files, e.g. {_glob(f)}")
         if not f.is_file():
             raise UserError(f"input {f}: no such file")
         if not f.name.endswith(_TEXT + _JSONL):
@@ -94,6 +98,16 @@ def _check_inputs(files: list[Path], out_prefix: str | Path, overwrite: bool) ->
             raise UserError(f"output {p} already exists (choose another --out, or --overwrite)")
         if p.parent.exists() and not p.parent.is_dir():
             raise UserError(f"output folder {p.parent} is a file")
+
+
+def _glob(folder: Path) -> str:
+    """A glob of the files of `folder` that data prepare reads (of its first such file's kind)."""
+    suffixes = sorted(_TEXT + _JSONL, key=len, reverse=True)  # .txt.gz before .txt
+    for entry in itertools.islice(folder.iterdir(), 1000):
+        kind = next((s for s in suffixes if entry.name.endswith(s)), None)
+        if kind:
+            return str(folder / f"*{kind}")
+    return str(folder / "*.txt")
 
 
 def _iter_documents(files: list[Path], field: str) -> Iterator[tuple[str, int]]:
@@ -133,5 +147,5 @@ def _field(line: str, field: str, f: Path, lineno: int) -> str:
         raise UserError(f"input {f}:{lineno}: no field {field!r} (choose one with --field)")
     value = record[field]
     if not isinstance(value, str):
-        raise UserError(f"input {f}:{lineno}: field {field!r} is {type(value).__name__}, not text")
+        raise UserError(f"input {f}:{lineno}: field {field!r} is not a string ({json_type(value)})")
     return value

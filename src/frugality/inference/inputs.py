@@ -7,12 +7,14 @@ or else `FILE:LINE` (the row number for parquet), FILE as given on the command l
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from frugality.data.text import json_type
 from frugality.errors import UserError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -59,8 +61,11 @@ class Inputs:
                 yield self._record(record, path, number)
 
     def _record(self, record, path: Path, number: int) -> tuple[str, str]:
-        if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
+        if not isinstance(record, dict) or self.text_field not in record:
             raise UserError(f"{path} line {number}: no text field {self.text_field!r} (--text-field names it)")
+        if not isinstance(record[self.text_field], str):
+            raise UserError(f"{path} line {number}: the text field {self.text_field!r} is not a string "
+                            f"({json_type(record[self.text_field])})")
         if self.id_field is None:
             return f"{path}:{number}", record[self.text_field]
         if not isinstance(record.get(self.id_field), (str, int)) or isinstance(record.get(self.id_field), bool):
@@ -95,12 +100,22 @@ def _kind(path: Path) -> str:
     return next((s for s in SUFFIXES if name.endswith(s)), "")
 
 
+def _glob(folder: Path) -> str:
+    """A glob of the files of `folder` that can be read (of its first such file's kind)."""
+    for entry in itertools.islice(folder.iterdir(), 1000):
+        if _kind(entry):
+            return str(folder / f"*{_kind(entry)}{'.gz' if entry.suffix == '.gz' else ''}")
+    return str(folder / "*.jsonl")
+
+
 def open_inputs(paths: list[str], text_field: str = "text", id_field: str | None = None) -> Inputs:
     """Check every input exists and has a known format before anything is written."""
     if not paths:
         raise UserError("no input: give .txt, .jsonl or .parquet files")
     checked = []
     for p in map(Path, paths):
+        if p.is_dir():
+            raise UserError(f"input {p}: a directory; give its files, e.g. {_glob(p)}")
         if not p.is_file():
             raise UserError(f"input {p}: no such file")
         if not _kind(p) or (p.suffix == ".gz" and _kind(p) == ".parquet"):

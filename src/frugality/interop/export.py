@@ -15,7 +15,7 @@ from frugality.models import build_model
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
-    source = resolve_source(checkpoint)
+    source = resolve_source(checkpoint, "checkpoint")  # export's own argument, not train's --init-from
     if source.kind == "hf":
         raise UserError(f"{checkpoint} is already a Hugging Face folder")
     recipe = recipe_beside(source)
