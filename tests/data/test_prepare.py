@@ -122,3 +122,31 @@ def test_a_byte_that_is_not_utf8_is_named_by_file_line_and_offset(tmp_path, caps
     assert _one_error(capsys, ["data", "prepare", str(tmp_path / "docs.jsonl.gz"), "--out", out]) == (
         f"error: input {tmp_path / 'docs.jsonl.gz'}:2: not UTF-8 text (byte 0xe9 at offset 13 in the line)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["book.txt", "docs.jsonl.gz"]
+
+
+def test_temporary_files_of_killed_runs_are_removed_and_a_live_runs_kept(tmp_path, capsys):
+    """A killed `data prepare` leaves PREFIX.bin.tmpPID (and .idx.tmpPID): the next run of
+    the same prefix removes those whose process is gone, and leaves a live run's alone: one
+    whose PID runs here, or one whose writer holds its lock (from another machine)."""
+    import fcntl
+    import os
+    import subprocess
+
+    from frugality.cli.main import main
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its PID names a process that is gone
+    gone = [tmp_path / f"books.bin.tmp{dead.pid}", tmp_path / f"books.idx.tmp{dead.pid}"]
+    live_here = tmp_path / f"books.bin.tmp{os.getppid()}"
+    elsewhere = tmp_path / f"books.bin.tmp{2**22 + 12345}"  # above any PID here, but its lock is held
+    other = tmp_path / f"other.bin.tmp{dead.pid}"  # another prefix's: not this run's to judge
+    for path in (*gone, live_here, elsewhere, other):
+        path.write_bytes(b"partial")
+    (tmp_path / "book.txt").write_text("A whole book in one file.")
+    with open(elsewhere, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert main(["data", "prepare", str(tmp_path / "book.txt"), "--out", str(tmp_path / "books")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["book.txt", "books.bin", "books.idx", live_here.name, elsewhere.name, other.name])
+    assert IndexedDataset(tmp_path / "books").num_documents == 1

@@ -12,6 +12,8 @@ check both directions against the real package). Layout of `.idx`, all little-en
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import os
 import struct
 from pathlib import Path
@@ -42,7 +44,9 @@ class IndexedDatasetWriter:
     """Streams documents into `PREFIX.bin`/`.idx`.
 
     Both files are written under temporary names and renamed into place by `finalize`, so
-    a crash never leaves a half-written dataset where a reader would pick it up.
+    a crash never leaves a half-written dataset where a reader would pick it up. A temporary
+    file is `NAME.tmpPID`, locked while its writer lives: a later writer of the same prefix
+    removes those of writers that were killed (see `_remove_stale`).
     """
 
     def __init__(self, prefix: str | Path, dtype: np.dtype) -> None:
@@ -50,9 +54,11 @@ class IndexedDatasetWriter:
         self.dtype = np.dtype(dtype)
         if self.dtype not in _CODE_OF:
             raise ValueError(f"unsupported token dtype {self.dtype}")
+        _remove_stale(self.bin_path, self.idx_path)
         self._tmp_bin = self.bin_path.with_name(self.bin_path.name + f".tmp{os.getpid()}")
         self._tmp_idx = self.idx_path.with_name(self.idx_path.name + f".tmp{os.getpid()}")
         self._bin = open(self._tmp_bin, "wb")
+        fcntl.flock(self._bin, fcntl.LOCK_EX)  # held until renamed: this file is a live writer's
         self._lengths: list[int] = []
         self._doc_index: list[int] = [0]
         self.num_tokens = 0
@@ -66,22 +72,53 @@ class IndexedDatasetWriter:
         self.num_tokens += array.size
 
     def finalize(self) -> None:
-        self._bin.close()
+        self._bin.flush()
         lengths = np.asarray(self._lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         with open(self._tmp_idx, "wb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # as the .bin's, until both are renamed
             f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(lengths), len(self._doc_index)))
             f.write(lengths.tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
             f.write(np.asarray(self._doc_index, dtype=np.int64).tobytes(order="C"))
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(self._tmp_idx, self.idx_path)
+            f.flush()
+            os.replace(self._tmp_bin, self.bin_path)
+            os.replace(self._tmp_idx, self.idx_path)
+        self._bin.close()
 
     def abort(self) -> None:
         self._bin.close()
         for tmp in (self._tmp_bin, self._tmp_idx):
             tmp.unlink(missing_ok=True)
+
+
+def _remove_stale(*finals: Path) -> None:
+    """Remove the temporary files (`NAME.tmpPID`) that killed writers of these files left: a
+    file whose process is gone and whose lock no one holds. A live writer's is left alone:
+    its PID is alive here, or (writing from another machine to a shared folder) it holds
+    the lock."""
+    for final in finals:
+        for tmp in final.parent.glob(glob.escape(final.name) + ".tmp*"):
+            pid = tmp.name.removeprefix(final.name + ".tmp")
+            if not pid.isdigit() or _alive(int(pid)):
+                continue
+            try:
+                with open(tmp, "rb") as f:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    tmp.unlink()
+            except (BlockingIOError, FileNotFoundError):  # held by a live writer, or already gone
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 class IndexedDataset:
