@@ -192,3 +192,28 @@ def test_a_directory_or_a_text_that_is_not_a_string_is_said_as_such(tmp_path, ca
     (tmp_path / "list.jsonl").write_text('{"text": ["a", "b"]}\n')
     assert "list.jsonl line 1: the text field 'text' is not a string (an array)" in error(tmp_path / "list.jsonl")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_full_disk_is_one_line_and_leaves_only_complete_shards(tmp_path):
+    """A real full disk (a 32 KiB tmpfs, tests/fulldisk.py): the job starts, writes its
+    first shard (15 KiB of embeddings) and runs out of space in the second. One line naming
+    the file and the free space; what stays is the job and the complete shard a rerun
+    resumes from: no temporary file, no shard cut short."""
+    import re
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fulldisk
+
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": f"sentence {i} about a topic"}) + "\n" for i in range(40)))
+    disk, out = tmp_path / "disk", tmp_path / "disk" / "out"
+    done = fulldisk.run_on_small_disk(disk, 32 << 10, ["embed", MODEL, str(texts), "--out", str(out), "--shard-size",
+                                                      "10", "--nproc", "1", "--precision", "fp32", "--no-progress"],
+                                      cwd=tmp_path)
+    _, left = fulldisk.left(done)
+    assert done.returncode == 2, done.stderr[-3000:]
+    [line] = [line for line in done.stderr.splitlines() if line.strip()]
+    assert re.fullmatch(rf"error: cannot write {out}/shard-00001\.(ids\.json|npy): No space left on device "
+                        rf"\(\d+\.\d GiB free on the device holding {out}\)", line), line
+    assert left == [str(out), *(str(out / name) for name in (".lock", "job.json", "shard-00000.ids.json",
+                                                              "shard-00000.npy"))], left

@@ -174,6 +174,36 @@ def test_a_config_that_disagrees_with_its_weights_or_a_cut_file_is_refused_at_im
     assert not (tmp_path / "out").exists()
 
 
+def test_a_full_disk_during_export_or_import_is_one_line_and_leaves_nothing(tmp_path):
+    """A real full disk (a 1 MiB tmpfs, tests/fulldisk.py) for a model of 12 MiB: export runs
+    out of space while writing model.safetensors; import finds it will not fit before it
+    writes. Each is one line naming the path and the free space; no OUT.partial is left."""
+    import re
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fulldisk
+
+    _hf_model().save_pretrained(tmp_path / "hf")
+    assert main(["import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 0
+    disk = tmp_path / "disk"
+    for args, message in (
+        (["export", "hf", str(tmp_path / "imported"), "--out", str(disk / "exported")],
+         rf"error: cannot write {disk}/exported/model\.safetensors: No space left on device \(\d+\.\d GiB free on "
+         rf"the device holding {disk}\)"),
+        (["import", "hf", str(tmp_path / "hf"), "--out", str(disk / "imported")],
+         rf"error: cannot write {disk}/imported: 1\.0 MiB free on the device holding {disk}, the weights need "
+         rf"~12\.4 MiB"),
+    ):
+        done = fulldisk.run_on_small_disk(disk, 1 << 20, args, cwd=tmp_path)
+        _, left = fulldisk.left(done)
+        assert done.returncode == 2, done.stderr[-3000:]
+        [line] = [line for line in done.stderr.splitlines() if line.strip()]
+        assert re.fullmatch(message, line), line
+        assert left == []
+
+
 def test_exported_files_share_one_mode(micro_recipe_file, tmp_path):
     trainer.train(load_recipe(str(micro_recipe_file), ["train.steps=2", "optim.warmup_steps=1"]),
                   run_dir=tmp_path / "run", progress=False, tensorboard=False)

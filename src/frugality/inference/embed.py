@@ -130,8 +130,14 @@ def prepare(settings: EmbedSettings, inputs: Inputs, encoder_line: dict, model: 
     job["count"] = count
     job["precision"] = encoder_line.get("precision")
     job["shard_size"] = min(settings.shard_size, -(-count // processes(count)))
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out / JOB_FILE, json.dumps(job, indent=2).encode())
+    try:
+        _write_atomic(out / JOB_FILE, json.dumps(job, indent=2).encode())
+    except BaseException:  # a full disk: no empty --out left behind
+        if made:
+            out.rmdir()
+        raise
     return job
 
 
@@ -223,27 +229,47 @@ def embed_texts(encoder, texts: list[str], batch_tokens: int, max_batch: int, re
 
 def write_shard(out: Path, k: int, ids: list[str], vectors: np.ndarray, fmt: str) -> None:
     names = shard_names(k, fmt)
-    if fmt == "npy":
-        _write_atomic(out / names[0], json.dumps(ids).encode())
-        _write_atomic(out / names[1], lambda f: np.save(f, vectors))
-    else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    try:
+        if fmt == "npy":
+            _write_atomic(out / names[0], json.dumps(ids).encode())
+            # through Python's write: numpy's own (fwrite) says a full disk without its errno
+            _write_atomic(out / names[1], lambda f: np.save(_Stream(f), vectors))
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
 
-        embedding = pa.FixedSizeListArray.from_arrays(vectors.reshape(-1), vectors.shape[1])
-        _write_atomic(out / names[0], lambda f: pq.write_table(pa.table({"id": ids, "embedding": embedding}), f))
+            embedding = pa.FixedSizeListArray.from_arrays(vectors.reshape(-1), vectors.shape[1])
+            _write_atomic(out / names[0], lambda f: pq.write_table(pa.table({"id": ids, "embedding": embedding}), f))
+    except BaseException:  # a full disk, Ctrl-C: none of the shard's files stay (its ids alone are no use)
+        for name in names:
+            (out / name).unlink(missing_ok=True)
+        raise
     fsync_dir(out)  # the renames on disk: a power cut cannot undo a complete shard
+
+
+class _Stream:
+    """A file as numpy sees a stream: np.save then writes through the file's `write`."""
+
+    def __init__(self, f) -> None:
+        self.write = f.write
 
 
 def _write_atomic(path: Path, content) -> None:
     """`content` (bytes, or a function writing to a binary file) under a temporary name,
-    synced, then renamed to `path`."""
+    synced, then renamed to `path`. On failure the temporary file is removed, and a
+    filesystem error names `path` (a write's error names no file), for the CLI's one line."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        content(f) if callable(content) else f.write(content)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            content(f) if callable(content) else f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
 
 
 def write_manifest(out: Path, job: dict, dim: int) -> dict:
@@ -357,6 +383,8 @@ def _worker(rank: int, settings: EmbedSettings, inputs: Inputs, size: int, shard
         encoder, _ = load_encoder(settings.model, torch.device(device), settings.precision, settings.normalize,
                                   settings.max_length)
         run_shards(encoder, inputs, settings, size, shards, count, report=queue.put)
+    except OSError as e:  # a full disk: raised again by the parent, where the CLI makes it one line
+        queue.put(("error", rank, f"{type(e).__name__}: {e}", e.errno, e.strerror, e.filename))
     except Exception as e:  # noqa: BLE001 - reported by the parent as one line
         queue.put(("error", rank, f"{type(e).__name__}: {e}" if not isinstance(e, UserError) else str(e)))
 
@@ -399,6 +427,8 @@ def _run_workers(settings, inputs, size, pending, count, nproc, device, bar) -> 
             if p.is_alive():
                 p.terminate()
             p.join()
+    if error is not None and len(error) > 3 and error[3] is not None:
+        raise OSError(*error[3:])
     if error is not None:
         raise UserError(f"embedding process {error[1]}: {error[2]}")
     failed = [(rank, p.exitcode) for rank, p in enumerate(workers) if p.exitcode]

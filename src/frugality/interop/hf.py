@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -136,8 +137,6 @@ def export_hf(config, state: dict[str, torch.Tensor], out: str | Path,
               files: Mapping[str, bytes] = MappingProxyType({})) -> Path:
     """Write `config.json` + `model.safetensors` (+ tokenizer files) that
     `transformers.AutoModelForCausalLM.from_pretrained(out)` loads; dtype preserved."""
-    from safetensors.torch import save_file
-
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"output folder {out} exists and is not empty")
@@ -147,17 +146,38 @@ def export_hf(config, state: dict[str, torch.Tensor], out: str | Path,
     hf["torch_dtype"] = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
-    (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    for name, data in files.items():  # e.g. tokenizer.json, 1_Pooling/config.json
-        (staging / name).parent.mkdir(parents=True, exist_ok=True)
-        (staging / name).write_bytes(data)
-    _same_mode(staging)
-    if out.exists():
-        out.rmdir()
-    staging.rename(out)
+    try:
+        staging.mkdir(parents=True)
+        _save_safetensors(tensors, staging / "model.safetensors")
+        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        for name, data in files.items():  # e.g. tokenizer.json, 1_Pooling/config.json
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging / name).write_bytes(data)
+        _same_mode(staging)
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
+    except BaseException as e:  # a full disk, Ctrl-C: no OUT.partial left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno is not None:  # named by the path asked for (a write's error has none)
+            raise OSError(e.errno, e.strerror, str(e.filename or staging).replace(str(staging), str(out), 1)) from None
+        raise
     return out
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, whose I/O errors (a full disk) come as its own error type: an
+    OSError here, as from any other write, for the CLI's one line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
 
 
 def _same_mode(folder: Path) -> None:

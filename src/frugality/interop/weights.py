@@ -121,15 +121,41 @@ def save_weights(path: str | Path, state: dict[str, torch.Tensor], files: Mappin
         raise UserError(f"output {final} exists and is not empty")
     partial = final.with_name(f".{final.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    with single_process_ok():
-        dcp.save({"model": state}, checkpoint_id=partial, no_dist=True)
-    for name, data in files.items():
-        (partial / name).parent.mkdir(parents=True, exist_ok=True)  # e.g. 1_Pooling/config.json
-        (partial / name).write_bytes(data)
-    if final.exists():
-        final.rmdir()
-    partial.rename(final)
+    need = sum(t.numel() * t.element_size() for t in state.values())
+    problem = _no_room(final, need)
+    if problem:  # said before writing: DCP's writer says a full disk as a zip error, not as an OSError
+        raise UserError(problem)
+    try:
+        with single_process_ok():
+            dcp.save({"model": state}, checkpoint_id=partial, no_dist=True)
+        for name, data in files.items():
+            (partial / name).parent.mkdir(parents=True, exist_ok=True)  # e.g. 1_Pooling/config.json
+            (partial / name).write_bytes(data)
+        if final.exists():
+            final.rmdir()
+        partial.rename(final)
+    except BaseException as e:  # a full disk, Ctrl-C: no partial folder left behind
+        shutil.rmtree(partial, ignore_errors=True)
+        # DCP wraps a writer's OSError in its own exception; the CLI's one line names the folder asked for
+        cause = e if isinstance(e, OSError) else next(
+            (f[0] for f in getattr(e, "failures", {}).values() if isinstance(f[0], OSError)), None)
+        if cause is not None and cause.errno is not None:
+            raise OSError(cause.errno, cause.strerror, str(final)) from None
+        problem = _no_room(final, need) if isinstance(e, Exception) else None
+        if problem:  # the disk filled while writing (something else wrote there too)
+            raise UserError(problem) from None
+        raise
     return final
+
+
+def _no_room(final: Path, need: int) -> str | None:
+    """What to say when the weights (`need` bytes) do not fit where `final` goes; else None."""
+    folder = next(p for p in (final, *final.absolute().parents) if p.is_dir())
+    free = shutil.disk_usage(folder).free
+    if free >= need * 1.05:  # DCP's metadata and file-system slack
+        return None
+    return (f"cannot write {final}: {free / 2**20:,.1f} MiB free on the device holding {folder}, the weights "
+            f"need ~{need / 2**20:,.1f} MiB")
 
 
 def recipe_beside(source: WeightsSource) -> Recipe:
