@@ -2,6 +2,6 @@
 
 import sys
 
-from frugality.cli.main import main
+from frugality.cli import main
 
 sys.exit(main())

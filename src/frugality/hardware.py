@@ -202,3 +202,18 @@ def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of the device's memory: a GPU's, or for CPUs the host's RAM
+    (free: the kernel's estimate of what can be allocated without swapping, MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, total
+    except OSError:
+        pass
+    return total, total

@@ -56,12 +56,44 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(two_checkpoin
         assert two_checkpoints.latest().name == "step_00000001"
 
 
-def test_a_checkpoint_without_manifest_is_used_unverified_and_without_metadata_not_at_all(two_checkpoints):
+def test_a_checkpoint_without_manifest_is_checked_against_its_metadata(two_checkpoints):
     newest = two_checkpoints.latest()
-    (newest / MANIFEST).unlink()  # as written before manifests existed
+    (newest / MANIFEST).unlink()  # as written before manifests existed, or the manifest deleted
     assert verify(newest) is None and two_checkpoints.latest() == newest
+    shard = _distcp(newest)
+    shard.write_bytes(shard.read_bytes()[:-100])  # and a shard cut short: .metadata says how long it was
+    assert "no manifest" in verify(newest) and "points up to byte" in verify(newest)
+    with pytest.warns(CorruptCheckpointWarning, match=f"{newest.name} is unusable"):
+        assert two_checkpoints.latest().name == "step_00000001"
+    shard.unlink()
+    assert "is missing (no manifest" in verify(newest)
+
+
+def test_a_checkpoint_whose_metadata_was_deleted_is_named_when_skipped(two_checkpoints):
+    newest = two_checkpoints.latest()
     (newest / ".metadata").unlink()
-    assert two_checkpoints.latest().name == "step_00000001"
+    with pytest.warns(CorruptCheckpointWarning, match=f"{newest.name} is unusable .no .metadata: DCP's index"):
+        assert two_checkpoints.latest().name == "step_00000001"
+    (newest / MANIFEST).unlink()  # neither: a save cut short by an older version, skipped as before
+    with pytest.warns(CorruptCheckpointWarning, match="an incomplete save"):
+        assert two_checkpoints.latest().name == "step_00000001"
+
+
+def test_a_resume_past_a_damaged_checkpoint_without_manifest_says_so(micro_recipe_file, tmp_path):
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "frugality", "train", str(micro_recipe_file), "--run-dir", str(run),
+               "--no-progress"]
+    assert subprocess.run([*command, "--until-step", "8"], capture_output=True).returncode == 0
+    newest = run / "checkpoints" / "step_00000008"
+    (newest / MANIFEST).unlink()
+    _distcp(newest).write_bytes(_distcp(newest).read_bytes()[:1000])
+    resumed = subprocess.run([*command, "--set", "train.steps=9"], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"warning: checkpoint {newest} is unusable" in resumed.stderr
+    assert "resuming" in resumed.stdout and "from step 4 (step_00000004)" in resumed.stdout
 
 
 def test_what_a_crash_leaves_is_cleaned_at_the_next_save(two_checkpoints):

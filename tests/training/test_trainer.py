@@ -103,7 +103,7 @@ def test_stop_and_resume_is_bit_identical(micro_recipe_file, tmp_path):
     records = [json.loads(l) for l in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     step3 = next(r for r in records if r["kind"] == "train" and r["step"] == 3)
     assert second.summary["cost"]["wall_time_s"] > step3["elapsed_s"] > 0
-    assert second.summary["cost"]["wall_time_s"] > second.summary["wall_time_s"]
+    assert second.summary["wall_time_s"] > first.summary["wall_time_s"] > 0  # the summary too covers both
     assert second.summary["cost"]["device_energy_j"] > step3["energy_j"] > 0  # the first session's last record
     assert step3["kwh"] > 0 and step3["tokens_per_dollar"] > 0  # the cost figures reach TensorBoard too
 
@@ -158,7 +158,7 @@ def test_resume_refuses_another_model_and_fresh_keeps_the_old_run(micro_recipe_f
     trainer.train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
     wider = load_recipe(str(micro_recipe_file), ["train.steps=2", "model.hidden_size=64"])
     before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
-    with pytest.raises(UserError, match=r"different model.hidden_size \(32 then, 64 now\)"):
+    with pytest.raises(UserError, match=r"another model.hidden_size \(32 in its checkpoint step_00000002, 64 now\)"):
         trainer.train(wider, run_dir=tmp_path / "run", progress=False, tensorboard=False)
     assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
 
@@ -173,8 +173,6 @@ def test_bad_inputs_fail_before_anything_is_written(micro_recipe_file, tmp_path)
     cases = [
         (["data.dataset=" + str(tmp_path / "missing")], "does not exist"),
         (["data.tokenizer=gpt2", "model.vocab_size=50000"], "more than model.vocab_size"),
-        (["data.micro_batch_size=4", "data.global_batch_size=4", "data.val_fraction=0.0001"],
-         "fewer than one batch"),
         (["train.device=cuda:7"] if not torch.cuda.is_available() else ["train.device=nonsense"], "device"),
     ]
     for overrides, message in cases:

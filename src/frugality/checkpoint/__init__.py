@@ -21,6 +21,7 @@ pickled `.metadata` and non-tensor values are read through allow-lists (`checkpo
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from frugality.checkpoint.safe import SafePlanner, SafeReader, legacy_state
+from frugality.checkpoint.safe import SafePlanner, SafeReader, legacy_state, read_metadata
 from frugality.errors import FrugalityWarning, UserError
 
 _NAME = re.compile(r"^step_(\d{8,})$")
@@ -64,17 +65,21 @@ class CheckpointManager:
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
+        return self._step_folders(".metadata")
+
+    def _step_folders(self, *marks: str) -> list[Path]:
+        """Step folders (holding any of the files `marks`, where given), oldest first."""
         if not self.folder.is_dir():
             return []
-        found = [
-            p for p in self.folder.iterdir() if _NAME.match(p.name) and (p / ".metadata").is_file()
-        ]
+        found = [p for p in self.folder.iterdir()
+                 if _NAME.match(p.name) and p.is_dir() and (not marks or any((p / m).is_file() for m in marks))]
         return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
     def latest(self) -> Path | None:
-        """The newest checkpoint whose files verify; newer ones that do not are skipped with
-        a warning naming them and what is wrong."""
-        for path in reversed(self.complete()):
+        """The newest checkpoint whose files verify; newer step folders that do not (one
+        lacking its `.metadata` included) are skipped with a warning naming them and what is
+        wrong."""
+        for path in reversed(self._step_folders()):
             problem = verify(path)
             if problem is None:
                 return path
@@ -226,10 +231,13 @@ class CheckpointManager:
         """A save that failed: its partial folder removed, and for a filesystem fault one
         line naming the checkpoint, the cause and what is still there (other errors as
         they were)."""
-        if _is_main():
-            shutil.rmtree(partial, ignore_errors=True)
         cause = error if isinstance(error, OSError) else next(
             (f[0] for f in getattr(error, "failures", {}).values() if isinstance(f[0], OSError)), None)
+        if cause is None and _out_of_space(self.folder):  # asked before the partial folder frees its space
+            # torch.save's zip writer reports a full disk as "unexpected pos" (a RuntimeError)
+            cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if _is_main():
+            shutil.rmtree(partial, ignore_errors=True)
         if cause is None:
             return error
         free = shutil.disk_usage(self.folder).free if self.folder.exists() else 0
@@ -281,8 +289,11 @@ def verify(path: Path) -> str | None:
     """None when every file of the checkpoint has its manifest's size and SHA-256 (or, for
     a checkpoint without a manifest, its `.metadata` exists); else what is wrong."""
     manifest = path / MANIFEST
-    if not manifest.is_file():
-        return None if (path / ".metadata").is_file() else "no .metadata: an incomplete save"
+    if not (path / ".metadata").is_file():
+        return ("no .metadata: DCP's index of the checkpoint was deleted" if manifest.is_file()
+                else "no .metadata: an incomplete save")
+    if not manifest.is_file():  # older than manifests, or its manifest deleted: check what .metadata says
+        return _check_against_metadata(path)
     try:
         files = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -296,6 +307,52 @@ def verify(path: Path) -> str | None:
         if _sha256(f) != record["sha256"]:
             return f"{name} does not match its SHA-256"
     return None
+
+
+def _check_against_metadata(path: Path) -> str | None:
+    """Without a manifest: every file `.metadata` points into exists and holds the bytes it
+    names (a truncated or missing shard file shows; changed bytes of the right length do not)."""
+    try:
+        storage = read_metadata(path).storage_data or {}
+    except (OSError, UserError) as e:
+        return f".metadata is unreadable ({e})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        name = str(info.relative_path)
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(needed.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing (no manifest; checked against .metadata)"
+        if f.stat().st_size < end:
+            return f"{name} has {f.stat().st_size:,} bytes, .metadata points up to byte {end:,} (no manifest)"
+    return None
+
+
+def read_extra(path: str | Path) -> dict:
+    """A checkpoint's training state (the `extra` of `save`) alone, without its tensors."""
+    path = Path(path)
+    state: dict[str, Any] = {"extra": b""}
+    safe_load(state, path, no_dist=True)
+    extra = state["extra"]
+    if isinstance(extra, bytes) and extra.startswith(b"{"):
+        return json.loads(extra)
+    return legacy_state(extra, path) if isinstance(extra, bytes) else {}
+
+
+def _out_of_space(folder: Path) -> bool:
+    """Whether `folder`'s file system is full now: a small probe file cannot be written."""
+    probe = folder / f".space-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+        return False
+    except OSError as e:
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def _human(size: float) -> str:

@@ -1,2 +1,19 @@
 """The `frugality` command line. Heavy modules (torch) load inside each command, so
 `frugality --help` answers at once."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script: the commands (`frugality.cli.main`), with a Ctrl-C that comes
+    while they are still being imported ending as one mid-command does (exit 130, no
+    traceback)."""
+    try:
+        from frugality.cli.main import main as run
+
+        return run(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -13,8 +13,10 @@ from frugality.compile.levels import LEVELS
 @click.option("--cache", help="Cache directory or URL [default: compile.cache, $FRUGALITY_COMPILE_CACHE, "
                               "else the user cache].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
+@click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
+              help="The data-parallel ranks the run will train on (their micro-batch is compiled).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def compile_(recipe, level, cache, overrides, no_progress) -> None:
+def compile_(recipe, level, cache, overrides, ranks, no_progress) -> None:
     """Compile RECIPE's graphs ahead of time and publish them to the compile cache.
 
     Runs the training code path for a few steps on throwaway state (a temporary run
@@ -27,7 +29,7 @@ def compile_(recipe, level, cache, overrides, no_progress) -> None:
     extra = [f"compile.level={level}"] if level else []
     extra += [f'compile.cache="{cache}"'] if cache else []
     resolved = load_recipe(recipe, list(overrides) + extra)
-    stats = compile_ahead(resolved, progress=not no_progress)
+    stats = compile_ahead(resolved, progress=not no_progress, ranks=ranks)
     where = stats["cache"] if stats["published"] or stats["fetched"] else f"nothing published to {stats['cache']}"
     click.echo(
         f"compiled {resolved.name} at {stats['level']}: {stats['graphs']} graphs "

@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         click.echo(f"error: {filesystem_fault(e)}", err=True)
         return USER_ERROR_EXIT
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("interrupted", err=True)
         return 130
     except click.ClickException as e:
         e.show()

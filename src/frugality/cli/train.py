@@ -38,7 +38,10 @@ def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optim
     from frugality.config.recipe import load_recipe
     from frugality.training.trainer import train as run_training
 
+    distributed.follow_launcher()  # a rank of --nproc N: end with the launcher
     resolved = load_recipe(recipe, list(overrides))
+    if nproc > 1:  # what would stop every rank is said once, here, before any starts
+        _check_ranks(resolved, nproc)
     args = ["train", *([recipe] if recipe else []), *(a for o in overrides for a in ("--set", o)),
             *(["--run-dir", run_dir] if run_dir else []), *(["--fresh"] if fresh else []),
             *(["--until-step", str(until_step)] if until_step else []),
@@ -62,18 +65,48 @@ def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optim
     finally:
         distributed.shutdown()
     s = result.summary
+    if result.complete and distributed.world_from_env().is_main:
+        click.echo(f"{result.run_dir}: complete at step {result.final_step}; nothing to do (raise train.steps to "
+                   "train on, or --fresh to start over)")
     if not s:  # a rank other than the first: rank 0 reports
         sys.exit(130 if result.interrupted else 0)
     click.echo(
         f"{result.run_dir}: step {s['final_step']}/{s['total_steps']}, "
         f"{s['tokens_seen']:,} tokens, {s['wall_time_s']:.0f} s; "
         f"val loss {_fmt(s['first_val_loss'])} -> {_fmt(s['final_val_loss'])}, "
-        f"{_fmt(s['median_tokens_per_s'], '.0f')} tokens/s, MFU {_fmt(s['median_mfu'], '.1%')}"
+        f"{_fmt(s.get('median_tokens_per_s'), '.0f')} tokens/s, MFU {_fmt(s.get('median_mfu'), '.1%')}"
+        + _retrieval(s.get("final_eval_metrics") or {})
     )
     if "cost" in s:
         click.echo(cost_line(s["cost"]))
     if result.interrupted:
         sys.exit(130)
+
+
+def _check_ranks(recipe, nproc: int) -> None:
+    """Refuse, in one line, --nproc beyond this machine's devices (CPU: its cores), and a
+    global batch the ranks cannot share."""
+    import os
+
+    import torch
+
+    from frugality.errors import UserError
+    from frugality.runtime.device import resolve_device
+
+    device = resolve_device(recipe.train.device)
+    if device.type == "cuda" and nproc > torch.cuda.device_count():
+        raise UserError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} CUDA device(s), one per rank")
+    cores = len(os.sched_getaffinity(0))
+    if device.type == "cpu" and nproc > cores:
+        raise UserError(f"--nproc {nproc}: this machine has {cores} CPU cores, and each CPU rank needs one; "
+                        "more ranks than cores only contend for them (use torchrun across machines for more)")
+    recipe.for_data_parallel(nproc)
+
+
+def _retrieval(metrics: dict) -> str:
+    """A contrastive run's held-out retrieval figures, for the closing line."""
+    shown = [f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith(("recall@", "mrr")) and v is not None]
+    return ("; " + ", ".join(shown)) if shown else ""
 
 
 def cost_line(c: dict) -> str:

@@ -250,6 +250,28 @@ class Recipe(_Section):
     def to_toml(self) -> str:
         return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
 
+    def for_data_parallel(self, ranks: int) -> tuple["Recipe", str | None]:
+        """This recipe over `ranks` data-parallel ranks, keeping its global batch: where
+        `micro_batch_size` x ranks does not divide the global batch, the micro-batch becomes
+        the largest that does (the rest accumulated), and a note says so for the run header.
+        A global batch that the ranks cannot share evenly is a UserError."""
+        d = self.data
+        if d.global_batch_size % ranks:
+            raise UserError(f"data.global_batch_size ({d.global_batch_size}) cannot be shared evenly by {ranks} "
+                            f"data-parallel ranks; choose a multiple of {ranks} (--set data.global_batch_size=N) "
+                            "or another process count")
+        per_rank = d.global_batch_size // ranks
+        if per_rank % d.micro_batch_size == 0:
+            return self, None
+        micro = max(m for m in range(1, d.micro_batch_size + 1) if per_rank % m == 0)
+        if self.train.task == "contrastive" and micro < 2:
+            raise UserError(f"data.global_batch_size ({d.global_batch_size}) over {ranks} ranks leaves {per_rank} "
+                            "pair(s) per rank, and contrastive training needs micro-batches of at least two pairs "
+                            "that divide it; choose another global batch or process count")
+        note = (f"data.micro_batch_size {d.micro_batch_size} -> {micro}: the global batch of {d.global_batch_size} "
+                f"over {ranks} ranks is {per_rank} each, {per_rank // micro} micro-batch(es) of {micro}")
+        return self.model_copy(update={"data": d.model_copy(update={"micro_batch_size": micro})}), note
+
 
 def shipped_recipes() -> dict[str, Path]:
     """Recipes that ship inside the package, by name."""

@@ -125,7 +125,10 @@ class IndexedDataset:
     """Read-only view over `PREFIX.bin`/`.idx` through numpy memory maps (nothing is loaded)."""
 
     def __init__(self, prefix: str | Path) -> None:
-        self.prefix = str(prefix)
+        prefix = str(prefix)
+        if prefix.endswith((".bin", ".idx")) and not Path(prefix + ".bin").exists():
+            prefix = prefix[:-4]  # the prefix named by one of its files
+        self.prefix = prefix
         bin_path, idx_path = paths(prefix)
         for p in (bin_path, idx_path):
             if not p.is_file():

@@ -128,22 +128,21 @@ class TrainStream:
 
 
 def validation_batches(
-    samples: PackedSamples, batches: int, micro_batch_size: int, rank: int = 0, world_size: int = 1
+    samples: PackedSamples, global_batches: int, global_batch_size: int, micro_batch_size: int, rank: int = 0,
+    world_size: int = 1,
 ) -> tuple[list[torch.Tensor], int]:
-    """The same fixed validation batches at every evaluation: the first `batches` micro-batches
-    of the split, dealt round-robin to the ranks, so that the set does not depend on the
-    world size. Returns this rank's batches and how many of them count: every rank must run
-    the same number of forwards (FSDP2 gathers parameters in each), so a rank with fewer
-    adds forwards of another batch whose loss is not counted."""
-    available = len(samples.val_ids) // micro_batch_size
-    if available < 1:
-        raise UserError(
-            f"the validation split has {len(samples.val_ids)} samples, fewer than one batch of "
-            f"{micro_batch_size}; raise data.val_fraction or lower "
-            "data.micro_batch_size"
-        )
-    b, count = micro_batch_size, min(batches, available)
-    mine = [samples.gather(samples.val_ids[k * b : (k + 1) * b]) for k in range(rank, count, world_size)]
+    """The same validation samples at every evaluation, whatever the micro-batch and the
+    world size: the first `global_batches` x `global_batch_size` of the split (as Megatron's
+    eval iterations count global batches), or the whole split where it is smaller. They go
+    in micro-batches dealt round-robin to the ranks; the last is short where the samples
+    run out (its own compiled shape, met at the first evaluation). Returns this rank's
+    batches and how many of them count: every rank must run the same number of forwards
+    (FSDP2 gathers parameters in each), so a rank with fewer adds forwards of another batch
+    whose loss is not counted."""
+    n = min(len(samples.val_ids), global_batches * global_batch_size)
+    b = micro_batch_size
+    count = -(-n // b)
+    mine = [samples.gather(samples.val_ids[k * b : min((k + 1) * b, n)]) for k in range(rank, count, world_size)]
     forwards = -(-count // world_size)
-    padding = [mine[0] if mine else samples.gather(samples.val_ids[:b])] * (forwards - len(mine))
+    padding = [mine[0] if mine else samples.gather(samples.val_ids[: min(b, n)])] * (forwards - len(mine))
     return mine + padding, len(mine)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -43,13 +44,22 @@ class World:
         return self.world_size > 1
 
 
+LAUNCHER_ENV = "FRUGALITY_LAUNCHER_PID"
+
+
 def launch_local(nproc: int, args: list[str]) -> int:
     """`frugality ARGS` in `nproc` processes on this machine, started by torchrun's own
     launcher (`torch.distributed.run`, standalone rendezvous); the exit status of the
-    first failed rank, named on one line, or 0."""
+    first failed rank, named on one line, or 0; 130 when a signal stopped the ranks (they
+    saved a checkpoint, as one process does). Each rank gets this machine's cores shared
+    out (OMP_NUM_THREADS, unless set) and ends with the launcher if it dies (`follow_launcher`)."""
     config = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "frugality", *args])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
     try:
         launch(config)
+    except SignalException:  # Ctrl-C or SIGTERM: torchrun passed it to the ranks and waited for them
+        return 130
     except ChildFailedError as e:
         # A rank that exited of its own accord comes first: the others' negative statuses are
         # often the launcher's SIGTERM, tearing them down after it.
@@ -67,6 +77,22 @@ def launch_local(nproc: int, args: list[str]) -> int:
         print(f"error: rank {rank} of {nproc} failed with exit status {failure.exitcode}", file=sys.stderr)
         return failure.exitcode
     return 0
+
+
+def follow_launcher() -> None:
+    """In a rank that `launch_local` started: ask the kernel for SIGTERM when the launcher
+    dies (killed by the OOM killer, kill -9), so that no rank is left behind; SIGTERM makes
+    a rank stop after its step with a checkpoint. The variable is consumed, so processes
+    the rank starts do not take it for theirs. Linux only."""
+    launcher = os.environ.pop(LAUNCHER_ENV, None)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(launcher):  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def world_from_env() -> World:

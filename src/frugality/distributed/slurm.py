@@ -52,7 +52,8 @@ def render(job: SlurmJob) -> str:
              'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)', ""]
     if job.compile_first:
         lines += ["# 1. compile the graphs once, into the shared cache (compile.cache or $FRUGALITY_COMPILE_CACHE)",
-                  f"srun --nodes=1 --ntasks=1 {PYTHON} -m frugality compile {recipe_args} --no-progress", ""]
+                  f"srun --nodes=1 --ntasks=1 {PYTHON} -m frugality compile {recipe_args} "
+                  f"--ranks {job.nodes * job.procs_per_node} --no-progress", ""]
     lines += [f"# {'2' if job.compile_first else '1'}. train: torchrun on every node, rendezvous at the first",
               "srun --kill-on-bad-exit=1 " + torchrun_command(job, "$SLURM_NNODES", "$head_node", "$SLURM_JOB_ID"),
               ""]

@@ -24,6 +24,7 @@ allocator fragmentation and workspaces, which depend on the device and are not c
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -31,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from frugality.config.recipe import Recipe
+from frugality.errors import UserError
+from frugality.hardware import device_memory
 from frugality.models import build_model
 from frugality.precision import get_policy
 from frugality.tasks import task_for
@@ -67,8 +70,10 @@ class MemoryPlan:
         return asdict(self) | {"total": self.total, "fits": self.fits}
 
 
-def plan_memory(recipe: Recipe, nproc: int, strategy: str, device_memory: int | None = None) -> MemoryPlan:
-    precision = "bf16-sr" if recipe.train.precision == "auto" else recipe.train.precision
+def plan_memory(recipe: Recipe, nproc: int, strategy: str, device_memory: int | None = None,
+                precision: str | None = None) -> MemoryPlan:
+    """The plan at `precision` (a policy's name), by default the recipe's (`auto`: bf16-sr)."""
+    precision = precision or ("bf16-sr" if recipe.train.precision == "auto" else recipe.train.precision)
     policy = get_policy(precision)
     with torch.device("meta"):
         model = build_model(recipe.model).to(policy.storage_dtype)
@@ -146,3 +151,23 @@ def markdown_rows(plans: list[MemoryPlan]) -> str:
                      f"{p.in_flight / gib:.2f} | {p.activations / gib:.2f} (b={p.micro_batch}, s={p.seq_len}) | "
                      f"{p.total / gib:.2f} | {fits} |")
     return "\n".join(lines)
+
+
+def check_fits(recipe: Recipe, precision: str, world_size: int, device: torch.device) -> None:
+    """Refuse, in one line, a run whose plan per rank exceeds the memory free on its device
+    now (CPU ranks of one machine share its RAM), rather than let it be killed mid-step."""
+    if device.type not in ("cpu", "cuda"):
+        return
+    plan = plan_memory(recipe, world_size, recipe.parallel.data, precision=precision)
+    free, _ = device_memory(device)
+    if device.type == "cpu":
+        free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if plan.total <= free:
+        return
+    gib = 2**30
+    where = "of this machine's RAM" + (" per rank" if world_size > 1 else "") if device.type == "cpu" else \
+        f"on {device}"
+    raise UserError(f"data.micro_batch_size {recipe.data.micro_batch_size} x seq_len {recipe.data.seq_len} needs "
+                    f"about {plan.total / gib:.1f} GiB per rank (activations {plan.activations / gib:.1f} GiB; "
+                    f"frugality plan), more than the {free / gib:.1f} GiB free {where}; lower "
+                    "data.micro_batch_size (the global batch is kept, by accumulation)")

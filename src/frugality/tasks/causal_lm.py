@@ -27,6 +27,11 @@ class CausalLM:
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         return model(batch[:, :-1], targets=batch[:, 1:])
 
+    def eval_loss(self, model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The batch's mean loss and what it averages over, in units alike for every batch
+        (rows: each has the same tokens), so that batches of any size weigh alike per token."""
+        return self.loss(model, batch), batch.shape[0]
+
     def tokens(self, batch: torch.Tensor) -> int:
         return batch.shape[0] * (batch.shape[1] - 1)
 

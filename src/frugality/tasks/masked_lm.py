@@ -8,10 +8,13 @@ Training masks come from a generator seeded per batch by one draw of torch's glo
 generator plus the process's rank: the global generator advances alike on every rank and
 checkpoints carry it, so a resumed run masks alike, while each data-parallel rank masks
 its own positions (from the global generator alone, every rank would mask the same
-positions of its batch). Evaluation draws from a fixed seed, so every evaluation scores
-the same masked positions."""
+positions of its batch). Evaluation masks each row from a fixed seed and the row's tokens,
+so every evaluation scores the same masked positions of each sample, however the samples
+are batched."""
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 from torch import nn
@@ -47,14 +50,27 @@ class MaskedLM(CausalLM):
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         tokens = batch[:, :-1]
+        if not model.training and tokens.device.type != "meta":
+            return self.eval_loss(model, batch)[0]
         generator = None  # on the meta device (`frugality plan`), which has none
         if tokens.device.type != "meta":
             # torch seeds from 32 bits: one 32-bit draw, moved per rank by an odd constant
-            seed = (int(torch.randint(2**32, (1,)).item()) + _rank() * 0x9E3779B1) % 2**32 if model.training \
-                else EVAL_SEED
+            seed = (int(torch.randint(2**32, (1,)).item()) + _rank() * 0x9E3779B1) % 2**32
             generator = torch.Generator(device=tokens.device).manual_seed(seed)
         inputs, targets = self.mask(tokens, model_vocab(model), generator)
         return model(inputs, mlm_targets=targets)
+
+    def eval_loss(self, model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The loss at evaluation masks, and how many positions it averages over. Each row's
+        positions come from a fixed seed and the row's own tokens, so that a sample is masked
+        alike in any batch, at any micro-batch size and rank."""
+        tokens = batch[:, :-1]
+        vocab, rows = model_vocab(model), []
+        for row in tokens:
+            seed = (EVAL_SEED + zlib.crc32(row.cpu().numpy().tobytes())) % 2**32
+            rows.append(self.mask(row[None], vocab, torch.Generator(device=row.device).manual_seed(seed)))
+        inputs, targets = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        return model(inputs, mlm_targets=targets), int((targets != -100).sum())
 
     def mask(self, tokens: torch.Tensor, vocab_size: int, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.mask_id is None:

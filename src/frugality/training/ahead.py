@@ -13,20 +13,28 @@ import tempfile
 from pathlib import Path
 
 from frugality.config.recipe import Recipe
+from frugality.distributed import world_from_env
 from frugality.errors import UserError
 from frugality.training.trainer import train
 
 TRIAL_STEPS = 2
 
 
-def compile_ahead(recipe: Recipe, progress: bool = True) -> dict:
-    """Compile and publish every graph `frugality train` needs for `recipe`; returns the
-    compile statistics (graphs, cache hits and misses, seconds, where the entry went)."""
+def compile_ahead(recipe: Recipe, progress: bool = True, ranks: int = 1) -> dict:
+    """Compile and publish every graph `frugality train` needs for `recipe` run over `ranks`
+    data-parallel ranks (their micro-batch: `Recipe.for_data_parallel`); returns the
+    compile statistics (graphs, cache hits and misses, seconds, where the entry went).
+
+    Each trial step is one micro-batch per rank: accumulating more would run the same
+    graphs again (a Pythia recipe's step is 32 of them)."""
     if recipe.compile.level == "O0":
         raise UserError("compile.level is O0 (eager): nothing to compile; "
                         "choose a level with --level O1 or --set compile.level=O1")
+    recipe, _ = recipe.for_data_parallel(ranks)
+    here = world_from_env().world_size  # this command's own ranks, under torchrun
     trial = recipe.model_copy(update={
         "train": recipe.train.model_copy(update={"eval_batches": 1, "keep_checkpoints": 1}),
+        "data": recipe.data.model_copy(update={"global_batch_size": recipe.data.micro_batch_size * here}),
     })
     steps = min(TRIAL_STEPS, recipe.train.steps)
     with tempfile.TemporaryDirectory(prefix="frugality-compile-") as scratch:

@@ -151,21 +151,23 @@ def validation_loss(state: TrainState) -> tuple[float, dict]:
     (contrastive), also recall@k and MRR of the held-out queries among every rank's
     held-out positives, from the same forwards (`task.evaluate`)."""
     state.model.eval()
-    losses, pairs = [], []
+    losses, weights, pairs = [], [], []
     for batch in state.data.val_batches:
         with state.autocast:
             if hasattr(state.task, "evaluate"):
                 loss, embedded = state.task.evaluate(state.model, batch.to(state.device))
                 pairs.append(embedded)
+                weight = batch.pairs
             else:
-                loss = state.task.loss(state.model, batch.to(state.device))
+                loss, weight = state.task.eval_loss(state.model, batch.to(state.device))
         losses.append(loss)
-    counted = losses[: state.data.val_counted]
+        weights.append(weight)
+    n = state.data.val_counted
     metrics = retrieval_metrics(state, pairs) if hasattr(state.task, "evaluate") else {}
-    if not state.world.distributed:
-        return torch.stack(counted).mean().item(), metrics
-    # ranks hold different numbers of the (equal-sized) batches: the mean over all of them
-    total, count = all_sum([sum(loss.item() for loss in counted), len(counted)], state.device)
+    # each batch's mean weighted by what it averages over (rows, masked tokens, pairs): the
+    # mean over the same tokens whatever the micro-batch and the ranks (batches may be short)
+    total, count = all_sum([sum(loss.item() * w for loss, w in zip(losses[:n], weights[:n]) if w), sum(weights[:n])],
+                           state.device)
     return total / count, metrics
 
 

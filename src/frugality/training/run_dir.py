@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import hashlib
 import json
+import math
 import os
 import socket
 import time
@@ -16,8 +18,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from frugality import distributed
-from frugality.checkpoint import CheckpointManager
+from frugality.checkpoint import CheckpointManager, read_extra
 from frugality.config.recipe import Recipe
 from frugality.errors import FrugalityWarning, UserError
 
@@ -25,8 +29,18 @@ RECIPE_FILE = "recipe.toml"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 # Sections that must match for a checkpoint to be resumed under a recipe; the rest
-# (steps, intervals, device...) may change between sessions of one run.
+# (steps, intervals, device...) may change between sessions of one run. The micro-batch is
+# a per-device choice (the global batch is what is trained), so it may change too.
 _MUST_MATCH = ("seed", "model", "data")
+_MAY_CHANGE = ("data.micro_batch_size",)
+# recipe.toml's first lines; the hash line tells a file edited by hand from the one written
+_RECIPE_HEADER = """\
+# The recipe this run last ran with, written by `frugality train` at each start. Edits take
+# effect only when this file is the recipe given: `frugality train {path}`
+# (seed, model and data must stay as trained). A run started from another recipe replaces
+# this file and keeps an edited one beside it as recipe.edited.toml.
+"""
+_HASH_PREFIX = "# frugality-sha256: "
 
 
 @dataclass(frozen=True)
@@ -34,6 +48,9 @@ class RunPlan:
     path: Path
     resume_from: Path | None  # a complete checkpoint, or None to start fresh
     moved_aside: Path | None  # where an earlier run's files went on --fresh
+    changes: tuple[str, ...] = ()  # keys that may change, changed since the checkpoint: "optim.lr 0.001 -> 0.002"
+    unused_edits: tuple[str, ...] = ()  # hand edits of recipe.toml that this run's recipe does not have
+    edited_kept_as: Path | None = None  # where the hand-edited recipe.toml goes
 
 
 @contextmanager
@@ -59,8 +76,14 @@ def locked(run_dir: Path, world: distributed.World, device):
         yield
     finally:
         if held is not None:
-            held.truncate(0)  # an empty lock file: released, nobody to take over from
-            held.close()  # closing releases the flock
+            # removed while still held (a process that opened it meanwhile sees it gone and
+            # opens anew); closing releases the flock
+            path = lock_path(run_dir)
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            held.close()
 
 
 def lock_path(run_dir: Path) -> Path:
@@ -70,15 +93,22 @@ def lock_path(run_dir: Path) -> Path:
 def _acquire(run_dir: Path):
     path = lock_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = _holder(f.read())
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = _holder(f.read())
+            f.close()
+            raise UserError(f"run directory {run_dir} is in use by {holder} (lock {path}); wait for it to end, "
+                            "or train into another --run-dir") from None
+        try:  # the file locked must still be the one at the path: a run ending removes it
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
         f.close()
-        raise UserError(f"run directory {run_dir} is in use by {holder} (lock {path}); wait for it to end, "
-                        "or train into another --run-dir") from None
     f.seek(0)
     previous = f.read()
     if previous.strip():  # the last holder died without releasing: its lock went with it
@@ -105,8 +135,17 @@ def plan_run(recipe: Recipe, run_dir: Path, fresh: bool) -> RunPlan:
     checkpoints = CheckpointManager(run_dir / "checkpoints")
     latest = checkpoints.latest()
     if latest is not None and not fresh:
-        _check_compatible(recipe, run_dir)
-        return RunPlan(run_dir, latest, None)
+        then, source = _trained_with(latest, run_dir)
+        now = _as_dict(recipe)
+        _check_compatible(then, now, run_dir, source)
+        changes = tuple(d for d in differences(then, now) if d.split(" ", 1)[0] not in ("name",))
+        edits = tuple(_unused_edits(run_dir, now))
+        kept = None
+        if edits:
+            kept = run_dir / "recipe.edited.toml"
+            if kept.exists():
+                kept = run_dir / f"recipe.edited-{time.strftime('%Y%m%d-%H%M%S')}.toml"
+        return RunPlan(run_dir, latest, None, changes, edits, kept)
     has_files = run_dir.is_dir() and any(run_dir.iterdir())
     aside = None
     if has_files:  # starting over never deletes: the old run moves to a dated sibling
@@ -119,37 +158,113 @@ def open_run(plan: RunPlan, recipe: Recipe, resume_step: int | None) -> None:
     if plan.moved_aside is not None:
         plan.path.rename(plan.moved_aside)
     plan.path.mkdir(parents=True, exist_ok=True)
-    (plan.path / RECIPE_FILE).write_text(recipe.to_toml())
+    recipe_file = plan.path / RECIPE_FILE
+    if plan.edited_kept_as is not None:  # never lost: the edited file stays beside the new one
+        recipe_file.rename(plan.edited_kept_as)
+    body = recipe.to_toml()
+    header = _RECIPE_HEADER.format(path=recipe_file)
+    recipe_file.write_text(f"{_HASH_PREFIX}{_sha256(body)}\n{header}{body}")
     if resume_step is not None:
         _truncate_metrics(plan.path / METRICS_FILE, resume_step)
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    """summary.json, atomically; a value that is not a finite number is written as null."""
+    tmp = run_dir / f".{SUMMARY_FILE}.tmp"
+    tmp.write_text(json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
+    tmp.replace(run_dir / SUMMARY_FILE)
 
 
-def _check_compatible(recipe: Recipe, run_dir: Path) -> None:
-    saved_path = run_dir / RECIPE_FILE
+def read_summary(run_dir: Path) -> dict:
+    """The run's summary.json, or {} when there is none (or it cannot be read)."""
     try:
-        saved = tomllib.loads(saved_path.read_text())
+        return json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _as_dict(recipe: Recipe) -> dict:
+    """The recipe as its TOML file and its checkpoints hold it."""
+    return recipe.model_dump(mode="json", exclude_none=True)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _trained_with(checkpoint: Path, run_dir: Path) -> tuple[dict, str]:
+    """The recipe the checkpoint was trained with (its own record; checkpoints older than
+    that record: the run's recipe.toml), and where it was read."""
+    try:
+        recorded = read_extra(checkpoint).get("recipe")
+    except (Exception, CheckpointException):  # noqa: BLE001 - reported as it should be when the checkpoint loads
+        recorded = None
+    if isinstance(recorded, dict):
+        return recorded, f"its checkpoint {checkpoint.name}"
+    try:
+        return tomllib.loads((run_dir / RECIPE_FILE).read_text()), RECIPE_FILE
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise UserError(f"run directory {run_dir}: cannot read {RECIPE_FILE} to resume ({e})") from None
-    now = tomllib.loads(recipe.to_toml())
-    for section in _MUST_MATCH:
-        if saved.get(section) != now.get(section):
-            key = _first_difference(saved.get(section), now.get(section), section)
-            raise UserError(
-                f"run directory {run_dir} was trained with a different {key}; resume with the "
-                "same recipe, or start over with --fresh (the old run is kept aside)"
-            )
 
 
-def _first_difference(a, b, prefix: str) -> str:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
-                return _first_difference(a.get(k), b.get(k), f"{prefix}.{k}")
-    return f"{prefix} ({a!r} then, {b!r} now)"
+def _check_compatible(then: dict, now: dict, run_dir: Path, source: str) -> None:
+    for key in differences({k: then.get(k) for k in _MUST_MATCH}, {k: now.get(k) for k in _MUST_MATCH}):
+        if key.split(" ", 1)[0] in _MAY_CHANGE:
+            continue
+        name, _, change = key.partition(" ")
+        was, _, is_now = change.partition(" -> ")
+        raise UserError(f"run directory {run_dir} was trained with another {name} ({was} in {source}, "
+                        f"{is_now} now); resume with the same recipe, or start over with --fresh "
+                        "(the old run is kept aside)")
+
+
+def differences(then, now, prefix: str = "") -> list[str]:
+    """'key then -> now' for every leaf that differs, in key order ('(unset)' where absent)."""
+    if isinstance(then, dict) and isinstance(now, dict):
+        found = []
+        for k in sorted(set(then) | set(now)):
+            if then.get(k, _UNSET) != now.get(k, _UNSET):
+                found += differences(then.get(k, _UNSET), now.get(k, _UNSET), f"{prefix}.{k}" if prefix else k)
+        return found
+    return [f"{prefix} {_show(then)} -> {_show(now)}"]
+
+
+_UNSET = object()
+
+
+def _show(value) -> str:
+    return "(unset)" if value is _UNSET else json.dumps(value)
+
+
+def _unused_edits(run_dir: Path, now: dict) -> list[str]:
+    """What a hand edit changed in the run's recipe.toml that this run's recipe does not
+    have ('key in the file -> this run'); nothing when the file is as written (its hash line
+    matches) or says what this run says."""
+    try:
+        text = (run_dir / RECIPE_FILE).read_text()
+    except OSError:
+        return []
+    first, _, body = text.partition("\n")
+    if not first.startswith(_HASH_PREFIX):
+        return []  # written before the hash line: edits cannot be told apart
+    body = body.split("\n", _RECIPE_HEADER.count("\n"))[-1]
+    if first.removeprefix(_HASH_PREFIX).strip() == _sha256(body):
+        return []
+    try:
+        edited = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        return [f"(not valid TOML: {e})"]
+    return differences(edited, now)
 
 
 def _record_step(line: str, dropped: int) -> int:

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from frugality.checkpoint import CheckpointManager, step_of
 from frugality import distributed
 from frugality.config.recipe import Recipe
@@ -24,6 +26,8 @@ from frugality.health.preflight import preflight
 from frugality.interop.weights import WeightsSource, check_compatible, load_weights, resolve_source, stored_dtype
 from frugality.runtime.data import open_training_data
 from frugality.runtime.device import resolve_device
+from frugality.precision import resolve_policy
+from frugality.runtime.plan import check_fits
 from frugality.runtime.state import TrainState, build_state, check_recipe
 from frugality.training import rng
 from frugality.training import run_dir as rundir
@@ -52,6 +56,7 @@ class TrainResult:
     interrupted: bool = False
     evals: dict[int, float] = field(default_factory=dict)  # step -> validation loss
     summary: dict = field(default_factory=dict)
+    complete: bool = False  # the run was already where it was asked to stop: nothing was done
 
 
 def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False, until_step: int | None = None,
@@ -75,17 +80,29 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
     check_recipe(recipe, device)
     world = distributed.init(device, recipe.parallel.timeout_s)  # world size 1 without torchrun
     device = distributed.local_device(device, world)
+    recipe, batch_note = recipe.for_data_parallel(world.world_size)
+    check_fits(recipe, resolve_policy(recipe.train.precision, device)[0].name, world.world_size, device)
     passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
     with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
         if device.type == "cpu":
             keep_freed_memory()  # see frugality.runtime.host_memory
         data = open_training_data(recipe, progress, world.rank, world.world_size)
         plan = rundir.plan_run(recipe, run_path, fresh)
+        done = step_of(plan.resume_from) if plan.resume_from is not None else 0
+        if done > stop_at:
+            raise UserError(f"--until-step {until_step}: {run_path} is already at step {done}" if until_step else
+                            f"train.steps ({total}): {run_path} is already at step {done}; raise train.steps to "
+                            "train on, or start over with --fresh")
+        if done == stop_at:  # nothing to do: nothing is written, the run's results stay as they are
+            return TrainResult(run_path, done, done, summary=rundir.read_summary(run_path) if world.is_main else {},
+                               complete=True)
         source = resolve_source(init_from) if init_from is not None and plan.resume_from is None else None
         if resume_optimizer and (source is None or not source.has_optimizer):
             raise UserError("--resume-optimizer needs --init-from a frugality training checkpoint "
                             "(one with optimizer state) and a new run")
         state = build_state(recipe, device, data, world)
+        if batch_note:
+            state.choices.append(batch_note)
         if passed is not None:
             each = " on each rank" if world.distributed else ""
             state.choices.append(f"preflight: {passed} checks passed{each}")
@@ -114,12 +131,24 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
         try:
             state.compiled.start(state.module)  # the blocks inside a DDP wrapper
             fit(state, callbacks, stop_at)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not _out_of_memory(e):
+                raise
+            raise UserError(f"out of memory on {device} in step {state.step + 1} ({str(e).splitlines()[0][:160]}); "
+                            f"lower data.micro_batch_size ({recipe.data.micro_batch_size}; the global batch is kept, "
+                            "by accumulation); checkpoints already written are kept") from None
         finally:
             callbacks.on_exit(state)
             state.compiled.close()  # publishes what was compiled, even when the run stopped on an error
             state.compiled.cleanup()
         return TrainResult(run_path, start, state.step, state.stop_requested,
                            summary.evals if summary else {}, summary.summary if summary else {})
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """An allocation that failed: CUDA's OutOfMemoryError, or the CPU allocator's error."""
+    return isinstance(error, torch.OutOfMemoryError) or any(
+        text in str(error) for text in ("can't allocate memory", "not enough memory", "std::bad_alloc"))
 
 
 def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: bool, stop_at: int) -> None:
@@ -152,8 +181,6 @@ def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: boo
                             f"resume with --set train.precision={saved}")
         state.step = step_of(plan.resume_from)
         restore_training_state(state, extra)
-        if stop_at < state.step:
-            raise UserError(f"--until-step {stop_at}: {plan.path} is already at step {state.step}")
     else:
         rng.seed_everything(seed)
 
@@ -169,8 +196,20 @@ def _header(state: TrainState, plan, source, init_from, resume_optimizer: bool) 
         lines.append(f"resuming {plan.path} from step {state.step} ({plan.resume_from.name})")
         if init_from is not None:
             lines.append("--init-from applies to new runs only; resuming instead (--fresh to start over)")
+        if plan.changes:
+            lines.append(f"recipe changed since {plan.resume_from.name}: {', '.join(plan.changes)}")
+    if plan.unused_edits:
+        recipe_file = plan.path / rundir.RECIPE_FILE
+        lines.append(f"{recipe_file} was edited by hand ({', '.join(plan.unused_edits)}, as 'file -> this run'); "
+                     f"this run uses its own recipe and keeps the edited file as {plan.edited_kept_as.name}; to train "
+                     f"with edits, run: frugality train {recipe_file}")
     if source is not None:
         lines.append(f"initialised from {source.path}" + (" with its optimizer state" if resume_optimizer else ""))
+    served = len(data.samples.train_ids)
+    if served < recipe.data.global_batch_size:  # e.g. a Pythia recipe on the bundled corpus
+        lines.append(f"data: {served:,} training samples, fewer than one step's {recipe.data.global_batch_size:,}: "
+                     "each step goes over them more than once; for this recipe, prepare a larger corpus "
+                     "(frugality data prepare FILES --out PREFIX) and --set data.dataset=PREFIX")
     n_params = sum(p.numel() for p in state.model.parameters())
     lines.append(
         f"{recipe.name}: {recipe.model.family} {n_params / 1e6:.1f}M parameters, {state.policy.label} on "

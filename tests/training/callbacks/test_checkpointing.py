@@ -20,4 +20,4 @@ def test_saves_on_the_cadence_at_the_session_end_and_when_asked_to_stop(state):
         state.stop_requested = step == 2
         cb.on_step_done(state)
     assert [s for s, _ in manager.saved] == [2, 4, 6]
-    assert manager.saved[0][1] == ["data", "precision", "recent_losses", "rng", "step", "tokens_seen"]
+    assert manager.saved[0][1] == ["data", "precision", "recent_losses", "recipe", "rng", "step", "tokens_seen"]

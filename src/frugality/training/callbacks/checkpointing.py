@@ -11,11 +11,13 @@ from frugality.training.callbacks import Callback
 
 def training_state(state) -> dict:
     """What a checkpoint holds besides model and optimizer, as plain JSON: data position,
-    RNG states, the losses spike detection looks back on, and the precision policy (a resume
-    under another policy is refused)."""
+    RNG states, the losses spike detection looks back on, the precision policy (a resume
+    under another policy is refused) and the recipe trained with (a resume must match its
+    seed, model and data)."""
     return {"data": state.data.stream.state_dict(), "rng": rng.get_state(), "step": state.step,
             "precision": state.policy.name, "recent_losses": list(state.recent_losses),
-            "tokens_seen": state.tokens_seen}
+            "tokens_seen": state.tokens_seen,
+            "recipe": state.recipe.model_dump(mode="json", exclude_none=True)}  # what a resume must match
 
 
 def restore_training_state(state, extra: dict) -> None:

@@ -14,9 +14,8 @@ class Progress(Callback):
         self.bar = None
 
     def on_train_start(self, state) -> None:
-        for i, line in enumerate(self.header):
-            if self.enabled or i < len(self.header) - 1:  # the last line is the run's, shown with the bar
-                tqdm.write(line)
+        for line in self.header:  # with --no-progress too: a log (SLURM's) shows what ran
+            tqdm.write(line)
         self.bar = tqdm(total=self.stop_at, initial=state.step, unit="step", disable=not self.enabled,
                         dynamic_ncols=True)
 
@@ -25,9 +24,10 @@ class Progress(Callback):
             tqdm.write(compile_line(phase, state.compiled.stats))
 
     def on_step_end(self, state, result) -> None:
-        self.bar.update(1)
+        # the figures first, then the count that redraws the bar: the loss shown is the step's named
         self.bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.record.get('tokens_per_s', 0):,.0f}",
                              refresh=False)
+        self.bar.update(1)
 
     def on_eval(self, state, result) -> None:
         if self.bar is not None and state.step:

@@ -1,10 +1,17 @@
 """The run's summary (`summary.json`): steps, tokens, time, median tokens/s and MFU, the
-validation losses of the whole run (earlier sessions' too, read back from the log),
-memory, compilation, and what the run cost (dollars, energy, carbon; `cost`)."""
+validation losses of the whole run, memory, compilation, and what the run cost (dollars,
+energy, carbon; `cost`).
+
+A resumed run's summary covers every part of the run: the medians take the earlier
+sessions' logged steps (read back from the log, which is cut at the checkpoint resumed
+from) with this session's, and the times add the earlier sessions' summary to this one's
+(a session that crashed wrote none: its time is not known)."""
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import time
 
 from frugality.metrics.flops import non_embedding_params
@@ -18,6 +25,7 @@ class Summary(Callback):
         self.run_dir, self.throughput, self.memory, self.cost = run_dir, throughput, memory, cost
         self.start_step = 0
         self.evals: dict[int, float] = {}
+        self.eval_metrics: dict[int, dict] = {}  # what an evaluation measured besides the loss
         self.train_loss: float | None = None
         self.summary: dict = {}
 
@@ -30,16 +38,25 @@ class Summary(Callback):
 
     def on_eval(self, state, result) -> None:
         self.evals[state.step] = result.loss
+        self.eval_metrics[state.step] = dict(result.record)
 
     def on_train_end(self, state) -> None:
         recipe, t = state.recipe, self.throughput
-        evals = dict(self.evals)
-        for line in (self.run_dir / rundir.METRICS_FILE).read_text().splitlines():
-            record = json.loads(line)
-            if record["kind"] == "eval":
+        evals, metrics, earlier = dict(self.evals), dict(self.eval_metrics), []
+        for record in _records(self.run_dir / rundir.METRICS_FILE):
+            if record.get("kind") == "eval":
                 evals.setdefault(record["step"], record["loss"])
-        median = t.median_step_time()
-        mfu = t.median_mfu()
+                metrics.setdefault(record["step"], {k: v for k, v in record.items()
+                                                    if k not in ("kind", "step", "loss", "perplexity")})
+            elif record.get("kind") == "train" and record.get("step", 0) <= self.start_step:
+                earlier.append(record)  # an earlier session's logged steps (the log is cut at the resume)
+        # every part of the run: this session's steps and the earlier sessions' logged ones
+        times = t.step_times + [r["step_time_s"] for r in earlier if _number(r.get("step_time_s"))]
+        rates = t.tokens_per_s() + [r["tokens_per_s"] for r in earlier if _number(r.get("tokens_per_s"))]
+        mfus = t.mfus() + [r["mfu"] for r in earlier if _number(r.get("mfu"))]
+        previous = rundir.read_summary(self.run_dir) if self.start_step else {}
+        if not previous or not 0 < previous.get("final_step", 0) <= self.start_step:
+            previous = {}  # none, or not of an earlier part of this run
         self.summary = {
             "recipe": recipe.name,
             "device": str(state.device),
@@ -52,19 +69,46 @@ class Summary(Callback):
             "total_steps": recipe.train.steps,
             "interrupted": state.stop_requested,
             "tokens_seen": state.tokens_seen,
-            "wall_time_s": round(time.perf_counter() - self.wall_start, 2),
-            "train_time_s": round(sum(t.step_times), 2),
-            "median_step_time_s": round(median, 4) if median is not None else float("nan"),
-            "median_tokens_per_s": round(t.median_tokens_per_s(), 1) if median is not None else None,
-            "median_mfu": None if mfu is None else round(mfu, 4),
+            "sessions": previous.get("sessions", 1) + 1 if previous else 1,
+            "wall_time_s": round(previous.get("wall_time_s", 0) + time.perf_counter() - self.wall_start, 2),
+            "train_time_s": round(previous.get("train_time_s", 0) + sum(t.step_times), 2),
+            "median_step_time_s": _median(times, 4),
+            "median_tokens_per_s": _median(rates, 1),
+            "median_mfu": _median(mfus, 4),
             "peak_flops": t.peak,
             "final_train_loss": self.train_loss,
             "first_val_loss": evals[min(evals)] if evals else None,
             "final_val_loss": evals[max(evals)] if evals else None,
             "val_losses": {str(k): v for k, v in sorted(evals.items())},
+            "final_eval_metrics": metrics[max(metrics)] if metrics else {},  # contrastive: recall@k, MRR
             "memory": self.memory.record | {"peak_memory_bytes": peak_memory_bytes(state.device)},
             "compile": state.compiled.stats.as_dict(),
         }
         if self.cost is not None:
             self.summary["cost"] = self.cost.figures(state.tokens_seen, recipe.cost.target_loss)
         rundir.write_summary(self.run_dir, self.summary)
+
+
+def _records(path) -> list[dict]:
+    """The log's records; a line cut by a crash or a full disk is skipped."""
+    found = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            found.append(record)
+    return found
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _median(values: list[float], digits: int) -> float | None:
+    return round(statistics.median(values), digits) if values else None

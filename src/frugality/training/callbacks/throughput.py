@@ -39,6 +39,14 @@ class Throughput(Callback):
         result.record.update(tokens_per_s=tokens_per_s, mfu=mfu(self.flops_per_token * tokens_per_s, self.peak),
                              step_time_s=result.seconds, tokens=state.tokens_seen)
 
+    def tokens_per_s(self) -> list[float]:
+        """Each step's tokens/s, this session."""
+        return [n / t for n, t in zip(self.step_tokens, self.step_times)]
+
+    def mfus(self) -> list[float]:
+        found = (mfu(self.flops_per_token * rate, self.peak) for rate in self.tokens_per_s())
+        return [m for m in found if m is not None]
+
     def median_step_time(self) -> float | None:
         return statistics.median(self.step_times) if self.step_times else None
 
