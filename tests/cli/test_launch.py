@@ -55,3 +55,13 @@ def test_its_training_command_runs_here_with_two_processes(micro_recipe_file, tm
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["final_step"] == 4
+
+
+def test_shipped_scale_recipes_compile_first_for_the_jobs_ranks(tmp_path):
+    """The README's promise, "compile, then torchrun", holds for the published recipes."""
+    out = tmp_path / "job.sbatch"
+    assert main(["launch", "slurm", "pythia-410m", "--nodes", "4", "--gpus-per-node", "8",
+                 "--run-dir", str(tmp_path / "run"), "--out", str(out)]) == 0
+    script = out.read_text()
+    assert "-m frugality compile pythia-410m --ranks 32 --no-progress" in script
+    assert script.index("frugality compile") < script.index("frugality train")

@@ -68,3 +68,15 @@ def test_aborted_writer_leaves_nothing(tmp_path):
     w.add_document([1, 2, 3])
     w.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_prefix_given_with_its_extension_is_taken(tmp_path):
+    from frugality.data.indexed import IndexedDataset, IndexedDatasetWriter
+
+    writer = IndexedDatasetWriter(tmp_path / "books", np.uint16)
+    writer.add_document([1, 2, 3])
+    writer.finalize()
+    for name in ("books", "books.bin", "books.idx"):
+        assert IndexedDataset(tmp_path / name).num_tokens == 3
+    with pytest.raises(UserError, match="does not exist"):
+        IndexedDataset(tmp_path / "other.bin")
