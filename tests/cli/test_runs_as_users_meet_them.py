@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -120,19 +121,34 @@ def _steps_logged(run: Path) -> int:
         return 0
 
 
-def _long_run(micro_recipe_file, run: Path, *extra) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "frugality", "train", str(micro_recipe_file), "--run-dir", str(run),
-                             "--no-progress", "--set", "train.steps=100000", "--set", "train.save_interval=100000",
-                             "--set", "train.eval_interval=100000", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+@contextmanager
+def _long_run(micro_recipe_file, run: Path, *extra):
+    """A run far longer than the test, in a process group of its own, its output in files
+    (a pipe nobody reads would fill and block it); whatever is left of it killed at the end."""
+    out, err = run.with_suffix(".out"), run.with_suffix(".err")
+    with open(out, "w") as o, open(err, "w") as e:
+        job = subprocess.Popen([sys.executable, "-m", "frugality", "train", str(micro_recipe_file), "--run-dir",
+                                str(run), "--no-progress", "--set", "train.steps=100000", "--set",
+                                "train.save_interval=100000", "--set", "train.eval_interval=100000", *extra],
+                               stdout=o, stderr=e, text=True, start_new_session=True)
+    job.out, job.err = out, err
+    try:
+        yield job
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        job.wait()
 
 
 def test_ctrl_c_under_nproc_saves_and_exits_130_without_a_traceback(micro_recipe_file, tmp_path):
     run = tmp_path / "run"
-    job = _long_run(micro_recipe_file, run, "--nproc", "2")
-    _wait_for(lambda: _steps_logged(run) >= 2, "two steps")
-    os.killpg(job.pid, signal.SIGINT)  # the terminal's Ctrl-C: every process of the group
-    out, err = job.communicate(timeout=120)
+    with _long_run(micro_recipe_file, run, "--nproc", "2") as job:
+        _wait_for(lambda: _steps_logged(run) >= 2, "two steps")
+        os.killpg(job.pid, signal.SIGINT)  # the terminal's Ctrl-C: every process of the group
+        job.wait(timeout=300)
+        out, err = job.out.read_text(), job.err.read_text()
     assert job.returncode == 130, err
     assert "Traceback" not in err and "SignalException" not in err, err
     assert "checkpoint saved, rerun to resume" in out
@@ -155,14 +171,15 @@ def test_ranks_end_with_a_launcher_that_is_killed(micro_recipe_file, tmp_path):
     import psutil
 
     run = tmp_path / "run"
-    job = _long_run(micro_recipe_file, run, "--nproc", "2")
-    _wait_for(lambda: _steps_logged(run) >= 1, "a step")
-    ranks = [p for p in psutil.Process(job.pid).children(recursive=True) if "frugality" in " ".join(p.cmdline())]
-    assert len(ranks) == 2
-    job.kill()  # as the OOM killer would: no chance to stop the ranks itself
-    job.communicate(timeout=60)
-    _, alive = psutil.wait_procs(ranks, timeout=60)
-    assert not alive, f"ranks left behind: {[p.pid for p in alive]}"
+    with _long_run(micro_recipe_file, run, "--nproc", "2") as job:
+        _wait_for(lambda: _steps_logged(run) >= 1, "a step")
+        ranks = [p for p in psutil.Process(job.pid).children(recursive=True)
+                 if "frugality" in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+        job.kill()  # as the OOM killer would: no chance to stop the ranks itself
+        job.wait(timeout=60)
+        _, alive = psutil.wait_procs(ranks, timeout=60)
+        assert not alive, f"ranks left behind: {[p.pid for p in alive]}"
 
 
 def test_memory_a_batch_cannot_have_is_one_line_before_anything_is_written(micro_recipe_file, tmp_path):

@@ -95,6 +95,12 @@ def test_the_validation_samples_do_not_depend_on_the_batching(dataset, micro, wo
     assert len(_samples(expected)) == 8
 
 
+def test_a_rank_with_no_validation_batch_of_its_own_runs_as_many_forwards_uncounted(dataset):
+    s = PackedSamples(dataset, seq_len=15, val_fraction=0.3, seed=3)
+    (first, counted0), (second, counted1) = [validation_batches(s, 1, 4, 4, rank=r, world_size=2) for r in (0, 1)]
+    assert (counted0, counted1) == (1, 0) and len(first) == len(second) == 1  # FSDP2 gathers in every forward
+
+
 def test_validation_is_fixed_and_a_split_smaller_than_a_batch_is_one_short_batch(dataset):
     s = PackedSamples(dataset, seq_len=15, val_fraction=0.1, seed=3)
     a, counted = validation_batches(s, 2, 2, 1)

@@ -80,19 +80,21 @@ def launch_local(nproc: int, args: list[str]) -> int:
 
 
 def follow_launcher() -> None:
-    """In a rank that `launch_local` started: ask the kernel for SIGTERM when the launcher
-    dies (killed by the OOM killer, kill -9), so that no rank is left behind; SIGTERM makes
-    a rank stop after its step with a checkpoint. The variable is consumed, so processes
-    the rank starts do not take it for theirs. Linux only."""
+    """In a rank that `launch_local` started: ask the kernel for SIGKILL when the launcher
+    dies (killed by the OOM killer, kill -9), so that no rank is left behind. Not SIGTERM:
+    a rank stopping after its step waits in collectives for ranks that may be gone already,
+    up to parallel.timeout_s; as after a lost node, the run resumes from its last checkpoint
+    (`--retries` does it). The variable is consumed, so processes the rank starts do not
+    take it for theirs. Linux only."""
     launcher = os.environ.pop(LAUNCHER_ENV, None)
     if not launcher or not sys.platform.startswith("linux"):
         return
     import ctypes
 
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != int(launcher):  # it died before the request was in place
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def world_from_env() -> World:
