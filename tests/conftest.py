@@ -67,7 +67,7 @@ warmup_steps = 2
 precision = "fp32"  # the same on every machine; `auto` has tests of its own
 steps = 8
 eval_interval = 4
-eval_batches = 2
+eval_samples = 4
 save_interval = 4
 
 [metrics]
@@ -125,7 +125,7 @@ task = "contrastive"
 precision = "fp32"
 steps = 4
 eval_interval = 2
-eval_batches = 4
+eval_samples = 16
 save_interval = 2
 
 [metrics]

@@ -205,15 +205,36 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes of the device's memory: a GPU's, or for CPUs the host's RAM
-    (free: the kernel's estimate of what can be allocated without swapping, MemAvailable)."""
+    """(free, total) bytes of the device's memory: a GPU's, or for CPUs the host's RAM (free:
+    the kernel's estimate of what can be allocated without swapping, MemAvailable), within
+    the limit of this process's memory cgroup (a container's) where one is set."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free = total
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, total
+                free = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return total, total
+    limit = _cgroup_memory()
+    if limit is not None:
+        total, free = min(total, limit[0]), min(free, max(0, limit[0] - limit[1]))
+    return free, total
+
+
+def _cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) bytes of this process's memory cgroup (v2, else v1), or None unlimited."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            text = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if text == "max" or not text.isdigit() or int(text) >= 1 << 60:  # v1 says "unlimited" with a huge number
+            return None
+        return int(text), usage
+    return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -62,6 +63,7 @@ def test_rerunning_a_finished_run_changes_nothing_and_a_resumed_summary_covers_t
 
 def test_hand_edits_of_the_run_recipe_are_kept_and_honoured_from_the_file(micro_recipe_file, tmp_path):
     run = tmp_path / "run"
+    (tmp_path / "elsewhere").mkdir()
     assert frugality("train", micro_recipe_file, "--run-dir", run, "--no-progress", "--until-step", 2).returncode == 0
     saved = run / "recipe.toml"
     assert saved.read_text().startswith("# frugality-sha256: ")
@@ -71,12 +73,13 @@ def test_hand_edits_of_the_run_recipe_are_kept_and_honoured_from_the_file(micro_
     assert other.returncode == 0, other.stderr
     assert f"{saved} was edited by hand (optim.lr 0.02 -> 0.01, as 'file -> this run')" in other.stdout
     assert "lr = 0.02\n" in (run / "recipe.edited.toml").read_text() and "lr = 0.01\n" in saved.read_text()
-    # the edited file given: its values run, and the change is said
-    (run / "recipe.edited.toml").replace(saved)
-    edited = frugality("train", saved, "--run-dir", run, "--no-progress", "--until-step", 6)
+    # the hint followed as printed, from elsewhere: the edited file trains this run, with its values
+    hint = other.stdout.split("to train with the edits, run: ", 1)[1].split("\n", 1)[0]
+    assert hint == f"frugality train {run / 'recipe.edited.toml'}"
+    edited = frugality(*shlex.split(hint)[1:], "--no-progress", "--until-step", 6, cwd=tmp_path / "elsewhere")
     assert edited.returncode == 0, edited.stderr
-    assert "recipe changed since step_00000004: optim.lr 0.01 -> 0.02" in edited.stdout
-    assert "was edited by hand" not in edited.stdout
+    assert "recipe changed since step_00000004: optim.lr 0.01 -> 0.02" in edited.stdout and f"-> {run}" in edited.stdout
+    assert "was edited by hand" not in edited.stdout and "lr = 0.02\n" in saved.read_text()
     # a model changed in the file: "then" is what the checkpoint was trained with
     saved.write_text(saved.read_text().replace("num_layers = 2", "num_layers = 3"))
     changed = frugality("train", saved, "--run-dir", run, "--no-progress")
@@ -101,9 +104,10 @@ def test_nproc_keeps_the_global_batch_and_refuses_what_cannot_run_once(micro_rec
                     "--set", "data.global_batch_size=3", "--set", "data.micro_batch_size=1")
     assert odd.returncode == 2
     assert "data.global_batch_size (3) cannot be shared evenly by 2 data-parallel ranks" in _error(odd)
-    many = frugality("train", micro_recipe_file, "--run-dir", tmp_path / "many", "--nproc", 64)
+    cores = len(os.sched_getaffinity(0))
+    many = frugality("train", micro_recipe_file, "--run-dir", tmp_path / "many", "--nproc", cores + 1)
     assert many.returncode == 2
-    assert f"--nproc 64: this machine has {len(os.sched_getaffinity(0))} CPU cores" in _error(many)
+    assert f"--nproc {cores + 1}: this machine has {cores} CPU cores" in _error(many)
     assert not (tmp_path / "odd").exists() and not (tmp_path / "many").exists()
 
 
@@ -211,3 +215,15 @@ def test_the_run_header_and_a_contrastive_runs_metrics_are_printed_without_progr
     assert "micro-pairs: bert" in done.stdout  # the header's run line
     closing = done.stdout.strip().splitlines()[-2]  # before the cost line
     assert "recall@1 " in closing and "recall@10 " in closing and "mrr " in closing
+
+
+def test_a_published_recipe_runs_on_the_bundled_corpus(tmp_path):
+    """pythia-14m as shipped (2048-token samples: a validation split of a few samples, fewer
+    than its eval_samples and than one of its micro-batches), on a laptop-sized batch."""
+    run = tmp_path / "run"
+    done = frugality("train", "pythia-14m", "--run-dir", run, "--no-progress", "--until-step", 1,
+                     "--set", "data.global_batch_size=2", "--set", "data.micro_batch_size=1",
+                     "--set", "compile.level=O0")
+    assert done.returncode == 0, done.stderr
+    summary = _strict(run / "summary.json")
+    assert summary["final_step"] == 1 and summary["first_val_loss"] > 10  # the whole split, evaluated at step 0

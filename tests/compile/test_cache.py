@@ -31,7 +31,7 @@ def _key(recipe) -> str:
 
 def test_fingerprint_keys_what_changes_graphs_and_nothing_else(micro_recipe_file):
     base = load_recipe(str(micro_recipe_file), ["compile.level=O1"])
-    same = [["train.steps=3"], ["optim.lr=5e-3"], ["train.eval_batches=1"], ['compile.cache="/elsewhere"'],
+    same = [["train.steps=3"], ["optim.lr=5e-3"], ["train.eval_samples=1"], ['compile.cache="/elsewhere"'],
             ["data.global_batch_size=8"], ["name=other"]]
     other = [["data.micro_batch_size=4", "data.global_batch_size=4"], ["data.seq_len=16"],
              ["model.hidden_size=64"], ["train.precision=bf16-sr"], ["compile.level=O2"]]

@@ -146,3 +146,16 @@ def test_every_problem_of_a_file_is_listed_a_line_each(tmp_path):
     lines = str(e.value).splitlines()
     assert [line.split(": ")[1] for line in lines] == ["model.num_layers", "optim.lr", "optim.min_lr", "bogus"]
     assert all(line.startswith(f"recipe {path}: ") for line in lines)
+
+
+def test_older_recipes_eval_batches_are_read_as_the_samples_they_meant(tmp_path):
+    """`train.eval_batches` counted micro-batches: kept as eval_samples = batches x micro."""
+    assert load_recipe("tiny").train.eval_samples == 32
+    assert load_recipe("tiny", ["train.eval_batches=2", "data.micro_batch_size=4"]).train.eval_samples == 8
+    old = tmp_path / "old.toml"
+    old.write_text('[model]\nhidden_size = 32\nnum_layers = 1\nnum_heads = 4\n[data]\nmicro_batch_size = 3\n'
+                   'global_batch_size = 6\n[train]\neval_batches = 5\n')
+    recipe = load_recipe(str(old))
+    assert recipe.train.eval_samples == 15 and "eval_batches" not in recipe.to_toml()
+    with pytest.raises(UserError, match="train.eval_batches"):
+        load_recipe(str(old), ["train.eval_batches=0"])

@@ -71,9 +71,8 @@ def test_ranks_split_each_global_batch_and_resume_continues(dataset):
 
 def test_ranks_share_the_validation_batches_of_one_process_in_equal_numbers(dataset):
     s = PackedSamples(dataset, seq_len=15, val_fraction=0.3, seed=3)
-    one, _ = validation_batches(s, global_batches=3, global_batch_size=1, micro_batch_size=1)
-    shares = [validation_batches(s, global_batches=3, global_batch_size=1, micro_batch_size=1, rank=r, world_size=4)
-              for r in range(4)]
+    one, _ = validation_batches(s, count=3, micro_batch_size=1)
+    shares = [validation_batches(s, count=3, micro_batch_size=1, rank=r, world_size=4) for r in range(4)]
     assert [len(batches) for batches, _ in shares] == [1, 1, 1, 1]  # one forward each
     counted = [b for batches, n in shares for b in batches[:n]]
     assert sorted(map(tuple, torch.cat(counted).tolist())) == sorted(map(tuple, torch.cat(one).tolist()))
@@ -85,11 +84,11 @@ def _samples(batches) -> list[tuple]:
 
 @pytest.mark.parametrize("micro, world", [(1, 1), (2, 1), (3, 1), (2, 2), (1, 3), (4, 2)])
 def test_the_validation_samples_do_not_depend_on_the_batching(dataset, micro, world):
-    """Global batches of samples, whatever the micro-batch and the ranks: the counted rows of
-    every rank together are the same samples, each once (a short last batch where needed)."""
+    """The counted rows of every rank together are the same samples, each once, whatever the
+    micro-batch and the ranks (a short last batch where needed)."""
     s = PackedSamples(dataset, seq_len=15, val_fraction=0.3, seed=3)
-    expected, _ = validation_batches(s, global_batches=2, global_batch_size=4, micro_batch_size=4)
-    shares = [validation_batches(s, 2, 4, micro, rank=r, world_size=world) for r in range(world)]
+    expected, _ = validation_batches(s, count=8, micro_batch_size=4)
+    shares = [validation_batches(s, 8, micro, rank=r, world_size=world) for r in range(world)]
     assert len({len(batches) for batches, _ in shares}) == 1  # every rank runs as many forwards
     assert _samples([b for batches, n in shares for b in batches[:n]]) == _samples(expected)
     assert len(_samples(expected)) == 8
@@ -97,16 +96,16 @@ def test_the_validation_samples_do_not_depend_on_the_batching(dataset, micro, wo
 
 def test_a_rank_with_no_validation_batch_of_its_own_runs_as_many_forwards_uncounted(dataset):
     s = PackedSamples(dataset, seq_len=15, val_fraction=0.3, seed=3)
-    (first, counted0), (second, counted1) = [validation_batches(s, 1, 4, 4, rank=r, world_size=2) for r in (0, 1)]
+    (first, counted0), (second, counted1) = [validation_batches(s, 4, 4, rank=r, world_size=2) for r in (0, 1)]
     assert (counted0, counted1) == (1, 0) and len(first) == len(second) == 1  # FSDP2 gathers in every forward
 
 
 def test_validation_is_fixed_and_a_split_smaller_than_a_batch_is_one_short_batch(dataset):
     s = PackedSamples(dataset, seq_len=15, val_fraction=0.1, seed=3)
-    a, counted = validation_batches(s, 2, 2, 1)
-    b, _ = validation_batches(s, 2, 2, 1)
+    a, counted = validation_batches(s, 4, 1)
+    b, _ = validation_batches(s, 4, 1)
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == counted == 4
-    whole, counted = validation_batches(s, global_batches=1, global_batch_size=64, micro_batch_size=64)
+    whole, counted = validation_batches(s, count=64, micro_batch_size=64)
     assert counted == 1 and whole[0].shape[0] == len(s.val_ids) < 64  # the whole split, one short batch
     with pytest.raises(UserError, match="multiple of"):
         TrainStream(s, global_batch_size=6, micro_batch_size=4)

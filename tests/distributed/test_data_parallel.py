@@ -182,9 +182,8 @@ def test_a_run_saved_in_one_process_resumes_on_two_ranks(micro_recipe_file, tmp_
 
 def test_an_encoder_trains_contrastively_on_two_ranks_as_in_one_process(micro_pairs_recipe, tmp_path):
     """DDP with a pooler the loss never reaches (frozen, so DDP waits for no gradient of it),
-    micro-batches of a step padded to one bucket, and one global batch of evaluation pairs
-    shared by the ranks."""
-    sets = ["model.pooler=true", "train.eval_batches=1", "data.micro_batch_size=2", "train.steps=3",
+    micro-batches of a step padded to one bucket, and one evaluation batch: rank 1 counts none."""
+    sets = ["model.pooler=true", "train.eval_samples=2", "data.micro_batch_size=2", "train.steps=3",
             "train.eval_interval=3"]
     one = _train(micro_pairs_recipe, tmp_path / "one", 1, *sets)
     two = _train(micro_pairs_recipe, tmp_path / "two", 2, *sets)
@@ -193,7 +192,7 @@ def test_an_encoder_trains_contrastively_on_two_ranks_as_in_one_process(micro_pa
     assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
     evals = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "eval"]
-    assert [e["candidates"] for e in evals] == [8, 8] and "recall@1" in evals[-1]  # every rank's held-out pairs
+    assert [e["candidates"] for e in evals] == [2, 2] and "recall@1" in evals[-1]
     # the real tokens, summed over the ranks: those of one process taking every micro-batch
     tokens = lambda run: json.loads((run / "summary.json").read_text())["tokens_seen"]
     assert 0 < tokens(tmp_path / "two") == tokens(tmp_path / "one")
@@ -203,7 +202,7 @@ def test_gathered_negatives_on_two_ranks_train_as_one_process_with_both_batches(
     """parallel.gather_negatives: each rank's 2 queries meet both ranks' documents, so two
     ranks of 2 pairs train as one process of 4 pairs (losses of three steps: the updates'
     gradients, through the gather's backward, included). The rank-local loss differs."""
-    sets = ["train.eval_batches=1", "data.global_batch_size=4", "train.steps=3", "train.eval_interval=3"]
+    sets = ["train.eval_samples=2", "data.global_batch_size=4", "train.steps=3", "train.eval_interval=3"]
     one = _train(micro_pairs_recipe, tmp_path / "one", 1, *sets, "data.micro_batch_size=4")
     two = _train(micro_pairs_recipe, tmp_path / "two", 2, *sets, "data.micro_batch_size=2",
                  "parallel.gather_negatives=true")

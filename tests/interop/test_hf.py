@@ -150,8 +150,7 @@ def test_init_from_a_hugging_face_folder_directly(micro_recipe_file, tmp_path):
     samples = PackedSamples(IndexedDataset(bundled_dataset("gutenberg", load_tokenizer("pythia"), progress=False)),
                             recipe.data.seq_len, recipe.data.val_fraction, recipe.seed)
     losses = []
-    for batch in validation_batches(samples, recipe.train.eval_batches, recipe.data.global_batch_size,
-                                    recipe.data.micro_batch_size)[0]:
+    for batch in validation_batches(samples, recipe.train.eval_samples, recipe.data.micro_batch_size)[0]:
         logits = _logits(theirs, batch[:, :-1])
         losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
     assert result.evals[0] == pytest.approx(torch.stack(losses).mean().item(), abs=1e-4)

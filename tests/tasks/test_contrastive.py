@@ -105,7 +105,7 @@ def test_a_run_logs_retrieval_metrics_uses_the_buckets_and_learns(micro_pairs_re
     assert [r["step"] for r in evals] == [0, 8]
     for r in evals:
         assert 0 <= r["recall@1"] <= r["recall@10"] <= 1 and 0 < r["mrr"] <= 1
-        assert r["candidates"] == 16  # eval_batches (4) global batches of 4 pairs
+        assert r["candidates"] == 16  # train.eval_samples
         assert "perplexity" not in r
     assert result.evals[8] < result.evals[0]
     # a step counts its real tokens, not the 4 pairs x 2 texts x 16, 24 or 32 its bucket pads to

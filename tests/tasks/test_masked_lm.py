@@ -12,7 +12,7 @@ from frugality.training import trainer
 
 MICRO = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=64",
          "data.seq_len=32", "data.global_batch_size=8", "data.micro_batch_size=8", "train.steps=12",
-         "train.eval_interval=12", "train.eval_batches=2", "optim.warmup_steps=1", "train.precision=fp32",
+         "train.eval_interval=12", "train.eval_samples=16", "optim.warmup_steps=1", "train.precision=fp32",
          "metrics.peak_tflops=1.0"]
 
 

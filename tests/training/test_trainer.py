@@ -226,10 +226,27 @@ def test_validation_loss_does_not_depend_on_the_micro_batch(micro_recipe_file, t
     from frugality.cli.main import main
 
     runs = {}
-    for micro in (2, 1, 4):
-        recipe = load_recipe(str(micro_recipe_file), [f"data.micro_batch_size={micro}", "train.steps=4"])
+    for micro in (2, 1, 4):  # 5 samples: batches of 2, 2 and 1; five of 1; 4 and 1
+        recipe = load_recipe(str(micro_recipe_file), [f"data.micro_batch_size={micro}", "train.steps=4",
+                                                      "train.eval_samples=5"])
         runs[micro] = trainer.train(recipe, run_dir=tmp_path / f"m{micro}", progress=False, tensorboard=False)
     for micro in (1, 4):
         for step in (0, 4):
             assert runs[micro].evals[step] == pytest.approx(runs[2].evals[step], rel=1e-5), (micro, step)
     assert main(["compare", str(tmp_path / "m2"), str(tmp_path / "m1")]) == 0
+
+
+def test_masked_lm_validation_does_not_depend_on_the_micro_batch(tmp_path):
+    """Evaluation masks come from each sample's own tokens: at micro-batches 4, 3 and 1 the
+    same positions are scored, each batch weighted by its masked positions."""
+    from frugality.runtime.data import open_training_data
+    from frugality.training.loop import validation_loss
+
+    sets = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=64",
+            "data.seq_len=32", "data.global_batch_size=12", "train.eval_samples=7", "train.precision=fp32"]
+    losses = []
+    for micro in (4, 3, 1):
+        recipe = load_recipe("bert-mlm", [*sets, f"data.micro_batch_size={micro}"])
+        state = build_state(recipe, torch.device("cpu"), open_training_data(recipe, progress=False))
+        losses.append(validation_loss(state)[0])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)

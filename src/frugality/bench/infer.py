@@ -18,8 +18,11 @@ from frugality.inference.encoder import load_encoder
 
 
 def _missing(peer: str, error: ImportError) -> str:
-    """The note of a peer's row when it (or what it needs) is not installed."""
-    return f"{peer} is not installed (no module {error.name!r}): pip install {peer}"
+    """The note of a peer's row when it (or a module it needs) is not installed, or is
+    installed but cannot be imported (a broken install, versions that do not match)."""
+    if isinstance(error, ModuleNotFoundError):
+        return f"{peer} is not installed (no module {error.name!r}): pip install {peer}"
+    return f"{peer} is installed but cannot be imported ({str(error).splitlines()[0]})"
 
 
 def bench_embed(model: str, texts: list[str], batch: int, precision: str, rounds: int, log=print) -> list[dict]:

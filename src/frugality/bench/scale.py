@@ -56,7 +56,7 @@ def bench_scale(recipe_arg: str | None, recipe: Recipe, overrides: list[str], np
         if data.global_batch_size % most:
             raise UserError(f"--nproc {most}: does not divide data.global_batch_size ({data.global_batch_size})")
         micro = data.global_batch_size // most
-    overrides = [*overrides, f"data.micro_batch_size={micro}"]
+    overrides = [*overrides, f"data.micro_batch_size={micro}", f"train.eval_samples={micro}"]  # one batch
     rows: list[ScaleRow] = []
     base = None  # one process's tokens/s
     independent: dict[int, float] = {}  # process count -> step time without collectives
@@ -94,7 +94,7 @@ def _run(recipe_arg, overrides, nproc, strategy, steps, threads) -> dict:
 
 
 def _start(recipe_arg, overrides, nproc, strategy, steps, threads, run_dir: Path):
-    sets = [*overrides, f"train.steps={steps}", f"train.eval_interval={steps}", "train.eval_batches=1",
+    sets = [*overrides, f"train.steps={steps}", f"train.eval_interval={steps}",
             f"train.save_interval={steps}", f"parallel.data={strategy}", "optim.warmup_steps=0"]
     command = [sys.executable, "-m", "frugality", "train", *([recipe_arg] if recipe_arg else []),
                "--run-dir", str(run_dir), "--no-progress", "--nproc", str(nproc),

@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from frugality.checkpoint.safe import SafePlanner, SafeReader, legacy_state, read_metadata
+from frugality.checkpoint.safe import SafePlanner, SafeReader, UnsafeCheckpointError, legacy_state, read_metadata
 from frugality.errors import FrugalityWarning, UserError
 
 _NAME = re.compile(r"^step_(\d{8,})$")
@@ -314,6 +314,8 @@ def _check_against_metadata(path: Path) -> str | None:
     names (a truncated or missing shard file shows; changed bytes of the right length do not)."""
     try:
         storage = read_metadata(path).storage_data or {}
+    except UnsafeCheckpointError:
+        raise  # asked to run code: refused, as a load would refuse it, never skipped for an older one
     except (OSError, UserError) as e:
         return f".metadata is unreadable ({e})"
     needed: dict[str, int] = {}

@@ -11,7 +11,8 @@ import click
 @click.argument("recipe", required=False)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a recipe field, e.g. --set optim.lr=3e-4 (repeatable).")
-@click.option("--run-dir", type=click.Path(), help="Run directory [default: <train.runs_dir>/<name>].")
+@click.option("--run-dir", type=click.Path(),
+              help="Run directory [default: the run whose recipe.toml RECIPE is, else <train.runs_dir>/<name>].")
 @click.option("--fresh", is_flag=True,
               help="Start over even if the run directory holds a checkpoint (the old run is moved aside).")
 @click.option("--until-step", type=int, help="Stop (with a checkpoint) after this step; rerun to continue.")
@@ -40,6 +41,11 @@ def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optim
 
     distributed.follow_launcher()  # a rank of --nproc N: end with the launcher
     resolved = load_recipe(recipe, list(overrides))
+    if run_dir is None and recipe is not None:  # a run's own recipe file trains that run
+        from frugality.training.run_dir import run_of_recipe_file
+
+        own = run_of_recipe_file(recipe)
+        run_dir = str(own) if own is not None else None
     if nproc > 1:  # what would stop every rank is said once, here, before any starts
         _check_ranks(resolved, nproc)
     args = ["train", *([recipe] if recipe else []), *(a for o in overrides for a in ("--set", o)),
@@ -57,7 +63,7 @@ def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optim
         where = Path(run_dir) if run_dir else Path(resolved.train.runs_dir) / resolved.name
         sys.exit(supervise(child, where, retries, resolved.train.retry_backoff_s, log=click.echo))
     if nproc > 1:  # the same command in N processes, started as torchrun starts them
-        sys.exit(distributed.launch_local(nproc, args))
+        sys.exit(distributed.launch_local(nproc, args, resolved.parallel.timeout_s))
     try:
         result = run_training(resolved, run_dir=run_dir, fresh=fresh, until_step=until_step,
                               progress=not no_progress, init_from=init_from,
@@ -66,8 +72,14 @@ def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optim
         distributed.shutdown()
     s = result.summary
     if result.complete and distributed.world_from_env().is_main:
-        click.echo(f"{result.run_dir}: complete at step {result.final_step}; nothing to do (raise train.steps to "
-                   "train on, or --fresh to start over)")
+        if until_step is not None and until_step < resolved.train.steps:
+            click.echo(f"{result.run_dir}: already at step {until_step} (--until-step); nothing to do (a later "
+                       "--until-step, or none, trains on)")
+        else:
+            click.echo(f"{result.run_dir}: complete at step {result.final_step}; nothing to do (raise train.steps "
+                       "to train on, or --fresh to start over)")
+        if not s:
+            click.echo(f"{result.run_dir}: no summary.json (the session that finished ended before writing it)")
     if not s:  # a rank other than the first: rank 0 reports
         sys.exit(130 if result.interrupted else 0)
     click.echo(

@@ -103,7 +103,12 @@ class OptimConfig(_Section):
 class TrainConfig(_Section):
     steps: PositiveInt = 1000
     eval_interval: PositiveInt = 100
-    eval_batches: PositiveInt = 8
+    eval_samples: PositiveInt = Field(
+        default=64, description="validation samples per evaluation, the same ones every time and at any "
+        "micro-batch and process count (all of the held-out split where it is smaller)")
+    eval_batches: PositiveInt | None = Field(
+        default=None, description="older recipes' count of micro-batches: read as eval_samples = eval_batches x "
+        "data.micro_batch_size (the samples it meant)")
     save_interval: PositiveInt = 1000
     keep_checkpoints: PositiveInt = Field(default=2, description="newest checkpoints to keep")
     async_checkpoint: bool = Field(
@@ -129,6 +134,9 @@ class TrainConfig(_Section):
     step_timeout_s: PositiveFloat | None = Field(
         default=None, description="a step or evaluation that takes longer (after the first step) writes every "
         "thread's stack to hang-rank<R>.txt in the run directory and exits with status 5; unset: no watchdog")
+    check_memory: bool = Field(
+        default=True, description="refuse, before anything is written, a run whose memory plan (frugality "
+        "plan) exceeds the memory free on its device")
     preflight: bool = Field(
         default=False, description="run the quick health checks on every rank before step 1 (products, "
         "stochastic rounding, disk, and the collectives' values); refuse to start on a failure")
@@ -232,6 +240,22 @@ class Recipe(_Section):
     parallel: ParallelConfig = ParallelConfig()
     metrics: MetricsConfig = MetricsConfig()
     cost: CostConfig = CostConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_batches_as_samples(cls, raw: Any) -> Any:
+        """`train.eval_batches` (older recipes, run directories) counted micro-batches: the
+        samples it meant are kept as `train.eval_samples` (a bad value is left for the field's
+        own check to name)."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("train"), dict):
+            return raw
+        train, data = raw["train"], raw.get("data") if isinstance(raw.get("data"), dict) else {}
+        batches = train.get("eval_batches")
+        micro = data.get("micro_batch_size", DataConfig.model_fields["micro_batch_size"].default)
+        if isinstance(batches, int) and batches > 0 and isinstance(micro, int) and micro > 0:
+            train = {k: v for k, v in train.items() if k != "eval_batches"}
+            raw = {**raw, "train": {**train, "eval_samples": batches * micro}}
+        return raw
 
     @model_validator(mode="after")
     def _check(self) -> "Recipe":

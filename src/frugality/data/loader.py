@@ -128,21 +128,19 @@ class TrainStream:
 
 
 def validation_batches(
-    samples: PackedSamples, global_batches: int, global_batch_size: int, micro_batch_size: int, rank: int = 0,
-    world_size: int = 1,
+    samples: PackedSamples, count: int, micro_batch_size: int, rank: int = 0, world_size: int = 1,
 ) -> tuple[list[torch.Tensor], int]:
     """The same validation samples at every evaluation, whatever the micro-batch and the
-    world size: the first `global_batches` x `global_batch_size` of the split (as Megatron's
-    eval iterations count global batches), or the whole split where it is smaller. They go
-    in micro-batches dealt round-robin to the ranks; the last is short where the samples
+    world size: the first `count` of the split, or the whole split where it is smaller. They
+    go in micro-batches dealt round-robin to the ranks; the last is short where the samples
     run out (its own compiled shape, met at the first evaluation). Returns this rank's
     batches and how many of them count: every rank must run the same number of forwards
     (FSDP2 gathers parameters in each), so a rank with fewer adds forwards of another batch
     whose loss is not counted."""
-    n = min(len(samples.val_ids), global_batches * global_batch_size)
+    n = min(len(samples.val_ids), count)
     b = micro_batch_size
-    count = -(-n // b)
-    mine = [samples.gather(samples.val_ids[k * b : min((k + 1) * b, n)]) for k in range(rank, count, world_size)]
-    forwards = -(-count // world_size)
+    batches = -(-n // b)
+    mine = [samples.gather(samples.val_ids[k * b : min((k + 1) * b, n)]) for k in range(rank, batches, world_size)]
+    forwards = -(-batches // world_size)
     padding = [mine[0] if mine else samples.gather(samples.val_ids[: min(b, n)])] * (forwards - len(mine))
     return mine + padding, len(mine)

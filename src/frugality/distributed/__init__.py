@@ -8,6 +8,7 @@ initialised and nothing is wrapped.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
 import sys
@@ -47,22 +48,27 @@ class World:
 LAUNCHER_ENV = "FRUGALITY_LAUNCHER_PID"
 
 
-def launch_local(nproc: int, args: list[str]) -> int:
+def launch_local(nproc: int, args: list[str], shutdown_timeout_s: int | None = None) -> int:
     """`frugality ARGS` in `nproc` processes on this machine, started by torchrun's own
     launcher (`torch.distributed.run`, standalone rendezvous); the exit status of the
     first failed rank, named on one line, or 0; 130 when a signal stopped the ranks (they
-    saved a checkpoint, as one process does). Each rank gets this machine's cores shared
-    out (OMP_NUM_THREADS, unless set) and ends with the launcher if it dies (`follow_launcher`)."""
-    config = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "frugality", *args])
+    were given `shutdown_timeout_s`, torchrun's 30 s by default, to save their checkpoint
+    before SIGKILL). Each rank gets this machine's cores shared out (OMP_NUM_THREADS,
+    unless set) and ends with the launcher if it dies (`follow_launcher`)."""
+    timeout = [f"--shutdown-timeout={shutdown_timeout_s}"] if shutdown_timeout_s else []
+    config = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", *timeout, "-m", "frugality",
+                                           *args])
+    saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", LAUNCHER_ENV)}
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
     os.environ[LAUNCHER_ENV] = str(os.getpid())
+    elastic = logging.getLogger("torch.distributed.elastic")
+    level = elastic.level
+    elastic.setLevel(logging.ERROR)  # its notes on forwarding a Ctrl-C, and the per-rank failure dump
     try:
         launch(config)
     except SignalException:  # Ctrl-C or SIGTERM: torchrun passed it to the ranks and waited for them
         return 130
     except ChildFailedError as e:
-        # A rank that exited of its own accord comes first: the others' negative statuses are
-        # often the launcher's SIGTERM, tearing them down after it.
         # The rank that failed first, by what it says: one killed by a signal other than the
         # launcher's SIGTERM (the OOM killer, a lost node), else one that exited of its own
         # accord; the others' SIGTERM is usually the launcher tearing them down after it.
@@ -76,6 +82,13 @@ def launch_local(nproc: int, args: list[str]) -> int:
             return 128 - failure.exitcode  # as a shell reports it
         print(f"error: rank {rank} of {nproc} failed with exit status {failure.exitcode}", file=sys.stderr)
         return failure.exitcode
+    finally:
+        elastic.setLevel(level)
+        for name, value in saved.items():  # this process goes on (doctor): as it was
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return 0
 
 

@@ -54,8 +54,8 @@ def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, wor
                 f"({recipe.model.vocab_size}); was it tokenized with another tokenizer?"
             )
     stream = TrainStream(samples, recipe.data.global_batch_size, recipe.data.micro_batch_size, rank, world_size)
-    val_batches, val_counted = validation_batches(samples, recipe.train.eval_batches, recipe.data.global_batch_size,
-                                                  recipe.data.micro_batch_size, rank, world_size)
+    val_batches, val_counted = validation_batches(samples, recipe.train.eval_samples, recipe.data.micro_batch_size,
+                                                  rank, world_size)
     if isinstance(samples, PairSamples):
         description = samples.description
     else:

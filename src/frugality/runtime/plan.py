@@ -35,7 +35,8 @@ from frugality.config.recipe import Recipe
 from frugality.errors import UserError
 from frugality.hardware import device_memory
 from frugality.models import build_model
-from frugality.precision import get_policy
+from frugality.models.layers import OutputLayer
+from frugality.precision import PrecisionPolicy, get_policy
 from frugality.tasks import task_for
 
 HEADROOM = 0.9  # of the device memory that the counted parts may take
@@ -71,10 +72,11 @@ class MemoryPlan:
 
 
 def plan_memory(recipe: Recipe, nproc: int, strategy: str, device_memory: int | None = None,
-                precision: str | None = None) -> MemoryPlan:
-    """The plan at `precision` (a policy's name), by default the recipe's (`auto`: bf16-sr)."""
-    precision = precision or ("bf16-sr" if recipe.train.precision == "auto" else recipe.train.precision)
-    policy = get_policy(precision)
+                policy: PrecisionPolicy | None = None, fused_output: bool = False) -> MemoryPlan:
+    """The plan under `policy` (as fitted to a device), by default the recipe's (`auto`:
+    bf16-sr). `fused_output`: count the output layer's loss as frugality's fused layer keeps
+    it (one tokens x vocab buffer in the compute dtype) rather than as eager PyTorch does."""
+    policy = policy or get_policy("bf16-sr" if recipe.train.precision == "auto" else recipe.train.precision)
     with torch.device("meta"):
         model = build_model(recipe.model).to(policy.storage_dtype)
     item = policy.storage_dtype.itemsize
@@ -92,14 +94,16 @@ def plan_memory(recipe: Recipe, nproc: int, strategy: str, device_memory: int | 
     moments = policy.state_bytes_per_param - 2 * item  # two Adam moments
     if policy.autocast:  # autocast does not run on the meta device: count its products' dtype
         model = model.to(policy.compute_dtype)
+    activations = saved_activation_bytes(model, recipe, policy.compute_dtype if fused_output else None)
     return MemoryPlan(recipe.name, strategy if nproc > 1 else "none", nproc, shard, policy.name, total,
                       recipe.data.micro_batch_size, recipe.data.seq_len, per_rank * item, per_rank * item,
-                      per_rank * moments, in_flight, saved_activation_bytes(model, recipe), device_memory)
+                      per_rank * moments, in_flight, activations, device_memory)
 
 
-def saved_activation_bytes(model: nn.Module, recipe: Recipe) -> int:
+def saved_activation_bytes(model: nn.Module, recipe: Recipe, fused_output: torch.dtype | None = None) -> int:
     """Bytes autograd keeps for backward after the task's forward of one micro-batch, on the
-    meta device (`model` built there)."""
+    meta device (`model` built there); `fused_output`: the output layer's loss kept as the
+    fused layer keeps it, one tokens x vocab buffer in that dtype."""
     saved: dict[int, torch.Tensor] = {}
 
     def keep(t: torch.Tensor):
@@ -109,13 +113,15 @@ def saved_activation_bytes(model: nn.Module, recipe: Recipe) -> int:
 
     task = task_for(recipe)
     batch = task.example_batch(recipe, torch.device("meta"))
-    sdpa = F.scaled_dot_product_attention
+    sdpa, output_loss = F.scaled_dot_product_attention, OutputLayer.loss
     F.scaled_dot_product_attention = lambda q, k, v, **_: _FlashAttentionSaves.apply(q, k, v)
+    if fused_output is not None:
+        OutputLayer.loss = lambda layer, hidden, targets: _FusedOutputSaves.apply(hidden, layer.weight, fused_output)
     try:
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             task.loss(model, batch)
     finally:
-        F.scaled_dot_product_attention = sdpa
+        F.scaled_dot_product_attention, OutputLayer.loss = sdpa, output_loss
     parameters = {id(p) for p in model.parameters()}
     return sum(t.untyped_storage().nbytes() for key, t in saved.items() if key not in parameters)
 
@@ -129,6 +135,21 @@ class _FlashAttentionSaves(torch.autograd.Function):
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])
         ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
         return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never called: the plan runs forward only
+        raise NotImplementedError
+
+
+class _FusedOutputSaves(torch.autograd.Function):
+    """The fused output-layer loss's scalar, saving what it keeps: the hidden states and one
+    tokens x vocab buffer in the compute dtype (the logits' gradient, written in forward)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, dtype):
+        tokens = hidden.numel() // hidden.shape[-1]
+        ctx.save_for_backward(hidden, hidden.new_empty((tokens, weight.shape[0]), dtype=dtype))
+        return hidden.new_empty((), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, grad):  # never called: the plan runs forward only
@@ -153,12 +174,14 @@ def markdown_rows(plans: list[MemoryPlan]) -> str:
     return "\n".join(lines)
 
 
-def check_fits(recipe: Recipe, precision: str, world_size: int, device: torch.device) -> None:
-    """Refuse, in one line, a run whose plan per rank exceeds the memory free on its device
-    now (CPU ranks of one machine share its RAM), rather than let it be killed mid-step."""
-    if device.type not in ("cpu", "cuda"):
+def check_fits(recipe: Recipe, policy: PrecisionPolicy, world_size: int, device: torch.device) -> None:
+    """Refuse, in one line, a run whose plan per rank (frugality's fused output loss counted
+    as it runs) exceeds the memory free on its device now (CPU ranks of one machine share
+    its RAM, within any cgroup limit), rather than let it be killed mid-step;
+    `train.check_memory = false` turns this off."""
+    if device.type not in ("cpu", "cuda") or not recipe.train.check_memory:
         return
-    plan = plan_memory(recipe, world_size, recipe.parallel.data, precision=precision)
+    plan = plan_memory(recipe, world_size, recipe.parallel.data, policy=policy, fused_output=True)
     free, _ = device_memory(device)
     if device.type == "cpu":
         free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -170,4 +193,5 @@ def check_fits(recipe: Recipe, precision: str, world_size: int, device: torch.de
     raise UserError(f"data.micro_batch_size {recipe.data.micro_batch_size} x seq_len {recipe.data.seq_len} needs "
                     f"about {plan.total / gib:.1f} GiB per rank (activations {plan.activations / gib:.1f} GiB; "
                     f"frugality plan), more than the {free / gib:.1f} GiB free {where}; lower "
-                    "data.micro_batch_size (the global batch is kept, by accumulation)")
+                    "data.micro_batch_size (the global batch is kept, by accumulation), or set "
+                    "train.check_memory = false to try anyway")

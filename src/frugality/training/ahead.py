@@ -33,7 +33,8 @@ def compile_ahead(recipe: Recipe, progress: bool = True, ranks: int = 1) -> dict
     recipe, _ = recipe.for_data_parallel(ranks)
     here = world_from_env().world_size  # this command's own ranks, under torchrun
     trial = recipe.model_copy(update={
-        "train": recipe.train.model_copy(update={"eval_batches": 1, "keep_checkpoints": 1}),
+        # one micro-batch of validation: the run's shape (a split smaller than one: the whole of it, as the run's)
+        "train": recipe.train.model_copy(update={"eval_samples": recipe.data.micro_batch_size, "keep_checkpoints": 1}),
         "data": recipe.data.model_copy(update={"global_batch_size": recipe.data.micro_batch_size * here}),
     })
     steps = min(TRIAL_STEPS, recipe.train.steps)

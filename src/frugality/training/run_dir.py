@@ -36,9 +36,9 @@ _MAY_CHANGE = ("data.micro_batch_size",)
 # recipe.toml's first lines; the hash line tells a file edited by hand from the one written
 _RECIPE_HEADER = """\
 # The recipe this run last ran with, written by `frugality train` at each start. Edits take
-# effect only when this file is the recipe given: `frugality train {path}`
-# (seed, model and data must stay as trained). A run started from another recipe replaces
-# this file and keeps an edited one beside it as recipe.edited.toml.
+# effect only when this file is the recipe given: `frugality train {path}` trains
+# this run directory (seed, model and data must stay as trained). A run started from another
+# recipe replaces this file and keeps an edited one beside it as recipe.edited.toml.
 """
 _HASH_PREFIX = "# frugality-sha256: "
 
@@ -143,8 +143,10 @@ def plan_run(recipe: Recipe, run_dir: Path, fresh: bool) -> RunPlan:
         kept = None
         if edits:
             kept = run_dir / "recipe.edited.toml"
-            if kept.exists():
-                kept = run_dir / f"recipe.edited-{time.strftime('%Y%m%d-%H%M%S')}.toml"
+            number = 1
+            while kept.exists():  # never over an earlier one
+                number += 1
+                kept = run_dir / f"recipe.edited-{number}.toml"
         return RunPlan(run_dir, latest, None, changes, edits, kept)
     has_files = run_dir.is_dir() and any(run_dir.iterdir())
     aside = None
@@ -244,6 +246,19 @@ _UNSET = object()
 
 def _show(value) -> str:
     return "(unset)" if value is _UNSET else json.dumps(value)
+
+
+def run_of_recipe_file(path: str | Path) -> Path | None:
+    """The run directory whose recipe file this is (one `frugality train` wrote, edited or
+    not: it starts with the hash line), else None: training from a run's own recipe file
+    trains that run, wherever `train.runs_dir` and the recipe's name would point."""
+    path = Path(path)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+    except OSError:
+        return None
+    return path.parent if first.startswith(_HASH_PREFIX) else None
 
 
 def _unused_edits(run_dir: Path, now: dict) -> list[str]:

@@ -81,7 +81,7 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
     world = distributed.init(device, recipe.parallel.timeout_s)  # world size 1 without torchrun
     device = distributed.local_device(device, world)
     recipe, batch_note = recipe.for_data_parallel(world.world_size)
-    check_fits(recipe, resolve_policy(recipe.train.precision, device)[0].name, world.world_size, device)
+    check_fits(recipe, resolve_policy(recipe.train.precision, device)[0], world.world_size, device)
     passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
     with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
         if device.type == "cpu":
@@ -202,7 +202,7 @@ def _header(state: TrainState, plan, source, init_from, resume_optimizer: bool) 
         recipe_file = plan.path / rundir.RECIPE_FILE
         lines.append(f"{recipe_file} was edited by hand ({', '.join(plan.unused_edits)}, as 'file -> this run'); "
                      f"this run uses its own recipe and keeps the edited file as {plan.edited_kept_as.name}; to train "
-                     f"with edits, run: frugality train {recipe_file}")
+                     f"with the edits, run: frugality train {plan.edited_kept_as}")
     if source is not None:
         lines.append(f"initialised from {source.path}" + (" with its optimizer state" if resume_optimizer else ""))
     served = len(data.samples.train_ids)

@@ -38,7 +38,7 @@ class Summary(Callback):
 
     def on_eval(self, state, result) -> None:
         self.evals[state.step] = result.loss
-        self.eval_metrics[state.step] = dict(result.record)
+        self.eval_metrics[state.step] = _retrieval(result.record)
 
     def on_train_end(self, state) -> None:
         recipe, t = state.recipe, self.throughput
@@ -46,8 +46,7 @@ class Summary(Callback):
         for record in _records(self.run_dir / rundir.METRICS_FILE):
             if record.get("kind") == "eval":
                 evals.setdefault(record["step"], record["loss"])
-                metrics.setdefault(record["step"], {k: v for k, v in record.items()
-                                                    if k not in ("kind", "step", "loss", "perplexity")})
+                metrics.setdefault(record["step"], _retrieval(record))
             elif record.get("kind") == "train" and record.get("step", 0) <= self.start_step:
                 earlier.append(record)  # an earlier session's logged steps (the log is cut at the resume)
         # every part of the run: this session's steps and the earlier sessions' logged ones
@@ -80,13 +79,19 @@ class Summary(Callback):
             "first_val_loss": evals[min(evals)] if evals else None,
             "final_val_loss": evals[max(evals)] if evals else None,
             "val_losses": {str(k): v for k, v in sorted(evals.items())},
-            "final_eval_metrics": metrics[max(metrics)] if metrics else {},  # contrastive: recall@k, MRR
+            "final_eval_metrics": metrics[max(metrics)] if metrics else {},
             "memory": self.memory.record | {"peak_memory_bytes": peak_memory_bytes(state.device)},
             "compile": state.compiled.stats.as_dict(),
         }
         if self.cost is not None:
             self.summary["cost"] = self.cost.figures(state.tokens_seen, recipe.cost.target_loss)
         rundir.write_summary(self.run_dir, self.summary)
+
+
+def _retrieval(record: dict) -> dict:
+    """What an evaluation measured besides its loss: a contrastive run's recall@k, MRR and
+    candidates (nothing for language models)."""
+    return {k: v for k, v in record.items() if k.startswith("recall@") or k in ("mrr", "candidates")}
 
 
 def _records(path) -> list[dict]:
