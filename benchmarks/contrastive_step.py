@@ -38,6 +38,7 @@ def main() -> int:
     for unpad in (False, True):
         state = build_state(recipe, torch.device("cpu"), data)
         state.task = state.task.configured(unpad=unpad)
+        state.wrapped = state.task.training_module(state.model)  # the module that runs, with the setting
         states["skipped" if unpad else "kept"] = state
     seconds = {name: [] for name in states}
     losses = {name: [] for name in states}
@@ -45,7 +46,7 @@ def main() -> int:
     for i, micro_batches in enumerate(steps):
         for name, state in states.items():
             t0 = time.perf_counter()
-            loss, _ = train_step(state, micro_batches)
+            loss, _, _ = train_step(state, micro_batches)
             if i >= args.warmup:
                 seconds[name].append(time.perf_counter() - t0)
                 tokens[name] += sum(int(b.mask.sum()) if name == "skipped" else b.ids.numel() for b in micro_batches)

@@ -25,7 +25,6 @@ import torch
 
 from frugality.bench.results import machine_line, write_results
 from frugality.bench.train import random_batch, make_runner, quartiles
-from frugality.paths import cache_dir
 from frugality.config.recipe import load_recipe
 from frugality.hardware import probe
 from frugality.metrics.flops import training_flops_per_token
@@ -69,7 +68,7 @@ def main() -> int:
         policy, note = policies[name]
         model, optimizer = runners[name][1], runners[name][2]
         median = statistics.median(times[name])
-        peak = peak_flops(device, policy.compute_dtype, cache_dir() / "peak_flops.json")
+        peak = peak_flops(device, policy.compute_dtype)
         ratios = [ours / theirs for ours, theirs in zip(times[reference], times[name])]
         rows.append(dict(
             precision=name, runs_as=policy.label, tokens_per_s=round(batch * seq / median, 1),

@@ -25,7 +25,6 @@ import torch
 
 from frugality.bench.train import bench_train, markdown_table, rows_json
 from frugality.bench.results import machine_line, write_results
-from frugality.paths import cache_dir
 from frugality.config.recipe import load_recipe
 from frugality.metrics.peak import peak_flops
 
@@ -54,7 +53,7 @@ def main() -> int:
         headline += run(args.level, ["fp8"], baseline="amp-bf16")
     policies = run(args.level, args.precision.split(","))
 
-    peaks = ", ".join(f"{dtype}: {peak_flops(device, getattr(torch, dtype), cache_dir() / 'peak_flops.json') / 1e9:,.0f} "
+    peaks = ", ".join(f"{dtype}: {peak_flops(device, getattr(torch, dtype)) / 1e9:,.0f} "
                       f"GFLOP/s cached" for dtype in ("float32", "bfloat16"))
     header = (
         f"# Training throughput, {args.recipe} architecture, batch {args.batch} x {args.seq}\n\n"

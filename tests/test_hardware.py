@@ -86,11 +86,11 @@ def test_mfu_is_never_above_100_percent_and_unknown_without_a_peak():
     assert mfu(1.0, None) is None and mfu(1.0, 0.0) is None and mfu(1.0, float("nan")) is None
 
 
-def test_quick_product_speeds_are_measured_and_cached(tmp_path):
-    cache = tmp_path / "hw.json"
-    report = hardware.report(torch.device("cpu"), cache)
+def test_product_speeds_are_measured_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("FRUGALITY_CACHE", str(tmp_path))
+    report = hardware.report(torch.device("cpu"))
     assert report["fp32_gflops"] > 0 and report["bf16_gflops"] > 0
-    assert hardware.fingerprint(torch.device("cpu")) in cache.read_text()
+    assert hardware.fingerprint(torch.device("cpu")) in (tmp_path / "products.json").read_text()
 
 
 def test_the_peak_probe_shrinks_where_a_dtype_is_slow_here():

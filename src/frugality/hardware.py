@@ -12,7 +12,7 @@ sets found at run time.
 The instruction sets are read from /proc/cpuinfo and narrowed by the limits a user can set
 on torch's own libraries, so that `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`
 makes an AMX machine behave (and be treated) as an AVX2-only one, frugality's C kernels
-included. Measured speeds are cached per machine fingerprint, like the MFU peak.
+included. The measured product speed (`product_rate`) is cached per machine fingerprint.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from frugality.paths import cache_dir
 
 # CPU feature flags that change what frugality runs (Linux /proc/cpuinfo names).
 X86_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -152,54 +154,81 @@ def fingerprint(device: torch.device) -> str:
             f"{','.join(hw.features)}|{hw.torch_isa}")
 
 
-def product_gflops(device: torch.device, dtype: torch.dtype, cache_file: Path | None = None) -> float:
-    """A quick measure of square-product speed in `dtype` (GFLOP/s, median of three calls
-    at a size that keeps each call short even where the dtype is emulated); cached per
-    fingerprint in `cache_file` when given."""
-    key = f"{fingerprint(device)}|{dtype}|quick"
-    cached = _read_json(cache_file) if cache_file else {}
+def product_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """The machine's square-product speed in `dtype` (FLOP/s): `measure_product_rate` once
+    per machine fingerprint, cached in `<cache>/products.json` (written through a temporary
+    file of this process's own, then renamed: ranks that measure at once never clash). MFU's
+    peak, `frugality recipes`' speeds and the doctor's all come from here."""
+    cache_file = cache_dir() / "products.json"
+    key = f"{fingerprint(device)}|{dtype}"  # the ISA limits in force change the rate
+    cached = _read_json(cache_file)
     if key not in cached:
-        cached[key] = _quick_rate(device, dtype) / 1e9
-        if cache_file:
-            _write_json(cache_file, cached)
+        cached = {**_read_json(cache_file), key: measure_product_rate(device, dtype)}  # others' since, kept
+        _write_json(cache_file, cached)
     return float(cached[key])
 
 
-def _quick_rate(device: torch.device, dtype: torch.dtype, n: int = 256) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    torch.mm(a, b)
+def measure_product_rate(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:
+    """FLOP/s of square matmuls: the median of five timed calls after a warm-up call. Not
+    the best call: one mistimed call on a shared machine once read 2.3x the sustained rate
+    and would have halved every MFU computed against it. Without a `size`: 8192 on GPUs,
+    2048 on CPUs, or smaller where the dtype is slow here (emulated bf16 ran at 0.3 GFLOP/s:
+    57 s a call at 2048), so that a call stays short."""
+    n = size or product_size(device, dtype)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    torch.mm(a, b)  # warms up the kernel and the allocator
     times = []
-    for _ in range(3):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    for _ in range(5):
+        _sync(device)
         t0 = time.perf_counter()
         torch.mm(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         times.append(time.perf_counter() - t0)
-    return 2.0 * n**3 / max(statistics.median(times), 1e-9)
+    return 2.0 * n**3 / max(statistics.median(times), 1e-12)
 
 
-def report(device: torch.device, cache_file: Path | None = None) -> dict:
-    """The capabilities and the quick fp32 and bf16 product speeds, as a dict for JSON."""
+def product_size(device: torch.device, dtype: torch.dtype, largest: int = 2048, seconds: float = 0.25) -> int:
+    """The probe's square size: 8192 on GPUs; on CPUs the largest power of two up to
+    `largest` whose product takes about `seconds` at the rate a 256-square product shows."""
+    if device.type == "cuda":
+        return 8192
+    n = 256
+    a = torch.randn(n, n).to(dtype)
+    torch.mm(a, a)
+    t0 = time.perf_counter()
+    torch.mm(a, a)
+    rate = 2.0 * n**3 / max(time.perf_counter() - t0, 1e-9)
+    while n < largest and 2.0 * (2 * n) ** 3 / rate <= seconds:
+        n *= 2
+    return n
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def report(device: torch.device) -> dict:
+    """The capabilities and the fp32 and bf16 product speeds, as a dict for JSON."""
     hw = probe(device)
     return asdict(hw) | {
-        "fp32_gflops": round(product_gflops(device, torch.float32, cache_file), 1),
-        "bf16_gflops": round(product_gflops(device, torch.bfloat16, cache_file), 1),
+        "fp32_gflops": round(product_rate(device, torch.float32) / 1e9, 1),
+        "bf16_gflops": round(product_rate(device, torch.bfloat16) / 1e9, 1),
     }
 
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)
 

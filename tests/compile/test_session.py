@@ -91,8 +91,8 @@ def _session(recipe, device=torch.device("cpu")):
     @torch.no_grad()
     def evaluate(number, batch):
         def loss():
-            state.model.eval()
-            return state.task.loss(state.model, batch).item()
+            state.wrapped.eval()
+            return state.wrapped(batch, evaluate=True).loss.item()
         return session.run("eval", number, loss, reset)
 
     return session, step, evaluate

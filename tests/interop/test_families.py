@@ -60,7 +60,7 @@ def test_trains_one_step(family):
                                         "train": {"task": tasks[0].name, "precision": "fp32"}})
         state = build_state(recipe, torch.device("cpu"))
         before = {k: v.clone() for k, v in state.model.state_dict().items()}
-        loss, norm = train_step(state, [tokens])
+        loss, norm, _ = train_step(state, [tokens])
         after = state.model.state_dict()
     else:  # no task trains it yet (an encoder): one AdamW step on its hidden states
         config_cls, _ = FAMILIES[family]

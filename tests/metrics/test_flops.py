@@ -1,7 +1,7 @@
 import torch
 
 from frugality.metrics.flops import non_embedding_params, training_flops_per_token
-from frugality.metrics.peak import measure_peak_flops
+from frugality.hardware import measure_product_rate
 from frugality.models import GPTNeoX, GPTNeoXConfig
 
 
@@ -33,6 +33,19 @@ def test_a_tied_embedding_counts_once_as_the_output_product():
     assert non_embedding_params(bert) == sum(p.numel() for p in bert.parameters()) - tables
 
 
-def test_peak_probe_measures_something_plausible():
-    flops = measure_peak_flops(torch.device("cpu"), torch.float32, size=256)
-    assert 1e8 < flops < 1e15
+def test_the_product_probe_is_2n3_over_the_median_call_and_measured_once_per_machine(monkeypatch, tmp_path):
+    """Five timed calls after a warm-up; the median call's time (not the best one) divides
+    2 n^3; the rate is cached per machine, and ranks measuring at once write their own
+    temporary files."""
+    import frugality.hardware as hardware
+
+    calls = iter([0.0, 1.0, 1.0, 1.5, 2.0, 2.0, 3.0, 3.25, 4.0, 6.0])  # call times 1, 0.5, 0, 0.25, 2
+    monkeypatch.setattr(hardware.time, "perf_counter", lambda: next(calls))
+    flops = measure_product_rate(torch.device("cpu"), torch.float32, size=16)
+    assert flops == 2 * 16**3 / 0.5  # the median of 1, 0.5, 0, 0.25, 2
+    monkeypatch.setenv("FRUGALITY_CACHE", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(hardware, "measure_product_rate", lambda d, t, size=None: measured.append(t) or 1e9)
+    assert hardware.product_rate(torch.device("cpu"), torch.float32) == 1e9
+    assert hardware.product_rate(torch.device("cpu"), torch.float32) == 1e9 and measured == [torch.float32]
+    assert [p.name for p in tmp_path.iterdir()] == ["products.json"]

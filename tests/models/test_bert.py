@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from frugality.tasks.contrastive import info_nce
+
 from frugality.interop.hf_bert import from_hf, config_to_hf, to_hf
-from frugality.models.bert import Bert, BertConfig, mean_pool
+from frugality.models.bert import Bert, BertConfig, mean_pool, pool
 
 transformers = pytest.importorskip("transformers")
 
@@ -123,8 +125,9 @@ def test_skipping_the_padding_gives_the_padded_results(pooling):
     results = {}
     for unpad in (False, True):
         model.zero_grad()
-        embeddings = model(ids, mask, types, embed=True, unpad=unpad)
-        loss = model(ids, mask, types, contrastive_groups=2, unpad=unpad)
+        embeddings = model.embed(ids, mask, types, unpad=unpad)
+        loss = info_nce(model.project(pool(model(ids, mask, types, unpad=unpad), mask, pooling), normalize=True), 2,
+                        model.similarity_scale())
         loss.backward()
         results[unpad] = embeddings, loss, {n: p.grad.clone() for n, p in model.named_parameters()}
     # the MLP saw 6 rows of 12 padded, then the 37 real tokens rounded up to 64 (Unpadded.MULTIPLE)

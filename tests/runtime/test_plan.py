@@ -27,7 +27,7 @@ def test_one_process_plan_counts_the_real_training_state(micro_recipe_file, prec
     policy = get_policy(precision)
     model = policy.prepare_model(build_model(recipe.model))
     optimizer = build_optimizer(model, recipe.optim, policy)
-    get_task("causal_lm").loss(model, torch.randint(0, 1000, (2, recipe.data.seq_len + 1))).backward()
+    get_task("causal_lm").training_module(model)(torch.randint(0, 1000, (2, recipe.data.seq_len + 1))).backward()
     optimizer.step()  # the moments exist from the first step on
     assert plan.parameters == sum(p.numel() for p in model.parameters())
     # the real state also holds the step counters (a few bytes)
@@ -49,7 +49,7 @@ def test_activation_estimate_is_what_autograd_saves_on_this_cpu(micro_recipe_fil
 
     batch = torch.randint(0, 1000, (4, recipe.data.seq_len + 1))
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        get_task("causal_lm").loss(model, batch)
+        get_task("causal_lm").training_module(model)(batch)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     real = sum(n for ptr, n in saved.items() if ptr not in params)
     assert planned == pytest.approx(real, rel=0.1)

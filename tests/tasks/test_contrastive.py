@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
-from frugality.models.bert import info_nce
+from frugality.tasks.contrastive import info_nce
 from frugality.tasks import Contrastive
 from frugality.training import trainer
 
@@ -58,7 +58,7 @@ def test_a_step_counts_its_real_tokens_at_every_level_and_configuring_keeps_what
     batch = TextBatch(mask * 7, mask, 2)
     gather = object()
     task = Contrastive().configured(gather=gather, unpad=True).configured(unpad=False)
-    assert task.gather is gather and not task.unpad
+    assert task.setup.gather is gather and not task.setup.unpad
     assert task.tokens(batch) == Contrastive().configured(unpad=True).tokens(batch) == 10  # padding never counts
 
 
@@ -72,12 +72,13 @@ def test_evaluation_takes_its_loss_and_its_retrieval_embeddings_from_one_forward
     batch = TextBatch(torch.randint(1000, 2000, (6, 10)) * mask, mask, 3)
     calls = []
     model.register_forward_hook(lambda *a: calls.append(1))
-    task = Contrastive().configured(unpad=True)
-    loss, (queries, positives) = task.evaluate(model, batch)
-    assert len(calls) == 1
+    module = Contrastive().configured(unpad=True).training_module(model).eval()
     with torch.no_grad():
-        embedded = F.normalize(model(batch.ids, batch.mask, embed=True), dim=-1)
-        assert torch.allclose(loss, task.loss(model, batch), atol=1e-6)
+        evaluated = module(batch, evaluate=True)
+        assert len(calls) == 1
+        queries, positives = evaluated.outputs
+        embedded = F.normalize(model.embed(batch.ids, batch.mask), dim=-1)
+        assert torch.allclose(evaluated.loss, module(batch), atol=1e-6) and evaluated.weight == 2
     assert torch.allclose(queries, embedded[:2], atol=1e-6) and torch.allclose(positives, embedded[2:4], atol=1e-6)
 
 

@@ -8,6 +8,7 @@ from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
 from frugality.models.bert import Bert, BertConfig
 from frugality.tasks import MaskedLM
+from frugality.tasks.masked_lm import mask
 from frugality.training import trainer
 
 MICRO = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=64",
@@ -17,9 +18,9 @@ MICRO = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "mod
 
 
 def test_masking_follows_berts_80_10_10_rule():
-    task = MaskedLM().configure(mask_id=103, mask_prob=0.15)
+    task = MaskedLM().configured(mask_id=103, mask_prob=0.15)
     tokens = torch.randint(1000, 2000, (64, 512), generator=torch.Generator().manual_seed(0))
-    inputs, targets = task.mask(tokens, 30522, torch.Generator().manual_seed(1))
+    inputs, targets = mask(tokens, task.setup, 30522, torch.Generator().manual_seed(1))
     chosen = targets != -100
     assert chosen.float().mean().item() == pytest.approx(0.15, abs=0.01)
     assert torch.equal(targets[chosen], tokens[chosen]) and torch.equal(inputs[~chosen], tokens[~chosen])
@@ -29,27 +30,29 @@ def test_masking_follows_berts_80_10_10_rule():
 
 
 def test_evaluation_masks_the_same_positions_every_time():
-    task = MaskedLM().configure(mask_id=103, mask_prob=0.15)
-    model = Bert(BertConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, mlm_head=True)).eval()
+    task = MaskedLM().configured(mask_id=103, mask_prob=0.15)
+    model = Bert(BertConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, mlm_head=True))
+    module = task.training_module(model).eval()
     batch = torch.randint(1000, 2000, (2, 33))
     with torch.no_grad():
-        assert task.loss(model, batch) == task.loss(model, batch)
-    model.train()
-    assert task.loss(model, batch) != task.loss(model, batch)  # training draws new masks
+        assert module(batch, evaluate=True).loss == module(batch, evaluate=True).loss
+    module.train()
+    assert module(batch) != module(batch)  # training draws new masks
 
 
 def test_each_rank_masks_its_own_positions_and_a_resume_masks_alike(monkeypatch):
     import frugality.tasks.masked_lm as masked_lm
 
-    task = MaskedLM().configure(mask_id=103, mask_prob=0.15)
-    model = Bert(BertConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, mlm_head=True)).train()
+    task = MaskedLM().configured(mask_id=103, mask_prob=0.15)
+    model = Bert(BertConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, mlm_head=True))
+    module = task.training_module(model).train()
     seen = []
-    monkeypatch.setattr(model, "forward", lambda inputs, mlm_targets: seen.append(mlm_targets != -100))
+    monkeypatch.setattr(module, "_loss", lambda inputs, targets: seen.append(targets != -100))
     batch = torch.randint(1000, 2000, (4, 129))
     for rank in (0, 1, 0):
-        monkeypatch.setattr(masked_lm, "_rank", lambda: rank)
+        monkeypatch.setattr(masked_lm, "rank", lambda: rank)
         torch.manual_seed(7)  # the global generator: alike on every rank, restored on resume
-        task.loss(model, batch)
+        module(batch)
     assert torch.equal(seen[0], seen[2]) and not torch.equal(seen[0], seen[1])
 
 
@@ -60,10 +63,10 @@ def test_a_micro_bert_learns_the_bundled_corpus(tmp_path):
 
 
 def test_special_tokens_are_never_masked():
-    task = MaskedLM().configure(mask_id=103, mask_prob=0.5, special_ids=(101, 102))
+    task = MaskedLM().configured(mask_id=103, mask_prob=0.5, special_ids=(101, 102))
     tokens = torch.full((8, 64), 102)
     tokens[:, ::2] = 2000
-    _, targets = task.mask(tokens, 30522, torch.Generator().manual_seed(0))
+    _, targets = mask(tokens, task.setup, 30522, torch.Generator().manual_seed(0))
     assert (targets[:, 1::2] == -100).all() and (targets[:, ::2] != -100).any()
 
 

@@ -12,31 +12,31 @@ import torch
 from frugality.cli.main import main
 from frugality.config.recipe import load_recipe
 from frugality.errors import FrugalityWarning
-from frugality.tasks.causal_lm import CausalLM
+from frugality.tasks.causal_lm import CausalLMModule
 from frugality.training import loop, trainer
 
 
 def test_a_nan_in_one_gradient_skips_that_step_and_names_the_parameter(micro_recipe_file, tmp_path, monkeypatch):
     target = "layers.1.mlp.down.weight"
-    real_loss, real_step = CausalLM.loss, loop.train_step
+    real_loss, real_step = CausalLMModule.forward, loop.train_step
     seen = {}
 
-    def loss(self, model, batch):  # at step 3, the target's gradient comes back NaN
-        out = real_loss(self, model, batch)
-        if seen.get("step") == 3:
-            p = dict(model.named_parameters())[target]
+    def loss(self, batch, evaluate=False):  # at step 3, the target's gradient comes back NaN
+        out = real_loss(self, batch, evaluate)
+        if seen.get("step") == 3 and not evaluate:
+            p = dict(self.model.named_parameters())[target]
             hook = p.register_hook(lambda g: (hook.remove(), torch.full_like(g, float("nan")))[1])
         return out
 
     def step(state, batches):
         seen["step"] = state.step + 1
-        before = {n: p.detach().clone() for n, p in state.module.named_parameters()}
+        before = {n: p.detach().clone() for n, p in state.model.named_parameters()}
         out = real_step(state, batches)
-        unchanged = all(torch.equal(before[n], p) for n, p in state.module.named_parameters())
+        unchanged = all(torch.equal(before[n], p) for n, p in state.model.named_parameters())
         seen[state.step + 1] = unchanged
         return out
 
-    monkeypatch.setattr(CausalLM, "loss", loss)
+    monkeypatch.setattr(CausalLMModule, "forward", loss)
     monkeypatch.setattr(loop, "train_step", step)
     recipe = load_recipe(str(micro_recipe_file))
     with pytest.warns(FrugalityWarning, match=f"step 3: the gradient of {target} is not finite; its update was skipped"):
@@ -59,14 +59,14 @@ def test_a_diverging_run_stops_in_one_line_with_exit_status_3(micro_recipe_file,
 def _bad_step(monkeypatch, at: int, times: int, spoil):
     """`spoil(model, loss)` applied to the loss of step `at`, the first `times` times that step
     runs (a rollback runs it again); returns the first micro-batch of every step run, in order."""
-    real_loss, real_step = CausalLM.loss, loop.train_step
+    real_loss, real_step = CausalLMModule.forward, loop.train_step
     runs = {"now": 0, "spoiled": 0, "batches": []}
 
-    def loss(self, model, batch):
-        out = real_loss(self, model, batch)
-        if runs["now"] == at and runs["spoiled"] < times:
+    def loss(self, batch, evaluate=False):
+        out = real_loss(self, batch, evaluate)
+        if runs["now"] == at and runs["spoiled"] < times and not evaluate:
             runs["spoiled"] += 1
-            return spoil(model, out)
+            return spoil(self.model, out)
         return out
 
     def step(state, batches):
@@ -74,7 +74,7 @@ def _bad_step(monkeypatch, at: int, times: int, spoil):
         runs["batches"].append((runs["now"], batches[0].clone()))
         return real_step(state, batches)
 
-    monkeypatch.setattr(CausalLM, "loss", loss)
+    monkeypatch.setattr(CausalLMModule, "forward", loss)
     monkeypatch.setattr(loop, "train_step", step)
     return runs
 

@@ -154,32 +154,29 @@ def _worker() -> None:
         keep_freed_memory()  # as in training
     state = build_state(recipe, device)
     session = state.compiled
-    session.start(state.module)
+    with session.active(state.model):
+        def step(i: int, st=state) -> float:
+            data = torch.randint(0, recipe.model.vocab_size, (batch, seq + 1),
+                                 generator=torch.Generator().manual_seed(i)).to(device)
+            t0 = time.perf_counter()
+            st.compiled.run("train", i + 1, lambda: train_step(st, [data]),
+                            reset=lambda: st.optimizer.zero_grad(set_to_none=True))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - t0
 
-    def step(i: int, st=state) -> float:
-        data = torch.randint(0, recipe.model.vocab_size, (batch, seq + 1),
-                             generator=torch.Generator().manual_seed(i)).to(device)
-        t0 = time.perf_counter()
-        st.compiled.run("train", i + 1, lambda: train_step(st, [data]),
-                        reset=lambda: st.optimizer.zero_grad(set_to_none=True))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
-
-    first = step(0)
-    first_done = time.time()
-    # The eager reference (the same state at O0) is built after the first step, which it must not delay.
-    eager = (build_state(recipe.model_copy(update={"compile": CompileConfig(level="O0")}), device)
-             if session.enabled and spec["steps"] else None)
-    if eager is not None:
-        step(0, eager)  # its own first step: allocator warm-up, not timed
-    times, eager_times = [], []
-    for i in range(1, spec["steps"] + 1):  # A B A B ...
-        times.append(step(i))
+        first = step(0)
+        first_done = time.time()
+        # The eager reference (the same state at O0) is built after the first step, which it must not delay.
+        eager = (build_state(recipe.model_copy(update={"compile": CompileConfig(level="O0")}), device)
+                 if session.enabled and spec["steps"] else None)
         if eager is not None:
-            eager_times.append(step(i, eager))
-    session.close()
-    session.cleanup()
+            step(0, eager)  # its own first step: allocator warm-up, not timed
+        times, eager_times = [], []
+        for i in range(1, spec["steps"] + 1):  # A B A B ...
+            times.append(step(i))
+            if eager is not None:
+                eager_times.append(step(i, eager))
     print(json.dumps({"first_step_done": first_done, "step_times": times or [first],
                       "eager_step_times": eager_times, "compile": session.stats.as_dict(),
                       "device": device_name(device)}))

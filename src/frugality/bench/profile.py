@@ -23,6 +23,7 @@ products)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -107,13 +108,13 @@ def profile_steps(recipe: Recipe, impl: str, precision: str, batch: int, seq: in
                         "read (--set train.device=cpu, or torch.profiler with CUDA activity)")
     keep_freed_memory()  # as in training and bench train: no page faults charged to big buffers
     row = StepProfile(impl, precision, batch, seq, steps, 0.0)
-    try:
-        step, *_, session, _ = make_runner(impl, recipe, precision, device, batch, seq)
-    except PeerUnavailable as e:
-        row.skipped = str(e)
-        return row
-    batches = [random_batch(recipe, batch, seq, device, i) for i in range(warmup + steps)]
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            step, *_ = make_runner(impl, recipe, precision, device, batch, seq, stack)
+        except PeerUnavailable as e:
+            row.skipped = str(e)
+            return row
+        batches = [random_batch(recipe, batch, seq, device, i) for i in range(warmup + steps)]
         for i in range(warmup):
             try:
                 step(batches[i])
@@ -128,10 +129,6 @@ def profile_steps(recipe: Recipe, impl: str, precision: str, batch: int, seq: in
             for b in batches[warmup:]:
                 step(b)
             wall = time.perf_counter() - t0
-    finally:
-        if session is not None:
-            session.close()
-            session.cleanup()
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     flops = counted_s = uncounted_s = 0.0
     for event in prof.events():

@@ -24,7 +24,6 @@ import torch
 
 from frugality.bench.peers import PeerUnavailable, build_peer
 from frugality.config.recipe import Recipe
-from frugality.paths import cache_dir
 from frugality.metrics.flops import training_flops_per_token
 from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
 from frugality.hardware import device_name
@@ -66,16 +65,18 @@ class BenchRow:
     skipped: str | None = None  # why the implementation did not run here
 
 
-def make_runner(impl: str, recipe: Recipe, precision: str, device: torch.device, batch: int, seq: int):
+def make_runner(impl: str, recipe: Recipe, precision: str, device: torch.device, batch: int, seq: int,
+                stack: contextlib.ExitStack):
     """A `step(batch) -> loss` closure, the objects it trains, its compile session (frugality)
     and whether it compiles. frugality's come from the same builder as `frugality train`
-    (`build_state`), at the recipe's `compile.level`; a peer's from `frugality.bench.peers`
-    (raising PeerUnavailable where it cannot run)."""
+    (`build_state`), at the recipe's `compile.level`, its compile session active until
+    `stack` closes; a peer's from `frugality.bench.peers` (raising PeerUnavailable where it
+    cannot run)."""
     torch.manual_seed(recipe.seed)
     if impl == "frugality":
         state = build_state(for_shape(recipe, precision, batch, seq), device)
         model, optimizer, session = state.model, state.optimizer, state.compiled
-        session.start(model)
+        stack.enter_context(session.active(model))
         reset = lambda: optimizer.zero_grad(set_to_none=True)
         numbers = itertools.count(1)  # step numbers for the guard's messages
         step = lambda b: session.run("train", next(numbers), lambda: train_step(state, [b]), reset)[0]
@@ -113,90 +114,94 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
         keep_freed_memory()  # as in training, for every implementation
     rows = []
     for precision in precisions:
-        peer_default = baseline or precision
-        if peer_default == "auto":  # what `auto` picks, in the peers' usual form: amp-bf16 for bf16
-            peer_default = "fp32" if resolve_policy("auto", device)[0].name == "fp32" else "amp-bf16"
-        impl_precision = {impl: precision if impl == "frugality" else
-                          (peer_precisions or {}).get(impl) or peer_default for impl in impls}
-        runners, skipped = {}, {}
-        for impl in impls:
-            try:
-                runners[impl] = make_runner(impl, recipe, impl_precision[impl], device, batch, seq)
-            except PeerUnavailable as e:
-                skipped[impl] = str(e)
-                log(f"{impl:21} skipped: {e}")
-        running = [impl for impl in impls if impl in runners]
-        flops_per_token = training_flops_per_token(
-            runners[running[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq
-        ) if running else 0.0
-        times: dict[str, list[float]] = {impl: [] for impl in running}
-        warmup_s = {impl: 0.0 for impl in running}
-        dtypes = {impl: _policy(impl, impl_precision[impl], device).compute_dtype for impl in running}
-        probes = {dtype: PeakProbe(device, dtype) for dtype in set(dtypes.values())}
-        probe_rates: dict[torch.dtype, list[float]] = {dtype: [] for dtype in probes}
-        ours = runners["frugality"][3] if "frugality" in runners else None
-        for i in range(warmup + steps):
-            data = random_batch(recipe, batch, seq, device, i)
-            for impl in list(running):  # A B C A B C ...: the same conditions for all
-                step = runners[impl][0]
-                # a compiled peer's graphs are its own, not frugality's (counted, published)
-                with ours.outside() if ours is not None and impl != "frugality" else contextlib.nullcontext():
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    try:
-                        step(data)
-                    except Exception as e:  # noqa: BLE001 - a peer that fails (to compile) is a row saying so
-                        if impl == "frugality" or i >= warmup:
-                            raise
-                        skipped[impl] = f"failed in its warm-up: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                        log(f"{impl:21} {skipped[impl]}")
-                        running.remove(impl)
-                        continue
-                    _sync(device)
-                    seconds = time.perf_counter() - t0
-                if i >= warmup:
-                    times[impl].append(seconds)
-                else:
-                    warmup_s[impl] += seconds
+        with contextlib.ExitStack() as stack:  # frugality's compile session, for the pass
+            rows += _bench_pass(recipe, precision, batch, seq, steps, warmup, impls, memory, baseline, log,
+                                peer_precisions, device, stack)
+    return rows
+
+
+def _bench_pass(recipe, precision, batch, seq, steps, warmup, impls, memory, baseline, log, peer_precisions,
+                device, stack) -> list[BenchRow]:
+    """One precision's pass: every implementation's steps, alternating, and their rows."""
+    rows = []
+    peer_default = baseline or precision
+    if peer_default == "auto":  # what `auto` picks, in the peers' usual form: amp-bf16 for bf16
+        peer_default = "fp32" if resolve_policy("auto", device)[0].name == "fp32" else "amp-bf16"
+    impl_precision = {impl: precision if impl == "frugality" else
+                      (peer_precisions or {}).get(impl) or peer_default for impl in impls}
+    runners, skipped = {}, {}
+    for impl in impls:
+        try:
+            runners[impl] = make_runner(impl, recipe, impl_precision[impl], device, batch, seq, stack)
+        except PeerUnavailable as e:
+            skipped[impl] = str(e)
+            log(f"{impl:21} skipped: {e}")
+    running = [impl for impl in impls if impl in runners]
+    flops_per_token = training_flops_per_token(
+        runners[running[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq
+    ) if running else 0.0
+    times: dict[str, list[float]] = {impl: [] for impl in running}
+    warmup_s = {impl: 0.0 for impl in running}
+    dtypes = {impl: _policy(impl, impl_precision[impl], device).compute_dtype for impl in running}
+    probes = {dtype: PeakProbe(device, dtype) for dtype in set(dtypes.values())}
+    probe_rates: dict[torch.dtype, list[float]] = {dtype: [] for dtype in probes}
+    ours = runners["frugality"][3] if "frugality" in runners else None
+    for i in range(warmup + steps):
+        data = random_batch(recipe, batch, seq, device, i)
+        for impl in list(running):  # A B C A B C ...: the same conditions for all
+            step = runners[impl][0]
+            # a compiled peer's graphs are its own, not frugality's (counted, published)
+            with ours.outside() if ours is not None and impl != "frugality" else contextlib.nullcontext():
+                _sync(device)
+                t0 = time.perf_counter()
+                try:
+                    step(data)
+                except Exception as e:  # noqa: BLE001 - a peer that fails (to compile) is a row saying so
+                    if impl == "frugality" or i >= warmup:
+                        raise
+                    skipped[impl] = f"failed in its warm-up: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    log(f"{impl:21} {skipped[impl]}")
+                    running.remove(impl)
+                    continue
+                _sync(device)
+                seconds = time.perf_counter() - t0
             if i >= warmup:
-                for dtype, probe in probes.items():
-                    probe_rates[dtype].append(probe.sample())
-        del probes
-        for impl in impls:
-            if impl in skipped:
-                rows.append(BenchRow(impl=impl, precision=impl_precision[impl], batch=batch, seq=seq,
-                                     tokens_per_s=None, step_time_s=None, mfu=None, peak_memory_bytes=None,
-                                     state_bytes_per_param=None, steps=0, device=device_name(device),
-                                     skipped=skipped[impl]))
-                continue
-            _, model, optimizer, _, compiles = runners[impl]
-            median = statistics.median(times[impl])
-            tokens_per_s = batch * seq / median
-            peak = peak_flops(device, dtypes[impl], cache_dir() / "peak_flops.json")
-            pass_peak = statistics.median(probe_rates[dtypes[impl]])
-            mem = (_peak_memory_subprocess(impl, recipe, impl_precision[impl], batch, seq)
-                   if memory else None)
-            rows.append(BenchRow(
-                impl=impl, precision=impl_precision[impl], batch=batch, seq=seq,
-                tokens_per_s=round(tokens_per_s, 1), step_time_s=_significant(median),
-                mfu=_significant(mfu(flops_per_token * tokens_per_s, peak)), peak_memory_bytes=mem,
-                state_bytes_per_param=round(
-                    training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2),
-                steps=steps, device=device_name(device),
-                compile_level=recipe.compile.level if impl == "frugality" else ("torch.compile" if compiles else None),
-                runs_as=_policy(impl, impl_precision[impl], device).label, pass_peak_flops=round(pass_peak),
-                mfu_vs_pass_peak=_significant(mfu(flops_per_token * tokens_per_s, pass_peak)),
-                warmup_s=round(warmup_s[impl], 2),
-            ))
-            log(f"{impl:21} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {_percent(rows[-1].mfu)} "
-                f"(vs the pass's probe: {_percent(rows[-1].mfu_vs_pass_peak)}); warm-up {warmup_s[impl]:.1f} s")
-        _speedups({r.impl: r for r in rows[len(rows) - len(impls):] if r.skipped is None}, times)
-        for runner in runners.values():
-            session = runner[3]
-            if session is not None:
-                session.close()
-                session.cleanup()
-        del runners
+                times[impl].append(seconds)
+            else:
+                warmup_s[impl] += seconds
+        if i >= warmup:
+            for dtype, probe in probes.items():
+                probe_rates[dtype].append(probe.sample())
+    del probes
+    for impl in impls:
+        if impl in skipped:
+            rows.append(BenchRow(impl=impl, precision=impl_precision[impl], batch=batch, seq=seq,
+                                 tokens_per_s=None, step_time_s=None, mfu=None, peak_memory_bytes=None,
+                                 state_bytes_per_param=None, steps=0, device=device_name(device),
+                                 skipped=skipped[impl]))
+            continue
+        _, model, optimizer, _, compiles = runners[impl]
+        median = statistics.median(times[impl])
+        tokens_per_s = batch * seq / median
+        peak = peak_flops(device, dtypes[impl])
+        pass_peak = statistics.median(probe_rates[dtypes[impl]])
+        mem = (_peak_memory_subprocess(impl, recipe, impl_precision[impl], batch, seq)
+               if memory else None)
+        rows.append(BenchRow(
+            impl=impl, precision=impl_precision[impl], batch=batch, seq=seq,
+            tokens_per_s=round(tokens_per_s, 1), step_time_s=_significant(median),
+            mfu=_significant(mfu(flops_per_token * tokens_per_s, peak)), peak_memory_bytes=mem,
+            state_bytes_per_param=round(
+                training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2),
+            steps=steps, device=device_name(device),
+            compile_level=recipe.compile.level if impl == "frugality" else ("torch.compile" if compiles else None),
+            runs_as=_policy(impl, impl_precision[impl], device).label, pass_peak_flops=round(pass_peak),
+            mfu_vs_pass_peak=_significant(mfu(flops_per_token * tokens_per_s, pass_peak)),
+            warmup_s=round(warmup_s[impl], 2),
+        ))
+        log(f"{impl:21} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {_percent(rows[-1].mfu)} "
+            f"(vs the pass's probe: {_percent(rows[-1].mfu_vs_pass_peak)}); warm-up {warmup_s[impl]:.1f} s")
+    _speedups({r.impl: r for r in rows[len(rows) - len(impls):] if r.skipped is None}, times)
     return rows
 
 
@@ -295,9 +300,10 @@ def _memory_probe() -> None:
     device = resolve_device(recipe.train.device)
     if device.type == "cpu":
         keep_freed_memory()
-    step = make_runner(impl, recipe, precision, device, batch, seq)[0]
-    for i in range(2):
-        step(random_batch(recipe, batch, seq, device, i))
+    with contextlib.ExitStack() as stack:
+        step = make_runner(impl, recipe, precision, device, batch, seq, stack)[0]
+        for i in range(2):
+            step(random_batch(recipe, batch, seq, device, i))
     print(json.dumps({"peak_memory_bytes": peak_memory_bytes(device)}))
 
 

@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _show_warning
     try:
         # without standalone mode click returns (not raises) a command's Exit status
-        status = cli.main(args=argv, prog_name="frugality", standalone_mode=False)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        # the command as given: `train --nproc` and `--retries` run it again in other processes
+        status = cli.main(args=argv, prog_name="frugality", standalone_mode=False, obj={"argv": argv})
     except UserError as e:
         for line in str(e).splitlines():  # several problems (a recipe's): a line each
             click.echo(f"error: {line}", err=True)

@@ -27,12 +27,11 @@ def _machine() -> None:
     import torch
 
     from frugality.hardware import probe, report
-    from frugality.paths import cache_dir
     from frugality.precision import resolve_policy
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     click.echo(f"\nthis machine: {probe(device).describe()}")
-    speeds = report(device, cache_dir() / "hardware.json")  # a quick probe, cached per machine
+    speeds = report(device)  # the product probe, cached per machine
     click.echo(f"products (256-square, quick probe): fp32 {speeds['fp32_gflops']:,.1f} GFLOP/s, "
                f"bf16 {speeds['bf16_gflops']:,.1f} GFLOP/s")
     click.echo(resolve_policy("auto", device)[1])

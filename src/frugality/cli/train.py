@@ -48,22 +48,21 @@ def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optim
         run_dir = str(own) if own is not None else None
     if nproc > 1:  # what would stop every rank is said once, here, before any starts
         _check_ranks(resolved, nproc)
-    args = ["train", *([recipe] if recipe else []), *(a for o in overrides for a in ("--set", o)),
-            *(["--run-dir", run_dir] if run_dir else []), *(["--fresh"] if fresh else []),
-            *(["--until-step", str(until_step)] if until_step else []),
-            *(["--init-from", init_from] if init_from else []),
-            *(["--resume-optimizer"] if resume_optimizer else []), *(["--no-progress"] if no_progress else [])]
+    # The command as given, for the processes that run it again: a later option wins over an
+    # earlier one, so each adds only what differs for it.
+    argv = click.get_current_context().find_root().obj["argv"]
     retries = resolved.train.retries if retries is None else retries
     if retries > 0:  # this process supervises; each attempt is the same command in a child
         from pathlib import Path
 
         from frugality.training.supervisor import supervise
 
-        child = [sys.executable, "-m", "frugality", *args, "--nproc", str(nproc), "--retries", "0"]
+        child = [sys.executable, "-m", "frugality", *argv, "--retries", "0"]
         where = Path(run_dir) if run_dir else Path(resolved.train.runs_dir) / resolved.name
         sys.exit(supervise(child, where, retries, resolved.train.retry_backoff_s, log=click.echo))
     if nproc > 1:  # the same command in N processes, started as torchrun starts them
-        sys.exit(distributed.launch_local(nproc, args, resolved.parallel.timeout_s))
+        sys.exit(distributed.launch_local(nproc, [*argv, "--nproc", "1", "--retries", "0"],
+                                          resolved.parallel.timeout_s))
     try:
         result = run_training(resolved, run_dir=run_dir, fresh=fresh, until_step=until_step,
                               progress=not no_progress, init_from=init_from,

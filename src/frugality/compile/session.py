@@ -161,6 +161,17 @@ class CompileSession:
         apply_level(model, self.level, self.options)
         self.model = model
 
+    @contextlib.contextmanager
+    def active(self, model: torch.nn.Module):
+        """The session around a run: started on `model`'s blocks, then closed (what was
+        compiled published) and cleaned up however the block ends."""
+        self.start(model)
+        try:
+            yield self
+        finally:
+            self.close()
+            self.cleanup()
+
     # -- 2. warm-up and 3. guard -------------------------------------------------------------
     def run(self, phase: str, step: int, fn: Callable[[], T], reset: Callable[[], None]) -> T:
         """Run one `phase` of the run ("train" for a step, "eval" for an evaluation).

@@ -56,8 +56,8 @@ def launch_local(nproc: int, args: list[str], shutdown_timeout_s: int | None = N
     before SIGKILL). Each rank gets this machine's cores shared out (OMP_NUM_THREADS,
     unless set) and ends with the launcher if it dies (`follow_launcher`)."""
     timeout = [f"--shutdown-timeout={shutdown_timeout_s}"] if shutdown_timeout_s else []
-    config = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", *timeout, "-m", "frugality",
-                                           *args])
+    config = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", *timeout, "-m", "frugality"])
+    config.training_script_args = list(args)  # not through torchrun's parser: --nproc would read as its own
     saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", LAUNCHER_ENV)}
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
     os.environ[LAUNCHER_ENV] = str(os.getpid())
@@ -139,27 +139,28 @@ def local_device(device: torch.device, world: World) -> torch.device:
     return device
 
 
-def wrap(model: nn.Module, parallel: ParallelConfig, world: World, device: torch.device) -> nn.Module:
-    """The model as the strategy trains it, unchanged at world size 1:
+def wrap(module: nn.Module, blocks, parallel: ParallelConfig, world: World, device: torch.device) -> nn.Module:
+    """`module` (a task's training module) as the strategy trains it, unchanged at world
+    size 1; `blocks` are the model's transformer blocks inside it:
     - ddp: a wrapper whose backward all-reduces gradient buckets while earlier layers still
       compute;
-    - fsdp: FSDP2 in place, `fully_shard` on each transformer block, then the root: each
-      rank keeps 1/N of every parameter, gradient and optimizer state, and gathers a
-      block's parameters just before the block runs;
+    - fsdp: FSDP2 in place, `fully_shard` on each block, then the root: each rank keeps 1/N
+      of every parameter, gradient and optimizer state, and gathers a block's parameters
+      just before the block runs;
     - hsdp: the same within groups of `parallel.shard_size` ranks, the groups replicas of
       each other (gradients reduce-scattered in the group, then all-reduced across groups)."""
     if not world.distributed:
-        return model
+        return module
     if parallel.data == "ddp":
         ids = [device.index] if device.type == "cuda" else None
         # the models' buffers are constant tables (rotary): no broadcast of them every forward
-        return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+        return DistributedDataParallel(module, device_ids=ids, forward_sync_buffers=False)
     mesh = data_parallel_mesh(parallel, world, device)
-    blocks = list(getattr(model, "layers", []))
+    blocks = list(blocks)
     for i, block in enumerate(blocks):
         # the last block's parameters are the first that backward needs: keep them gathered
         fully_shard(block, mesh=mesh, reshard_after_forward=parallel.reshard_after_forward and i < len(blocks) - 1)
-    return fully_shard(model, mesh=mesh)  # the root (embeddings, final norm, output layer)
+    return fully_shard(module, mesh=mesh)  # the root: embeddings, final norm, output layer, the task's parameters
 
 
 def data_parallel_mesh(parallel: ParallelConfig, world: World, device: torch.device) -> DeviceMesh:

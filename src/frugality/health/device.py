@@ -7,7 +7,7 @@ import torch
 
 from frugality.hardware import probe
 from frugality.health import INFO, Check, at_most
-from frugality.metrics.peak import measure_peak_flops
+from frugality.hardware import measure_product_rate
 from frugality.precision.stochastic_rounding import noise16x3, round_to_bf16
 
 
@@ -48,7 +48,7 @@ def peak_checks(device: torch.device) -> list[Check]:
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
         size = None if dtype == torch.float32 or hw.native_bf16 else 256  # emulated bf16: keep it short
-        gflops = measure_peak_flops(device, dtype, size) / 1e9
+        gflops = measure_product_rate(device, dtype, size) / 1e9
         checks.append(Check("device", f"{name} peak", INFO, f"{gflops:,.1f} GFLOP/s",
                             "native" if dtype == torch.float32 or hw.native_bf16 else f"not native: {hw.why}",
                             {"gflops": gflops}))

@@ -15,7 +15,7 @@ from frugality.compile.cache import cache_url
 from frugality.config.recipe import Recipe
 from frugality.data.bundled import BUNDLED_PREFIX
 from frugality.data.indexed import IndexedDataset
-from frugality.hardware import probe
+from frugality.hardware import device_memory, probe
 from frugality.health import FAIL, INFO, PASS, Check, at_least
 
 GIB = 2**30
@@ -33,23 +33,9 @@ def machine_checks(device: torch.device, recipe: Recipe, run_root: Path, limits:
 
 
 def _memory(device: torch.device) -> Check:
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        free = _meminfo_available() or total
+    free, total = device_memory(device)
     return Check("machine", "memory", INFO, f"{free / GIB:.1f} of {total / GIB:.1f} GiB free", device.type,
                  {"free_bytes": free, "total_bytes": total})
-
-
-def _meminfo_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _disk(run_root: Path, limits: dict[str, float], write_mib: int) -> list[Check]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
-from frugality.hardware import probe
+from frugality.precision import bf16_is_native
 from frugality.interop.weights import load_weights, recipe_beside, resolve_source
 from frugality.interop.hf import import_hf
 from frugality.interop.sentence_transformers import pooling_mode, read_json
@@ -95,8 +95,8 @@ def resolve_precision(name: str, device: torch.device) -> tuple[torch.dtype, str
         return torch.bfloat16, "bf16 (asked for)"
     if name != "auto":
         raise UserError(f"--precision {name!r}: choose auto, fp32 or bf16")
-    hw = probe(device)
-    return (torch.bfloat16, f"bf16: {hw.why}") if hw.native_bf16 else (torch.float32, f"fp32: {hw.why}")
+    native, why = bf16_is_native(device)
+    return (torch.bfloat16, f"bf16: {why}") if native else (torch.float32, f"fp32: {why}")
 
 
 @dataclass(frozen=True)

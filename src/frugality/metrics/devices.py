@@ -10,7 +10,9 @@ import os
 import time
 from pathlib import Path
 
-from frugality.hardware import probe
+import torch
+
+from frugality.hardware import device_memory, probe
 from frugality.metrics.energy import POWERCAP, RaplMeter, vcpus
 
 
@@ -19,7 +21,7 @@ def inventory() -> list[dict]:
     hw = probe("cpu")
     cpu = {"kind": "cpu", "index": 0, "name": hw.name, "logical_cpus": os.cpu_count(), "usable_cpus": vcpus(),
            "instruction_sets": list(hw.features), "torch_isa": hw.torch_isa, "native_bf16": hw.native_bf16,
-           "memory_gib": _meminfo_gib("MemTotal")}
+           "memory_gib": _memory_gib()[1]}
     return [cpu, *_nvml_inventory()]
 
 
@@ -95,7 +97,7 @@ class Sampler:
             util = (times[0] - self.cpu_before[0]) / (times[1] - self.cpu_before[1])
         self.cpu_before = times
         cpu = {"kind": "cpu", "index": 0, "utilisation": None if util is None else round(util, 3),
-               "memory_used_gib": _used_gib(), "memory_gib": _meminfo_gib("MemTotal"), "power_w": None}
+               "memory_used_gib": _memory_gib()[0], "memory_gib": _memory_gib()[1], "power_w": None}
         if self.rapl is not None and seconds > 0:
             joules = self.rapl.joules()
             cpu["power_w"] = round((joules - self.rapl_joules) / seconds, 1)
@@ -114,16 +116,7 @@ class Sampler:
         return devices
 
 
-def _meminfo_gib(key: str) -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _used_gib() -> float | None:
-    total, available = _meminfo_gib("MemTotal"), _meminfo_gib("MemAvailable")
-    return None if total is None or available is None else round(total - available, 1)
+def _memory_gib() -> tuple[float, float]:
+    """(used, total) GiB of host memory, as `hardware.device_memory` reads it."""
+    free, total = device_memory(torch.device("cpu"))
+    return round((total - free) / 2**30, 1), round(total / 2**30, 1)

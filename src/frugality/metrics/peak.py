@@ -15,19 +15,12 @@ figure: `mfu()` is where every MFU is computed.
 
 from __future__ import annotations
 
-import json
 import math
-import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from frugality.hardware import fingerprint
-
-
-def _cache_key(device: torch.device, dtype: torch.dtype) -> str:
-    return f"{fingerprint(device)}|{dtype}"  # the ISA limits in force change the peak
+from frugality.hardware import product_rate, product_size
 
 
 def mfu(flops_per_s: float, peak: float | None) -> float | None:
@@ -39,13 +32,12 @@ def mfu(flops_per_s: float, peak: float | None) -> float | None:
 
 
 class PeakProbe:
-    """Times `size`-square matmuls (2·n³ FLOPs each) in `dtype`, one call per `sample()`.
-    Without a `size`: 8192 on GPUs, 2048 on CPUs, or smaller where the dtype is slow here
-    (emulated bf16 ran at 0.3 GFLOP/s: 57 s a call at 2048), so that a call stays short."""
+    """`hardware.measure_product_rate`'s product, one call per `sample()`: a benchmark
+    samples it between its own steps, for MFU against the peak of that moment."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, size: int | None = None) -> None:
         self.device = device
-        self.n = size or (8192 if device.type == "cuda" else _cpu_size(dtype))
+        self.n = size or product_size(device, dtype)
         self.a = torch.randn(self.n, self.n, device=device, dtype=dtype)
         self.b = torch.randn(self.n, self.n, device=device, dtype=dtype)
         torch.mm(self.a, self.b)  # warms up the kernel and the allocator
@@ -58,42 +50,9 @@ class PeakProbe:
         return 2.0 * self.n**3 / (time.perf_counter() - t0)
 
 
-def _cpu_size(dtype: torch.dtype, largest: int = 2048, seconds: float = 0.25) -> int:
-    """The largest power-of-two size up to `largest` whose product takes about `seconds` at
-    the rate a 256-square product shows."""
-    n = 256
-    a = torch.randn(n, n).to(dtype)
-    torch.mm(a, a)
-    t0 = time.perf_counter()
-    torch.mm(a, a)
-    rate = 2.0 * n**3 / max(time.perf_counter() - t0, 1e-9)
-    while n < largest and 2.0 * (2 * n) ** 3 / rate <= seconds:
-        n *= 2
-    return n
-
-
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:
-    """FLOP/s of square matmuls: the median of five timed calls after a warm-up call. Not
-    the best call: one mistimed call on a shared machine once read 2.3x the sustained rate
-    here and would have halved every MFU computed against it."""
-    probe = PeakProbe(device, dtype, size)
-    return statistics.median(probe.sample() for _ in range(5))
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype, cache_file: Path) -> float:
-    """The cached probe's rate for `device` and `dtype`, measured on first use."""
-    key = _cache_key(device, dtype)
-    try:
-        cached = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key not in cached:
-        cached[key] = measure_peak_flops(device, dtype)
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(cache_file)
-    return float(cached[key])
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """The device's peak for MFU: the machine's cached product rate (`hardware.product_rate`)."""
+    return product_rate(device, dtype)
 
 
 def _sync(device: torch.device) -> None:

@@ -12,7 +12,7 @@ one row per real token between the layers, so the linear layers (most of the wor
 see real tokens; attention alone pads them back, per text, behind its mask. The result is
 the padded computation's, token for token.
 A learnable temperature (CLIP's logit scale) lives here too, so that it is checkpointed
-and optimised with the weights.
+and optimised with the weights; the losses that use it are the tasks' (`frugality.tasks`).
 """
 
 from __future__ import annotations
@@ -191,49 +191,34 @@ class Bert(nn.Module):
                 p.normal_(0.0, self.config.init_std)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, *, embed: bool = False,
-                contrastive_groups: int | None = None, mlm_targets: torch.Tensor | None = None,
-                gather=None, unpad: bool = False, with_embeddings: bool = False):
-        """Hidden states (B, T, d); or sentence embeddings (`embed`); or a training loss:
-        InfoNCE over rows stacked as `contrastive_groups` groups (`info_nce`), or the
-        masked-LM cross-entropy against `mlm_targets` (-100 where nothing is predicted).
-        `gather` (see `info_nce`) brings other processes' embeddings in as negatives.
-        `unpad` (embeddings and the contrastive loss, with an attention mask) skips the
-        padding in every layer but attention; the results are the same. `with_embeddings`
-        (with `contrastive_groups`): (loss, the L2-normalised embeddings it scored), so that
-        an evaluation needs one forward for its loss and its retrieval metrics.
-        Losses are computed here, in forward, so that DDP and FSDP see every use of the
-        parameters (the temperature included)."""
+                token_type_ids: torch.Tensor | None = None, *, unpad: bool = False) -> torch.Tensor:
+        """Hidden states (B, T, d). `unpad` (with an attention mask) skips the padding in every
+        layer but attention and puts the rows back in the padded layout at the end, zeros at
+        the padding; the real tokens' states are the same."""
         check_length(input_ids, self.config.max_seq_len)
         # Padding keys are masked out for every query: a (B, 1, 1, T) boolean mask.
         mask = attention_mask.bool()[:, None, None, :] if attention_mask is not None else None
         h = self.embeddings(input_ids, token_type_ids)
-        if unpad and attention_mask is not None and (embed or contrastive_groups is not None):
+        if unpad and attention_mask is not None:
             tokens = Unpadded(attention_mask)
             h = tokens.unpad(h.flatten(0, 1))
             for layer in self.layers:
                 h = layer(h, mask, tokens)
-            pooled = pool(tokens.padded(h), attention_mask, self.config.pooling)  # the padded path's pooling
-            return self._embed_or_contrast(pooled, contrastive_groups, gather, with_embeddings)
+            return tokens.padded(h)
         for layer in self.layers:
             h = layer(h, mask)
-        if mlm_targets is not None:
-            logits = self.mlm_logits(h).float()
-            return F.cross_entropy(logits.flatten(0, 1), mlm_targets.flatten(), ignore_index=-100)
-        if not embed and contrastive_groups is None:
-            return h
+        return h
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              token_type_ids: torch.Tensor | None = None, *, normalize: bool | None = None,
+              unpad: bool = False) -> torch.Tensor:
+        """Sentence embeddings: the hidden states pooled (`config.pooling`), through the
+        projection head, L2-normalised where `normalize` (default `config.normalize`) says."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        return self._embed_or_contrast(pool(h, attention_mask, self.config.pooling), contrastive_groups, gather,
-                                       with_embeddings)
-
-    def _embed_or_contrast(self, pooled: torch.Tensor, contrastive_groups: int | None, gather,
-                           with_embeddings: bool = False):
-        if contrastive_groups is None:
-            return self.project(pooled, self.config.normalize)
-        embeddings = self.project(pooled, normalize=True)
-        loss = info_nce(embeddings, contrastive_groups, self.similarity_scale(), gather)
-        return (loss, embeddings) if with_embeddings else loss
+        hidden = self(input_ids, attention_mask, token_type_ids, unpad=unpad)
+        return self.project(pool(hidden, attention_mask, self.config.pooling),
+                            self.config.normalize if normalize is None else normalize)
 
     def similarity_scale(self) -> torch.Tensor | float:
         """1 / temperature; learnt, it is kept at most 100 (CLIP's bound) so that the
@@ -261,30 +246,6 @@ class Bert(nn.Module):
         if self.mlm is None:
             raise ValueError("this BERT has no masked-LM head")
         return self.mlm(hidden)
-
-
-def info_nce(embeddings: torch.Tensor, groups: int, scale: torch.Tensor | float, gather=None) -> torch.Tensor:
-    """Symmetric InfoNCE with in-batch negatives (van den Oord et al., 2018; CLIP's form):
-    rows are n queries, n positives, then (with 3 groups) n hard negatives, L2-normalised.
-    Each query must pick its positive among every positive and negative of the batch, and
-    each positive its query among the queries; the loss is the mean of both directions.
-
-    `gather(rows) -> (every part's rows stacked, this part's index)`, given by the caller
-    (data parallelism: `frugality.distributed.gather_with_grad`), widens the candidates to
-    every part's documents and queries; this part's loss is over its own queries and
-    positives, so the mean over the parts is InfoNCE over the union of their batches."""
-    n = embeddings.shape[0] // groups
-    queries, documents = embeddings[:n].float(), embeddings[n:].float()
-    candidates, others, first = documents, queries, 0  # single device: the batch itself
-    if gather is not None:
-        candidates, part = gather(documents)
-        others, _ = gather(queries)
-        first = part * n  # this part's first query among all queries
-        # documents are stacked part by part, (groups - 1) * n each: positives first
-    labels = torch.arange(n, device=embeddings.device)
-    forward = F.cross_entropy(scale * queries @ candidates.T, labels + (first * (groups - 1) if gather else 0))
-    backward = F.cross_entropy(scale * documents[:n] @ others.T, labels + first)
-    return (forward + backward) / 2
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str = "mean") -> torch.Tensor:

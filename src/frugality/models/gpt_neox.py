@@ -142,18 +142,25 @@ class GPTNeoX(nn.Module):
             else:
                 p.normal_(0.0, small)
 
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final norm's output (B, T, d): what the output layer turns into logits or,
+        given targets, into the loss (a task's training module calls the two apart)."""
+        check_length(input_ids, self.config.max_seq_len)
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.final_norm(h)
+
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab); or, given next-token `targets` (B, T), the mean cross-entropy.
         Decoding, with a `cache`: the tokens sit at `positions` (B, T) of their rows (-1:
         padding), their keys and values go into the cache, and only the last column's
         logits (B, 1, vocab) come back."""
+        if cache is None:
+            return self.output.logits_or_loss(self.hidden_states(input_ids), targets)
         check_length(input_ids, self.config.max_seq_len)
         h = self.embed(input_ids)
-        if cache is None:
-            for layer in self.layers:
-                h = layer(h)
-            return self.output.logits_or_loss(self.final_norm(h), targets)
         for i, layer in enumerate(self.layers):
             h = layer(h, cache.layer(i, positions))
         return self.output(self.final_norm(h[:, -1:]))

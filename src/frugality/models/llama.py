@@ -138,15 +138,22 @@ class Llama(nn.Module):
             else:
                 p.normal_(0.0, self.config.init_std)
 
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final norm's output (B, T, d): what the output layer turns into logits or,
+        given targets, into the loss (a task's training module calls the two apart)."""
+        check_length(input_ids, self.config.max_seq_len)
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.final_norm(h)
+
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """As GPTNeoX.forward: logits, the loss given `targets`, or a decoding step with a `cache`."""
+        if cache is None:
+            return self.output.logits_or_loss(self.hidden_states(input_ids), targets)
         check_length(input_ids, self.config.max_seq_len)
         h = self.embed(input_ids)
-        if cache is None:
-            for layer in self.layers:
-                h = layer(h)
-            return self.output.logits_or_loss(self.final_norm(h), targets)
         for i, layer in enumerate(self.layers):
             h = layer(h, cache.layer(i, positions))
         return self.output(self.final_norm(h[:, -1:]))

@@ -103,25 +103,38 @@ def get_policy(name: str) -> PrecisionPolicy:
         raise UserError(f"precision {name!r}: choose one of {', '.join(PRECISIONS)}") from None
 
 
+# What `auto` trains in, by whether bf16 products are native: the one answer for training,
+# the memory plan (which plans for hardware with native bf16) and, through `bf16_is_native`,
+# inference.
+AUTO_POLICY = {True: "bf16-sr", False: "fp32"}
+
+
+def bf16_is_native(device: torch.device) -> tuple[bool, str]:
+    """The decision behind every `auto`: whether bf16 products run at hardware speed on
+    `device` (AMX, AVX512-BF16, CUDA 8.0+), and why."""
+    hw = probe(device)
+    return hw.native_bf16, hw.why
+
+
 def resolve_policy(name: str, device: torch.device) -> tuple[PrecisionPolicy, str]:
     """The policy `train.precision` names, fitted to `device`, and one line saying what was
     chosen and why (for the run header)."""
-    hw = probe(device)
+    native, why = bf16_is_native(device)
     if name == AUTO:
-        name = "bf16-sr" if hw.native_bf16 else "fp32"
-        note = f"precision auto -> {name}: bf16 products {'native' if hw.native_bf16 else 'not native'} ({hw.why})"
+        name = AUTO_POLICY[native]
+        note = f"precision auto -> {name}: bf16 products {'native' if native else 'not native'} ({why})"
         return get_policy(name), note
     policy = get_policy(name)
     policy.check_device(device)
-    if hw.native_bf16 or policy.compute_dtype != torch.bfloat16 or name == "fp8":
+    if native or policy.compute_dtype != torch.bfloat16 or name == "fp8":
         return policy, f"precision {name}"
     if policy.autocast:  # amp-bf16: autocast to bf16 here would emulate every product
         return (replace(policy, compute_dtype=torch.float32, autocast=False),
-                f"precision amp-bf16: products run in fp32, not bf16 autocast ({hw.why}; bf16 would be "
+                f"precision amp-bf16: products run in fp32, not bf16 autocast ({why}; bf16 would be "
                 "hundreds of times slower); use fp32 or auto here")
     return (replace(policy, compute_dtype=torch.float32, fp32_products=True),
             f"precision {name}: bf16 weights, gradients and optimizer state, products computed in fp32 "
-            f"from the bf16 operands ({hw.why})")
+            f"from the bf16 operands ({why})")
 
 
 def _check_fp8(device: torch.device) -> None:

@@ -36,7 +36,7 @@ from frugality.errors import UserError
 from frugality.hardware import device_memory
 from frugality.models import build_model
 from frugality.models.layers import OutputLayer
-from frugality.precision import PrecisionPolicy, get_policy
+from frugality.precision import AUTO_POLICY, PrecisionPolicy, get_policy
 from frugality.tasks import task_for
 
 HEADROOM = 0.9  # of the device memory that the counted parts may take
@@ -76,9 +76,12 @@ def plan_memory(recipe: Recipe, nproc: int, strategy: str, device_memory: int | 
     """The plan under `policy` (as fitted to a device), by default the recipe's (`auto`:
     bf16-sr). `fused_output`: count the output layer's loss as frugality's fused layer keeps
     it (one tokens x vocab buffer in the compute dtype) rather than as eager PyTorch does."""
-    policy = policy or get_policy("bf16-sr" if recipe.train.precision == "auto" else recipe.train.precision)
+    auto = recipe.train.precision == "auto"  # planned for hardware where bf16 products are native
+    policy = policy or get_policy(AUTO_POLICY[True] if auto else recipe.train.precision)
     with torch.device("meta"):
-        model = build_model(recipe.model).to(policy.storage_dtype)
+        # the policy's cast (fp8's conversion aside: its linears keep fp32 weights, as counted)
+        model = build_model(recipe.model)
+        model = model if policy.name == "fp8" else policy.prepare_model(model)
     item = policy.storage_dtype.itemsize
     total = _numel(model)
     blocks = [_numel(block) for block in getattr(model, "layers", [])]
@@ -119,7 +122,7 @@ def saved_activation_bytes(model: nn.Module, recipe: Recipe, fused_output: torch
         OutputLayer.loss = lambda layer, hidden, targets: _FusedOutputSaves.apply(hidden, layer.weight, fused_output)
     try:
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            task.loss(model, batch)
+            task.training_module(model)(batch)
     finally:
         F.scaled_dot_product_attention, OutputLayer.loss = sdpa, output_loss
     parameters = {id(p) for p in model.parameters()}

@@ -24,13 +24,12 @@ from frugality.metrics.prices import check_cost
 from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
 from frugality.distributed import World, describe, gather_with_grad, wrap
-from frugality.errors import UserError
 from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.kernels.specialize import specialize
 from frugality.models import build_model
 from frugality.precision import PrecisionPolicy, resolve_policy
 from frugality.runtime.data import TrainingData
-from frugality.tasks import freeze_unused, task_for
+from frugality.tasks import Task, freeze_unused, task_for
 from frugality.runtime.optim import build_optimizer
 
 
@@ -41,8 +40,9 @@ class TrainState:
     recipe: Recipe
     device: torch.device
     policy: PrecisionPolicy
-    task: object  # a frugality.tasks task
-    model: nn.Module
+    task: Task
+    model: nn.Module  # the plain model (specialized, sharded in place under FSDP2): weights, names, checkpoints
+    wrapped: nn.Module  # the task's training module around it, as the parallel strategy wraps it: what runs
     optimizer: torch.optim.Optimizer
     compiled: CompileSession
     choices: list[str] = field(default_factory=list)  # what was picked for this machine, and why
@@ -50,15 +50,8 @@ class TrainState:
     world: World = World()
     step: int = 0
     stop_requested: bool = False  # set by a signal or a policy: stop after this step, saved
-    rejected: str | None = None  # why the last step's update was not applied (non-finite, a spike)
     recent_losses: deque = field(default_factory=deque)  # applied steps' losses, for spike detection
-    rolled_back: bool = False  # a policy restored the last checkpoint during this step
     tokens_seen: int = 0  # every rank's tokens of every step so far (checkpointed: buckets make steps differ)
-
-    @property
-    def module(self) -> nn.Module:
-        """The model without a DDP wrapper (its own parameter names)."""
-        return getattr(self.model, "module", self.model)
 
     @property
     def autocast(self):
@@ -68,16 +61,10 @@ class TrainState:
 def check_recipe(recipe: Recipe, device: torch.device) -> None:
     """The checks `build_state` makes first (task and model family, precision on this
     device), for callers that must refuse bad input before doing anything else."""
-    _check_gather(task_for(recipe), recipe)
+    task_for(recipe)
     resolve_policy(recipe.train.precision, device)
     disabled_kernels()  # a misspelt FRUGALITY_DISABLE_KERNELS fails now, not mid-run
     check_cost(recipe.cost.instance, recipe.cost.catalogue)  # an unknown instance or a bad catalogue too
-
-
-def _check_gather(task, recipe: Recipe) -> None:
-    if recipe.parallel.gather_negatives and not hasattr(task, "configured"):
-        raise UserError(f"parallel.gather_negatives = true: only contrastive training has negatives to gather "
-                        f"(train.task is {recipe.train.task!r})")
 
 
 def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None = None,
@@ -85,19 +72,18 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
     """The training state for `recipe` on `device` (see the module's docstring for the
     order); `data` from `frugality.runtime.data.open_training_data` where batches come from
     the recipe's dataset. The recipe's micro-batch and sequence length key the compiled graphs."""
-    task = task_for(recipe, data.mask_id if data is not None else None, data.special_ids if data is not None else ())
-    _check_gather(task, recipe)
-    if hasattr(task, "configured"):  # contrastive: every rank's documents as negatives; unpadded when eager
-        task = task.configured(gather=gather_with_grad if world.distributed and recipe.parallel.gather_negatives
-                               else None, unpad=recipe.compile.level == "O0")
+    gather = gather_with_grad if world.distributed and recipe.parallel.gather_negatives else None
+    task = task_for(recipe, data.mask_id if data is not None else None, data.special_ids if data is not None else (),
+                    gather=gather, unpad=recipe.compile.level == "O0")
     policy, note = resolve_policy(recipe.train.precision, device)
     torch.manual_seed(recipe.seed)
     with device:
         model = policy.prepare_model(build_model(recipe.model))
     frozen = freeze_unused(task, model)  # before any wrapping: DDP must not wait for their gradients
     choices = specialize(model, device, policy)
+    wrapped = task.training_module(model)
     if world.distributed:
-        model = wrap(model, recipe.parallel, world, device)
+        wrapped = wrap(wrapped, getattr(model, "layers", []), recipe.parallel, world, device)
         choices.append(describe(recipe.parallel, world))
     optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
                                 fused=recipe.train.fused_optimizer)
@@ -106,14 +92,10 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
     if recipe.parallel.gather_negatives:
         notes.append(f"contrastive negatives gathered from all {world.world_size} ranks" if world.distributed else
                      "parallel.gather_negatives: one process, nothing to gather")
-    if getattr(task, "unpad", False):
-        notes.append("padding skipped in every layer but attention (eager: the real tokens' count varies)")
-    elif hasattr(task, "configured"):
-        notes.append(f"padding kept in every layer: compiled blocks ({recipe.compile.level}) take static shapes; "
-                     "compile.level = O0 skips it, often faster for short texts")
+    notes += task.notes(recipe)
     if frozen:
         notes.append(f"not trained (task {task.name} does not use them): {_prefixes(frozen)}")
-    return TrainState(recipe, device, policy, task, model, optimizer, compiled, notes, data, world,
+    return TrainState(recipe, device, policy, task, model, wrapped, optimizer, compiled, notes, data, world,
                       recent_losses=deque(maxlen=recipe.train.loss_spike_window))
 
 

@@ -1,16 +1,15 @@
 """Training tasks: what a batch is and which loss the model is trained on. A recipe names
-its task (`train.task`); the training loop calls the task and knows nothing of it.
+its task (`train.task`); the training loop calls the task's training module and its
+declared methods (`frugality.tasks.base.Task`), and knows nothing else of it.
 
-To add one: a module with a class like `CausalLM` (its `name`, the model families it
-trains, `check` of the model config, `loss`, `tokens` — the tokens a batch's forward
-processes — `shape_key`, which tells batches of different compiled shapes apart,
-`example_batch` for the memory plan, and `unused`, the parameters its loss never touches),
-registered in TASKS.
+To add one: a module with a `Task` subclass and its training module (see
+docs/architecture.md), registered in TASKS and in the recipe's `train.task` values.
 """
 
 from __future__ import annotations
 
 from frugality.errors import UserError
+from frugality.tasks.base import Evaluated, RunSetup, Task
 from frugality.tasks.causal_lm import CausalLM
 from frugality.tasks.contrastive import Contrastive
 from frugality.tasks.masked_lm import MaskedLM
@@ -18,21 +17,25 @@ from frugality.tasks.masked_lm import MaskedLM
 TASKS = {task.name: task for task in (CausalLM(), MaskedLM(), Contrastive())}
 
 
-def get_task(name: str):
+def get_task(name: str) -> Task:
     try:
         return TASKS[name]
     except KeyError:
         raise UserError(f"train.task {name!r}: choose one of {', '.join(TASKS)}") from None
 
 
-def task_for(recipe, mask_id: int | None = None, special_ids: tuple[int, ...] = ()):
-    """The recipe's task, checked against its model and set up for its data (masked LM:
-    the tokenizer's [MASK] id and the special tokens it never masks)."""
+def task_for(recipe, mask_id: int | None = None, special_ids: tuple[int, ...] = (), gather=None,
+             unpad: bool = False) -> Task:
+    """The recipe's task, checked against its model and fitted to the run: the tokenizer's
+    [MASK] id and the special tokens never masked (masked LM), the gather of every rank's
+    negatives (`parallel.gather_negatives`), the padding skipped (eager contrastive runs)."""
     task = get_task(recipe.train.task)
     task.check(recipe.model)
-    if hasattr(task, "configure"):
-        task = task.configure(0 if mask_id is None else mask_id, recipe.data.mask_prob, special_ids)
-    return task
+    if recipe.parallel.gather_negatives and not task.gathers_negatives:
+        raise UserError(f"parallel.gather_negatives = true: only contrastive training has negatives to gather "
+                        f"(train.task is {recipe.train.task!r})")
+    return task.configured(mask_id=0 if mask_id is None else mask_id, special_ids=tuple(special_ids), mask_prob=recipe.data.mask_prob,
+                           gather=gather, unpad=unpad)
 
 
 def freeze_unused(task, model) -> list[str]:
@@ -46,4 +49,5 @@ def freeze_unused(task, model) -> list[str]:
     return frozen
 
 
-__all__ = ["TASKS", "CausalLM", "Contrastive", "MaskedLM", "freeze_unused", "get_task", "task_for"]
+__all__ = ["TASKS", "CausalLM", "Contrastive", "Evaluated", "MaskedLM", "RunSetup", "Task", "freeze_unused",
+           "get_task", "task_for"]

@@ -1,7 +1,7 @@
 """Causal language modelling: each position predicts the next token. A batch is (B, T + 1)
 token ids: inputs are all but the last token, targets all but the first. The loss is the
-mean cross-entropy, through the model's output layer (for training,
-`frugality.kernels.specialize` swaps in the fused output-layer loss)."""
+mean cross-entropy of the model's output layer (for training, `frugality.kernels.specialize`
+swaps in the fused output-layer loss, which never builds float32 logits)."""
 
 from __future__ import annotations
 
@@ -9,34 +9,41 @@ import torch
 from torch import nn
 
 from frugality.errors import UserError
+from frugality.tasks.base import Evaluated, PackedBlocks, Task
 
 
-class CausalLM:
+class CausalLMModule(nn.Module):
+    """The decoder and its next-token loss: what DDP and FSDP2 wrap."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: torch.Tensor, evaluate: bool = False):
+        hidden = self.model.hidden_states(batch[:, :-1])
+        loss = self.model.output.loss(hidden, batch[:, 1:])
+        return Evaluated(loss, batch.shape[0]) if evaluate else loss  # rows: each has the same tokens
+
+
+class CausalLM(Task):
     name = "causal_lm"
-    families = ("gpt-neox", "llama")  # the decoders
+    families = ("gpt-neox", "llama")
+    trains = "decoders"
 
-    unused = ()  # prefixes of parameters the loss never reaches
+    blocks = PackedBlocks()
 
-    def check(self, model) -> None:
-        family = model.family
-        if family not in self.families:
-            raise UserError(f"model.family {family!r}: task {self.name} trains decoders "
-                            f"({', '.join(self.families)}); {family} models can be imported, exported "
-                            "and used for embeddings")
+    def check(self, model_config) -> None:
+        try:
+            super().check(model_config)
+        except UserError as e:
+            raise UserError(f"{e}; {model_config.family} models can be imported, exported and used for "
+                            "embeddings") from None
 
-    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        return model(batch[:, :-1], targets=batch[:, 1:])
-
-    def eval_loss(self, model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The batch's mean loss and what it averages over, in units alike for every batch
-        (rows: each has the same tokens), so that batches of any size weigh alike per token."""
-        return self.loss(model, batch), batch.shape[0]
+    def training_module(self, model: nn.Module) -> nn.Module:
+        return CausalLMModule(model)
 
     def tokens(self, batch: torch.Tensor) -> int:
-        return batch.shape[0] * (batch.shape[1] - 1)
-
-    def shape_key(self, batch) -> str:
-        return ""  # one shape per run
+        return self.blocks.tokens(batch)
 
     def example_batch(self, recipe, device) -> torch.Tensor:
-        return torch.zeros((recipe.data.micro_batch_size, recipe.data.seq_len + 1), dtype=torch.long, device=device)
+        return self.blocks.example_batch(recipe, device)

@@ -17,83 +17,84 @@ from __future__ import annotations
 import zlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from frugality.errors import UserError
-from frugality.tasks.causal_lm import CausalLM
+from frugality.tasks.base import Evaluated, PackedBlocks, RunSetup, Task, rank
 
 EVAL_SEED = 0xB3E7
 
 
-class MaskedLM(CausalLM):
-    """Packed token blocks as CausalLM's (its `tokens`, `shape_key`, `example_batch`)."""
+class MaskedLMModule(nn.Module):
+    """The encoder with its masked-LM head and loss: what DDP and FSDP2 wrap."""
 
-    name = "masked_lm"
-    families = ("bert",)
+    def __init__(self, model: nn.Module, setup: RunSetup) -> None:
+        super().__init__()
+        self.model, self.setup = model, setup
 
-    unused = ("pooler.", "head.", "logit_scale")  # the embedding model's parts
-
-    def __init__(self, mask_id: int | None = None, mask_prob: float = 0.15, special_ids: tuple[int, ...] = ()) -> None:
-        self.mask_id, self.mask_prob, self.special_ids = mask_id, mask_prob, tuple(special_ids)
-
-    def configure(self, mask_id: int, mask_prob: float, special_ids: tuple[int, ...] = ()) -> "MaskedLM":
-        """This task for a tokenizer's [MASK] id, a masking share, and the special tokens
-        ([SEP] between documents) that are never chosen."""
-        return MaskedLM(mask_id, mask_prob, special_ids)
-
-    def check(self, model) -> None:
-        if model.family not in self.families:
-            raise UserError(f"model.family {model.family!r}: task {self.name} trains encoders "
-                            f"({', '.join(self.families)})")
-        if not model.mlm_head:
-            raise UserError("train.task masked_lm needs model.mlm_head = true (the masked-LM head)")
-
-    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: torch.Tensor, evaluate: bool = False):
         tokens = batch[:, :-1]
-        if not model.training and tokens.device.type != "meta":
-            return self.eval_loss(model, batch)[0]
+        if evaluate:
+            inputs, targets = self._evaluation_masks(tokens)
+            return Evaluated(self._loss(inputs, targets), int((targets != -100).sum()))
         generator = None  # on the meta device (`frugality plan`), which has none
         if tokens.device.type != "meta":
             # torch seeds from 32 bits: one 32-bit draw, moved per rank by an odd constant
-            seed = (int(torch.randint(2**32, (1,)).item()) + _rank() * 0x9E3779B1) % 2**32
+            seed = (int(torch.randint(2**32, (1,)).item()) + rank() * 0x9E3779B1) % 2**32
             generator = torch.Generator(device=tokens.device).manual_seed(seed)
-        inputs, targets = self.mask(tokens, model_vocab(model), generator)
-        return model(inputs, mlm_targets=targets)
+        return self._loss(*mask(tokens, self.setup, self.model.config.vocab_size, generator))
 
-    def eval_loss(self, model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The loss at evaluation masks, and how many positions it averages over. Each row's
-        positions come from a fixed seed and the row's own tokens, so that a sample is masked
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model.mlm_logits(self.model(inputs)).float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    def _evaluation_masks(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's masks from a fixed seed and the row's own tokens: a sample is masked
         alike in any batch, at any micro-batch size and rank."""
-        tokens = batch[:, :-1]
-        vocab, rows = model_vocab(model), []
+        rows = []
         for row in tokens:
             seed = (EVAL_SEED + zlib.crc32(row.cpu().numpy().tobytes())) % 2**32
-            rows.append(self.mask(row[None], vocab, torch.Generator(device=row.device).manual_seed(seed)))
-        inputs, targets = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
-        return model(inputs, mlm_targets=targets), int((targets != -100).sum())
-
-    def mask(self, tokens: torch.Tensor, vocab_size: int, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.mask_id is None:
-            raise RuntimeError("MaskedLM needs configure(mask_id, ...) before use")
-        draw = torch.rand(tokens.shape, generator=generator, device=tokens.device)
-        chosen = draw < self.mask_prob
-        if self.special_ids:
-            chosen &= ~torch.isin(tokens, torch.tensor(self.special_ids, device=tokens.device))
-        targets = torch.where(chosen, tokens, torch.full_like(tokens, -100))
-        kind = torch.rand(tokens.shape, generator=generator, device=tokens.device)
-        random_ids = torch.randint(vocab_size, tokens.shape, generator=generator, device=tokens.device)
-        inputs = torch.where(chosen & (kind < 0.8), torch.full_like(tokens, self.mask_id), tokens)
-        inputs = torch.where(chosen & (kind >= 0.8) & (kind < 0.9), random_ids, inputs)
-        return inputs, targets
+            generator = torch.Generator(device=row.device).manual_seed(seed)
+            rows.append(mask(row[None], self.setup, self.model.config.vocab_size, generator))
+        return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
 
 
-def _rank() -> int:
-    """This process's data-parallel rank (every rank is one: frugality's parallelism is data
-    parallelism), 0 outside a process group."""
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def mask(tokens: torch.Tensor, setup: RunSetup, vocab_size: int, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets): BERT's 80/10/10 replacement at `setup.mask_prob` of the positions
+    (never the special tokens); targets are -100 where nothing is predicted."""
+    if setup.mask_id is None:
+        raise RuntimeError("MaskedLM needs configured(mask_id=...) before use")
+    draw = torch.rand(tokens.shape, generator=generator, device=tokens.device)
+    chosen = draw < setup.mask_prob
+    if setup.special_ids:
+        chosen &= ~torch.isin(tokens, torch.tensor(setup.special_ids, device=tokens.device))
+    targets = torch.where(chosen, tokens, torch.full_like(tokens, -100))
+    kind = torch.rand(tokens.shape, generator=generator, device=tokens.device)
+    random_ids = torch.randint(vocab_size, tokens.shape, generator=generator, device=tokens.device)
+    inputs = torch.where(chosen & (kind < 0.8), torch.full_like(tokens, setup.mask_id), tokens)
+    inputs = torch.where(chosen & (kind >= 0.8) & (kind < 0.9), random_ids, inputs)
+    return inputs, targets
 
 
-def model_vocab(model: nn.Module) -> int:
-    module = getattr(model, "module", model)  # inside a DDP wrapper
-    return module.config.vocab_size
+class MaskedLM(Task):
+    name = "masked_lm"
+    families = ("bert",)
+    trains = "encoders"
+    unused = ("pooler.", "head.", "logit_scale")  # the embedding model's parts
+
+    blocks = PackedBlocks()
+
+    def check(self, model_config) -> None:
+        super().check(model_config)
+        if not model_config.mlm_head:
+            raise UserError("train.task masked_lm needs model.mlm_head = true (the masked-LM head)")
+
+    def training_module(self, model: nn.Module) -> nn.Module:
+        return MaskedLMModule(model, self.setup)
+
+    def tokens(self, batch: torch.Tensor) -> int:
+        return self.blocks.tokens(batch)
+
+    def example_batch(self, recipe, device) -> torch.Tensor:
+        return self.blocks.example_batch(recipe, device)

@@ -30,6 +30,16 @@ class StepResult:
     rejected: str | None = None  # why the update was not applied (a non-finite value, a spike)
     record: dict = field(default_factory=dict)  # what callbacks measured, for the log
     tokens: int = 0  # the tokens every rank's forwards processed in this step, as the task counts them
+    logs: dict = field(default_factory=dict)  # other records for the log, by kind ("memory": {...})
+    rolled_back_to: int | None = None  # set by a policy that restored a checkpoint (the loop goes on from its step)
+
+
+@dataclass
+class RunEnd:
+    """The end of a session, as callbacks see it: the sections of the summary they publish
+    (throughput's peak, memory, cost), for the summary to write."""
+
+    summary: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -54,21 +64,21 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
             group["lr"] = lr
         batches = state.data.stream.next_step()
         phase = "train" + state.task.shape_key(batches[0])  # a length bucket's first step is its warm-up
-        loss, norm = _run(state, callbacks, phase, state.step + 1, lambda: train_step(state, batches))
+        loss, norm, rejected = _run(state, callbacks, phase, state.step + 1, lambda: train_step(state, batches))
         state.step += 1
         tokens = step_tokens(state, batches)
         state.tokens_seen += tokens
-        callbacks.on_step_end(state, StepResult(state.step, loss, norm, lr, time.perf_counter() - t0,
-                                                state.step == stop_at, state.rejected, tokens=tokens))
-        if state.rolled_back:  # a policy restored the last checkpoint: go on from its step
-            state.rolled_back = False
+        result = StepResult(state.step, loss, norm, lr, time.perf_counter() - t0, state.step == stop_at, rejected,
+                            tokens=tokens)
+        callbacks.on_step_end(state, result)
+        if result.rolled_back_to is not None:  # a policy restored the last checkpoint: go on from its step
             continue
         if state.step % recipe.train.eval_interval == 0 or state.step == recipe.train.steps:
             evaluate(state, callbacks)
         callbacks.on_step_done(state)  # after evaluation: checkpoints see the step's whole result
         if state.stop_requested:  # asked during the step (or the evaluation before it): stop, saved
             break
-    callbacks.on_train_end(state)
+    callbacks.on_train_end(state, RunEnd())
 
 
 def step_tokens(state: TrainState, batches: list) -> int:
@@ -82,21 +92,22 @@ def step_tokens(state: TrainState, batches: list) -> int:
     return int(all_sum([mine], state.device)[0])
 
 
-def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[float, float]:
+def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[float, float, str | None]:
     """One optimizer step over micro-batches of the task's batches: forward and backward
-    each (loss divided by their count), clip the global gradient norm, update — unless the
-    loss or the gradients are not finite, or the loss spikes (`train.loss_spike`): then
-    nothing is applied and `state.rejected` says why (every rank decides alike: the loss is
-    the ranks' mean, the norm global). Returns (mean loss, gradient norm before clipping)."""
-    model, optimizer = state.model, state.optimizer
-    model.train()
+    each through the task's training module (loss divided by their count), clip the global
+    gradient norm, update — unless the loss or the gradients are not finite, or the loss
+    spikes (`train.loss_spike`): then nothing is applied (every rank decides alike: the loss
+    is the ranks' mean, the norm global). Returns (mean loss, gradient norm before
+    clipping, why the update was not applied or None)."""
+    model, optimizer, wrapped = state.model, state.optimizer, state.wrapped
+    wrapped.train()
     total = torch.zeros((), device=state.device)
     for i, batch in enumerate(micro_batches):
         # several ranks: gradients are reduced with the last micro-batch's backward only
         last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else no_sync(model):
+        with contextlib.nullcontext() if last else no_sync(wrapped):
             with state.autocast:
-                loss = state.task.loss(model, batch.to(state.device, non_blocking=True))
+                loss = wrapped(batch.to(state.device, non_blocking=True))
             (loss / len(micro_batches)).backward()
         total += loss.detach()
     max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
@@ -108,14 +119,14 @@ def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[fl
         clip = torch.nn.utils.get_total_norm(grads, foreach=True)
         norm = clip.full_tensor() if hasattr(clip, "full_tensor") else clip  # FSDP2: a DTensor
     loss, norm = all_mean((total / len(micro_batches)).item(), state.device), norm.item()
-    state.rejected = _first_nonfinite(state.module, loss, norm) or _spike(state, loss)
-    if state.rejected is None:
+    rejected = _first_nonfinite(model, loss, norm) or _spike(state, loss)
+    if rejected is None:
         if clip is not None:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, clip, foreach=True)
         optimizer.step()
         state.recent_losses.append(loss)
     optimizer.zero_grad(set_to_none=True)  # (BF16AdamW: drops a pending clip scale too)
-    return loss, norm
+    return loss, norm, rejected
 
 
 def _first_nonfinite(model: torch.nn.Module, loss: float, norm: float) -> str | None:
@@ -147,39 +158,22 @@ def _spike(state: TrainState, loss: float) -> str | None:
 
 @torch.no_grad()
 def validation_loss(state: TrainState) -> tuple[float, dict]:
-    """The mean loss over every rank's counted validation batches; for tasks that embed
-    (contrastive), also recall@k and MRR of the held-out queries among every rank's
-    held-out positives, from the same forwards (`task.evaluate`)."""
-    state.model.eval()
-    losses, weights, pairs = [], [], []
+    """The mean loss over every rank's counted validation batches, each batch's mean weighted
+    by what it averages over (rows, masked positions, pairs): the same samples give the same
+    loss whatever the micro-batch and the ranks (batches may be short); and the task's
+    figures from the same forwards (contrastive: recall@k and MRR over every rank's
+    held-out pairs)."""
+    state.wrapped.eval()
+    done = []
     for batch in state.data.val_batches:
         with state.autocast:
-            if hasattr(state.task, "evaluate"):
-                loss, embedded = state.task.evaluate(state.model, batch.to(state.device))
-                pairs.append(embedded)
-                weight = batch.pairs
-            else:
-                loss, weight = state.task.eval_loss(state.model, batch.to(state.device))
-        losses.append(loss)
-        weights.append(weight)
+            done.append(state.wrapped(batch.to(state.device), evaluate=True))
     n = state.data.val_counted
-    metrics = retrieval_metrics(state, pairs) if hasattr(state.task, "evaluate") else {}
-    # each batch's mean weighted by what it averages over (rows, masked tokens, pairs): the
-    # mean over the same tokens whatever the micro-batch and the ranks (batches may be short)
-    total, count = all_sum([sum(loss.item() * w for loss, w in zip(losses[:n], weights[:n]) if w), sum(weights[:n])],
-                           state.device)
+    metrics = state.task.metrics([d.outputs for d in done], n, all_gather_rows)
+    counted = done[:n]
+    total, count = all_sum([sum(d.loss.item() * d.weight for d in counted if d.weight),
+                            sum(d.weight for d in counted)], state.device)
     return total / count, metrics
-
-
-def retrieval_metrics(state: TrainState, pairs: list) -> dict:
-    """recall@k and MRR from each validation batch's (queries, positives), the counted
-    batches only, gathered from every rank."""
-    counted = pairs[: state.data.val_counted] or [(q[:0], p[:0]) for q, p in pairs[:1]]  # a rank may count none
-    queries = torch.cat([q for q, _ in counted]).cpu()
-    positives = torch.cat([p for _, p in counted]).cpu()
-    if state.world.distributed:
-        queries, positives = all_gather_rows(queries), all_gather_rows(positives)
-    return state.task.retrieval_metrics(queries, positives)
 
 
 def evaluate(state: TrainState, callbacks) -> float:

@@ -32,7 +32,7 @@ from frugality.runtime.state import TrainState, build_state, check_recipe
 from frugality.training import rng
 from frugality.training import run_dir as rundir
 from frugality.training.callbacks import Callbacks
-from frugality.training.callbacks.checkpointing import Checkpointing, restore_training_state
+from frugality.training.callbacks.checkpointing import Checkpointing
 from frugality.training.callbacks.cost import Cost
 from frugality.training.callbacks.memory import Memory
 from frugality.training.callbacks.divergence import DivergenceGuard
@@ -46,6 +46,7 @@ from frugality.training.callbacks.watchdog import Watchdog
 from frugality.runtime.host_memory import keep_freed_memory
 from frugality.runtime.optim import apply_fused_choice
 from frugality.training.loop import fit
+from frugality.training.restore import restore
 
 
 @dataclass
@@ -112,35 +113,39 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
             rundir.open_run(plan, recipe, state.step if plan.resume_from is not None else None)
         distributed.barrier()
 
-        throughput, cost, summary = Throughput(), Cost(run_path, world.is_main), None
-        callbacks = [StopOnSignal(), CloseCompileSession(), throughput, cost, DivergenceGuard(checkpoints),
-                     Checkpointing(checkpoints, stop_at)]
-        if world.is_main:  # one rank writes the log, shows progress and summarises
-            log = RunLog(run_path, tensorboard)
-            memory = Memory(log)
-            summary = Summary(run_path, throughput, memory, cost)
-            header = _header(state, plan, source, init_from, resume_optimizer)
-            callbacks[5:5] = [memory, log, Progress(header, progress, stop_at)]  # after the guard: it marks skips
-            callbacks.append(summary)
-        if recipe.train.step_timeout_s:
-            callbacks.insert(0, Watchdog(run_path, recipe.train.step_timeout_s))
-        if "@" in os.environ.get(FAULT_ENV_VAR, ""):  # the reliability suite's faults, after the checkpoints
-            callbacks.append(FaultInjector(os.environ[FAULT_ENV_VAR], run_path, checkpoints))
-        callbacks = Callbacks(*callbacks)
+        # The callbacks, in the order each hook calls them. One rank (the first) writes the log,
+        # shows progress and summarises; the others keep the rest.
+        main = world.is_main
+        faults = os.environ.get(FAULT_ENV_VAR, "")
+        summary = Summary(run_path) if main else None
+        callbacks = Callbacks(*(c for c in (
+            Watchdog(run_path, recipe.train.step_timeout_s) if recipe.train.step_timeout_s else None,
+            StopOnSignal(),
+            CloseCompileSession(),  # publishes the compiled graphs before the summary names them
+            Throughput(),  # tokens/s and MFU into each step's record
+            Cost(run_path, main),  # elapsed time, dollars and energy into the records; the summary's cost
+            DivergenceGuard(checkpoints),  # marks skipped steps (before the log), rolls back
+            Memory() if main else None,  # the first step's memory, for the log and the summary
+            RunLog(run_path, tensorboard) if main else None,
+            Progress(_header(state, plan, source, init_from, resume_optimizer), progress, stop_at) if main else None,
+            Checkpointing(checkpoints, stop_at),  # after evaluation: a checkpoint sees the step's whole result
+            summary,  # last at the end: what the others published
+            FaultInjector(faults, run_path, checkpoints) if "@" in faults else None,  # the reliability suite's
+        ) if c is not None))
         start = state.step
-        try:
-            state.compiled.start(state.module)  # the blocks inside a DDP wrapper
-            fit(state, callbacks, stop_at)
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            if not _out_of_memory(e):
-                raise
-            raise UserError(f"out of memory on {device} in step {state.step + 1} ({str(e).splitlines()[0][:160]}); "
-                            f"lower data.micro_batch_size ({recipe.data.micro_batch_size}; the global batch is kept, "
-                            "by accumulation); checkpoints already written are kept") from None
-        finally:
-            callbacks.on_exit(state)
-            state.compiled.close()  # publishes what was compiled, even when the run stopped on an error
-            state.compiled.cleanup()
+        # the blocks compiled (or fetched) once any checkpoint is loaded; published and cleaned up however it ends
+        with state.compiled.active(state.model):
+            try:
+                fit(state, callbacks, stop_at)
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not _out_of_memory(e):
+                    raise
+                raise UserError(f"out of memory on {device} in step {state.step + 1} "
+                                f"({str(e).splitlines()[0][:160]}); lower data.micro_batch_size "
+                                f"({recipe.data.micro_batch_size}; the global batch is kept, by accumulation); "
+                                "checkpoints already written are kept") from None
+            finally:
+                callbacks.on_exit(state)
         return TrainResult(run_path, start, state.step, state.stop_requested,
                            summary.evals if summary else {}, summary.summary if summary else {})
 
@@ -157,11 +162,11 @@ def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: boo
     seed = state.recipe.seed + 1  # seeded apart from initialisation so both orders of events reproduce
     if source is not None:
         if resume_optimizer:
-            check_compatible(source, state.module)
+            check_compatible(source, state.model)
             CheckpointManager(source.path.parent).load(source.path, state.model, state.optimizer)
             apply_fused_choice(state.optimizer, state.recipe.train.fused_optimizer)
         else:
-            fresh = load_weights(source, state.module)
+            fresh = load_weights(source, state.model)
             if fresh:
                 state.choices.append(f"--init-from has no {', '.join(sorted({n.rsplit('.', 1)[0] for n in fresh}))}: "
                                      "trained from their initialisation")
@@ -172,15 +177,12 @@ def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: boo
             raise UserError(f"{plan.resume_from}: trained with {str(stored).removeprefix('torch.')} weights, but "
                             f"this run resolves train.precision = {state.recipe.train.precision!r} to "
                             f"{state.policy.name} here; resume with the run's precision (--set train.precision=...)")
-        extra = checkpoints.load(plan.resume_from, state.model, state.optimizer)
-        apply_fused_choice(state.optimizer, state.recipe.train.fused_optimizer)
+        extra = restore(state, checkpoints, plan.resume_from)
         saved = extra.get("precision", state.policy.name)
         if saved != state.policy.name:  # e.g. `auto` resolving otherwise on another machine
             raise UserError(f"{plan.resume_from}: trained with precision {saved}, but this run resolves "
                             f"train.precision = {state.recipe.train.precision!r} to {state.policy.name} here; "
                             f"resume with --set train.precision={saved}")
-        state.step = step_of(plan.resume_from)
-        restore_training_state(state, extra)
     else:
         rng.seed_everything(seed)
 

@@ -1,5 +1,5 @@
 from frugality.training.callbacks.progress import Progress
-from frugality.training.loop import StepResult
+from frugality.training.loop import RunEnd, StepResult
 
 
 def test_the_whole_header_is_printed_with_progress_or_without(state, step, capsys):
@@ -12,7 +12,7 @@ def test_the_whole_header_is_printed_with_progress_or_without(state, step, capsy
     loud = Progress(header, enabled=True, stop_at=10)
     loud.on_train_start(state)
     state.stop_requested = True
-    loud.on_train_end(state)
+    loud.on_train_end(state, RunEnd())
     out = capsys.readouterr().out
     assert "the run" in out and f"stopped by signal after step {state.step}" in out
 

@@ -1,7 +1,7 @@
 import json
 import math
 
-from frugality.training.loop import EvalResult
+from frugality.training.loop import EvalResult, RunEnd
 from frugality.training.callbacks.run_log import CloseCompileSession, RunLog
 
 
@@ -17,7 +17,7 @@ def test_train_records_every_log_interval_and_at_the_last_step_evals_and_compile
         result = step(state, final=i == 3)
         result.record["tokens_per_s"] = 100.0
         log.on_step_end(state, result)
-    log.on_train_end(state)
+    log.on_train_end(state, RunEnd())
     records = _records(tmp_path)
     assert [(r["kind"], r["step"]) for r in records] == [("compile", 0), ("eval", 0), ("train", 3), ("train", 4),
                                                           ("compile", 4)]
@@ -29,5 +29,5 @@ def test_train_records_every_log_interval_and_at_the_last_step_evals_and_compile
 def test_the_compile_session_is_closed_at_the_end(state):
     closed = []
     state.compiled.close = lambda: closed.append(1)
-    CloseCompileSession().on_train_end(state)
+    CloseCompileSession().on_train_end(state, RunEnd())
     assert closed == [1]

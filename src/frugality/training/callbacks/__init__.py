@@ -4,7 +4,14 @@ their order, and the loop calls every hook of each, in that order.
 
 Hooks (all optional): on_train_start(state), on_compiled(state, phase),
 on_step_end(state, result), on_eval(state, result), on_step_done(state),
-on_train_end(state), on_exit(state) (always, also after an error).
+on_train_end(state, end), on_exit(state) (always, also after an error).
+
+Callbacks never hold or call each other. What one measures for others it publishes on
+what the hook passes: a step's `StepResult` (`record`, the log's fields; `logs`, other
+records for the log by kind; `rolled_back_to`), an evaluation's `EvalResult.record`, and at
+the end `RunEnd.summary` (sections of `summary.json`). A callback that reads what another
+publishes comes after it in the trainer's list, which is written in one place, top to
+bottom, in hook order.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ class Callback:
     def on_step_end(self, state, result) -> None: ...
     def on_eval(self, state, result) -> None: ...
     def on_step_done(self, state) -> None: ...
-    def on_train_end(self, state) -> None: ...
+    def on_train_end(self, state, end) -> None: ...
     def on_exit(self, state) -> None: ...
 
 

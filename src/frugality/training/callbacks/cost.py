@@ -133,8 +133,10 @@ class Cost(Callback):
             result.record.update({k: v for k, v in point.items() if k not in ("step", "loss")},
                                  tokens=self.tokens_seen)
 
-    def on_train_end(self, state) -> None:
+    def on_train_end(self, state, end) -> None:
         self._gather(state)
+        if self.main:
+            end.summary["cost"] = self.figures(state.tokens_seen, state.recipe.cost.target_loss)
 
     def _gather(self, state) -> None:
         """Every rank's joules of this session summed, and how many ranks measured them."""

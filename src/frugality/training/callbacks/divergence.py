@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import warnings
 
-from frugality.checkpoint import step_of
 from frugality.errors import FrugalityWarning, RunDiverged
-from frugality.runtime.optim import apply_fused_choice
 from frugality.training.callbacks import Callback
-from frugality.training.callbacks.checkpointing import restore_training_state
+from frugality.training.restore import restore
 
 
 class DivergenceGuard(Callback):
@@ -53,7 +51,7 @@ class DivergenceGuard(Callback):
         if train.on_nonfinite == "rollback" or self.in_a_row >= train.max_skipped:
             if train.on_nonfinite == "skip":
                 what += f", {self.in_a_row} steps in a row"
-            result.record["rolled_back_to"] = self._roll_back(state, what)
+            result.rolled_back_to = result.record["rolled_back_to"] = self._roll_back(state, what)
             return
         if state.world.is_main:
             warnings.warn(f"{what}; its update was skipped ({self.in_a_row} in a row, rolling back at "
@@ -72,13 +70,9 @@ class DivergenceGuard(Callback):
         path = self.checkpoints.latest() if self.checkpoints is not None else None
         if path is None:
             raise RunDiverged(f"{what}; stopping: no checkpoint to roll back to yet")
-        extra = self.checkpoints.load(path, state.model, state.optimizer)
-        apply_fused_choice(state.optimizer, state.recipe.train.fused_optimizer)  # not the saved groups' flags
-        restore_training_state(state, extra)
-        state.step = step_of(path)
+        restore(state, self.checkpoints, path)
         self.rollbacks = done + 1
         state.data.stream.reshuffle(self.rollbacks)  # from the restored position: other batches each time
-        state.rolled_back = True
         self.in_a_row = 0
         if state.world.is_main:
             warnings.warn(f"{what}; rolled back to {path.name}, the rest of the epoch reshuffled "

@@ -65,7 +65,7 @@ class FaultInjector(Callback):
         if self.kind in ("kill_in_save", "enospc"):
             self.checkpoints.on_files_written = lambda step, partial: self._in_save(state, step)
         if self.kind == "nan":
-            for p in state.module.parameters():
+            for p in state.model.parameters():
                 p.register_hook(lambda g, state=state: self._poison(state, g))
 
     def _poison(self, state, grad: torch.Tensor) -> torch.Tensor:

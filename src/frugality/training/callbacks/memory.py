@@ -1,5 +1,6 @@
 """Training-state bytes per parameter (weights, gradients, optimizer moments) and peak
-memory, measured once after the first step, when gradients and moments exist."""
+memory, measured once after the first step, when gradients and moments exist: published
+as the step's "memory" record for the log, and as the summary's `memory` section."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ from frugality.training.callbacks import Callback
 
 
 class Memory(Callback):
-    def __init__(self, log) -> None:
-        self.log = log  # a RunLog
+    def __init__(self) -> None:
         self.record: dict[str, float] = {}
 
     def on_step_end(self, state, result) -> None:
@@ -20,4 +20,7 @@ class Memory(Callback):
         self.record = {"training_state_bytes": bytes_, "bytes_per_param": bytes_ / n,
                        "policy_bytes_per_param": state.policy.state_bytes_per_param,
                        "peak_memory_bytes": peak_memory_bytes(state.device)}
-        self.log.logger.log("memory", result.step, self.record)
+        result.logs["memory"] = dict(self.record)
+
+    def on_train_end(self, state, end) -> None:
+        end.summary["memory"] = self.record | {"peak_memory_bytes": peak_memory_bytes(state.device)}

@@ -33,7 +33,7 @@ class Progress(Callback):
         if self.bar is not None and state.step:
             self.bar.set_postfix(val=f"{result.loss:.3f}", refresh=False)
 
-    def on_train_end(self, state) -> None:
+    def on_train_end(self, state, end) -> None:
         self.on_exit(state)
         if state.stop_requested:  # the checkpoint was written at the step's end
             tqdm.write(f"stopped by signal after step {state.step}; checkpoint saved, rerun to resume")

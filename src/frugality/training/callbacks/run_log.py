@@ -17,6 +17,8 @@ class RunLog(Callback):
         self.logger.log("compile", state.step if phase == "eval" else state.step + 1, compile_record(state))
 
     def on_step_end(self, state, result) -> None:
+        for kind, values in result.logs.items():  # what other callbacks measured, by kind
+            self.logger.log(kind, result.step, values)
         if result.step % state.recipe.train.log_interval == 0 or result.final:
             self.logger.log("train", result.step, {"loss": result.loss, "grad_norm": result.grad_norm,
                                                    "lr": result.lr, **result.record,
@@ -29,7 +31,7 @@ class RunLog(Callback):
             record["perplexity"] = math.exp(loss) if loss < 700 else math.inf
         self.logger.log("eval", state.step, {**record, **result.record})
 
-    def on_train_end(self, state) -> None:
+    def on_train_end(self, state, end) -> None:
         if state.compiled.enabled:
             self.logger.log("compile", state.step, compile_record(state))
         self.logger.close()  # flushed before the summary reads it back
@@ -46,5 +48,5 @@ class CloseCompileSession(Callback):
     """At the end of training: publish what was compiled before the last compile record and
     the summary are written (the trainer closes it again, harmlessly, on every exit)."""
 
-    def on_train_end(self, state) -> None:
+    def on_train_end(self, state, end) -> None:
         state.compiled.close()

@@ -35,7 +35,7 @@ class StopOnSignal(Callback):
             asked = all_sum([float(asked)], state.device)[0] > 0
         state.stop_requested = asked
 
-    def on_train_end(self, state) -> None:
+    def on_train_end(self, state, end) -> None:
         self.on_exit(state)
 
     def on_exit(self, state) -> None:

@@ -15,15 +15,18 @@ import statistics
 import time
 
 from frugality.metrics.flops import non_embedding_params
-from frugality.metrics.memory import peak_memory_bytes
 from frugality.training import run_dir as rundir
 from frugality.training.callbacks import Callback
 
 
 class Summary(Callback):
-    def __init__(self, run_dir, throughput, memory, cost=None) -> None:
-        self.run_dir, self.throughput, self.memory, self.cost = run_dir, throughput, memory, cost
+    """Reads what the callbacks before it publish: each step's record (tokens/s, MFU and
+    step time from Throughput) and the end's sections (peak, memory, cost)."""
+
+    def __init__(self, run_dir) -> None:
+        self.run_dir = run_dir
         self.start_step = 0
+        self.steps: list[dict] = []  # this session's step records
         self.evals: dict[int, float] = {}
         self.eval_metrics: dict[int, dict] = {}  # what an evaluation measured besides the loss
         self.train_loss: float | None = None
@@ -35,13 +38,14 @@ class Summary(Callback):
 
     def on_step_end(self, state, result) -> None:
         self.train_loss = result.loss
+        self.steps.append(result.record)
 
     def on_eval(self, state, result) -> None:
         self.evals[state.step] = result.loss
         self.eval_metrics[state.step] = _retrieval(result.record)
 
-    def on_train_end(self, state) -> None:
-        recipe, t = state.recipe, self.throughput
+    def on_train_end(self, state, end) -> None:
+        recipe = state.recipe
         evals, metrics, earlier = dict(self.evals), dict(self.eval_metrics), []
         for record in _records(self.run_dir / rundir.METRICS_FILE):
             if record.get("kind") == "eval":
@@ -50,9 +54,9 @@ class Summary(Callback):
             elif record.get("kind") == "train" and record.get("step", 0) <= self.start_step:
                 earlier.append(record)  # an earlier session's logged steps (the log is cut at the resume)
         # every part of the run: this session's steps and the earlier sessions' logged ones
-        times = t.step_times + [r["step_time_s"] for r in earlier if _number(r.get("step_time_s"))]
-        rates = t.tokens_per_s() + [r["tokens_per_s"] for r in earlier if _number(r.get("tokens_per_s"))]
-        mfus = t.mfus() + [r["mfu"] for r in earlier if _number(r.get("mfu"))]
+        parts = self.steps + earlier
+        times, rates, mfus = ([r[key] for r in parts if _number(r.get(key))]
+                              for key in ("step_time_s", "tokens_per_s", "mfu"))
         previous = rundir.read_summary(self.run_dir) if self.start_step else {}
         if not previous or not 0 < previous.get("final_step", 0) <= self.start_step:
             previous = {}  # none, or not of an earlier part of this run
@@ -70,21 +74,22 @@ class Summary(Callback):
             "tokens_seen": state.tokens_seen,
             "sessions": previous.get("sessions", 1) + 1 if previous else 1,
             "wall_time_s": round(previous.get("wall_time_s", 0) + time.perf_counter() - self.wall_start, 2),
-            "train_time_s": round(previous.get("train_time_s", 0) + sum(t.step_times), 2),
+            "train_time_s": round(previous.get("train_time_s", 0) + sum(r.get("step_time_s", 0) for r in self.steps),
+                                  2),
             "median_step_time_s": _median(times, 4),
             "median_tokens_per_s": _median(rates, 1),
             "median_mfu": _median(mfus, 4),
-            "peak_flops": t.peak,
+            "peak_flops": end.summary.get("peak_flops"),
             "final_train_loss": self.train_loss,
             "first_val_loss": evals[min(evals)] if evals else None,
             "final_val_loss": evals[max(evals)] if evals else None,
             "val_losses": {str(k): v for k, v in sorted(evals.items())},
             "final_eval_metrics": metrics[max(metrics)] if metrics else {},
-            "memory": self.memory.record | {"peak_memory_bytes": peak_memory_bytes(state.device)},
+            "memory": end.summary.get("memory", {}),
             "compile": state.compiled.stats.as_dict(),
         }
-        if self.cost is not None:
-            self.summary["cost"] = self.cost.figures(state.tokens_seen, recipe.cost.target_loss)
+        if "cost" in end.summary:
+            self.summary["cost"] = end.summary["cost"]
         rundir.write_summary(self.run_dir, self.summary)
 
 

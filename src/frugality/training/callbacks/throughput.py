@@ -7,7 +7,6 @@ import statistics
 
 from frugality.metrics.flops import training_flops_per_token
 from frugality.metrics.peak import mfu, peak_flops
-from frugality.paths import cache_dir
 from frugality.training.callbacks import Callback
 
 
@@ -29,7 +28,7 @@ class Throughput(Callback):
         self.flops_per_token = training_flops_per_token(state.model, r.model.num_layers, r.model.hidden_size,
                                                         r.data.seq_len)
         self.peak = (r.metrics.peak_tflops * 1e12 if r.metrics.peak_tflops
-                     else peak_flops(state.device, state.policy.compute_dtype, cache_dir() / "peak_flops.json"))
+                     else peak_flops(state.device, state.policy.compute_dtype))
         self.peak *= state.world.world_size  # tokens/s are global: against every rank's device
 
     def on_step_end(self, state, result) -> None:
@@ -46,6 +45,9 @@ class Throughput(Callback):
     def mfus(self) -> list[float]:
         found = (mfu(self.flops_per_token * rate, self.peak) for rate in self.tokens_per_s())
         return [m for m in found if m is not None]
+
+    def on_train_end(self, state, end) -> None:
+        end.summary["peak_flops"] = self.peak
 
     def median_step_time(self) -> float | None:
         return statistics.median(self.step_times) if self.step_times else None
