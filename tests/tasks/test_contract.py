@@ -63,3 +63,22 @@ def test_the_loop_and_the_builder_do_not_probe_tasks():
     found = subprocess.run(["grep", "-rn", "hasattr(task\\|hasattr(state.task", str(SRC / "runtime"),
                             str(SRC / "training")], capture_output=True, text=True).stdout
     assert found == "", found
+
+
+def test_the_documented_example_task_keeps_the_contract():
+    """docs/architecture.md's whole example of a task, run as written."""
+    import re
+
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    [example] = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    namespace: dict = {}
+    exec(compile(example, "architecture.md", "exec"), namespace)
+    task = namespace["SuffixLM"]()
+    assert isinstance(task, Task) and not inspect.isabstract(type(task))
+    recipe = Recipe.model_validate({"name": "example", "model": {"family": "gpt-neox", **SMALL["gpt-neox"]},
+                                    "data": {"seq_len": 16, "global_batch_size": 2, "micro_batch_size": 2}})
+    module = task.training_module(build_model(recipe.model))
+    batch = torch.randint(0, 128, (2, 17))
+    loss = module(batch)
+    loss.backward()
+    assert loss.dim() == 0 and torch.isfinite(loss) and module(batch, evaluate=True).weight == 2
