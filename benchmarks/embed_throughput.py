@@ -41,16 +41,39 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:  # the command as a user runs it
         source = Path(tmp) / "glosses.jsonl"
         source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-        done = subprocess.run([sys.executable, "-m", "frugality", "embed", model, str(source), "--out",
-                               str(Path(tmp) / "out"), "--precision", args.precision, "--no-progress"],
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "frugality",
+                "embed",
+                model,
+                str(source),
+                "--out",
+                str(Path(tmp) / "out"),
+                "--precision",
+                args.precision,
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         job = done.stdout.strip().splitlines()[-1]
-    header = (f"# Embedding throughput, all-MiniLM-L6-v2 on {len(texts):,} WordNet glosses\n\n{machine_line()} "
-              f"Best of {args.rounds} alternating rounds; tokenization included; batch {args.batch} texts for both "
-              f"(frugality: at most {args.batch * 32} padded tokens per batch).\n\n")
+    header = (
+        f"# Embedding throughput, all-MiniLM-L6-v2 on {len(texts):,} WordNet glosses\n\n{machine_line()} "
+        f"Best of {args.rounds} alternating rounds; tokenization included; batch {args.batch} texts for both "
+        f"(frugality: at most {args.batch * 32} padded tokens per batch).\n\n"
+    )
     footer = f"\n\n`frugality embed` over the same texts (whole job, `--nproc auto`): {job.split(': ', 1)[1]}\n"
-    write_results(Path(__file__).parent / "results", "embed_throughput", "minilm", header, markdown_table(rows) + footer,
-                  rows_json(rows))
+    write_results(
+        Path(__file__).parent / "results",
+        "embed_throughput",
+        "minilm",
+        header,
+        markdown_table(rows) + footer,
+        rows_json(rows),
+    )
     return 0
 
 

@@ -78,8 +78,22 @@ def run(recipe: Path, run_dir: Path, nproc: int, fault: str | None) -> tuple[int
     env.pop("FRUGALITY_INJECT_FAULT", None)
     if fault:
         env["FRUGALITY_INJECT_FAULT"] = fault
-    command = [sys.executable, "-m", "frugality", "train", str(recipe), "--run-dir", str(run_dir), "--no-progress",
-               "--nproc", str(nproc), "--retries", "2", "--set", "train.retry_backoff_s=0"]
+    command = [
+        sys.executable,
+        "-m",
+        "frugality",
+        "train",
+        str(recipe),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--nproc",
+        str(nproc),
+        "--retries",
+        "2",
+        "--set",
+        "train.retry_backoff_s=0",
+    ]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     return done.returncode, time.perf_counter() - start, done.stderr
@@ -155,28 +169,51 @@ def main() -> int:
                 else:
                     identical = digest == reference
                     compared = "the uninterrupted run"
-                rows.append({"nproc": nproc, "fault": fault, "what": what, "completed": status == 0,
-                             "bit_identical": identical, "compared_with": compared,
-                             "attempts": causes, "operator": operator or "", "recomputed_steps": recomputed,
-                             "wall_s": round(wall, 1), "reference_s": round(reference_s, 1),
-                             "lost_s": round(wall - reference_s, 1)})
-                print(f"{nproc} proc, {fault}: completed={status == 0} identical={identical} "
-                      f"lost {wall - reference_s:.1f} s; {' / '.join(causes)}", file=sys.stderr)
-    lines = ["| ranks | fault | completed | bit-identical | attempts (how each ended) | rerun outside | "
-             "steps recomputed | wall s (uninterrupted) | time lost s |", "|" + "---|" * 9]
+                rows.append(
+                    {
+                        "nproc": nproc,
+                        "fault": fault,
+                        "what": what,
+                        "completed": status == 0,
+                        "bit_identical": identical,
+                        "compared_with": compared,
+                        "attempts": causes,
+                        "operator": operator or "",
+                        "recomputed_steps": recomputed,
+                        "wall_s": round(wall, 1),
+                        "reference_s": round(reference_s, 1),
+                        "lost_s": round(wall - reference_s, 1),
+                    }
+                )
+                print(
+                    f"{nproc} proc, {fault}: completed={status == 0} identical={identical} "
+                    f"lost {wall - reference_s:.1f} s; {' / '.join(causes)}",
+                    file=sys.stderr,
+                )
+    lines = [
+        "| ranks | fault | completed | bit-identical | attempts (how each ended) | rerun outside | "
+        "steps recomputed | wall s (uninterrupted) | time lost s |",
+        "|" + "---|" * 9,
+    ]
     for r in rows:
-        lines.append(f"| {r['nproc']} | `{r['fault']}`: {r['what']} | {'yes' if r['completed'] else 'NO'} | "
-                     f"{'yes' if r['bit_identical'] else 'NO'} (vs {r['compared_with']}) | "
-                     f"{'; '.join(r['attempts'])} | {r['operator'] or '-'} | {r['recomputed_steps']} | {r['wall_s']} ({r['reference_s']}) | "
-                     f"{r['lost_s']} |")
+        lines.append(
+            f"| {r['nproc']} | `{r['fault']}`: {r['what']} | {'yes' if r['completed'] else 'NO'} | "
+            f"{'yes' if r['bit_identical'] else 'NO'} (vs {r['compared_with']}) | "
+            f"{'; '.join(r['attempts'])} | {r['operator'] or '-'} | {r['recomputed_steps']} | "
+            f"{r['wall_s']} ({r['reference_s']}) | "
+            f"{r['lost_s']} |"
+        )
     survived = sum(r["completed"] and r["bit_identical"] for r in rows)
-    header = (f"# Fault-injection suite, {args.steps}-step micro recipe\n\n{machine_line()}\n"
-              f"`frugality train --retries 2` (no back-off) on 1 and {args.nproc} processes (gloo), a checkpoint "
-              f"every 4 steps, `train.step_timeout_s = 15`. {survived} of {len(rows)} runs completed "
-              "bit-identical to their reference. Time lost: wall time of the faulted run (every attempt, "
-              "and the operator's rerun where there is one) minus the uninterrupted run's.\n\n")
-    write_results(Path(__file__).parent / "results", "faults", "micro", header, "\n".join(lines),
-                  json.dumps(rows, indent=1))
+    header = (
+        f"# Fault-injection suite, {args.steps}-step micro recipe\n\n{machine_line()}\n"
+        f"`frugality train --retries 2` (no back-off) on 1 and {args.nproc} processes (gloo), a checkpoint "
+        f"every 4 steps, `train.step_timeout_s = 15`. {survived} of {len(rows)} runs completed "
+        "bit-identical to their reference. Time lost: wall time of the faulted run (every attempt, "
+        "and the operator's rerun where there is one) minus the uninterrupted run's.\n\n"
+    )
+    write_results(
+        Path(__file__).parent / "results", "faults", "micro", header, "\n".join(lines), json.dumps(rows, indent=1)
+    )
     print("\n".join(lines))
     return 0 if survived == len(rows) else 1
 

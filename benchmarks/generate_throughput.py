@@ -29,12 +29,34 @@ from frugality.bench.results import machine_line, write_results
 from frugality.data.tokenizer import shipped_tokenizer_dir
 
 MODELS = {
-    "GPT-NeoX (Pythia-70m shape)": (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig(
-        hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=2048, vocab_size=50304,
-        max_position_embeddings=2048, rotary_pct=0.25, bos_token_id=0, eos_token_id=0)),
-    "Llama (512 wide, 6 layers, 8 heads, 4 kv heads)": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
-        hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408,
-        vocab_size=50304, max_position_embeddings=2048, bos_token_id=0, eos_token_id=0)),
+    "GPT-NeoX (Pythia-70m shape)": (
+        transformers.GPTNeoXForCausalLM,
+        transformers.GPTNeoXConfig(
+            hidden_size=512,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            intermediate_size=2048,
+            vocab_size=50304,
+            max_position_embeddings=2048,
+            rotary_pct=0.25,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+    "Llama (512 wide, 6 layers, 8 heads, 4 kv heads)": (
+        transformers.LlamaForCausalLM,
+        transformers.LlamaConfig(
+            hidden_size=512,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=1408,
+            vocab_size=50304,
+            max_position_embeddings=2048,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
 }
 
 
@@ -53,18 +75,33 @@ def main() -> int:
             cls(config).save_pretrained(folder)
             shutil.copy(shipped_tokenizer_dir("pythia") / "tokenizer.json", folder / "tokenizer.json")
             print(f"{name}:", file=sys.stderr)
-            model_rows = bench_generate(str(folder), [1, 8], args.prompt_tokens, args.new_tokens, args.rounds,
-                                        args.compile, log=lambda s: print(s, file=sys.stderr))
+            model_rows = bench_generate(
+                str(folder),
+                [1, 8],
+                args.prompt_tokens,
+                args.new_tokens,
+                args.rounds,
+                args.compile,
+                log=lambda s: print(s, file=sys.stderr),
+            )
             rows += [{"model": name, **r} for r in model_rows]
             tables.append(f"**{name}**\n\n{generate_markdown_table(model_rows)}")
-    header = (f"# Generation throughput, random decoders of Pythia-70m's size\n\n{machine_line()} Greedy, fp32, "
-              f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each (no stop token), best of "
-              f"{args.rounds} alternating rounds. Prefill: a run of one new token; decode: the other "
-              f"{args.new_tokens - 1} tokens (a full run less the prefill run). transformers: `generate` with its "
-              f"default dynamic cache and SDPA; frugality: `Engine.generate` "
-              f"({'compiled by Inductor' if args.compile else 'eager'}).\n\n")
-    write_results(Path(__file__).parent / "results", "generate_throughput", "70m", header, "\n\n".join(tables),
-                  json.dumps(rows, indent=2))
+    header = (
+        f"# Generation throughput, random decoders of Pythia-70m's size\n\n{machine_line()} Greedy, fp32, "
+        f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each (no stop token), best of "
+        f"{args.rounds} alternating rounds. Prefill: a run of one new token; decode: the other "
+        f"{args.new_tokens - 1} tokens (a full run less the prefill run). transformers: `generate` with its "
+        f"default dynamic cache and SDPA; frugality: `Engine.generate` "
+        f"({'compiled by Inductor' if args.compile else 'eager'}).\n\n"
+    )
+    write_results(
+        Path(__file__).parent / "results",
+        "generate_throughput",
+        "70m",
+        header,
+        "\n\n".join(tables),
+        json.dumps(rows, indent=2),
+    )
     return 0
 
 

@@ -30,14 +30,19 @@ import torch
 
 from frugality import kernels
 from frugality.bench.results import machine_line, race, write_results
-from frugality.bench.train import random_batch, make_runner
+from frugality.bench.train import make_runner, random_batch
 from frugality.config.recipe import load_recipe
 from frugality.kernels import linear as cpu_linear
-from frugality.kernels.linear import product, amx_product_applies, weight_grad, weight_grad_applies
+from frugality.kernels.linear import amx_product_applies, product, weight_grad, weight_grad_applies
 from frugality.runtime.host_memory import keep_freed_memory
 
-SHAPES = [("attention qkv", 1536, 512), ("attention out", 512, 512), ("mlp up", 2048, 512),
-          ("mlp down", 512, 2048), ("output layer", 50304, 512)]  # (layer, outputs, inputs)
+SHAPES = [
+    ("attention qkv", 1536, 512),
+    ("attention out", 512, 512),
+    ("mlp up", 2048, 512),
+    ("mlp down", 512, 2048),
+    ("output layer", 50304, 512),
+]  # (layer, outputs, inputs)
 
 
 def main() -> int:
@@ -52,55 +57,96 @@ def main() -> int:
     rows = []
     for layer, outputs, inputs in SHAPES:
         x = torch.randn(args.tokens, inputs).to(torch.bfloat16)
-        weight = (torch.randn(outputs, inputs) * inputs ** -0.5).to(torch.bfloat16)
+        weight = (torch.randn(outputs, inputs) * inputs**-0.5).to(torch.bfloat16)
         bias = None if outputs > 4096 else (torch.randn(outputs) * 0.02).to(torch.bfloat16)
         grad_out = (torch.randn(args.tokens, outputs) * 0.02).to(torch.bfloat16)
         if not (weight_grad_applies(grad_out, x) and amx_product_applies(x, weight, bias, True)):
             print("the AMX kernels do not run on this machine", file=sys.stderr)
             return 1
         wide = outputs > 4096  # the output layer: its previous paths (frugality.kernels.output_loss)
-        cases = [("forward", lambda: product(x, weight, bias, True),
-                  ("oneDNN, weight transposed", lambda: x @ kernels.transposed(weight)) if wide
-                  else ("oneDNN (F.linear)", lambda: torch.nn.functional.linear(x, weight, bias)),
-                  lambda: x.double() @ weight.double().t() + (0 if bias is None else bias.double())),
-                 ("weight gradient", lambda: weight_grad(grad_out, x)[0],
-                  ("oneDNN, operands and result transposed",
-                   lambda: kernels.transposed(kernels.transposed(x) @ grad_out)) if wide
-                  else ("oneDNN (torch.mm)", lambda: grad_out.t() @ x),
-                  lambda: grad_out.double().t() @ x.double())]
+        cases = [
+            (
+                "forward",
+                lambda: product(x, weight, bias, True),
+                ("oneDNN, weight transposed", lambda: x @ kernels.transposed(weight))
+                if wide
+                else ("oneDNN (F.linear)", lambda: torch.nn.functional.linear(x, weight, bias)),
+                lambda: x.double() @ weight.double().t() + (0 if bias is None else bias.double()),
+            ),
+            (
+                "weight gradient",
+                lambda: weight_grad(grad_out, x)[0],
+                ("oneDNN, operands and result transposed", lambda: kernels.transposed(kernels.transposed(x) @ grad_out))
+                if wide
+                else ("oneDNN (torch.mm)", lambda: grad_out.t() @ x),
+                lambda: grad_out.double().t() @ x.double(),
+            ),
+        ]
         if amx_product_applies(grad_out, weight, None, False):
-            cases.insert(1, ("input gradient", lambda: product(grad_out, weight, None, False),
-                             ("oneDNN (torch.mm)", lambda: grad_out @ weight),
-                             lambda: grad_out.double() @ weight.double()))
+            cases.insert(
+                1,
+                (
+                    "input gradient",
+                    lambda: product(grad_out, weight, None, False),
+                    ("oneDNN (torch.mm)", lambda: grad_out @ weight),
+                    lambda: grad_out.double() @ weight.double(),
+                ),
+            )
         for product_name, new, (old_name, old), exact in cases:
             t = race(device, args.repeats, new=new, old=old)
             reference = exact()
             error = lambda y: ((y.double() - reference).abs().max() / reference.abs().max()).item()
             flops = 2 * args.tokens * outputs * inputs
-            rows.append(dict(layer=layer, shape=f"{outputs} x {inputs}", product=product_name, path="AMX kernel",
-                             ms=t["new"] * 1e3, gflops=flops / t["new"] / 1e9, replaced_path=old_name,
-                             replaced_ms=t["old"] * 1e3, replaced_gflops=flops / t["old"] / 1e9,
-                             error=error(new()), replaced_error=error(old())))
-    table = ("| layer | weight | product | path | ms | GFLOP/s | replaced path | ms | GFLOP/s | speed-up | "
-             "relative error vs float64 (path / replaced) |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+            rows.append(
+                dict(
+                    layer=layer,
+                    shape=f"{outputs} x {inputs}",
+                    product=product_name,
+                    path="AMX kernel",
+                    ms=t["new"] * 1e3,
+                    gflops=flops / t["new"] / 1e9,
+                    replaced_path=old_name,
+                    replaced_ms=t["old"] * 1e3,
+                    replaced_gflops=flops / t["old"] / 1e9,
+                    error=error(new()),
+                    replaced_error=error(old()),
+                )
+            )
+    table = (
+        "| layer | weight | product | path | ms | GFLOP/s | replaced path | ms | GFLOP/s | speed-up | "
+        "relative error vs float64 (path / replaced) |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     for r in rows:
-        table += (f"| {r['layer']} | {r['shape']} | {r['product']} | {r['path']} | {r['ms']:.2f} | {r['gflops']:.0f} | "
-                  f"{r['replaced_path']} | {r['replaced_ms']:.2f} | {r['replaced_gflops']:.0f} | "
-                  f"{r['replaced_ms'] / r['ms']:.2f}× | {r['error']:.1e} / {r['replaced_error']:.1e} |\n")
+        table += (
+            f"| {r['layer']} | {r['shape']} | {r['product']} | {r['path']} | {r['ms']:.2f} | {r['gflops']:.0f} | "
+            f"{r['replaced_path']} | {r['replaced_ms']:.2f} | {r['replaced_gflops']:.0f} | "
+            f"{r['replaced_ms'] / r['ms']:.2f}× | {r['error']:.1e} / {r['replaced_error']:.1e} |\n"
+        )
     steps = _steps(args.steps)
-    table += ("\nWhole training steps (Pythia-70m, bf16-sr, O1, 4 x 512 tokens), "
-              f"{args.steps} per model, alternating:\n\n"
-              "| linear layers | median step (s) | first quartile (s) | fastest (s) | last loss |\n"
-              "|---|---|---|---|---|\n")
+    table += (
+        "\nWhole training steps (Pythia-70m, bf16-sr, O1, 4 x 512 tokens), "
+        f"{args.steps} per model, alternating:\n\n"
+        "| linear layers | median step (s) | first quartile (s) | fastest (s) | last loss |\n"
+        "|---|---|---|---|---|\n"
+    )
     for name, times, loss in steps:
         q1 = statistics.quantiles(times, n=4, method="inclusive")[0]
         table += f"| {name} | {statistics.median(times):.3f} | {q1:.3f} | {min(times):.3f} | {loss:.4f} |\n"
-    header = (f"# Products of linear layers, Pythia-70m shapes, {args.tokens} tokens, bf16\n\n"
-              f"{machine_line()}\nMedians of {args.repeats} calls per path, alternating, after one "
-              "warm-up call each.\n\n")
-    write_results(Path(__file__).parent / "results", "linear_products", "pythia-70m", header, table,
-                  json.dumps(dict(products=rows, steps=[dict(linear=n, seconds=t, last_loss=l) for n, t, l in steps]),
-                             indent=1))
+    header = (
+        f"# Products of linear layers, Pythia-70m shapes, {args.tokens} tokens, bf16\n\n"
+        f"{machine_line()}\nMedians of {args.repeats} calls per path, alternating, after one "
+        "warm-up call each.\n\n"
+    )
+    write_results(
+        Path(__file__).parent / "results",
+        "linear_products",
+        "pythia-70m",
+        header,
+        table,
+        json.dumps(
+            dict(products=rows, steps=[dict(linear=n, seconds=t, last_loss=last) for n, t, last in steps]), indent=1
+        ),
+    )
     return 0
 
 

@@ -60,18 +60,37 @@ def main() -> int:
             loss.CHUNK_BYTES_OFF_CPU = saved
 
     t = race(device, args.repeats, fast=lambda: fast(work, targets, scale, True), chunked=chunked)
-    rows.append((f"cross-entropy rows, {args.tokens} x {VOCAB}", fast_name, t["fast"], "torch ops, 64-row chunks",
-                 t["chunked"], ""))
+    rows.append(
+        (
+            f"cross-entropy rows, {args.tokens} x {VOCAB}",
+            fast_name,
+            t["fast"],
+            "torch ops, 64-row chunks",
+            t["chunked"],
+            "",
+        )
+    )
 
     hidden = torch.randn(args.tokens, HIDDEN, device=device, dtype=bf16, requires_grad=True)
     weight = (torch.randn(VOCAB, HIDDEN, device=device) * 0.02).to(bf16).requires_grad_()
     with torch.no_grad():
-        t = race(device, args.repeats,
-                  new=lambda: loss.LinearCrossEntropy.apply(hidden, weight, targets, False, None),
-                  old=lambda: loss.LinearCrossEntropy.apply(hidden, weight, targets, True, None))
-    rows.append((f"output layer in evaluation, {args.tokens} tokens", "forward only", t["new"],
-                 "with the gradient's two products", t["old"], ""))
-    del hidden, weight, logits, work
+        t = race(
+            device,
+            args.repeats,
+            new=lambda: loss.LinearCrossEntropy.apply(hidden, weight, targets, False, None),
+            old=lambda: loss.LinearCrossEntropy.apply(hidden, weight, targets, True, None),
+        )
+    rows.append(
+        (
+            f"output layer in evaluation, {args.tokens} tokens",
+            "forward only",
+            t["new"],
+            "with the gradient's two products",
+            t["old"],
+            "",
+        )
+    )
+    hidden = weight = logits = work = None  # freed before what follows
 
     grads = (torch.randn(PARAMS, device=device) * 1e-3).to(bf16)
     reference = grads.double().square().sum().sqrt().item()
@@ -83,20 +102,30 @@ def main() -> int:
     old = lambda: torch.linalg.vector_norm(grads).float().item()
     t = race(device, args.repeats, new=new, old=old)
     error = lambda fn: f"{abs(fn() - reference) / reference:.1e} / {abs(old() - reference) / reference:.1e}"
-    rows.append((f"gradient norm, {PARAMS / 1e6:.0f}M bf16", new_name, t["new"], "torch bf16 vector_norm",
-                 t["old"], error(new)))
+    rows.append(
+        (f"gradient norm, {PARAMS / 1e6:.0f}M bf16", new_name, t["new"], "torch bf16 vector_norm", t["old"], error(new))
+    )
 
-    table = ("| what | path | ms | replaced path | ms | speed-up | relative error (path / replaced) |\n"
-             "|---|---|---|---|---|---|---|\n")
+    table = (
+        "| what | path | ms | replaced path | ms | speed-up | relative error (path / replaced) |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
     for what, new_name, new_s, old_name, old_s, err in rows:
-        table += (f"| {what} | {new_name} | {new_s * 1e3:.1f} | {old_name} | {old_s * 1e3:.1f} | "
-                  f"{old_s / new_s:.2f}× | {err} |\n")
-    header = (f"# Output layer and gradient norm, Pythia-70m shapes, bf16\n\n{machine_line()}\n"
-              f"Medians of {args.repeats} calls per path, alternating, after one warm-up call each.\n\n")
-    records = [dict(what=w, path=n, seconds=a, replaced_path=o, replaced_seconds=b, relative_errors=e or None)
-               for w, n, a, o, b, e in rows]
-    write_results(Path(__file__).parent / "results", "output_layer", "pythia-70m", header, table,
-                  json.dumps(records, indent=1))
+        table += (
+            f"| {what} | {new_name} | {new_s * 1e3:.1f} | {old_name} | {old_s * 1e3:.1f} | "
+            f"{old_s / new_s:.2f}× | {err} |\n"
+        )
+    header = (
+        f"# Output layer and gradient norm, Pythia-70m shapes, bf16\n\n{machine_line()}\n"
+        f"Medians of {args.repeats} calls per path, alternating, after one warm-up call each.\n\n"
+    )
+    records = [
+        dict(what=w, path=n, seconds=a, replaced_path=o, replaced_seconds=b, relative_errors=e or None)
+        for w, n, a, o, b, e in rows
+    ]
+    write_results(
+        Path(__file__).parent / "results", "output_layer", "pythia-70m", header, table, json.dumps(records, indent=1)
+    )
     return 0
 
 

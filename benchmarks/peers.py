@@ -51,20 +51,39 @@ def main() -> int:
     rows = []
     for shape in args.shapes.split(","):
         batch, seq = (int(x) for x in shape.split("x"))
-        rows += bench_train(recipe, [ours], batch, seq, args.steps, args.warmup, impls=("frugality", *PEERS),
-                            memory=not args.no_memory, baseline=theirs, log=lambda line: print(line, file=sys.stderr))
-    versions = ", ".join(f"{p} {_version(p)}" for p in ("transformers", "litgpt", "lightning", "torchtitan",
-                                                         "liger-kernel"))
-    header = (f"# Training throughput against the peers, {args.recipe} architecture\n\n{machine_line()} "
-              f"{versions}. frugality {ours} at {args.level}, the peers at {theirs}"
-              f"{'' if native else ' (bf16 products are not native here: the fp32 class)'}. Each pass alternates "
-              f"every implementation step by step in one process; medians of {args.steps} timed steps after "
-              f"{args.warmup} warm-up steps (their time, compilation included, in the last column). frugality ×: "
-              f"frugality's tokens/s over the row's (on frugality's row: over the fastest peer's), with the "
-              f"median and quartiles of the step-pair ratios.\n\n")
+        rows += bench_train(
+            recipe,
+            [ours],
+            batch,
+            seq,
+            args.steps,
+            args.warmup,
+            impls=("frugality", *PEERS),
+            memory=not args.no_memory,
+            baseline=theirs,
+            log=lambda line: print(line, file=sys.stderr),
+        )
+    versions = ", ".join(
+        f"{p} {_version(p)}" for p in ("transformers", "litgpt", "lightning", "torchtitan", "liger-kernel")
+    )
+    header = (
+        f"# Training throughput against the peers, {args.recipe} architecture\n\n{machine_line()} "
+        f"{versions}. frugality {ours} at {args.level}, the peers at {theirs}"
+        f"{'' if native else ' (bf16 products are not native here: the fp32 class)'}. Each pass alternates "
+        f"every implementation step by step in one process; medians of {args.steps} timed steps after "
+        f"{args.warmup} warm-up steps (their time, compilation included, in the last column). frugality ×: "
+        f"frugality's tokens/s over the row's (on frugality's row: over the fastest peer's), with the "
+        f"median and quartiles of the step-pair ratios.\n\n"
+    )
     shapes = args.shapes.replace(",", "-")  # one file per set of shapes
-    write_results(Path(__file__).parent / "results", "peers", f"{args.recipe}-{shapes}", header, markdown_table(rows),
-                  json.dumps(json.loads(rows_json(rows)), indent=1))
+    write_results(
+        Path(__file__).parent / "results",
+        "peers",
+        f"{args.recipe}-{shapes}",
+        header,
+        markdown_table(rows),
+        json.dumps(json.loads(rows_json(rows)), indent=1),
+    )
     return 0
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from frugality.config.recipe import load_recipe
-from frugality.metrics.compare import compare_runs
 from frugality.hardware import device_name
+from frugality.metrics.compare import compare_runs
 from frugality.training.trainer import train
 
 
@@ -36,10 +36,14 @@ def main() -> int:
             recipe = load_recipe(args.recipe, [*args.overrides, f"train.precision={precision}"])
             result = train(recipe, run_dir=Path(tmp) / precision, progress=False, tensorboard=False)
             runs[precision] = result.summary
-            print(f"{precision}: val loss {result.summary['final_val_loss']:.4f}, "
-                  f"{result.summary['median_tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+            print(
+                f"{precision}: val loss {result.summary['final_val_loss']:.4f}, "
+                f"{result.summary['median_tokens_per_s']:.0f} tokens/s",
+                file=sys.stderr,
+            )
         lines = [
-            "| precision | final val loss | vs fp32 | max \\|Δ train loss\\| | mean \\|Δ grad norm\\| / fp32 | tokens/s | state bytes/param |",
+            "| precision | final val loss | vs fp32 | max \\|Δ train loss\\| | mean \\|Δ grad norm\\| / fp32 "
+            "| tokens/s | state bytes/param |",
             "|---|---|---|---|---|---|---|",
         ]
         for precision, summary in runs.items():
@@ -52,10 +56,11 @@ def main() -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     machine = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     date = datetime.date.today().isoformat()
-    text = (f"# Precision policies against fp32, `{args.recipe}` recipe ({recipe.train.steps} steps)\n\n"
-            f"Machine: {machine}; torch {torch.__version__}; {date}. Same seed, data order and "
-            f"steps for every policy; Δ are per-step differences from the fp32 run.\n\n"
-            + "\n".join(lines) + "\n")
+    text = (
+        f"# Precision policies against fp32, `{args.recipe}` recipe ({recipe.train.steps} steps)\n\n"
+        f"Machine: {machine}; torch {torch.__version__}; {date}. Same seed, data order and "
+        f"steps for every policy; Δ are per-step differences from the fp32 run.\n\n" + "\n".join(lines) + "\n"
+    )
     slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
     out = Path(__file__).parent / "results" / f"precision_quality-{args.recipe}-{slug}-{date}.md"
     out.write_text(text)

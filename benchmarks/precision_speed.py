@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from frugality.bench.results import machine_line, write_results
-from frugality.bench.train import random_batch, make_runner, quartiles
+from frugality.bench.train import make_runner, quartiles, random_batch
 from frugality.config.recipe import load_recipe
 from frugality.hardware import probe
 from frugality.metrics.flops import training_flops_per_token
@@ -61,8 +61,9 @@ def main() -> int:
                 times[name].append(time.perf_counter() - t0)
 
     reference = names[0]
-    flops_per_token = training_flops_per_token(runners[reference][1], recipe.model.num_layers,
-                                               recipe.model.hidden_size, seq)
+    flops_per_token = training_flops_per_token(
+        runners[reference][1], recipe.model.num_layers, recipe.model.hidden_size, seq
+    )
     rows = []
     for name in names:
         policy, note = policies[name]
@@ -70,30 +71,50 @@ def main() -> int:
         median = statistics.median(times[name])
         peak = peak_flops(device, policy.compute_dtype)
         ratios = [ours / theirs for ours, theirs in zip(times[reference], times[name])]
-        rows.append(dict(
-            precision=name, runs_as=policy.label, tokens_per_s=round(batch * seq / median, 1),
-            step_time_s=round(median, 4), vs_first=quartiles(ratios),
-            mfu=mfu(flops_per_token * batch * seq / median, peak),
-            state_bytes_per_param=round(training_state_bytes(model, optimizer)
-                                        / sum(p.numel() for p in model.parameters()), 2),
-            note=note))
-    table = ("| precision | runs as | tokens/s | step time (s) | vs " + reference + " (pairs: median, q1–q3) "
-             "| MFU | state bytes/param |\n|---|---|---|---|---|---|---|\n")
+        rows.append(
+            dict(
+                precision=name,
+                runs_as=policy.label,
+                tokens_per_s=round(batch * seq / median, 1),
+                step_time_s=round(median, 4),
+                vs_first=quartiles(ratios),
+                mfu=mfu(flops_per_token * batch * seq / median, peak),
+                state_bytes_per_param=round(
+                    training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2
+                ),
+                note=note,
+            )
+        )
+    table = (
+        "| precision | runs as | tokens/s | step time (s) | vs " + reference + " (pairs: median, q1–q3) "
+        "| MFU | state bytes/param |\n|---|---|---|---|---|---|---|\n"
+    )
     for r in rows:
         q1, med, q3 = r["vs_first"]
-        table += (f"| {r['precision']} | {r['runs_as']} | {r['tokens_per_s']:,.0f} | {r['step_time_s']:.3f} | "
-                  f"{med:.3f} ({q1:.3f}–{q3:.3f}) | {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')} | "
-                  f"{r['state_bytes_per_param']:g} |\n")
+        table += (
+            f"| {r['precision']} | {r['runs_as']} | {r['tokens_per_s']:,.0f} | {r['step_time_s']:.3f} | "
+            f"{med:.3f} ({q1:.3f}–{q3:.3f}) | {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')} | "
+            f"{r['state_bytes_per_param']:g} |\n"
+        )
     hw = probe(device)
-    header = (f"# Precision policies' training speed, {args.recipe} recipe, batch {batch} x {seq}\n\n"
-              f"{machine_line()}\nHardware: {hw.describe()}.\n"
-              f"The policies alternate step by step in one process; medians of {args.steps} timed steps "
-              f"after {args.warmup} warm-up steps; 'vs {reference}': {reference}'s step time over each "
-              f"policy's in the same round. MFU against the measured peak of the dtype the products run "
-              f"in (n/a where unknown or implausible).\n\n"
-              + "".join(f"- {r['precision']}: {r['note']}\n" for r in rows) + "\n")
-    write_results(Path(__file__).parent / "results", "precision_speed", args.recipe, header, table,
-                  json.dumps(dict(hardware=hw.describe(), rows=rows), indent=1))
+    header = (
+        f"# Precision policies' training speed, {args.recipe} recipe, batch {batch} x {seq}\n\n"
+        f"{machine_line()}\nHardware: {hw.describe()}.\n"
+        f"The policies alternate step by step in one process; medians of {args.steps} timed steps "
+        f"after {args.warmup} warm-up steps; 'vs {reference}': {reference}'s step time over each "
+        f"policy's in the same round. MFU against the measured peak of the dtype the products run "
+        f"in (n/a where unknown or implausible).\n\n"
+        + "".join(f"- {r['precision']}: {r['note']}\n" for r in rows)
+        + "\n"
+    )
+    write_results(
+        Path(__file__).parent / "results",
+        "precision_speed",
+        args.recipe,
+        header,
+        table,
+        json.dumps(dict(hardware=hw.describe(), rows=rows), indent=1),
+    )
     return 0
 
 

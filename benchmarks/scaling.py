@@ -22,14 +22,24 @@ def main() -> int:
     parser.add_argument("--strategy", default="ddp,fsdp")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    rows = bench_scale(args.recipe, load_recipe(args.recipe), [], [int(n) for n in args.nproc.split(",")],
-                       args.strategy.split(","), args.steps, log=lambda line: print(line, file=sys.stderr))
-    header = (f"# Data-parallel scaling, {args.recipe} recipe (its global batch at every process count)\n\n"
-              f"{machine_line()}\nEach row is a `frugality train --nproc N` run of {args.steps} steps; the "
-              f"machine's cores split between the ranks (threads each); median step of the run; "
-              f"efficiency = tokens/s over one process's.\n\n")
-    write_results(Path(__file__).parent / "results", "scaling", args.recipe, header, markdown_table(rows),
-                  rows_json(rows))
+    rows = bench_scale(
+        args.recipe,
+        load_recipe(args.recipe),
+        [],
+        [int(n) for n in args.nproc.split(",")],
+        args.strategy.split(","),
+        args.steps,
+        log=lambda line: print(line, file=sys.stderr),
+    )
+    header = (
+        f"# Data-parallel scaling, {args.recipe} recipe (its global batch at every process count)\n\n"
+        f"{machine_line()}\nEach row is a `frugality train --nproc N` run of {args.steps} steps; the "
+        f"machine's cores split between the ranks (threads each); median step of the run; "
+        f"efficiency = tokens/s over one process's.\n\n"
+    )
+    write_results(
+        Path(__file__).parent / "results", "scaling", args.recipe, header, markdown_table(rows), rows_json(rows)
+    )
     return 0
 
 

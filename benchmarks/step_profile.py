@@ -40,14 +40,32 @@ def main() -> int:
         rows = []
         for impl in args.impls.split(","):
             precision = ours if impl == "frugality" else theirs
-            rows.append(profile_steps(for_shape(recipe, precision, batch, seq), impl, precision, batch, seq,
-                                      args.steps, args.warmup, log=lambda s: print(s, file=sys.stderr)))
-        header = (f"# Where a training step's time goes, {args.recipe} architecture, {batch} x {seq}\n\n"
-                  f"{machine_line()} frugality at {args.level}. torch profiler, {args.steps} steps after "
-                  f"{args.warmup} warm-up steps, one implementation at a time; each op's self time in one "
-                  f"category (`frugality.bench.profile`), seconds per step and share of the step.\n\n")
-        write_results(Path(__file__).parent / "results", "step_profile", f"{args.recipe}-{shape}", header,
-                      markdown_table(rows), rows_json(rows))
+            rows.append(
+                profile_steps(
+                    for_shape(recipe, precision, batch, seq),
+                    impl,
+                    precision,
+                    batch,
+                    seq,
+                    args.steps,
+                    args.warmup,
+                    log=lambda s: print(s, file=sys.stderr),
+                )
+            )
+        header = (
+            f"# Where a training step's time goes, {args.recipe} architecture, {batch} x {seq}\n\n"
+            f"{machine_line()} frugality at {args.level}. torch profiler, {args.steps} steps after "
+            f"{args.warmup} warm-up steps, one implementation at a time; each op's self time in one "
+            f"category (`frugality.bench.profile`), seconds per step and share of the step.\n\n"
+        )
+        write_results(
+            Path(__file__).parent / "results",
+            "step_profile",
+            f"{args.recipe}-{shape}",
+            header,
+            markdown_table(rows),
+            rows_json(rows),
+        )
     return 0
 
 

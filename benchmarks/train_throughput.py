@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from frugality.bench.train import bench_train, markdown_table, rows_json
 from frugality.bench.results import machine_line, write_results
+from frugality.bench.train import bench_train, markdown_table, rows_json
 from frugality.config.recipe import load_recipe
 from frugality.metrics.peak import peak_flops
 
@@ -42,8 +42,15 @@ def main() -> int:
 
     log = lambda line: print(line, file=sys.stderr)
     run = lambda level, precisions, **kw: bench_train(
-        load_recipe(args.recipe, [f"compile.level={level}"]), precisions, args.batch, args.seq,
-        args.steps, args.warmup, log=log, **kw)
+        load_recipe(args.recipe, [f"compile.level={level}"]),
+        precisions,
+        args.batch,
+        args.seq,
+        args.steps,
+        args.warmup,
+        log=log,
+        **kw,
+    )
     headline = []
     for level in dict.fromkeys(["O0", args.level]):
         headline += run(level, ["bf16-sr"], baseline="amp-bf16")
@@ -53,8 +60,10 @@ def main() -> int:
         headline += run(args.level, ["fp8"], baseline="amp-bf16")
     policies = run(args.level, args.precision.split(","))
 
-    peaks = ", ".join(f"{dtype}: {peak_flops(device, getattr(torch, dtype)) / 1e9:,.0f} "
-                      f"GFLOP/s cached" for dtype in ("float32", "bfloat16"))
+    peaks = ", ".join(
+        f"{dtype}: {peak_flops(device, getattr(torch, dtype)) / 1e9:,.0f} GFLOP/s cached"
+        for dtype in ("float32", "bfloat16")
+    )
     header = (
         f"# Training throughput, {args.recipe} architecture, batch {args.batch} x {args.seq}\n\n"
         f"{machine_line()}\n"
@@ -62,22 +71,33 @@ def main() -> int:
         f"{args.steps} timed steps after {args.warmup} warm-up steps (frugality's compilation "
         f"happens in the warm-up). frugality ×: the ratio of the medians (frugality over transformers), in parentheses "
         f"the median and quartiles of the ratio within each step pair (transformers' step over "
-        f"frugality's step just before it, run in the same conditions). MFU against the measured matmul peak of the compute dtype "
+        f"frugality's step just before it, run in the same conditions). "
+        f"MFU against the measured matmul peak of the compute dtype "
         f"(fp32 for fp32, bf16 otherwise; {peaks}), 6N + 12·L·H·T FLOPs per token; "
         f"the next column against the same probe sampled after every timed step pair of the pass "
         f"(median), since this machine's speed drifts. Peak memory: a fresh "
         f"process training two steps of one implementation "
         f"({'allocator peak' if device.type == 'cuda' else 'peak resident set'}).\n\n"
         f"## bf16-sr{' and fp8' if fp8 else ''} against transformers with autocast bf16\n\n"
-        + (f"fp8 rows: MFU against the bf16 peak, though their linears run float8 products "
-           f"(up to twice the bf16 rate on this GPU).\n\n" if fp8 else "") +
-        f"{markdown_table(headline)}\n\n"
+        + (
+            "fp8 rows: MFU against the bf16 peak, though their linears run float8 products "
+            "(up to twice the bf16 rate on this GPU).\n\n"
+            if fp8
+            else ""
+        )
+        + f"{markdown_table(headline)}\n\n"
         f"## Every policy against transformers at the same precision (frugality at {args.level})\n\n"
     )
-    write_results(Path(__file__).parent / "results", "train_throughput", args.recipe, header,
-                  markdown_table(policies),
-                  json.dumps({"headline": json.loads(rows_json(headline)),
-                              "policies": json.loads(rows_json(policies))}, indent=1))
+    write_results(
+        Path(__file__).parent / "results",
+        "train_throughput",
+        args.recipe,
+        header,
+        markdown_table(policies),
+        json.dumps(
+            {"headline": json.loads(rows_json(headline)), "policies": json.loads(rows_json(policies))}, indent=1
+        ),
+    )
     return 0
 
 

@@ -171,9 +171,23 @@ def micro_compiled(tmp_path_factory, micro_recipe_text) -> tuple[Path, str]:
     folder = tmp_path_factory.mktemp("micro-compiled")
     recipe = folder / "micro.toml"
     recipe.write_text(micro_recipe_text)
-    done = subprocess.run([str(Path(sys.executable).with_name("frugality")), "compile", str(recipe), "--level", "O1",
-                           "--cache", str(folder / "cache"), "--set", "train.device=cpu", "--no-progress"],
-                          capture_output=True, text=True, env=os.environ | {"FRUGALITY_CACHE_KEY": CACHE_KEY},
-                          cwd=folder)
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("frugality")),
+            "compile",
+            str(recipe),
+            "--level",
+            "O1",
+            "--cache",
+            str(folder / "cache"),
+            "--set",
+            "train.device=cpu",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=os.environ | {"FRUGALITY_CACHE_KEY": CACHE_KEY},
+        cwd=folder,
+    )
     assert done.returncode == 0, done.stderr
     return folder / "cache", done.stdout

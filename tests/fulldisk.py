@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 # mount, run the command, then list what it left on the small disk (which goes with the namespace)
-_WRAPPER = ('mount -t tmpfs -o size="$1" tmpfs "$2" || exit 99; d="$2"; cd "$3"; shift 3; "$@"; s=$?; '
-            'echo "--- left on the small disk:"; find "$d" -mindepth 1 | sort; exit $s')
+_WRAPPER = (
+    'mount -t tmpfs -o size="$1" tmpfs "$2" || exit 99; d="$2"; cd "$3"; shift 3; "$@"; s=$?; '
+    'echo "--- left on the small disk:"; find "$d" -mindepth 1 | sort; exit $s'
+)
 LISTING = "--- left on the small disk:"
 
 
@@ -27,14 +29,21 @@ def available() -> str | None:
     """None when a full disk can be made here; else why not."""
     if shutil.which("unshare") is None:
         return "unshare is not installed"
-    probe = subprocess.run([*_unshare_argv(), "sh", "-c", "mount -t tmpfs -o size=4k tmpfs /mnt || exit 1"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [*_unshare_argv(), "sh", "-c", "mount -t tmpfs -o size=4k tmpfs /mnt || exit 1"], capture_output=True, text=True
+    )
     return None if probe.returncode == 0 else f"cannot mount a tmpfs in a mount namespace: {probe.stderr.strip()}"
 
 
-def run_on_small_disk(folder: Path, size: int, args: list[str], cwd: Path | None = None,
-                      env: dict | None = None, timeout: float = 600,
-                      read_only: bool = False) -> subprocess.CompletedProcess:
+def run_on_small_disk(
+    folder: Path,
+    size: int,
+    args: list[str],
+    cwd: Path | None = None,
+    env: dict | None = None,
+    timeout: float = 600,
+    read_only: bool = False,
+) -> subprocess.CompletedProcess:
     """`frugality ARGS` with `folder` a `size`-byte tmpfs (empty at the start: whatever the
     test put there is hidden under the mount), mounted read-only with `read_only` (which
     holds for root too, unlike permission bits). Skips the test where no namespace can be
@@ -44,10 +53,21 @@ def run_on_small_disk(folder: Path, size: int, args: list[str], cwd: Path | None
         pytest.skip(why)
     folder.mkdir(parents=True, exist_ok=True)
     options = f"{size},ro" if read_only else str(size)  # the wrapper mounts with -o size=OPTIONS
-    argv = [*_unshare_argv(), "sh", "-c", _WRAPPER, "sh", options, str(folder), str(cwd or folder),
-            sys.executable, "-m", "frugality", *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    argv = [
+        *_unshare_argv(),
+        "sh",
+        "-c",
+        _WRAPPER,
+        "sh",
+        options,
+        str(folder),
+        str(cwd or folder),
+        sys.executable,
+        "-m",
+        "frugality",
+        *args,
+    ]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def left(result: subprocess.CompletedProcess) -> tuple[str, list[str]]:

@@ -53,7 +53,9 @@ def test_every_import_goes_down_the_layers():
     wrong = []
     for path in sorted(ROOT.rglob("*.py")):
         relative = path.relative_to(ROOT)
-        here = relative.parts[0].removesuffix(".py") if len(relative.parts) > 1 or relative.name != "__init__.py" else ""
+        here = (
+            relative.parts[0].removesuffix(".py") if len(relative.parts) > 1 or relative.name != "__init__.py" else ""
+        )
         here = "cli" if here == "__main__" else here  # `python -m frugality` is the CLI
         for line, module in _imports(path):
             there = _package(module)
@@ -69,8 +71,13 @@ def test_benchmarks_import_only_public_names():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("frugality"):
                 private += [f"{path.name}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_")]
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
-                    and isinstance(node.value, ast.Name) and node.value.id in _frugality_names(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in _frugality_names(tree)
+            ):
                 private.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
     assert not private, "private names used by benchmarks:\n" + "\n".join(private)
 

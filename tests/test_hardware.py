@@ -4,9 +4,8 @@ picks from them, and MFU that is never above 100%."""
 import pytest
 import torch
 
-from frugality import hardware
+from frugality import hardware, precision
 from frugality.metrics.peak import PeakProbe, mfu
-from frugality import precision
 from frugality.precision import resolve_policy
 
 AMX_FLAGS = {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"}
@@ -33,14 +32,17 @@ def test_amx_and_avx512_bf16_are_native_avx2_is_not(monkeypatch):
     assert not avx2.native_bf16 and "AVX2" in avx2.why
 
 
-@pytest.mark.parametrize("onednn, aten, left", [
-    ("AVX2", "", ("avx2", "fma")),
-    ("AVX512_CORE", "", ("avx2", "fma", "avx512f", "avx512bw")),
-    ("AVX512_CORE_AMX", "", tuple(sorted(AMX_FLAGS))),
-    ("", "avx2", ("avx2", "fma", "amx_tile", "amx_bf16")),  # oneDNN still has AMX
-    ("AVX2", "avx2", ("avx2", "fma")),  # both limits: how an AVX2-only machine is emulated
-    ("ALL", "", tuple(sorted(AMX_FLAGS))),
-])
+@pytest.mark.parametrize(
+    "onednn, aten, left",
+    [
+        ("AVX2", "", ("avx2", "fma")),
+        ("AVX512_CORE", "", ("avx2", "fma", "avx512f", "avx512bw")),
+        ("AVX512_CORE_AMX", "", tuple(sorted(AMX_FLAGS))),
+        ("", "avx2", ("avx2", "fma", "amx_tile", "amx_bf16")),  # oneDNN still has AMX
+        ("AVX2", "avx2", ("avx2", "fma")),  # both limits: how an AVX2-only machine is emulated
+        ("ALL", "", tuple(sorted(AMX_FLAGS))),
+    ],
+)
 def test_user_limits_on_torch_libraries_narrow_the_features(monkeypatch, onednn, aten, left):
     hw = _cpu(monkeypatch, AMX_FLAGS, onednn, aten)
     assert tuple(sorted(hw.features)) == tuple(sorted(left))

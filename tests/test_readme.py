@@ -21,8 +21,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
@@ -36,8 +34,8 @@ def readme_commands(text: str) -> list[str]:
             line = line.split("  #", 1)[0].strip()  # a comment after the command
             if line and not line.startswith("#"):
                 blocks += [part.strip() for part in line.split("&&")]
-    commands = text[text.index("## Commands"):]
-    commands = commands[:commands.index("\n## ", 1)]
+    commands = text[text.index("## Commands") :]
+    commands = commands[: commands.index("\n## ", 1)]
     for row in commands.splitlines():
         cells = [c.strip() for c in row.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[1].startswith("`frugality"):
@@ -74,8 +72,8 @@ def test_every_readme_command_runs_as_written(tmp_path):
         tested = as_tested(command)
         if tested is None:
             continue
-        done = subprocess.run(["bash", "-c", tested], cwd=root, env=env, capture_output=True, text=True,
-                              timeout=900)
+        done = subprocess.run(["bash", "-c", tested], cwd=root, env=env, capture_output=True, text=True, timeout=900)
         allowed = (0, 1) if shlex.split(command)[1:2] == ["compare"] else (0,)
         assert done.returncode in allowed and "Traceback" not in done.stderr, (
-            f"{tested}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+            f"{tested}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        )

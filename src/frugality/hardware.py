@@ -35,10 +35,24 @@ X86_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile",
 ARM_FEATURES = ("asimd", "sve", "bf16", "i8mm")  # asimd = NEON
 
 # ONEDNN_MAX_CPU_ISA values (oneDNN's names), lowest first; each also allows those before it.
-_ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
-                "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX",
-                "AVX512_CORE_AMX", "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "AVX10_2_512",
-                "AVX10_2_512_AMX_2")
+_ONEDNN_ISAS = (
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16",
+    "AVX10_1_512",
+    "AVX512_CORE_FP16",
+    "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_2_512",
+    "AVX10_2_512_AMX_2",
+)
 
 
 @dataclass(frozen=True)
@@ -73,8 +87,9 @@ def probe(device: torch.device | str = "cpu") -> Hardware:
     device = torch.device(device)
     if device.type == "cuda":
         return _probe_cuda(device.index if device.index is not None else torch.cuda.current_device())
-    return _probe_cpu(torch.get_num_threads(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
-                      os.environ.get("ATEN_CPU_CAPABILITY", ""))
+    return _probe_cpu(
+        torch.get_num_threads(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""), os.environ.get("ATEN_CPU_CAPABILITY", "")
+    )
 
 
 @lru_cache(maxsize=None)
@@ -96,10 +111,13 @@ def _probe_cpu(threads: int, onednn_limit: str, aten_limit: str) -> Hardware:
         allowed_avx512 = rank >= _ONEDNN_ISAS.index("AVX512_CORE")
         allowed_bf16 = rank >= _ONEDNN_ISAS.index("AVX512_CORE_BF16")
         allowed_amx = "AMX" in limit
-        features = [f for f in features
-                    if not (f.startswith("amx") and not allowed_amx)
-                    and not (f == "avx512_bf16" and not allowed_bf16)
-                    and not (f.startswith("avx512") and not allowed_avx512)]
+        features = [
+            f
+            for f in features
+            if not (f.startswith("amx") and not allowed_amx)
+            and not (f == "avx512_bf16" and not allowed_bf16)
+            and not (f.startswith("avx512") and not allowed_avx512)
+        ]
     if aten_limit.strip().lower() in ("avx2", "default"):  # ATen's own vector code stays below AVX-512
         features = [f for f in features if not f.startswith("avx512")]  # oneDNN's AMX is not ATen's
     torch_isa = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "unknown"
@@ -150,8 +168,9 @@ def device_name(device: torch.device) -> str:
 def fingerprint(device: torch.device) -> str:
     """What a measured speed depends on: the device, torch, the threads and the ISA limits."""
     hw = probe(device)
-    return (f"{hw.name}|{device.type}|torch {torch.__version__}|threads {hw.threads}|"
-            f"{','.join(hw.features)}|{hw.torch_isa}")
+    return (
+        f"{hw.name}|{device.type}|torch {torch.__version__}|threads {hw.threads}|{','.join(hw.features)}|{hw.torch_isa}"
+    )
 
 
 def product_rate(device: torch.device, dtype: torch.dtype) -> float:
@@ -255,9 +274,10 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 def _cgroup_memory() -> tuple[int, int] | None:
     """(limit, usage) bytes of this process's memory cgroup (v2, else v1), or None unlimited."""
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             text = Path(limit_file).read_text().strip()
             usage = int(Path(usage_file).read_text().strip())

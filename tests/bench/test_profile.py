@@ -20,8 +20,10 @@ def test_categories_come_from_names_ancestors_and_shapes():
     assert categorize("aten::_foreach_norm", [], [], vocab) == "gradient clipping"
     assert categorize("aten::gelu", [], [], vocab) == "elementwise, norms, copies"
     for wrapper in ("MmBackward0", "LinearCrossEntropyBackward", "LogSoftmaxBackward0"):
-        assert categorize(f"autograd::engine::evaluate_function: {wrapper}", [], [], vocab) == \
-            "outside ops (Python, autograd, ctypes)"
+        assert (
+            categorize(f"autograd::engine::evaluate_function: {wrapper}", [], [], vocab)
+            == "outside ops (Python, autograd, ctypes)"
+        )
     assert categorize("LinearCrossEntropy", [], [], vocab) == "matrix products: output layer"  # its C products
     assert categorize("frugality::linear_product", [], [], vocab) == "matrix products: blocks"
     assert categorize("frugality::gelu", [], [], vocab) == "elementwise, norms, copies"
@@ -31,8 +33,23 @@ def test_categories_come_from_names_ancestors_and_shapes():
 
 def test_bench_profile_splits_the_step_of_frugality_and_a_peer(micro_recipe_file, tmp_path, capsys):
     out = tmp_path / "rows.json"
-    args = ["bench", "profile", str(micro_recipe_file), "--batch", "2", "--seq", "16", "--steps", "1",
-            "--warmup", "1", "--baseline", "transformers,torchtitan", "--json", str(out)]
+    args = [
+        "bench",
+        "profile",
+        str(micro_recipe_file),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--baseline",
+        "transformers,torchtitan",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     rows = json.loads(out.read_text())
     assert [r["impl"] for r in rows] == ["frugality", "transformers", "torchtitan"]

@@ -3,9 +3,9 @@
 import torch
 
 from frugality.checkpoint import CheckpointManager
+from frugality.config.recipe import OptimConfig
 from frugality.models import GPTNeoX, GPTNeoXConfig
 from frugality.runtime.optim import build_optimizer
-from frugality.config.recipe import OptimConfig
 
 CFG = GPTNeoXConfig(hidden_size=32, num_layers=1, num_heads=2, vocab_size=64, max_seq_len=16)
 

@@ -19,7 +19,6 @@ from frugality.config.recipe import load_recipe
 from frugality.training import trainer
 
 
-
 def _final_weights(recipe, run_dir):
     from frugality.models import build_model
     from frugality.runtime.optim import build_optimizer
@@ -32,7 +31,7 @@ def _final_weights(recipe, run_dir):
 
 
 def _train_losses(run_dir):
-    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
@@ -85,12 +84,21 @@ def test_a_metadata_payload_is_refused_by_resume_init_from_and_export(trained, t
     _replace(checkpoint, ".metadata", pickle.dumps(metadata))
     recipe = str(trained / "micro.toml")
 
-    for argv in (["train", recipe, "--run-dir", str(run), "--no-progress"],
-                 ["train", recipe, "--run-dir", str(tmp_path / "new"), "--init-from", str(checkpoint),
-                  "--no-progress"],
-                 ["train", recipe, "--run-dir", str(tmp_path / "new2"), "--init-from", str(checkpoint),
-                  "--resume-optimizer", "--no-progress"],
-                 ["export", "hf", str(checkpoint), "--out", str(tmp_path / "hf")]):
+    for argv in (
+        ["train", recipe, "--run-dir", str(run), "--no-progress"],
+        ["train", recipe, "--run-dir", str(tmp_path / "new"), "--init-from", str(checkpoint), "--no-progress"],
+        [
+            "train",
+            recipe,
+            "--run-dir",
+            str(tmp_path / "new2"),
+            "--init-from",
+            str(checkpoint),
+            "--resume-optimizer",
+            "--no-progress",
+        ],
+        ["export", "hf", str(checkpoint), "--out", str(tmp_path / "hf")],
+    ):
         assert main(argv) == 2, argv
         line = _error_line(capsys)
         assert "step_00000004: .metadata asks to build posix.system" in line, line
@@ -102,9 +110,10 @@ def test_a_metadata_payload_is_refused_by_resume_init_from_and_export(trained, t
 def test_a_training_state_payload_is_refused_on_resume(trained, tmp_path, capsys):
     """The training state slot holding a pickled object (DCP would unpickle it with
     weights_only=False), or, in the old format, pickled bytes holding one."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     from frugality.models import build_model
     from frugality.runtime.optim import build_optimizer
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     recipe = load_recipe(str(trained / "micro.toml"))
     marker = tmp_path / "pwned"
@@ -117,8 +126,9 @@ def test_a_training_state_payload_is_refused_on_resume(trained, tmp_path, capsys
         model_state, optim_state = get_state_dict(model, optimizer)
         shutil.rmtree(checkpoint)
         with single_process_ok():
-            dcp.save({"model": model_state, "optim": optim_state, "extra": slot}, checkpoint_id=checkpoint,
-                     no_dist=True)
+            dcp.save(
+                {"model": model_state, "optim": optim_state, "extra": slot}, checkpoint_id=checkpoint, no_dist=True
+            )
         assert main(["train", str(trained / "micro.toml"), "--run-dir", str(run), "--no-progress"]) == 2
         line = _error_line(capsys)
         assert "step_00000004:" in line and "posix.system" in line and "refused" in line, line
@@ -129,18 +139,20 @@ def test_a_training_state_payload_is_refused_on_resume(trained, tmp_path, capsys
 def _legacy_rng(state):
     """The objects frugality pickled before its training state was JSON."""
     python, numpy = state["python"], state["numpy"]
-    return {"python": (python[0], tuple(python[1]), python[2]),
-            "numpy": (numpy[0], np.asarray(numpy[1], dtype=np.uint32), *numpy[2:]),
-            "torch": torch.frombuffer(bytearray(__import__("base64").b64decode(state["torch"])),
-                                      dtype=torch.uint8)}
+    return {
+        "python": (python[0], tuple(python[1]), python[2]),
+        "numpy": (numpy[0], np.asarray(numpy[1], dtype=np.uint32), *numpy[2:]),
+        "torch": torch.frombuffer(bytearray(__import__("base64").b64decode(state["torch"])), dtype=torch.uint8),
+    }
 
 
 def test_a_checkpoint_from_before_json_state_resumes_bit_identically(trained, tmp_path):
     """Rewrite step 4 the way frugality wrote checkpoints before (training state pickled, no
     manifest), resume to step 8, and compare with an uninterrupted run."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     from frugality.models import build_model
     from frugality.runtime.optim import build_optimizer
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     recipe = load_recipe(str(trained / "micro.toml"))
     trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
@@ -152,13 +164,19 @@ def test_a_checkpoint_from_before_json_state_resumes_bit_identically(trained, tm
     model_state, optim_state = get_state_dict(model, optimizer)
     shutil.rmtree(checkpoint)
     with single_process_ok():
-        dcp.save({"model": model_state, "optim": optim_state, "extra": pickle.dumps(extra)},
-                 checkpoint_id=checkpoint, no_dist=True)
+        dcp.save(
+            {"model": model_state, "optim": optim_state, "extra": pickle.dumps(extra)},
+            checkpoint_id=checkpoint,
+            no_dist=True,
+        )
 
     with pytest.warns(LegacyCheckpointWarning, match="older frugality"):
         resumed = trainer.train(recipe, run_dir=run, progress=False, tensorboard=False)
     assert resumed.start_step == 4 and resumed.final_step == 8
-    (weights_a, extra_a), (weights_b, extra_b) = _final_weights(recipe, tmp_path / "straight"), _final_weights(recipe, run)
+    (weights_a, extra_a), (weights_b, extra_b) = (
+        _final_weights(recipe, tmp_path / "straight"),
+        _final_weights(recipe, run),
+    )
     for name, tensor in weights_a.items():
         assert torch.equal(tensor, weights_b[name]), name
     assert extra_a == extra_b  # data position and every RNG state

@@ -43,11 +43,14 @@ def test_the_manifest_lists_every_file_with_its_size_and_hash(two_checkpoints):
     assert verify(newest) is None
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]), "bytes, the manifest"),  # cut in half
-    (lambda f: f.write_bytes(bytes([f.read_bytes()[0] ^ 1]) + f.read_bytes()[1:]), "does not match its SHA-256"),
-    (lambda f: f.unlink(), "is missing"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]), "bytes, the manifest"),  # cut in half
+        (lambda f: f.write_bytes(bytes([f.read_bytes()[0] ^ 1]) + f.read_bytes()[1:]), "does not match its SHA-256"),
+        (lambda f: f.unlink(), "is missing"),
+    ],
+)
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(two_checkpoints, damage, reason):
     newest = two_checkpoints.latest()
     damage(_distcp(newest))
@@ -84,8 +87,16 @@ def test_a_resume_past_a_damaged_checkpoint_without_manifest_says_so(micro_recip
     import sys
 
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "frugality", "train", str(micro_recipe_file), "--run-dir", str(run),
-               "--no-progress"]
+    command = [
+        sys.executable,
+        "-m",
+        "frugality",
+        "train",
+        str(micro_recipe_file),
+        "--run-dir",
+        str(run),
+        "--no-progress",
+    ]
     assert subprocess.run([*command, "--until-step", "8"], capture_output=True).returncode == 0
     newest = run / "checkpoints" / "step_00000008"
     (newest / MANIFEST).unlink()
@@ -138,9 +149,12 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_previous_checkpoin
     monkeypatch.setattr(dcp_files, "_write_item", full)
     model = GPTNeoX(CFG)
     folder = two_checkpoints.folder
-    with pytest.raises(UserError, match=r"cannot write checkpoint .*step_00000003: No space left on device "
-                                        r"\(.* GiB free on the device holding .*\); the previous checkpoint "
-                                        r"step_00000002 is intact"):
+    with pytest.raises(
+        UserError,
+        match=r"cannot write checkpoint .*step_00000003: No space left on device "
+        r"\(.* GiB free on the device holding .*\); the previous checkpoint "
+        r"step_00000002 is intact",
+    ):
         two_checkpoints.save(3, model, build_optimizer(model, OptimConfig()), {})
     assert sorted(p.name for p in folder.iterdir()) == ["step_00000001", "step_00000002"]  # no partial left
     assert two_checkpoints.latest().name == "step_00000002"
@@ -156,8 +170,11 @@ def test_too_little_space_for_the_next_checkpoint_is_said_before_writing(two_che
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     model = GPTNeoX(CFG)
     folder = two_checkpoints.folder
-    with pytest.raises(UserError, match=r"cannot write checkpoint .*step_00000003: 1,000 B free on the device holding "
-                                        r".*, the checkpoint needs ~\d+\.\d KiB \(as step_00000002\); the previous "
-                                        r"checkpoint step_00000002 is intact"):
+    with pytest.raises(
+        UserError,
+        match=r"cannot write checkpoint .*step_00000003: 1,000 B free on the device holding "
+        r".*, the checkpoint needs ~\d+\.\d KiB \(as step_00000002\); the previous "
+        r"checkpoint step_00000002 is intact",
+    ):
         two_checkpoints.save(3, model, build_optimizer(model, OptimConfig()), {})
     assert sorted(p.name for p in folder.iterdir()) == ["step_00000001", "step_00000002"]  # nothing written

@@ -8,8 +8,21 @@ import pytest
 
 from frugality.cli.main import main
 
-COMMANDS = [["train"], ["data"], ["data", "prepare"], ["data", "inspect"], ["recipes"], ["bench"],
-            ["bench", "train"], ["bench", "compile"], ["compile"], ["import"], ["import", "hf"], ["export"], ["export", "hf"]]
+COMMANDS = [
+    ["train"],
+    ["data"],
+    ["data", "prepare"],
+    ["data", "inspect"],
+    ["recipes"],
+    ["bench"],
+    ["bench", "train"],
+    ["bench", "compile"],
+    ["compile"],
+    ["import"],
+    ["import", "hf"],
+    ["export"],
+    ["export", "hf"],
+]
 
 
 def test_help_lists_every_command(capsys):
@@ -27,8 +40,7 @@ def test_each_command_has_help(command, capsys):
 
 def test_console_script_runs():
     script = Path(sys.executable).with_name("frugality")  # the installed console script
-    out = subprocess.run([str(script), "--version"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([str(script), "--version"], capture_output=True, text=True, check=True).stdout
     assert "frugality" in out
 
 
@@ -66,9 +78,21 @@ def test_train_and_data_commands_end_to_end(micro_recipe_file, tmp_path, capsys)
     assert "already exists" in _one_error_line(capsys)
     assert (tmp_path / "story.bin").read_bytes() == before
 
-    args = ["train", str(micro_recipe_file), "--run-dir", str(tmp_path / "run"), "--no-progress",
-            "--set", f"data.dataset={tmp_path / 'story'}", "--set", "data.tokenizer=gpt2",
-            "--set", "data.val_fraction=0.1", "--set", "train.steps=3"]
+    args = [
+        "train",
+        str(micro_recipe_file),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+        "--set",
+        f"data.dataset={tmp_path / 'story'}",
+        "--set",
+        "data.tokenizer=gpt2",
+        "--set",
+        "data.val_fraction=0.1",
+        "--set",
+        "train.steps=3",
+    ]
     assert main(args) == 0
     assert "step 3/3" in capsys.readouterr().out
     assert (tmp_path / "run" / "checkpoints" / "step_00000003").is_dir()
@@ -90,8 +114,9 @@ def test_recipes_lists_and_shows(capsys):
     assert "hidden_size = 512" in capsys.readouterr().out
 
 
-def test_a_filesystem_fault_outside_checkpoints_is_one_line_naming_the_path(micro_recipe_file, tmp_path, capsys,
-                                                                            monkeypatch):
+def test_a_filesystem_fault_outside_checkpoints_is_one_line_naming_the_path(
+    micro_recipe_file, tmp_path, capsys, monkeypatch
+):
     """A disk that fills while metrics are written: the path, the cause and the free space in
     one line, exit status 2 (root ignores permissions, so the fault is raised where the file
     is written, as the kernel would). A read-only file system: the path and the cause."""

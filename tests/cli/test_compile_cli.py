@@ -29,8 +29,18 @@ def test_compile_then_a_run_compiles_nothing(micro_compiled, micro_recipe_file, 
 
     env = os.environ | {"FRUGALITY_COMPILE_CACHE": str(cache), "FRUGALITY_CACHE_KEY": KEY}
     run_dir = tmp_path / "run"
-    done = _run("train", str(micro_recipe_file), "--set", "compile.level=O1", "--set", "train.device=cpu",
-                "--run-dir", str(run_dir), "--no-progress", env=env)
+    done = _run(
+        "train",
+        str(micro_recipe_file),
+        "--set",
+        "compile.level=O1",
+        "--set",
+        "train.device=cpu",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     compiled = summary["compile"]
@@ -45,11 +55,24 @@ def test_compile_then_a_run_compiles_nothing(micro_compiled, micro_recipe_file, 
 
 
 def test_bad_compile_settings_are_one_line(micro_recipe_file, tmp_path, capsys):
-    assert main(["train", str(micro_recipe_file), "--set", "compile.on_recompile=sometimes",
-                 "--run-dir", str(tmp_path / "run")]) == 2
+    assert (
+        main(
+            [
+                "train",
+                str(micro_recipe_file),
+                "--set",
+                "compile.on_recompile=sometimes",
+                "--run-dir",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --set compile.on_recompile=sometimes: compile.on_recompile: Input should be "
-                   "'warn' or 'error' (got 'sometimes')"]
+    assert err == [
+        "error: --set compile.on_recompile=sometimes: compile.on_recompile: Input should be "
+        "'warn' or 'error' (got 'sometimes')"
+    ]
     assert not (tmp_path / "run").exists()
     assert main(["compile", str(micro_recipe_file)]) == 2
     assert "nothing to compile" in capsys.readouterr().err

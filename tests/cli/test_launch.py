@@ -13,20 +13,50 @@ from frugality.distributed.slurm import SlurmJob, render, torchrun_command
 
 def _job(recipe_file, run_dir, **kw):
     recipe = load_recipe(str(recipe_file))
-    args = dict(recipe=str(recipe_file), overrides=("train.steps=4",), name=recipe.name, run_dir=str(run_dir),
-                nodes=1, gpus_per_node=0, procs_per_node=2, compile_first=False)
+    args = dict(
+        recipe=str(recipe_file),
+        overrides=("train.steps=4",),
+        name=recipe.name,
+        run_dir=str(run_dir),
+        nodes=1,
+        gpus_per_node=0,
+        procs_per_node=2,
+        compile_first=False,
+    )
     return SlurmJob(**(args | kw))
 
 
 def test_the_script_says_what_the_cluster_needs(micro_recipe_file, tmp_path, capsys):
     out = tmp_path / "job.sbatch"
-    args = ["launch", "slurm", str(micro_recipe_file), "--nodes", "4", "--gpus-per-node", "8", "--partition",
-            "gpu", "--time", "12:00:00", "--set", "compile.level=O1", "--run-dir", str(tmp_path / "run"),
-            "--out", str(out)]
+    args = [
+        "launch",
+        "slurm",
+        str(micro_recipe_file),
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--partition",
+        "gpu",
+        "--time",
+        "12:00:00",
+        "--set",
+        "compile.level=O1",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     script = out.read_text()
-    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --partition=gpu", "#SBATCH --time=12:00:00", "#SBATCH --requeue"):
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=12:00:00",
+        "#SBATCH --requeue",
+    ):
         assert line in script.splitlines()
     assert "frugality compile" in script  # compile.level O1: the cache is warmed first
     assert "--nnodes=$SLURM_NNODES --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$head_node:" in script
@@ -38,8 +68,22 @@ def test_the_script_says_what_the_cluster_needs(micro_recipe_file, tmp_path, cap
 
 def test_eager_recipes_skip_the_compile_step_and_bad_ranks_are_refused(micro_recipe_file, tmp_path, capsys):
     assert "frugality compile" not in render(_job(micro_recipe_file, tmp_path / "run"))
-    assert main(["launch", "slurm", str(micro_recipe_file), "--gpus-per-node", "8", "--procs-per-node", "2",
-                 "--out", str(tmp_path / "x.sbatch")]) == 2
+    assert (
+        main(
+            [
+                "launch",
+                "slurm",
+                str(micro_recipe_file),
+                "--gpus-per-node",
+                "8",
+                "--procs-per-node",
+                "2",
+                "--out",
+                str(tmp_path / "x.sbatch"),
+            ]
+        )
+        == 2
+    )
     assert "one rank per GPU" in capsys.readouterr().err
     assert not (tmp_path / "x.sbatch").exists()
 
@@ -50,8 +94,9 @@ def test_its_training_command_runs_here_with_two_processes(micro_recipe_file, tm
         port = s.getsockname()[1]
     job = _job(micro_recipe_file, tmp_path / "run")
     command = torchrun_command(job, "1", "127.0.0.1", "test", port)
-    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=600,
-                          env=os.environ | {"OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        ["bash", "-c", command], capture_output=True, text=True, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["final_step"] == 4
@@ -60,8 +105,24 @@ def test_its_training_command_runs_here_with_two_processes(micro_recipe_file, tm
 def test_shipped_scale_recipes_compile_first_for_the_jobs_ranks(tmp_path):
     """The README's promise, "compile, then torchrun", holds for the published recipes."""
     out = tmp_path / "job.sbatch"
-    assert main(["launch", "slurm", "pythia-410m", "--nodes", "4", "--gpus-per-node", "8",
-                 "--run-dir", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "launch",
+                "slurm",
+                "pythia-410m",
+                "--nodes",
+                "4",
+                "--gpus-per-node",
+                "8",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     script = out.read_text()
     assert "-m frugality compile pythia-410m --ranks 32 --no-progress" in script
     assert script.index("frugality compile") < script.index("frugality train")

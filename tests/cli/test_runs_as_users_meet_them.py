@@ -14,20 +14,26 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 import fulldisk
 
 
 def frugality(*args, cwd=None, timeout=300, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "frugality", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "frugality", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        **kw,
+    )
 
 
 def _strict(path: Path) -> dict:
     """JSON as a strict reader takes it: NaN and Infinity are not JSON."""
+
     def refuse(name):
         raise AssertionError(f"{path} holds {name}")
+
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
@@ -38,7 +44,8 @@ def _error(result) -> str:
 
 
 def test_rerunning_a_finished_run_changes_nothing_and_a_resumed_summary_covers_the_whole_run(
-        micro_recipe_file, tmp_path):
+    micro_recipe_file, tmp_path
+):
     run = tmp_path / "run"
     first = frugality("train", micro_recipe_file, "--run-dir", run, "--no-progress", "--until-step", 4)
     assert first.returncode == 0, first.stderr
@@ -86,22 +93,53 @@ def test_hand_edits_of_the_run_recipe_are_kept_and_honoured_from_the_file(micro_
     assert changed.returncode == 2
     assert "was trained with another model.num_layers (2 in its checkpoint step_00000006, 3 now)" in _error(changed)
     # steps behind the run: named as train.steps, not as a --until-step never given
-    behind = frugality("train", micro_recipe_file, "--run-dir", run, "--no-progress", "--set", "train.steps=5",
-                       "--set", "optim.warmup_steps=1")
+    behind = frugality(
+        "train",
+        micro_recipe_file,
+        "--run-dir",
+        run,
+        "--no-progress",
+        "--set",
+        "train.steps=5",
+        "--set",
+        "optim.warmup_steps=1",
+    )
     assert behind.returncode == 2
     assert f"train.steps (5): {run} is already at step 6; raise train.steps" in _error(behind)
 
 
 def test_nproc_keeps_the_global_batch_and_refuses_what_cannot_run_once(micro_recipe_file, tmp_path):
     run = tmp_path / "run"
-    done = frugality("train", micro_recipe_file, "--run-dir", run, "--nproc", 2, "--set", "data.micro_batch_size=4",
-                     "--set", "train.steps=2", "--set", "optim.warmup_steps=1")
+    done = frugality(
+        "train",
+        micro_recipe_file,
+        "--run-dir",
+        run,
+        "--nproc",
+        2,
+        "--set",
+        "data.micro_batch_size=4",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "optim.warmup_steps=1",
+    )
     assert done.returncode == 0, done.stderr
     assert "data.micro_batch_size 4 -> 2: the global batch of 4 over 2 ranks is 2 each" in done.stdout
     assert "OMP_NUM_THREADS" not in done.stderr  # torchrun's banner: the threads are set for it
     assert _strict(run / "summary.json")["final_step"] == 2
-    odd = frugality("train", micro_recipe_file, "--run-dir", tmp_path / "odd", "--nproc", 2,
-                    "--set", "data.global_batch_size=3", "--set", "data.micro_batch_size=1")
+    odd = frugality(
+        "train",
+        micro_recipe_file,
+        "--run-dir",
+        tmp_path / "odd",
+        "--nproc",
+        2,
+        "--set",
+        "data.global_batch_size=3",
+        "--set",
+        "data.micro_batch_size=1",
+    )
     assert odd.returncode == 2
     assert "data.global_batch_size (3) cannot be shared evenly by 2 data-parallel ranks" in _error(odd)
     cores = len(os.sched_getaffinity(0))
@@ -131,10 +169,29 @@ def _long_run(micro_recipe_file, run: Path, *extra):
     (a pipe nobody reads would fill and block it); whatever is left of it killed at the end."""
     out, err = run.with_suffix(".out"), run.with_suffix(".err")
     with open(out, "w") as o, open(err, "w") as e:
-        job = subprocess.Popen([sys.executable, "-m", "frugality", "train", str(micro_recipe_file), "--run-dir",
-                                str(run), "--no-progress", "--set", "train.steps=100000", "--set",
-                                "train.save_interval=100000", "--set", "train.eval_interval=100000", *extra],
-                               stdout=o, stderr=e, text=True, start_new_session=True)
+        job = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "frugality",
+                "train",
+                str(micro_recipe_file),
+                "--run-dir",
+                str(run),
+                "--no-progress",
+                "--set",
+                "train.steps=100000",
+                "--set",
+                "train.save_interval=100000",
+                "--set",
+                "train.eval_interval=100000",
+                *extra,
+            ],
+            stdout=o,
+            stderr=e,
+            text=True,
+            start_new_session=True,
+        )
     job.out, job.err = out, err
     try:
         yield job
@@ -160,8 +217,12 @@ def test_ctrl_c_under_nproc_saves_and_exits_130_without_a_traceback(micro_recipe
 
 
 def test_ctrl_c_while_starting_exits_130_without_a_traceback(tmp_path):
-    job = subprocess.Popen([sys.executable, "-m", "frugality", "train", "--run-dir", str(tmp_path / "run")],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "frugality", "train", "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     # while torch is being imported: the window in which a Ctrl-C used to end in a traceback
     maps = Path(f"/proc/{job.pid}/maps")
     _wait_for(lambda: job.poll() is None and "libtorch" in maps.read_text(), "torch being imported", timeout=60)
@@ -177,8 +238,7 @@ def test_ranks_end_with_a_launcher_that_is_killed(micro_recipe_file, tmp_path):
     run = tmp_path / "run"
     with _long_run(micro_recipe_file, run, "--nproc", "2") as job:
         _wait_for(lambda: _steps_logged(run) >= 1, "a step")
-        ranks = [p for p in psutil.Process(job.pid).children(recursive=True)
-                 if "frugality" in " ".join(p.cmdline())]
+        ranks = [p for p in psutil.Process(job.pid).children(recursive=True) if "frugality" in " ".join(p.cmdline())]
         assert len(ranks) == 2
         job.kill()  # as the OOM killer would: no chance to stop the ranks itself
         job.wait(timeout=60)
@@ -187,8 +247,16 @@ def test_ranks_end_with_a_launcher_that_is_killed(micro_recipe_file, tmp_path):
 
 
 def test_memory_a_batch_cannot_have_is_one_line_before_anything_is_written(micro_recipe_file, tmp_path):
-    huge = frugality("train", micro_recipe_file, "--run-dir", tmp_path / "run", "--set",
-                     "data.micro_batch_size=65536", "--set", "data.global_batch_size=65536")
+    huge = frugality(
+        "train",
+        micro_recipe_file,
+        "--run-dir",
+        tmp_path / "run",
+        "--set",
+        "data.micro_batch_size=65536",
+        "--set",
+        "data.global_batch_size=65536",
+    )
     assert huge.returncode == 2
     line = _error(huge)
     assert line.startswith("error: data.micro_batch_size 65536 x seq_len 32 needs about ") and "GiB free" in line
@@ -197,20 +265,36 @@ def test_memory_a_batch_cannot_have_is_one_line_before_anything_is_written(micro
 
 def test_a_full_disk_at_the_first_checkpoint_is_one_line(micro_recipe_file, tmp_path):
     disk = tmp_path / "disk"
-    result = fulldisk.run_on_small_disk(disk, 256 * 1024, ["train", str(micro_recipe_file), "--run-dir",
-                                                             str(disk / "run"), "--no-progress"], cwd=tmp_path)
+    result = fulldisk.run_on_small_disk(
+        disk,
+        256 * 1024,
+        ["train", str(micro_recipe_file), "--run-dir", str(disk / "run"), "--no-progress"],
+        cwd=tmp_path,
+    )
     _, left = fulldisk.left(result)
     assert result.returncode == 2, result.stderr
     line = _error(result)
-    assert line.startswith(f"error: cannot write checkpoint {disk / 'run' / 'checkpoints' / 'step_00000004'}: "
-                           "No space left on device") and "free on the device holding" in line
+    assert (
+        line.startswith(
+            f"error: cannot write checkpoint {disk / 'run' / 'checkpoints' / 'step_00000004'}: No space left on device"
+        )
+        and "free on the device holding" in line
+    )
     assert not [p for p in left if ".partial" in p], left  # no half-written checkpoint
 
 
-def test_the_run_header_and_a_contrastive_runs_metrics_are_printed_without_progress(micro_pairs_recipe,
-                                                                                    tmp_path):
-    done = frugality("train", micro_pairs_recipe, "--run-dir", tmp_path / "run", "--no-progress",
-                     "--set", "train.steps=2", "--set", "optim.warmup_steps=1")
+def test_the_run_header_and_a_contrastive_runs_metrics_are_printed_without_progress(micro_pairs_recipe, tmp_path):
+    done = frugality(
+        "train",
+        micro_pairs_recipe,
+        "--run-dir",
+        tmp_path / "run",
+        "--no-progress",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "optim.warmup_steps=1",
+    )
     assert done.returncode == 0, done.stderr
     assert "micro-pairs: bert" in done.stdout  # the header's run line
     closing = done.stdout.strip().splitlines()[-2]  # before the cost line
@@ -221,9 +305,21 @@ def test_a_published_recipe_runs_on_the_bundled_corpus(tmp_path):
     """pythia-14m as shipped (2048-token samples: a validation split of a few samples, fewer
     than its eval_samples and than one of its micro-batches), on a laptop-sized batch."""
     run = tmp_path / "run"
-    done = frugality("train", "pythia-14m", "--run-dir", run, "--no-progress", "--until-step", 1,
-                     "--set", "data.global_batch_size=2", "--set", "data.micro_batch_size=1",
-                     "--set", "compile.level=O0")
+    done = frugality(
+        "train",
+        "pythia-14m",
+        "--run-dir",
+        run,
+        "--no-progress",
+        "--until-step",
+        1,
+        "--set",
+        "data.global_batch_size=2",
+        "--set",
+        "data.micro_batch_size=1",
+        "--set",
+        "compile.level=O0",
+    )
     assert done.returncode == 0, done.stderr
     summary = _strict(run / "summary.json")
     assert summary["final_step"] == 1 and summary["first_val_loss"] > 10  # the whole split, evaluated at step 0

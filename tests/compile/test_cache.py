@@ -18,8 +18,15 @@ from frugality.precision import resolve_policy
 
 
 def _fp(**changes) -> dict:
-    args = dict(model={"family": "gpt-neox", "hidden_size": 32}, micro_batch_size=2, seq_len=32,
-                precision="fp32", level="O1", device=torch.device("cpu"), options={})
+    args = dict(
+        model={"family": "gpt-neox", "hidden_size": 32},
+        micro_batch_size=2,
+        seq_len=32,
+        precision="fp32",
+        level="O1",
+        device=torch.device("cpu"),
+        options={},
+    )
     return fingerprint(**(args | changes))
 
 
@@ -31,10 +38,21 @@ def _key(recipe) -> str:
 
 def test_fingerprint_keys_what_changes_graphs_and_nothing_else(micro_recipe_file):
     base = load_recipe(str(micro_recipe_file), ["compile.level=O1"])
-    same = [["train.steps=3"], ["optim.lr=5e-3"], ["train.eval_samples=1"], ['compile.cache="/elsewhere"'],
-            ["data.global_batch_size=8"], ["name=other"]]
-    other = [["data.micro_batch_size=4", "data.global_batch_size=4"], ["data.seq_len=16"],
-             ["model.hidden_size=64"], ["train.precision=bf16-sr"], ["compile.level=O2"]]
+    same = [
+        ["train.steps=3"],
+        ["optim.lr=5e-3"],
+        ["train.eval_samples=1"],
+        ['compile.cache="/elsewhere"'],
+        ["data.global_batch_size=8"],
+        ["name=other"],
+    ]
+    other = [
+        ["data.micro_batch_size=4", "data.global_batch_size=4"],
+        ["data.seq_len=16"],
+        ["model.hidden_size=64"],
+        ["train.precision=bf16-sr"],
+        ["compile.level=O2"],
+    ]
     for extra in same:
         assert _key(load_recipe(str(micro_recipe_file), ["compile.level=O1", *extra])) == _key(base), extra
     for extra in other:
@@ -126,8 +144,12 @@ def s3_url(monkeypatch):
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3_ENDPOINT_URL": endpoint}.items():
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "FSSPEC_S3_ENDPOINT_URL": endpoint,
+    }.items():
         monkeypatch.setenv(key, value)
     import fsspec
     import fsspec.config
@@ -203,8 +225,10 @@ def test_with_a_fleet_key_only_entries_it_signed_are_used(tmp_path):
         files["cd/evil.py"] = b"import os; os.system('touch pwned')\n"
 
     good = (entry / manifest["archive"]).read_bytes()
-    for change, without_key in ((flip_a_byte, "does not match its manifest's SHA-256"),
-                                (add_a_file, "a file its manifest does not list")):
+    for change, without_key in (
+        (flip_a_byte, "does not match its manifest's SHA-256"),
+        (add_a_file, "a file its manifest does not list"),
+    ):
         _repack(entry, manifest, change)
         with pytest.warns(CompileCacheWarning, match="altered after it was signed"):
             assert not CompileCache(url, _fp(), key).fetch(tmp_path / change.__name__).found

@@ -10,17 +10,16 @@ import shutil
 import pytest
 import torch
 
-from frugality.training.ahead import compile_ahead
 from frugality.compile.session import (
     CompileError,
     CompileFallbackWarning,
-    CompileSession,
     RecompileError,
     RecompileWarning,
 )
 from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
 from frugality.runtime.state import build_state
+from frugality.training.ahead import compile_ahead
 from frugality.training.loop import train_step
 from frugality.training.trainer import train
 
@@ -44,20 +43,23 @@ def shared_cache(micro_compiled, tmp_path_factory):
 
 def _recipe(micro_recipe_file, cache, *extra):
     # On the CPU wherever the tests run: they exercise Inductor's C++ path and its cache.
-    return load_recipe(str(micro_recipe_file), ["compile.level=O1", "train.device=cpu",
-                                                f'compile.cache="{cache}"', *extra])
+    return load_recipe(
+        str(micro_recipe_file), ["compile.level=O1", "train.device=cpu", f'compile.cache="{cache}"', *extra]
+    )
 
 
 def test_an_altered_signed_entry_is_refused_and_the_run_completes(
-        micro_recipe_file, compiled_cache, tmp_path, monkeypatch, broken_compiler):
+    micro_recipe_file, compiled_cache, tmp_path, monkeypatch, broken_compiler
+):
     """Someone with write access but not the key swaps a generated file and fixes the
     archive's hash: the entry is refused, nothing from it runs, the run goes on without it
     (here eagerly: this machine's compiler is made to fail, which spares the test a cold
     compile; a run with a working one compiles its own graphs)."""
     import json
 
-    from frugality.compile.cache import CompileCacheWarning
     from test_cache import _repack
+
+    from frugality.compile.cache import CompileCacheWarning
 
     monkeypatch.setenv("FRUGALITY_CACHE_KEY", "fleet-key-of-32-random-characters")  # the fixture's
     entry = next(p for p in compiled_cache.iterdir() if (p / "manifest.json").is_file())
@@ -93,6 +95,7 @@ def _session(recipe, device=torch.device("cpu")):
         def loss():
             state.wrapped.eval()
             return state.wrapped(batch, evaluate=True).loss.item()
+
         return session.run("eval", number, loss, reset)
 
     return session, step, evaluate
@@ -103,8 +106,7 @@ def _batch(recipe, rows):
 
 
 @pytest.mark.parametrize("mode", ["error", "warn"])
-def test_a_changed_batch_shape_after_warm_up_is_reported_with_its_reason(
-        micro_recipe_file, shared_cache, mode):
+def test_a_changed_batch_shape_after_warm_up_is_reported_with_its_reason(micro_recipe_file, shared_cache, mode):
     recipe = _recipe(micro_recipe_file, shared_cache, f"compile.on_recompile={mode}")
     session, step, evaluate = _session(recipe)
     try:
@@ -141,13 +143,15 @@ def broken_compiler():
         yield
 
 
-def test_a_graph_that_fails_to_compile_runs_eagerly_with_a_warning(micro_recipe_file, tmp_path,
-                                                                     broken_compiler):
+def test_a_graph_that_fails_to_compile_runs_eagerly_with_a_warning(micro_recipe_file, tmp_path, broken_compiler):
     recipe = _recipe(micro_recipe_file, tmp_path / "empty-cache")
     session, step, _ = _session(recipe)
     try:
-        with pytest.warns(CompileFallbackWarning, match=r"GPTNeoX block .*\(train\) failed to compile: "
-                                                         r".*No working C\+\+ compiler.*; running it eagerly"):
+        with pytest.warns(
+            CompileFallbackWarning,
+            match=r"GPTNeoX block .*\(train\) failed to compile: "
+            r".*No working C\+\+ compiler.*; running it eagerly",
+        ):
             first = step(1, _batch(recipe, 2))[0]
         assert session.stats.fallbacks == ["GPTNeoX block (frugality.models.gpt_neox.Block) (train)"]
         losses = [first] + [step(i, _batch(recipe, 2))[0] for i in (2, 3)]

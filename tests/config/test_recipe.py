@@ -49,22 +49,39 @@ def test_default_is_tiny_and_overrides_apply():
 
 def test_recipe_from_a_file(tmp_path):
     path = tmp_path / "mine.toml"
-    path.write_text('[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n')
+    path.write_text("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n")
     r = load_recipe(str(path))
     assert r.name == "mine" and r.model.ffn_size == 256
 
 
 BAD = [
     ("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\nhiden = 3\n", "model.hiden: unknown key"),
-    ("[model]\nhidden_size = 100\nnum_layers = 2\nnum_heads = 3\n", "model: hidden_size (100) must be divisible by num_heads (3)"),
-    ("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[train]\nsteps = -5\n", "train.steps: Input should be greater than 0 (got -5)"),
-    ("[model]\nhidden_size = 'big'\nnum_layers = 2\nnum_heads = 2\n", "model.hidden_size: Input should be a valid integer"),
+    (
+        "[model]\nhidden_size = 100\nnum_layers = 2\nnum_heads = 3\n",
+        "model: hidden_size (100) must be divisible by num_heads (3)",
+    ),
+    (
+        "[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[train]\nsteps = -5\n",
+        "train.steps: Input should be greater than 0 (got -5)",
+    ),
+    (
+        "[model]\nhidden_size = 'big'\nnum_layers = 2\nnum_heads = 2\n",
+        "model.hidden_size: Input should be a valid integer",
+    ),
     ("[model]\nnum_layers = 2\nnum_heads = 2\n", "model.hidden_size: missing required key"),
-    ("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[data]\nseq_len = 4096\n", "data.seq_len (4096) exceeds model.max_seq_len (2048)"),
-    ("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[optim]\nlr = 1e-4\nmin_lr = 1e-3\n", "optim: min_lr (0.001) must not exceed lr (0.0001)"),
+    (
+        "[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[data]\nseq_len = 4096\n",
+        "data.seq_len (4096) exceeds model.max_seq_len (2048)",
+    ),
+    (
+        "[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[optim]\nlr = 1e-4\nmin_lr = 1e-3\n",
+        "optim: min_lr (0.001) must not exceed lr (0.0001)",
+    ),
     ("[model\nhidden_size = 64\n", "not valid TOML"),
-    ("[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[train]\nsteps = 5\n[optim]\nwarmup_steps = 9\n",
-     "bad.toml: optim.warmup_steps (9) exceeds train.steps (5)"),
+    (
+        "[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[train]\nsteps = 5\n[optim]\nwarmup_steps = 9\n",
+        "bad.toml: optim.warmup_steps (9) exceeds train.steps (5)",
+    ),
 ]
 
 
@@ -125,13 +142,16 @@ def test_each_settings_values_are_listed_once_and_implemented():
     assert all(get_policy(name).name == name for name in PRECISIONS)
 
 
-@pytest.mark.parametrize("flag,message", [
-    ("foo.bar=1", "foo: unknown key"),
-    ("data.global_batch_size=5", "data: global_batch_size (5) must be a multiple of micro_batch_size"),
-    ("optim.min_lr=1", "optim: min_lr (1.0) must not exceed lr"),
-    ("optim.warmup_steps=99999", "optim.warmup_steps (99999) exceeds train.steps"),
-    ("model.num_heads=7", "model: hidden_size (128) must be divisible by num_heads (7)"),
-])
+@pytest.mark.parametrize(
+    "flag,message",
+    [
+        ("foo.bar=1", "foo: unknown key"),
+        ("data.global_batch_size=5", "data: global_batch_size (5) must be a multiple of micro_batch_size"),
+        ("optim.min_lr=1", "optim: min_lr (1.0) must not exceed lr"),
+        ("optim.warmup_steps=99999", "optim.warmup_steps (99999) exceeds train.steps"),
+        ("model.num_heads=7", "model: hidden_size (128) must be divisible by num_heads (7)"),
+    ],
+)
 def test_a_check_across_fields_broken_by_a_flag_names_the_flag(flag, message):
     with pytest.raises(UserError) as e:
         load_recipe("tiny", [flag])
@@ -153,8 +173,10 @@ def test_older_recipes_eval_batches_are_read_as_the_samples_they_meant(tmp_path)
     assert load_recipe("tiny").train.eval_samples == 32
     assert load_recipe("tiny", ["train.eval_batches=2", "data.micro_batch_size=4"]).train.eval_samples == 8
     old = tmp_path / "old.toml"
-    old.write_text('[model]\nhidden_size = 32\nnum_layers = 1\nnum_heads = 4\n[data]\nmicro_batch_size = 3\n'
-                   'global_batch_size = 6\n[train]\neval_batches = 5\n')
+    old.write_text(
+        "[model]\nhidden_size = 32\nnum_layers = 1\nnum_heads = 4\n[data]\nmicro_batch_size = 3\n"
+        "global_batch_size = 6\n[train]\neval_batches = 5\n"
+    )
     recipe = load_recipe(str(old))
     assert recipe.train.eval_samples == 15 and "eval_batches" not in recipe.to_toml()
     with pytest.raises(UserError, match="train.eval_batches"):

@@ -23,8 +23,9 @@ def test_documents_end_with_eod(tmp_path, tok):
         for t in texts:
             f.write(json.dumps({"body": t, "id": 1}) + "\n")
     (tmp_path / "book.txt").write_text("A whole book\n\nin one file.\n")
-    stats = prepare([tmp_path / "docs.jsonl.gz", tmp_path / "book.txt"], tok, tmp_path / "out",
-                    field="body", progress=False)
+    stats = prepare(
+        [tmp_path / "docs.jsonl.gz", tmp_path / "book.txt"], tok, tmp_path / "out", field="body", progress=False
+    )
     ds = IndexedDataset(tmp_path / "out")
     assert stats.documents == ds.num_documents == 4
     for i, text in enumerate(texts + ["A whole book\n\nin one file.\n"]):
@@ -97,17 +98,21 @@ def test_a_directory_or_a_text_that_is_not_a_string_is_said_as_such(tmp_path, ca
     (books / "a.jsonl.gz").write_bytes(b"")
     out = str(tmp_path / "out")
     assert _one_error(capsys, ["data", "prepare", str(books), "--out", out]) == (
-        f"error: input {books}: a directory; give its files, e.g. {books}/*.jsonl.gz")
+        f"error: input {books}: a directory; give its files, e.g. {books}/*.jsonl.gz"
+    )
     (tmp_path / "empty").mkdir()
     assert f"a directory; give its files, e.g. {tmp_path / 'empty'}/*.txt" in _one_error(
-        capsys, ["data", "prepare", str(tmp_path / "empty"), "--out", out])
+        capsys, ["data", "prepare", str(tmp_path / "empty"), "--out", out]
+    )
     numbers = tmp_path / "numbers.jsonl"
     numbers.write_text('{"text": "fine"}\n{"text": 123}\n')
     assert _one_error(capsys, ["data", "prepare", str(numbers), "--out", out]) == (
-        f"error: input {numbers}:2: field 'text' is not a string (a number)")
+        f"error: input {numbers}:2: field 'text' is not a string (a number)"
+    )
     (tmp_path / "null.jsonl").write_text('{"text": null}\n')
     assert "null.jsonl:1: field 'text' is not a string (null)" in _one_error(
-        capsys, ["data", "prepare", str(tmp_path / "null.jsonl"), "--out", out])
+        capsys, ["data", "prepare", str(tmp_path / "null.jsonl"), "--out", out]
+    )
     assert not list(tmp_path.glob("out*"))
 
 
@@ -118,9 +123,11 @@ def test_a_byte_that_is_not_utf8_is_named_by_file_line_and_offset(tmp_path, caps
         f.write(b'{"text": "fine \xc3\xa9"}\n{"text": "caf\xe9"}\n')
     out = str(tmp_path / "out")
     assert _one_error(capsys, ["data", "prepare", str(tmp_path / "book.txt"), "--out", out]) == (
-        f"error: input {tmp_path / 'book.txt'}:3: not UTF-8 text (byte 0xe9 at offset 7 in the line)")
+        f"error: input {tmp_path / 'book.txt'}:3: not UTF-8 text (byte 0xe9 at offset 7 in the line)"
+    )
     assert _one_error(capsys, ["data", "prepare", str(tmp_path / "docs.jsonl.gz"), "--out", out]) == (
-        f"error: input {tmp_path / 'docs.jsonl.gz'}:2: not UTF-8 text (byte 0xe9 at offset 13 in the line)")
+        f"error: input {tmp_path / 'docs.jsonl.gz'}:2: not UTF-8 text (byte 0xe9 at offset 13 in the line)"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["book.txt", "docs.jsonl.gz"]
 
 
@@ -148,5 +155,6 @@ def test_temporary_files_of_killed_runs_are_removed_and_a_live_runs_kept(tmp_pat
         assert main(["data", "prepare", str(tmp_path / "book.txt"), "--out", str(tmp_path / "books")]) == 0
     assert "wrote" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["book.txt", "books.bin", "books.idx", live_here.name, elsewhere.name, other.name])
+        ["book.txt", "books.bin", "books.idx", live_here.name, elsewhere.name, other.name]
+    )
     assert IndexedDataset(tmp_path / "books").num_documents == 1

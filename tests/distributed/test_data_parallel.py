@@ -9,17 +9,28 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-import torch
-from pathlib import Path
 
 
 def _train(recipe_file, run_dir, nproc: int, *overrides: str, extra=()) -> subprocess.CompletedProcess:
-    frugality = ["-m", "frugality", "train", str(recipe_file), "--run-dir", str(run_dir), "--no-progress",
-                 *(a for o in overrides for a in ("--set", o)), *extra]
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-              if nproc > 1 else [sys.executable])
+    frugality = [
+        "-m",
+        "frugality",
+        "train",
+        str(recipe_file),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *(a for o in overrides for a in ("--set", o)),
+        *extra,
+    ]
+    launch = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc > 1
+        else [sys.executable]
+    )
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run(launch + frugality, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -39,29 +50,42 @@ def one_process(tmp_path_factory):
     def run(recipe_file, precision="fp32", micro=2):
         if (precision, micro) not in runs:
             runs[precision, micro] = tmp_path_factory.mktemp("one-process")
-            _train(recipe_file, runs[precision, micro], 1, f"train.precision={precision}",
-                   f"data.micro_batch_size={micro}")
+            _train(
+                recipe_file, runs[precision, micro], 1, f"train.precision={precision}", f"data.micro_batch_size={micro}"
+            )
         return runs[precision, micro]
+
     return run
 
 
-@pytest.mark.parametrize("strategy, nproc, precision, micro, tolerance", [
-    # DDP in fp32 at 2 ranks: test_frugality_train_nproc_starts_the_processes_itself
-    ("fsdp", 2, "fp32", 1, 1e-5),  # 2 micro-batches a rank: the first accumulates without syncing
-    ("hsdp", 4, "fp32", 1, 1e-5),  # 2 replicas of 2-rank shard groups
-    ("ddp", 2, "bf16-sr", 2, 1e-3),  # gradients reduced in bf16
-    ("fsdp", 2, "bf16-sr", 2, 1e-3),
-])
-def test_ranks_train_as_one_process_with_all_their_shares(micro_recipe_file, tmp_path, one_process, strategy,
-                                                          nproc, precision, micro, tolerance):
+@pytest.mark.parametrize(
+    "strategy, nproc, precision, micro, tolerance",
+    [
+        # DDP in fp32 at 2 ranks: test_frugality_train_nproc_starts_the_processes_itself
+        ("fsdp", 2, "fp32", 1, 1e-5),  # 2 micro-batches a rank: the first accumulates without syncing
+        ("hsdp", 4, "fp32", 1, 1e-5),  # 2 replicas of 2-rank shard groups
+        ("ddp", 2, "bf16-sr", 2, 1e-3),  # gradients reduced in bf16
+        ("fsdp", 2, "bf16-sr", 2, 1e-3),
+    ],
+)
+def test_ranks_train_as_one_process_with_all_their_shares(
+    micro_recipe_file, tmp_path, one_process, strategy, nproc, precision, micro, tolerance
+):
     """Each rank's micro-batches of each step = the same micro-batches accumulated in one process."""
     one = one_process(micro_recipe_file, precision, micro)
     # fsdp with bf16-sr writes its step-4 checkpoint asynchronously (sharded state, its own
     # gloo group), and resumes from it below
     asynchronous = f"train.async_checkpoint={str(strategy == 'fsdp' and precision == 'bf16-sr').lower()}"
-    done = _train(micro_recipe_file, tmp_path / "many", nproc, f"parallel.data={strategy}",
-                  f"train.precision={precision}", f"data.micro_batch_size={micro}", "parallel.shard_size=2",
-                  asynchronous)
+    done = _train(
+        micro_recipe_file,
+        tmp_path / "many",
+        nproc,
+        f"parallel.data={strategy}",
+        f"train.precision={precision}",
+        f"data.micro_batch_size={micro}",
+        "parallel.shard_size=2",
+        asynchronous,
+    )
     assert f"{strategy} over {nproc} processes" in done.stdout
     many = _losses(tmp_path / "many")
     assert sorted(many) == list(range(1, 9))
@@ -75,8 +99,14 @@ def test_ranks_train_as_one_process_with_all_their_shares(micro_recipe_file, tmp
     if strategy == "fsdp" and precision == "bf16-sr":
         # resumed at the same world size from its step-4 checkpoint: the same bits as straight through
         shutil.rmtree(tmp_path / "many" / "checkpoints" / "step_00000008")
-        _train(micro_recipe_file, tmp_path / "many", nproc, f"parallel.data={strategy}",
-               f"train.precision={precision}", f"data.micro_batch_size={micro}")
+        _train(
+            micro_recipe_file,
+            tmp_path / "many",
+            nproc,
+            f"parallel.data={strategy}",
+            f"train.precision={precision}",
+            f"data.micro_batch_size={micro}",
+        )
         resumed = _losses(tmp_path / "many")
         assert all(resumed[step] == many[step] for step in range(5, 9)), (resumed, many)
 
@@ -87,8 +117,12 @@ def _export_and_init_from_a_sharded_run(recipe_file, tmp_path, one, sharded):
     from safetensors.torch import load_file
 
     for run in (one, sharded):
-        done = subprocess.run([sys.executable, "-m", "frugality", "export", "hf", str(run), "--out",
-                               str(tmp_path / f"{run.name}-hf")], capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "frugality", "export", "hf", str(run), "--out", str(tmp_path / f"{run.name}-hf")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     expected = load_file(tmp_path / f"{one.name}-hf" / "model.safetensors")
     got = load_file(tmp_path / f"{sharded.name}-hf" / "model.safetensors")
@@ -99,7 +133,13 @@ def _export_and_init_from_a_sharded_run(recipe_file, tmp_path, one, sharded):
         # bias: softmax ignores it) into lr-sized steps of either sign, so 1-D tensors get 5%.
         error = ((got[name] - expected[name]).norm() / expected[name].norm()).item()
         assert error < (1e-4 if got[name].ndim > 1 else 0.05), (name, error)
-    _train(recipe_file, tmp_path / "from-sharded", 1, "data.micro_batch_size=1", extra=["--init-from", str(sharded), "--until-step", "1"])
+    _train(
+        recipe_file,
+        tmp_path / "from-sharded",
+        1,
+        "data.micro_batch_size=1",
+        extra=["--init-from", str(sharded), "--until-step", "1"],
+    )
     # its evaluation before step 1 is the sharded run's last one: the same weights, the same batches
     assert _losses(tmp_path / "from-sharded", "eval")[0] == pytest.approx(_losses(sharded, "eval")[8], rel=1e-6)
 
@@ -112,8 +152,15 @@ def test_a_run_moves_between_strategies_and_world_sizes(micro_recipe_file, tmp_p
     straight = one_process(micro_recipe_file, "fp32", 1)
     moved = tmp_path / "moved"
     for strategy, nproc, until in [("ddp", 2, 3), ("fsdp", 2, 6), ("ddp", 1, 8)]:
-        _train(micro_recipe_file, moved, nproc, f"parallel.data={strategy}", "data.micro_batch_size=1",
-               "parallel.shard_size=2", extra=["--until-step", str(until)])
+        _train(
+            micro_recipe_file,
+            moved,
+            nproc,
+            f"parallel.data={strategy}",
+            "data.micro_batch_size=1",
+            "parallel.shard_size=2",
+            extra=["--until-step", str(until)],
+        )
     losses, expected = _losses(moved), _losses(straight)
     assert sorted(losses) == list(range(1, 9))
     for step in range(1, 9):
@@ -125,9 +172,24 @@ def test_frugality_train_nproc_starts_the_processes_itself(micro_recipe_file, tm
     checked by hand: about 90 s of compiling on one thread per rank, too slow for this suite)."""
     frugality = str(Path(sys.executable).with_name("frugality"))
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    done = subprocess.run([frugality, "train", str(micro_recipe_file), "--run-dir", str(tmp_path / "run"),
-                           "--no-progress", "--nproc", "2", "--until-step", "4"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [
+            frugality,
+            "train",
+            str(micro_recipe_file),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--no-progress",
+            "--nproc",
+            "2",
+            "--until-step",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ddp over 2 processes" in done.stdout and done.stdout.count("step 4/8") == 1  # rank 0 reports
     one = one_process(micro_recipe_file)
@@ -160,17 +222,40 @@ def test_a_rank_that_dies_ends_the_run_naming_it(micro_recipe_file, tmp_path):
     script = tmp_path / "killed.py"
     script.write_text(KILLED)
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(micro_recipe_file), str(tmp_path / "run")],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            str(micro_recipe_file),
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode != 0
     assert "rank      : 1" in done.stderr and "exitcode  : 9" in done.stderr
 
 
 def test_a_run_saved_in_one_process_resumes_on_two_ranks(micro_recipe_file, tmp_path, one_process):
     straight = one_process(micro_recipe_file)
-    frugality = [sys.executable, "-m", "frugality", "train", str(micro_recipe_file), "--run-dir",
-                 str(tmp_path / "grown"), "--no-progress", "--until-step", "4"]
+    frugality = [
+        sys.executable,
+        "-m",
+        "frugality",
+        "train",
+        str(micro_recipe_file),
+        "--run-dir",
+        str(tmp_path / "grown"),
+        "--no-progress",
+        "--until-step",
+        "4",
+    ]
     assert subprocess.run(frugality, capture_output=True, text=True, timeout=600).returncode == 0
     done = _train(micro_recipe_file, tmp_path / "grown", 2)
     assert "resuming" in done.stdout
@@ -183,15 +268,23 @@ def test_a_run_saved_in_one_process_resumes_on_two_ranks(micro_recipe_file, tmp_
 def test_an_encoder_trains_contrastively_on_two_ranks_as_in_one_process(micro_pairs_recipe, tmp_path):
     """DDP with a pooler the loss never reaches (frozen, so DDP waits for no gradient of it),
     micro-batches of a step padded to one bucket, and one evaluation batch: rank 1 counts none."""
-    sets = ["model.pooler=true", "train.eval_samples=2", "data.micro_batch_size=2", "train.steps=3",
-            "train.eval_interval=3"]
-    one = _train(micro_pairs_recipe, tmp_path / "one", 1, *sets)
+    sets = [
+        "model.pooler=true",
+        "train.eval_samples=2",
+        "data.micro_batch_size=2",
+        "train.steps=3",
+        "train.eval_interval=3",
+    ]
+    _train(micro_pairs_recipe, tmp_path / "one", 1, *sets)
     two = _train(micro_pairs_recipe, tmp_path / "two", 2, *sets)
     assert "not trained (task contrastive does not use them): pooler" in two.stdout
     # one process takes all four micro-batches of a step (two on each rank): the same losses
     assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
-    evals = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "eval"]
+    evals = [
+        json.loads(line)
+        for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "eval"
+    ]
     assert [e["candidates"] for e in evals] == [2, 2] and "recall@1" in evals[-1]
     # the real tokens, summed over the ranks: those of one process taking every micro-batch
     tokens = lambda run: json.loads((run / "summary.json").read_text())["tokens_seen"]
@@ -204,8 +297,9 @@ def test_gathered_negatives_on_two_ranks_train_as_one_process_with_both_batches(
     gradients, through the gather's backward, included). The rank-local loss differs."""
     sets = ["train.eval_samples=2", "data.global_batch_size=4", "train.steps=3", "train.eval_interval=3"]
     one = _train(micro_pairs_recipe, tmp_path / "one", 1, *sets, "data.micro_batch_size=4")
-    two = _train(micro_pairs_recipe, tmp_path / "two", 2, *sets, "data.micro_batch_size=2",
-                 "parallel.gather_negatives=true")
+    two = _train(
+        micro_pairs_recipe, tmp_path / "two", 2, *sets, "data.micro_batch_size=2", "parallel.gather_negatives=true"
+    )
     local = _train(micro_pairs_recipe, tmp_path / "local", 2, *sets, "data.micro_batch_size=2")
     assert "contrastive negatives gathered from all 2 ranks" in two.stdout
     assert "negatives gathered" not in local.stdout + one.stdout

@@ -37,8 +37,9 @@ def test_machine_checks_fail_on_a_full_disk_an_unwritable_cache_and_a_missing_da
     assert all(c.status != FAIL for c in machine_checks(CPU, recipe, tmp_path / "runs", thresholds("cpu"), 4))
     blocked = tmp_path / "file"
     blocked.write_text("a file where the cache folder should be")
-    broken = load_recipe(str(micro_recipe_file), [f'compile.cache="{blocked}/cache"',
-                                                  f'data.dataset="{tmp_path}/missing"'])
+    broken = load_recipe(
+        str(micro_recipe_file), [f'compile.cache="{blocked}/cache"', f'data.dataset="{tmp_path}/missing"']
+    )
     limits = thresholds("cpu", ["min_free_disk_gib=1e9"])  # more than any disk holds
     failing = {c.name: c for c in machine_checks(CPU, broken, tmp_path / "runs", limits, 4) if c.status == FAIL}
     assert set(failing) == {f"free disk at {tmp_path / 'runs'}", "compile cache", "dataset"}
@@ -55,8 +56,13 @@ def test_thresholds_are_overridable_by_name_only():
 
 
 def _doctor(tmp_path, *args, **env):
-    return subprocess.run([sys.executable, "-m", "frugality", "doctor", "--quick", "--run-dir", str(tmp_path / "runs"),
-                           *args], capture_output=True, text=True, timeout=300, env=os.environ | env)
+    return subprocess.run(
+        [sys.executable, "-m", "frugality", "doctor", "--quick", "--run-dir", str(tmp_path / "runs"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | env,
+    )
 
 
 def test_collectives_among_two_processes_pass_and_an_injected_wrong_value_fails(tmp_path):
@@ -92,8 +98,13 @@ def test_a_read_only_run_directory_is_a_failed_check(tmp_path):
     import fulldisk
 
     runs = tmp_path / "runs"
-    done = fulldisk.run_on_small_disk(runs, 1 << 20, ["doctor", "--quick", "--run-dir", str(runs), "--threshold",
-                                                      "min_free_disk_gib=0.0005"], cwd=tmp_path, read_only=True)
+    done = fulldisk.run_on_small_disk(
+        runs,
+        1 << 20,
+        ["doctor", "--quick", "--run-dir", str(runs), "--threshold", "min_free_disk_gib=0.0005"],
+        cwd=tmp_path,
+        read_only=True,
+    )
     out, left = fulldisk.left(done)
     assert done.returncode == 1, done.stderr[-3000:]
     assert f"| machine | disk write at {runs} | fail | not writable | [Errno 30] Read-only file system" in out
@@ -109,9 +120,22 @@ def test_preflight_runs_before_step_one_and_refuses_a_broken_device(micro_recipe
     # an all-reduce that corrupts its result, in 2 processes over gloo: every rank stops, nothing written
     script = tmp_path / "corrupt.py"
     script.write_text(CORRUPT_ALL_REDUCE)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(micro_recipe_file), str(tmp_path / "two")],
-                          capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            str(micro_recipe_file),
+            str(tmp_path / "two"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode != 0
     # the wrong values are counted over the ranks: each rank names the failed collective
     assert "preflight failed on rank 0: all_reduce 1 KiB" in done.stderr
@@ -120,8 +144,9 @@ def test_preflight_runs_before_step_one_and_refuses_a_broken_device(micro_recipe
     assert not (tmp_path / "two").exists()
     # one process: float32 products wrong by 1% fail the check before the run directory exists
     real_mm = torch.Tensor.__matmul__
-    monkeypatch.setattr(torch.Tensor, "__matmul__",
-                        lambda a, b: real_mm(a, b) * (1.01 if a.dtype == torch.float32 else 1))
+    monkeypatch.setattr(
+        torch.Tensor, "__matmul__", lambda a, b: real_mm(a, b) * (1.01 if a.dtype == torch.float32 else 1)
+    )
     with pytest.raises(UserError, match="preflight failed: float32 product: rel. error 1.0e-02"):
         trainer.train(recipe, run_dir=tmp_path / "one", progress=False, tensorboard=False)
     assert not (tmp_path / "one").exists()

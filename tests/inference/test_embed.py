@@ -31,7 +31,7 @@ def _texts(count: int) -> list[str]:
             return [json.loads(next(f))["text"] for _ in range(count)]
     from frugality.data.bundled import corpus_files
 
-    lines = [l.strip() for l in gzip.open(corpus_files()[0], "rt").read().splitlines() if len(l.strip()) > 30]
+    lines = [line.strip() for line in gzip.open(corpus_files()[0], "rt").read().splitlines() if len(line.strip()) > 30]
     return lines[:count]
 
 
@@ -43,16 +43,37 @@ def texts_file(tmp_path_factory) -> Path:
 
 
 def _embed(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([FRUGALITY, "embed", MODEL, *args, "--no-progress"], capture_output=True, text=True,
-                          env=env or os.environ)
+    return subprocess.run(
+        [FRUGALITY, "embed", MODEL, *args, "--no-progress"], capture_output=True, text=True, env=env or os.environ
+    )
 
 
 def test_embeddings_equal_sentence_transformers(tmp_path, texts_file, capsys):
     sentence_transformers = pytest.importorskip("sentence_transformers")
     pytest.importorskip("pyarrow")
-    assert main(["embed", MODEL, str(texts_file), "--out", str(tmp_path / "out"), "--text-field", "body",
-                 "--id-field", "key", "--precision", "fp32", "--shard-size", "50", "--format", "parquet",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "embed",
+                MODEL,
+                str(texts_file),
+                "--out",
+                str(tmp_path / "out"),
+                "--text-field",
+                "body",
+                "--id-field",
+                "key",
+                "--precision",
+                "fp32",
+                "--shard-size",
+                "50",
+                "--format",
+                "parquet",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "120 texts in 3 shards" in capsys.readouterr().out
     ids, ours = read_embeddings(tmp_path / "out")
     assert ids == [f"g{i}" for i in range(120)] and ours.shape == (120, 384) and ours.dtype == np.float32
@@ -63,12 +84,26 @@ def test_embeddings_equal_sentence_transformers(tmp_path, texts_file, capsys):
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["count"] == 120 and manifest["dim"] == 384 and manifest["encoder"]["normalize"]
     assert [(s["count"], s["table"]) for s in manifest["shards"]] == [
-        (50, "shard-00000.parquet"), (50, "shard-00001.parquet"), (20, "shard-00002.parquet")]
+        (50, "shard-00000.parquet"),
+        (50, "shard-00001.parquet"),
+        (20, "shard-00002.parquet"),
+    ]
 
 
 def test_a_killed_job_finishes_on_a_rerun_with_every_id_once(tmp_path, texts_file):
-    common = [str(texts_file), "--text-field", "body", "--id-field", "key", "--precision", "fp32",
-              "--shard-size", "20", "--nproc", "1"]
+    common = [
+        str(texts_file),
+        "--text-field",
+        "body",
+        "--id-field",
+        "key",
+        "--precision",
+        "fp32",
+        "--shard-size",
+        "20",
+        "--nproc",
+        "1",
+    ]
     assert main(["embed", MODEL, *common, "--out", str(tmp_path / "straight"), "--no-progress"]) == 0
     killed = _embed(*common, "--out", str(tmp_path / "cut"), env=os.environ | {"FRUGALITY_INJECT_FAULT": "kill@2"})
     assert killed.returncode == -9  # SIGKILL right after the second shard was written
@@ -86,12 +121,43 @@ def test_a_killed_job_finishes_on_a_rerun_with_every_id_once(tmp_path, texts_fil
 
 def test_a_changed_job_or_bad_input_is_one_line_and_writes_nothing(tmp_path, texts_file, capsys):
     out = tmp_path / "out"
-    assert main(["embed", MODEL, str(texts_file), "--out", str(out), "--text-field", "body", "--no-progress",
-                 "--precision", "fp32"]) == 0
+    assert (
+        main(
+            [
+                "embed",
+                MODEL,
+                str(texts_file),
+                "--out",
+                str(out),
+                "--text-field",
+                "body",
+                "--no-progress",
+                "--precision",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     before = sorted(p.name for p in out.iterdir())
-    assert main(["embed", MODEL, str(texts_file), "--out", str(out), "--text-field", "body", "--no-progress",
-                 "--precision", "fp32", "--no-normalize"]) == 2
+    assert (
+        main(
+            [
+                "embed",
+                MODEL,
+                str(texts_file),
+                "--out",
+                str(out),
+                "--text-field",
+                "body",
+                "--no-progress",
+                "--precision",
+                "fp32",
+                "--no-normalize",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds an embedding job with other settings (encoder.normalize differs)" in err[0]
     assert sorted(p.name for p in out.iterdir()) == before
@@ -99,8 +165,23 @@ def test_a_changed_job_or_bad_input_is_one_line_and_writes_nothing(tmp_path, tex
 
     with open(out / ".lock", "a") as held:  # another job holds the folder
         fcntl.flock(held, fcntl.LOCK_EX)
-        assert main(["embed", MODEL, str(texts_file), "--out", str(out), "--text-field", "body", "--no-progress",
-                     "--precision", "fp32"]) == 2
+        assert (
+            main(
+                [
+                    "embed",
+                    MODEL,
+                    str(texts_file),
+                    "--out",
+                    str(out),
+                    "--text-field",
+                    "body",
+                    "--no-progress",
+                    "--precision",
+                    "fp32",
+                ]
+            )
+            == 2
+        )
     assert "is in use by another embedding job" in capsys.readouterr().err
 
     bad = tmp_path / "bad.jsonl"
@@ -129,16 +210,34 @@ def test_a_changed_job_or_bad_input_is_one_line_and_writes_nothing(tmp_path, tex
 
 def test_a_decoder_is_refused(tmp_path, texts_file, capsys):
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPTNeoXConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                        intermediate_size=64, max_position_embeddings=64)
+    config = transformers.GPTNeoXConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "decoder")
     assert main(["embed", str(tmp_path / "decoder"), str(texts_file), "--out", str(tmp_path / "o")]) == 2
     assert "a gpt-neox model; `embed` takes an encoder (BERT family)" in capsys.readouterr().err
 
 
 def test_a_rerun_redoes_damaged_shards_and_refuses_changed_input(tmp_path, texts_file, capsys):
-    common = ["embed", MODEL, str(texts_file), "--text-field", "body", "--precision", "fp32", "--shard-size", "40",
-              "--no-progress", "--out", str(tmp_path / "out")]
+    common = [
+        "embed",
+        MODEL,
+        str(texts_file),
+        "--text-field",
+        "body",
+        "--precision",
+        "fp32",
+        "--shard-size",
+        "40",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     assert main(common) == 0
     ids, vectors = read_embeddings(tmp_path / "out")
     out = tmp_path / "out"
@@ -207,13 +306,34 @@ def test_a_full_disk_is_one_line_and_leaves_only_complete_shards(tmp_path):
     texts = tmp_path / "texts.jsonl"
     texts.write_text("".join(json.dumps({"text": f"sentence {i} about a topic"}) + "\n" for i in range(40)))
     disk, out = tmp_path / "disk", tmp_path / "disk" / "out"
-    done = fulldisk.run_on_small_disk(disk, 32 << 10, ["embed", MODEL, str(texts), "--out", str(out), "--shard-size",
-                                                      "10", "--nproc", "1", "--precision", "fp32", "--no-progress"],
-                                      cwd=tmp_path)
+    done = fulldisk.run_on_small_disk(
+        disk,
+        32 << 10,
+        [
+            "embed",
+            MODEL,
+            str(texts),
+            "--out",
+            str(out),
+            "--shard-size",
+            "10",
+            "--nproc",
+            "1",
+            "--precision",
+            "fp32",
+            "--no-progress",
+        ],
+        cwd=tmp_path,
+    )
     _, left = fulldisk.left(done)
     assert done.returncode == 2, done.stderr[-3000:]
     [line] = [line for line in done.stderr.splitlines() if line.strip()]
-    assert re.fullmatch(rf"error: cannot write {out}/shard-00001\.(ids\.json|npy): No space left on device "
-                        rf"\(\d+\.\d GiB free on the device holding {out}\)", line), line
-    assert left == [str(out), *(str(out / name) for name in (".lock", "job.json", "shard-00000.ids.json",
-                                                              "shard-00000.npy"))], left
+    assert re.fullmatch(
+        rf"error: cannot write {out}/shard-00001\.(ids\.json|npy): No space left on device "
+        rf"\(\d+\.\d GiB free on the device holding {out}\)",
+        line,
+    ), line
+    assert left == [
+        str(out),
+        *(str(out / name) for name in (".lock", "job.json", "shard-00000.ids.json", "shard-00000.npy")),
+    ], left

@@ -51,23 +51,43 @@ def _spread(model):
 
 @pytest.fixture(scope="module")
 def neox_folder(tmp_path_factory) -> Path:
-    config = transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=128,
-                                        rotary_pct=0.25, bos_token_id=EOS, eos_token_id=EOS)
+    config = transformers.GPTNeoXConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        rotary_pct=0.25,
+        bos_token_id=EOS,
+        eos_token_id=EOS,
+    )
     return _save(_spread(transformers.GPTNeoXForCausalLM(config)), tmp_path_factory.mktemp("neox"))
 
 
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory) -> Path:
-    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
-                                      max_position_embeddings=128, bos_token_id=1, eos_token_id=EOS,
-                                      pad_token_id=EOS)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+    )
     return _save(_spread(transformers.LlamaForCausalLM(config)), tmp_path_factory.mktemp("llama"))
 
 
-PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [250], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29],
-           [3, 3, 3, 4]]
+PROMPTS = [
+    [5, 17, 33, 2, 9, 100, 7],
+    [250],
+    [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29],
+    [3, 3, 3, 4],
+]
 
 
 def _theirs(folder: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -78,8 +98,9 @@ def _theirs(folder: Path, prompts: list[list[int]], new: int) -> list[list[int]]
     ids = torch.tensor([[EOS] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             pad_token_id=EOS)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=EOS
+        )
     return out[:, width:].tolist()
 
 
@@ -124,7 +145,7 @@ def test_stop_tokens_and_strings_end_rows(neox_folder):
     assert stopped[0].tokens == free[0].tokens[:4] and stopped[0].finish == "stop"
     assert stopped[0].text == decoder.decode(free[0].tokens[:3])
     for got, full in zip(stopped, free):
-        assert got.tokens == full.tokens[:len(got.tokens)]
+        assert got.tokens == full.tokens[: len(got.tokens)]
         assert got.finish == "stop" or got.tokens == full.tokens
     word = decoder.decode(free[1].tokens[2:3])
     cut = engine.generate(PROMPTS, Sampling(max_new_tokens=12, stop_strings=(word,)))
@@ -134,8 +155,9 @@ def test_stop_tokens_and_strings_end_rows(neox_folder):
 def test_streaming_pieces_add_up_to_the_text(llama_folder):
     decoder, _ = load_decoder(llama_folder, torch.device("cpu"), "fp32")
     pieces: list[str] = []
-    [done] = Engine(decoder, 1, 64).generate(PROMPTS[:1], Sampling(max_new_tokens=10),
-                                             on_text=lambda row, piece: pieces.append(piece))
+    [done] = Engine(decoder, 1, 64).generate(
+        PROMPTS[:1], Sampling(max_new_tokens=10), on_text=lambda row, piece: pieces.append(piece)
+    )
     assert len(pieces) > 1 and "".join(pieces) == done.text
 
 
@@ -172,16 +194,36 @@ def test_the_command_from_a_prompt_file_to_jsonl(neox_folder, tmp_path, capsys):
     prompts = ["w5 w17 w33", "w250", "w12 w13 w14 w15 w16 w17 w18", "w3 w3", "w9"]
     source = _write_prompts(tmp_path / "prompts.jsonl", prompts)
     out = tmp_path / "out.jsonl"
-    assert main(["generate", str(neox_folder), "--input", str(source), "--text-field", "text", "--id-field", "n",
-                 "--out", str(out),
-                 "--max-new-tokens", "6", "--batch", "2", "--precision", "fp32"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(neox_folder),
+                "--input",
+                str(source),
+                "--text-field",
+                "text",
+                "--id-field",
+                "n",
+                "--out",
+                str(out),
+                "--max-new-tokens",
+                "6",
+                "--batch",
+                "2",
+                "--precision",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["0", "1", "2", "3", "4"] and [r["prompt"] for r in rows] == prompts
     ids = [[int(w[1:]) for w in p.split()] for p in prompts]
     theirs = _theirs(neox_folder, ids, 6)
     for row, expected in zip(rows, theirs):
         stop = EOS in expected  # the tokenizer's end token stops a row by default
-        tokens = expected[:expected.index(EOS) + 1] if stop else expected
+        tokens = expected[: expected.index(EOS) + 1] if stop else expected
         assert row["completion"] == _tokenizer().decode(tokens[:-1] if stop else tokens)
         assert row["prompt_tokens"] == len(row["prompt"].split()) and row["completion_tokens"] == len(tokens)
         assert row["finish"] == ("stop" if stop else "length")
@@ -192,26 +234,44 @@ def test_the_command_from_a_prompt_file_to_jsonl(neox_folder, tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err and out.read_text() == before
 
 
-def test_an_out_that_is_the_input_is_refused_before_anything_is_written(neox_folder, tmp_path, capsys,
-                                                                        monkeypatch):
+def test_an_out_that_is_the_input_is_refused_before_anything_is_written(neox_folder, tmp_path, capsys, monkeypatch):
     source = _write_prompts(tmp_path / "prompts.jsonl", ["w5 w17", "w250"])
     before = source.read_text()
     (tmp_path / "link.jsonl").symlink_to(source)
     (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path)
     for spelling in (str(source), "./prompts.jsonl", "sub/../prompts.jsonl", str(tmp_path / "link.jsonl")):
-        assert main(["generate", str(neox_folder), "--input", "prompts.jsonl", "--text-field", "text",
-                     "--out", spelling, "--overwrite", "--max-new-tokens", "2"]) == 2
+        assert (
+            main(
+                [
+                    "generate",
+                    str(neox_folder),
+                    "--input",
+                    "prompts.jsonl",
+                    "--text-field",
+                    "text",
+                    "--out",
+                    spelling,
+                    "--overwrite",
+                    "--max-new-tokens",
+                    "2",
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err.strip()
-        assert err == f"error: --out {spelling}: is the --input file prompts.jsonl; write the completions to another " \
-                      "file", err
+        assert (
+            err == f"error: --out {spelling}: is the --input file prompts.jsonl; write the completions to another file"
+        ), err
         assert source.read_text() == before and (tmp_path / "link.jsonl").is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "prompts.jsonl", "sub"]  # no partial file
 
 
 def test_one_prompt_streams_to_the_terminal(llama_folder, capsys):
-    assert main(["generate", str(llama_folder), "--prompt", "w5 w17 w33", "--max-new-tokens", "5",
-                 "--stop-token", "none"]) == 0
+    assert (
+        main(["generate", str(llama_folder), "--prompt", "w5 w17 w33", "--max-new-tokens", "5", "--stop-token", "none"])
+        == 0
+    )
     [expected] = _theirs(llama_folder, [[5, 17, 33]], 5)  # (this tokenizer adds no <s>)
     assert capsys.readouterr().out == _tokenizer().decode(expected) + "\n"
 
@@ -234,8 +294,14 @@ def test_refusals_are_one_error_line(neox_folder, tmp_path, capsys):
         return err
 
     assert "no such folder" in error(str(tmp_path / "missing"), "--prompt", "hi")
-    bert = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64)
+    bert = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )
     _save(transformers.BertModel(bert), tmp_path / "bert")
     capsys.readouterr()  # transformers' progress bar
     assert "takes a decoder" in error(str(tmp_path / "bert"), "--prompt", "hi")

@@ -60,6 +60,8 @@ def test_a_byte_that_is_not_utf8_is_refused_naming_file_line_and_offset(tmp_path
         assert main(["embed", model, str(tmp_path / name), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
         err = capsys.readouterr().err.strip()
         byte = "ef" if name == "a.txt" else "e9"
-        assert err == f"error: {tmp_path / name} line {line}: not UTF-8 text (byte 0x{byte} at offset {offset} in " \
-                      "the line)", err
+        assert (
+            err == f"error: {tmp_path / name} line {line}: not UTF-8 text (byte 0x{byte} at offset {offset} in "
+            "the line)"
+        ), err
     assert not (tmp_path / "out").exists()

@@ -14,10 +14,12 @@ from frugality.training.loop import train_step
 
 SMALL = {  # each family at a few thousand parameters
     "gpt-neox": dict(hidden_size=32, num_layers=2, num_heads=4, vocab_size=128, max_seq_len=32),
-    "llama": dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-                  vocab_size=128, max_seq_len=32),
-    "bert": dict(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48, vocab_size=128,
-                 max_seq_len=32, mlm_head=True),
+    "llama": dict(
+        hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48, vocab_size=128, max_seq_len=32
+    ),
+    "bert": dict(
+        hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48, vocab_size=128, max_seq_len=32, mlm_head=True
+    ),
 }
 
 
@@ -55,9 +57,14 @@ def test_trains_one_step(family):
     tasks = [t for t in TASKS.values() if family in t.families]
     tokens = torch.randint(0, 128, (2, 17))
     if tasks:  # through the builder and the loop's step, as `frugality train` does
-        recipe = Recipe.model_validate({"name": "contract", "model": {"family": family, **SMALL[family]},
-                                        "data": {"seq_len": 16, "global_batch_size": 2, "micro_batch_size": 2},
-                                        "train": {"task": tasks[0].name, "precision": "fp32"}})
+        recipe = Recipe.model_validate(
+            {
+                "name": "contract",
+                "model": {"family": family, **SMALL[family]},
+                "data": {"seq_len": 16, "global_batch_size": 2, "micro_batch_size": 2},
+                "train": {"task": tasks[0].name, "precision": "fp32"},
+            }
+        )
         state = build_state(recipe, torch.device("cpu"))
         before = {k: v.clone() for k, v in state.model.state_dict().items()}
         loss, norm, _ = train_step(state, [tokens])

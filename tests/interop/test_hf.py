@@ -111,14 +111,21 @@ def test_unsupported_and_broken_sources_are_one_line_errors(tmp_path, capsys):
 def test_init_from_continues_where_the_source_left_off(micro_recipe_file, tmp_path):
     recipe = load_recipe(str(micro_recipe_file), ["train.steps=12", "train.eval_interval=12"])
     source = trainer.train(recipe, run_dir=tmp_path / "source", progress=False, tensorboard=False)
-    follow = trainer.train(recipe, run_dir=tmp_path / "follow", progress=False, tensorboard=False,
-                           init_from=tmp_path / "source")
+    follow = trainer.train(
+        recipe, run_dir=tmp_path / "follow", progress=False, tensorboard=False, init_from=tmp_path / "source"
+    )
     # Step 0 of the new run evaluates the source's final weights on the same validation data.
     assert follow.evals[0] == pytest.approx(source.evals[12], abs=1e-5)
     assert follow.evals[0] < 10.0  # far from an untrained model's ~10.9
 
-    again = trainer.train(recipe, run_dir=tmp_path / "again", progress=False, tensorboard=False,
-                          init_from=tmp_path / "source", resume_optimizer=True)
+    again = trainer.train(
+        recipe,
+        run_dir=tmp_path / "again",
+        progress=False,
+        tensorboard=False,
+        init_from=tmp_path / "source",
+        resume_optimizer=True,
+    )
     assert again.evals[0] == pytest.approx(source.evals[12], abs=1e-5)
 
 
@@ -139,16 +146,21 @@ def test_init_from_a_hugging_face_folder_directly(micro_recipe_file, tmp_path):
     recipe = load_recipe(str(micro_recipe_file), ["train.steps=2"])
     theirs = _hf_model(recipe.model, seed=3)
     theirs.save_pretrained(tmp_path / "hf")
-    result = trainer.train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False,
-                           init_from=tmp_path / "hf")
+    result = trainer.train(
+        recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False, init_from=tmp_path / "hf"
+    )
     # The step-0 evaluation ran on transformers' weights: recompute it with transformers.
     from frugality.data.bundled import bundled_dataset
     from frugality.data.indexed import IndexedDataset
     from frugality.data.loader import PackedSamples, validation_batches
     from frugality.data.tokenizer import load_tokenizer
 
-    samples = PackedSamples(IndexedDataset(bundled_dataset("gutenberg", load_tokenizer("pythia"), progress=False)),
-                            recipe.data.seq_len, recipe.data.val_fraction, recipe.seed)
+    samples = PackedSamples(
+        IndexedDataset(bundled_dataset("gutenberg", load_tokenizer("pythia"), progress=False)),
+        recipe.data.seq_len,
+        recipe.data.val_fraction,
+        recipe.seed,
+    )
     losses = []
     for batch in validation_batches(samples, recipe.train.eval_samples, recipe.data.micro_batch_size)[0]:
         logits = _logits(theirs, batch[:, :-1])
@@ -188,12 +200,16 @@ def test_a_full_disk_during_export_or_import_is_one_line_and_leaves_nothing(tmp_
     assert main(["import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 0
     disk = tmp_path / "disk"
     for args, message in (
-        (["export", "hf", str(tmp_path / "imported"), "--out", str(disk / "exported")],
-         rf"error: cannot write {disk}/exported/model\.safetensors: No space left on device \(\d+\.\d GiB free on "
-         rf"the device holding {disk}\)"),
-        (["import", "hf", str(tmp_path / "hf"), "--out", str(disk / "imported")],
-         rf"error: cannot write {disk}/imported: 1\.0 MiB free on the device holding {disk}, the weights need "
-         rf"~12\.4 MiB"),
+        (
+            ["export", "hf", str(tmp_path / "imported"), "--out", str(disk / "exported")],
+            rf"error: cannot write {disk}/exported/model\.safetensors: No space left on device \(\d+\.\d GiB free on "
+            rf"the device holding {disk}\)",
+        ),
+        (
+            ["import", "hf", str(tmp_path / "hf"), "--out", str(disk / "imported")],
+            rf"error: cannot write {disk}/imported: 1\.0 MiB free on the device holding {disk}, the weights need "
+            rf"~12\.4 MiB",
+        ),
     ):
         done = fulldisk.run_on_small_disk(disk, 1 << 20, args, cwd=tmp_path)
         _, left = fulldisk.left(done)
@@ -204,8 +220,12 @@ def test_a_full_disk_during_export_or_import_is_one_line_and_leaves_nothing(tmp_
 
 
 def test_exported_files_share_one_mode(micro_recipe_file, tmp_path):
-    trainer.train(load_recipe(str(micro_recipe_file), ["train.steps=2", "optim.warmup_steps=1"]),
-                  run_dir=tmp_path / "run", progress=False, tensorboard=False)
+    trainer.train(
+        load_recipe(str(micro_recipe_file), ["train.steps=2", "optim.warmup_steps=1"]),
+        run_dir=tmp_path / "run",
+        progress=False,
+        tensorboard=False,
+    )
     assert main(["export", "hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "hf").iterdir()}
     assert len(set(modes.values())) == 1 and modes["model.safetensors"] & 0o044, modes

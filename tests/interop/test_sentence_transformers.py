@@ -15,15 +15,22 @@ from frugality.inference.encoder import load_encoder
 from frugality.interop.hf import import_hf
 from frugality.training import trainer
 
-TEXTS = ["a domesticated carnivorous mammal", "bank, depository financial institution",
-         "the act of moving quickly", "a short text", "an open air market where stalls sell goods"]
+TEXTS = [
+    "a domesticated carnivorous mammal",
+    "bank, depository financial institution",
+    "the act of moving quickly",
+    "a short text",
+    "an open air market where stalls sell goods",
+]
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, micro_pairs_recipe_text):
     folder = tmp_path_factory.mktemp("st")
     recipe_file = folder / "micro-pairs.toml"
-    recipe_file.write_text(micro_pairs_recipe_text.replace("head = [24, 16]", 'head = [24, 16]\nhead_activation = "tanh"'))
+    recipe_file.write_text(
+        micro_pairs_recipe_text.replace("head = [24, 16]", 'head = [24, 16]\nhead_activation = "tanh"')
+    )
     trainer.train(load_recipe(str(recipe_file)), run_dir=folder / "run", progress=False)
     return folder / "run"
 

@@ -17,25 +17,47 @@ def _pair(family):
     torch.manual_seed(0)
     if family == "gpt-neox":
         cfg = GPTNeoXConfig(hidden_size=64, num_layers=2, num_heads=4, vocab_size=VOCAB, max_seq_len=32)
-        theirs_cfg = transformers.GPTNeoXConfig(**{k: v for k, v in hf_gpt_neox.config_to_hf(cfg).items()
-                                                   if k != "architectures"})
+        theirs_cfg = transformers.GPTNeoXConfig(
+            **{k: v for k, v in hf_gpt_neox.config_to_hf(cfg).items() if k != "architectures"}
+        )
         theirs = transformers.GPTNeoXForCausalLM(theirs_cfg)
         ours = GPTNeoX(cfg)
         ours.load_state_dict(hf_gpt_neox.from_hf(theirs.state_dict()))
     elif family == "llama":
-        cfg = LlamaConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
-                          vocab_size=VOCAB, max_seq_len=32, rms_norm_eps=1e-5)
-        theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            **{k: v for k, v in hf_llama.config_to_hf(cfg).items() if k != "architectures"}))
+        cfg = LlamaConfig(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=96,
+            vocab_size=VOCAB,
+            max_seq_len=32,
+            rms_norm_eps=1e-5,
+        )
+        theirs = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**{k: v for k, v in hf_llama.config_to_hf(cfg).items() if k != "architectures"})
+        )
         ours = Llama(cfg)
         ours.load_state_dict(hf_llama.from_hf(theirs.state_dict(), cfg))
     else:
-        cfg = BertConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vocab_size=VOCAB,
-                         max_seq_len=32, mlm_head=True, pooler=False)
+        cfg = BertConfig(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            intermediate_size=128,
+            vocab_size=VOCAB,
+            max_seq_len=32,
+            mlm_head=True,
+            pooler=False,
+        )
         # frugality's BERT has no dropout; switch transformers' off to compare like with like.
-        theirs = transformers.BertForMaskedLM(transformers.BertConfig(
-            **{k: v for k, v in hf_bert.config_to_hf(cfg).items() if k != "architectures"},
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        theirs = transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                **{k: v for k, v in hf_bert.config_to_hf(cfg).items() if k != "architectures"},
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        )
         ours = Bert(cfg)
         ours.load_state_dict(hf_bert.from_hf(theirs.state_dict(), cfg))
     theirs.config._attn_implementation = "eager"
@@ -70,7 +92,7 @@ def test_one_training_step_gives_the_same_loss(family):
     losses = []
     for step in range(2):
         pair = [_losses(family, ours, True, batch), _losses(family, theirs, False, batch)]
-        losses.append([l.item() for l in pair])
+        losses.append([line.item() for line in pair])
         for loss, opt in zip(pair, optimizers):
             loss.backward()
             opt.step()

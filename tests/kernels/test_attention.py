@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.backends.debugging import aot_eager
 
-from frugality.kernels.dispatch import skip_reason
 from frugality.kernels import attention as cpu_attention
 from frugality.kernels.attention import BlockedBackwardAttention, causal_attention
+from frugality.kernels.dispatch import skip_reason
 from frugality.models.layers import RotaryEmbedding
 
 
@@ -58,16 +58,16 @@ def test_compiled_training_takes_it_with_grouped_heads_and_matches():
 def test_eager_and_inference_keep_sdpa():
     q, k, v, _ = _inputs(torch.float32)
     with torch.no_grad():
-        torch.testing.assert_close(causal_attention(q, k, v),
-                                   F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        torch.testing.assert_close(causal_attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
 amx = pytest.mark.skipif(not cpu_attention.amx_kernel_runs(), reason=skip_reason("amx-attention"))
 
 
 @amx
-@pytest.mark.parametrize("heads, kv_heads, seq, head_size, rotary_dim",
-                         [(3, 3, 96, 32, 0), (4, 2, 64, 64, 16), (2, 2, 128, 128, 128)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, seq, head_size, rotary_dim", [(3, 3, 96, 32, 0), (4, 2, 64, 64, 16), (2, 2, 128, 128, 128)]
+)
 def test_amx_kernel_is_as_close_to_float64_as_torch(heads, kv_heads, seq, head_size, rotary_dim):
     """Forward, log-sum-exp and all three gradients, against float64; the bar is torch's own
     bf16 rotary + attention's error (96 rows: a last block of 32; 4 over 2 heads: grouped;
@@ -94,8 +94,9 @@ def test_amx_kernel_is_as_close_to_float64_as_torch(heads, kv_heads, seq, head_s
     if rotary is None:  # the log-sum-exp the backward pass starts from
         group = heads // kv_heads
         none = torch.empty(0)
-        _, lse = cpu_attention._amx_forward(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                            none, none, 0)
+        _, lse = cpu_attention._amx_forward(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), none, none, 0
+        )
         scores = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)) * head_size**-0.5
         scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
         torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-3, rtol=0)
@@ -134,8 +135,7 @@ def test_shapes_the_kernel_does_not_take_go_to_sdpa():
     q, k, v, _ = _inputs(torch.bfloat16, seq=40, head_size=16)  # neither a multiple of 32
     assert not cpu_attention.amx_attention_applies(q, k, v)
     with torch.no_grad():
-        torch.testing.assert_close(causal_attention(q, k, v),
-                                   F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        torch.testing.assert_close(causal_attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
 @amx

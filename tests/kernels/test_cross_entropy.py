@@ -96,8 +96,7 @@ def test_compiled_rows_on_cuda_match_torch_cross_entropy(dtype):
     torch.testing.assert_close(work.cpu().double(), ref_grad, **tolerance)
     # the chunked torch-ops fallback agrees with it
     chunked = logits.cuda()
-    torch.testing.assert_close(rows_in_torch(chunked, targets.cuda(), 1.0 / 300, True), losses,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows_in_torch(chunked, targets.cuda(), 1.0 / 300, True), losses, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chunked.float(), work.float(), rtol=8e-3, atol=1e-7)
 
 
@@ -115,8 +114,17 @@ def test_the_compiled_rows_serve_more_shapes_than_dynamos_default_limit():
     torch ops' losses."""
     import frugality.kernels.output_loss as output_loss
 
-    for tokens, vocab in [(3, 64), (5, 100), (17, 1000), (40, 333), (64, 50304), (7, 8), (9, 65), (11, 512),
-                          (13, 2048)]:
+    for tokens, vocab in [
+        (3, 64),
+        (5, 100),
+        (17, 1000),
+        (40, 333),
+        (64, 50304),
+        (7, 8),
+        (9, 65),
+        (11, 512),
+        (13, 2048),
+    ]:
         logits = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16)
         targets = torch.randint(0, vocab, (tokens,), device="cuda")
         reference = rows_in_torch(logits.clone(), targets, 1.0 / tokens, False)

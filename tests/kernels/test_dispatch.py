@@ -8,18 +8,21 @@ import pytest
 import torch
 
 from frugality import hardware, kernels
+from frugality.config.recipe import OptimConfig
 from frugality.errors import UserError
 from frugality.kernels import attention, dispatch, gelu, linear
 from frugality.kernels.specialize import specialize
 from frugality.models import GPTNeoX, GPTNeoXConfig
 from frugality.precision import resolve_policy
 from frugality.runtime.optim import build_optimizer
-from frugality.config.recipe import OptimConfig
 
 ACCESSORS = {  # kernel name -> a call that returns its C function, or None
-    "amx-linear": kernels.weight_grad_bf16, "amx-attention": kernels.attention_forward_bf16,
-    "gelu": kernels.gelu_bf16, "cross-entropy": lambda: kernels.cross_entropy("f32"),
-    "adamw": kernels.adamw_bf16_step, "transpose": kernels.transpose_2byte,
+    "amx-linear": kernels.weight_grad_bf16,
+    "amx-attention": kernels.attention_forward_bf16,
+    "gelu": kernels.gelu_bf16,
+    "cross-entropy": lambda: kernels.cross_entropy("f32"),
+    "adamw": kernels.adamw_bf16_step,
+    "transpose": kernels.transpose_2byte,
 }
 
 
@@ -70,8 +73,9 @@ def test_training_with_every_kernel_off_matches_the_kernels_here(monkeypatch, pr
     cpu = torch.device("cpu")
     policy = resolve_policy(precision, cpu)[0]
     torch.manual_seed(0)
-    base = policy.prepare_model(GPTNeoX(GPTNeoXConfig(hidden_size=64, num_layers=2, num_heads=2,
-                                                      vocab_size=512, max_seq_len=64)))
+    base = policy.prepare_model(
+        GPTNeoX(GPTNeoXConfig(hidden_size=64, num_layers=2, num_heads=2, vocab_size=512, max_seq_len=64))
+    )
     tokens = torch.randint(0, 512, (2, 65), generator=torch.Generator().manual_seed(3))
     results = {}
     for setting in ("", "all"):

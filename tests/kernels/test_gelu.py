@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.backends.debugging import aot_eager
 
-from frugality.kernels.dispatch import skip_reason
 from frugality.kernels import gelu as cpu_gelu
+from frugality.kernels.dispatch import skip_reason
 from frugality.kernels.gelu import gelu, gelu_backward_op, gelu_op
 
 kernel = pytest.mark.skipif(not cpu_gelu.kernel_runs(), reason=skip_reason("gelu"))
@@ -36,10 +36,10 @@ def test_forward_and_gradient_are_as_close_to_float64_as_torch(shape):
     ref = F.gelu(x64)
     ref.backward(grad.double())
     assert out.dtype == ours.grad.dtype == torch.bfloat16
-    assert _relative_error(out, ref) <= max(_relative_error(torch_out, ref), 2 ** -8)
-    assert _relative_error(ours.grad, x64.grad) <= max(_relative_error(theirs.grad, x64.grad), 2 ** -8)
+    assert _relative_error(out, ref) <= max(_relative_error(torch_out, ref), 2**-8)
+    assert _relative_error(ours.grad, x64.grad) <= max(_relative_error(theirs.grad, x64.grad), 2**-8)
     # within float32 rounding of torch: bf16 results at most one unit apart
-    assert (out.float() - torch_out.float()).abs().max() <= torch_out.float().abs().max() * 2 ** -7
+    assert (out.float() - torch_out.float()).abs().max() <= torch_out.float().abs().max() * 2**-7
 
 
 @kernel

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.backends.debugging import aot_eager
 
-from frugality.kernels.dispatch import skip_reason
 from frugality.kernels import linear as cpu_linear
-from frugality.kernels.linear import AMXLinear, linear, product, amx_product_applies, weight_grad, weight_grad_applies
+from frugality.kernels.dispatch import skip_reason
+from frugality.kernels.linear import AMXLinear, amx_product_applies, linear, product, weight_grad, weight_grad_applies
 
 amx = pytest.mark.skipif(not cpu_linear.amx_kernel_runs(), reason=skip_reason("amx-linear"))
 
@@ -31,10 +31,10 @@ def test_kernel_is_as_close_to_float64_as_torch(tokens, outputs, inputs):
     reference = grad_out.double().t() @ x.double()
     result, bias = weight_grad(grad_out, x)
     assert result.shape == (outputs, inputs) and result.is_contiguous() and result.dtype == torch.bfloat16
-    assert _relative_error(result, reference) <= max(_relative_error(grad_out.t() @ x, reference), 2 ** -8)
+    assert _relative_error(result, reference) <= max(_relative_error(grad_out.t() @ x, reference), 2**-8)
     bias_reference = grad_out.double().sum(0)
     assert bias.shape == (outputs,) and bias.dtype == torch.bfloat16
-    assert _relative_error(bias, bias_reference) <= max(_relative_error(grad_out.sum(0), bias_reference), 2 ** -8)
+    assert _relative_error(bias, bias_reference) <= max(_relative_error(grad_out.sum(0), bias_reference), 2**-8)
 
 
 @amx
@@ -61,14 +61,14 @@ def test_linear_module_matches_nn_linear_and_keeps_its_state_dict():
     xs = [x.clone().requires_grad_() for _ in range(2)]
     outs = [ours(xs[0]), reference(xs[1])]
     exact = x.double() @ ours.weight.double().t() + ours.bias.double()
-    assert _relative_error(outs[0], exact) <= max(_relative_error(outs[1], exact), 2 ** -8)
+    assert _relative_error(outs[0], exact) <= max(_relative_error(outs[1], exact), 2**-8)
     outs[0].backward(grad), outs[1].backward(grad)
     exact_x = grad.double() @ ours.weight.double()
-    assert _relative_error(xs[0].grad, exact_x) <= max(_relative_error(xs[1].grad, exact_x), 2 ** -8)
+    assert _relative_error(xs[0].grad, exact_x) <= max(_relative_error(xs[1].grad, exact_x), 2**-8)
     full = grad.double().flatten(0, 1).t() @ x.double().flatten(0, 1)
-    assert _relative_error(ours.weight.grad, full) <= max(_relative_error(reference.weight.grad, full), 2 ** -8)
+    assert _relative_error(ours.weight.grad, full) <= max(_relative_error(reference.weight.grad, full), 2**-8)
     bias = grad.double().sum((0, 1))
-    assert _relative_error(ours.bias.grad, bias) <= max(_relative_error(reference.bias.grad, bias), 2 ** -8)
+    assert _relative_error(ours.bias.grad, bias) <= max(_relative_error(reference.bias.grad, bias), 2**-8)
 
 
 @amx
@@ -106,10 +106,18 @@ def test_weight_grad_op_passes_torch_opcheck():
 
 
 @amx
-@pytest.mark.parametrize("rows, inputs, outputs, transposed, with_bias",
-                         [(32, 32, 32, True, True), (96, 64, 800, True, False), (64, 160, 96, False, False),
-                          (256, 2048, 64, True, True), (64, 4096, 32, False, False),
-                          (288, 4640, 64, False, False), (64, 8192, 96, False, False)])
+@pytest.mark.parametrize(
+    "rows, inputs, outputs, transposed, with_bias",
+    [
+        (32, 32, 32, True, True),
+        (96, 64, 800, True, False),
+        (64, 160, 96, False, False),
+        (256, 2048, 64, True, True),
+        (64, 4096, 32, False, False),
+        (288, 4640, 64, False, False),
+        (64, 8192, 96, False, False),
+    ],
+)
 def test_product_is_as_close_to_float64_as_torch(rows, inputs, outputs, transposed, with_bias):
     """The forward product (weight (outputs, inputs), bias) and the input gradient (weight
     read as (K, N)); 800 outputs: two panels, the second partial; K up to the kernel's 4096,
@@ -125,7 +133,7 @@ def test_product_is_as_close_to_float64_as_torch(rows, inputs, outputs, transpos
     reference = a.double() @ w64 + (bias.double() if with_bias else 0)
     torch_result = F.linear(a, weight, bias) if transposed else a @ weight
     assert result.shape == (rows, outputs) and result.dtype == torch.bfloat16
-    assert _relative_error(result, reference) <= max(_relative_error(torch_result, reference), 2 ** -8)
+    assert _relative_error(result, reference) <= max(_relative_error(torch_result, reference), 2**-8)
 
 
 @amx
@@ -200,7 +208,7 @@ def test_wide_layers_take_the_chunked_input_gradient(monkeypatch):
     layer(x).backward(grad)
     assert taken == [True, False]
     exact = grad.double() @ layer.weight.double()
-    assert _relative_error(x.grad, exact) <= max(_relative_error(grad @ layer.weight, exact), 2 ** -8)
+    assert _relative_error(x.grad, exact) <= max(_relative_error(grad @ layer.weight, exact), 2**-8)
 
 
 @amx
@@ -215,4 +223,4 @@ def test_inference_takes_the_forward_product(monkeypatch):
         out = layer(x)
     assert taken == [True] and out.shape == (2, 16, 96)
     exact = x.double() @ layer.weight.double().t() + layer.bias.double()
-    assert _relative_error(out, exact) <= max(_relative_error(F.linear(x, layer.weight, layer.bias), exact), 2 ** -8)
+    assert _relative_error(out, exact) <= max(_relative_error(F.linear(x, layer.weight, layer.bias), exact), 2**-8)

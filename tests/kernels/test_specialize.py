@@ -18,8 +18,9 @@ from frugality.precision import get_policy, resolve_policy
 
 CPU = torch.device("cpu")
 NEOX = GPTNeoXConfig(hidden_size=64, num_layers=2, num_heads=2, vocab_size=512, max_seq_len=64)
-LLAMA = LlamaConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
-                    vocab_size=512, max_seq_len=64)
+LLAMA = LlamaConfig(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96, vocab_size=512, max_seq_len=64
+)
 
 
 def _policies():
@@ -81,11 +82,15 @@ def test_fp32_products_save_only_bf16_for_backward_and_match_float64():
     assert out.dtype == torch.bfloat16 and set(saved) == {torch.bfloat16}
     out.backward(grad)
     x64, w64 = x.detach().double(), layer.weight.detach().double()
-    exact = {"out": x64 @ w64.t() + layer.bias.double(), "x": grad.double() @ w64,
-             "w": grad.double().flatten(0, 1).t() @ x64.flatten(0, 1), "b": grad.double().sum((0, 1))}
+    exact = {
+        "out": x64 @ w64.t() + layer.bias.double(),
+        "x": grad.double() @ w64,
+        "w": grad.double().flatten(0, 1).t() @ x64.flatten(0, 1),
+        "b": grad.double().sum((0, 1)),
+    }
     for got, key in ((out, "out"), (x.grad, "x"), (layer.weight.grad, "w"), (layer.bias.grad, "b")):
         assert got.dtype == torch.bfloat16
-        assert ((got.double() - exact[key]).norm() / exact[key].norm()) < 2 ** -8, key
+        assert ((got.double() - exact[key]).norm() / exact[key].norm()) < 2**-8, key
 
 
 def test_without_training_the_output_layer_stays_plain_and_other_devices_get_only_the_loss():
@@ -96,8 +101,11 @@ def test_without_training_the_output_layer_stays_plain_and_other_devices_get_onl
     meta = GPTNeoX(NEOX).to("meta")
     choices = specialize(meta, torch.device("meta"), policy)
     assert choices == ["fused output-layer loss"]
-    assert all(type(m) in (nn.Linear, CausalAttention) for m in meta.modules()
-               if isinstance(m, (nn.Linear, CausalAttention)) and not isinstance(m, OutputLayer))
+    assert all(
+        type(m) in (nn.Linear, CausalAttention)
+        for m in meta.modules()
+        if isinstance(m, (nn.Linear, CausalAttention)) and not isinstance(m, OutputLayer)
+    )
 
 
 def test_model_files_hold_no_device_specific_code():

@@ -1,7 +1,7 @@
 import torch
 
-from frugality.metrics.flops import non_embedding_params, training_flops_per_token
 from frugality.hardware import measure_product_rate
+from frugality.metrics.flops import non_embedding_params, training_flops_per_token
 from frugality.models import GPTNeoX, GPTNeoXConfig
 
 
@@ -23,11 +23,23 @@ def test_a_tied_embedding_counts_once_as_the_output_product():
     from frugality.models import Bert, BertConfig, Llama, LlamaConfig
 
     with torch.device("meta"):
-        tied = Llama(LlamaConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vocab_size=1000,
-                                 tie_embeddings=True))
+        tied = Llama(
+            LlamaConfig(
+                hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vocab_size=1000, tie_embeddings=True
+            )
+        )
         untied = Llama(LlamaConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vocab_size=1000))
-        bert = Bert(BertConfig(hidden_size=64, num_layers=1, num_heads=4, intermediate_size=128, vocab_size=1000,
-                               mlm_head=True, pooler=False))
+        bert = Bert(
+            BertConfig(
+                hidden_size=64,
+                num_layers=1,
+                num_heads=4,
+                intermediate_size=128,
+                vocab_size=1000,
+                mlm_head=True,
+                pooler=False,
+            )
+        )
     assert non_embedding_params(tied) == non_embedding_params(untied)  # the output product is there either way
     tables = 512 * 64 + 2 * 64  # positions, token types: lookups only
     assert non_embedding_params(bert) == sum(p.numel() for p in bert.parameters()) - tables

@@ -11,8 +11,16 @@ from frugality.metrics.prices import COLUMNS, load_catalogue, resolve_price
 
 def test_every_bundled_row_has_a_price_a_source_and_a_date():
     rows = load_catalogue()
-    assert {"trn1.32xlarge", "inf2.xlarge", "p4d.24xlarge", "p5.48xlarge", "g5.xlarge", "g6.xlarge",
-            "a3-highgpu-8g", "Standard_ND96isr_H100_v5"} <= set(rows)
+    assert {
+        "trn1.32xlarge",
+        "inf2.xlarge",
+        "p4d.24xlarge",
+        "p5.48xlarge",
+        "g5.xlarge",
+        "g6.xlarge",
+        "a3-highgpu-8g",
+        "Standard_ND96isr_H100_v5",
+    } <= set(rows)
     assert {r.provider for r in rows.values()} == {"aws", "gcp", "azure"}
     for row in rows.values():
         assert row.usd_per_hour > 0 and row.source.startswith("https://") and row.date, row.instance
@@ -22,19 +30,24 @@ def test_every_bundled_row_has_a_price_a_source_and_a_date():
 
 def test_a_users_catalogue_overrides_and_adds_rows(tmp_path):
     mine = tmp_path / "mine.csv"
-    mine.write_text(",".join(COLUMNS) + "\n"
-                    "aws,trn1.32xlarge,Trainium,16,32,128,512,12.00,us-east-1,,my contract,2026-11\n"
-                    "onprem,lab-a100,A100-SXM4-80GB,8,80,128,1024,9.5,lab,400,amortised over 3 years,2026-11\n")
+    mine.write_text(
+        ",".join(COLUMNS) + "\n"
+        "aws,trn1.32xlarge,Trainium,16,32,128,512,12.00,us-east-1,,my contract,2026-11\n"
+        "onprem,lab-a100,A100-SXM4-80GB,8,80,128,1024,9.5,lab,400,amortised over 3 years,2026-11\n"
+    )
     rows = load_catalogue(mine)
     assert rows["trn1.32xlarge"].usd_per_hour == 12.0 and rows["trn1.32xlarge"].source == "my contract"
     assert rows["lab-a100"].accelerator_tdp_w == 400.0 and "p5.48xlarge" in rows
 
 
-@pytest.mark.parametrize("row, message", [
-    ("aws,x,,0,,2,4,cheap,r,,s,d", "line 2: usd_per_hour 'cheap' is not a number"),
-    ("aws,x,,0,,2,4,-1,r,,s,d", "line 2: usd_per_hour -1 is negative"),
-    ("aws,x,,0,,2,4,1.0,r,,,d", "line 2: source is empty"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ("aws,x,,0,,2,4,cheap,r,,s,d", "line 2: usd_per_hour 'cheap' is not a number"),
+        ("aws,x,,0,,2,4,-1,r,,s,d", "line 2: usd_per_hour -1 is negative"),
+        ("aws,x,,0,,2,4,1.0,r,,,d", "line 2: source is empty"),
+    ],
+)
 def test_a_bad_row_is_named_by_file_and_line(tmp_path, row, message):
     bad = tmp_path / "bad.csv"
     bad.write_text(",".join(COLUMNS) + "\n" + row + "\n")

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from frugality.tasks.contrastive import info_nce
-
-from frugality.interop.hf_bert import from_hf, config_to_hf, to_hf
+from frugality.interop.hf_bert import config_to_hf, from_hf, to_hf
 from frugality.models.bert import Bert, BertConfig, mean_pool, pool
+from frugality.tasks.contrastive import info_nce
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,8 +24,16 @@ def _hf(cfg: BertConfig):
 
 @pytest.mark.parametrize("mlm", [False, True])
 def test_hidden_states_and_mlm_logits_match_transformers(mlm):
-    cfg = BertConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vocab_size=500,
-                     max_seq_len=40, mlm_head=mlm, pooler=not mlm)  # BertForMaskedLM has no pooler
+    cfg = BertConfig(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=128,
+        vocab_size=500,
+        max_seq_len=40,
+        mlm_head=mlm,
+        pooler=not mlm,
+    )  # BertForMaskedLM has no pooler
     torch.manual_seed(0)
     theirs = _hf(cfg)
     ours = Bert(cfg).eval()
@@ -48,8 +55,11 @@ def test_hidden_states_and_mlm_logits_match_transformers(mlm):
     # ...and back: our names map onto theirs with nothing missing or unexpected.
     fresh = _hf(cfg)
     missing, unexpected = fresh.load_state_dict(to_hf(ours.state_dict(), cfg), strict=False)
-    assert not unexpected and set(missing) <= {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias",
-                                               "embeddings.position_ids"}
+    assert not unexpected and set(missing) <= {
+        "cls.predictions.decoder.weight",
+        "cls.predictions.decoder.bias",
+        "embeddings.position_ids",
+    }
 
 
 def _sentences(count: int) -> list[str]:
@@ -60,7 +70,7 @@ def _sentences(count: int) -> list[str]:
             return [json.loads(next(f))["text"] for _ in range(count)]
     from frugality.data.bundled import corpus_files
 
-    lines = [l.strip() for l in gzip.open(corpus_files()[0], "rt").read().splitlines() if len(l.strip()) > 30]
+    lines = [line.strip() for line in gzip.open(corpus_files()[0], "rt").read().splitlines() if len(line.strip()) > 30]
     return lines[:count]
 
 
@@ -78,8 +88,9 @@ def test_all_minilm_l6_v2_matches_sentence_transformers():
     sentences = _sentences(300)
     batch = tokenizer(sentences, padding=True, truncation=True, max_length=256, return_tensors="pt")
     with torch.no_grad():
-        ours_emb = mean_pool(ours(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]),
-                             batch["attention_mask"])
+        ours_emb = mean_pool(
+            ours(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]), batch["attention_mask"]
+        )
     theirs_emb = torch.from_numpy(reference.encode(sentences, batch_size=64, normalize_embeddings=True))
     cosine = (ours_emb * theirs_emb).sum(-1)
     assert cosine.min().item() >= 0.99999
@@ -113,8 +124,18 @@ def test_skipping_the_padding_gives_the_padded_results(pooling):
     """unpad=True: the embeddings, the contrastive loss and every gradient equal the padded
     computation's, with rows of many lengths (one without padding, one of a single token)."""
     torch.manual_seed(0)
-    model = Bert(BertConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, pooler=False,
-                            head=(24, 16), pooling=pooling, learn_temperature=True))
+    model = Bert(
+        BertConfig(
+            hidden_size=32,
+            num_layers=2,
+            num_heads=4,
+            intermediate_size=64,
+            pooler=False,
+            head=(24, 16),
+            pooling=pooling,
+            learn_temperature=True,
+        )
+    )
     lengths = [12, 3, 7, 1, 9, 5]
     ids = torch.randint(1000, 2000, (6, 12))
     mask = (torch.arange(12) < torch.tensor(lengths).unsqueeze(1)).long()
@@ -126,8 +147,11 @@ def test_skipping_the_padding_gives_the_padded_results(pooling):
     for unpad in (False, True):
         model.zero_grad()
         embeddings = model.embed(ids, mask, types, unpad=unpad)
-        loss = info_nce(model.project(pool(model(ids, mask, types, unpad=unpad), mask, pooling), normalize=True), 2,
-                        model.similarity_scale())
+        loss = info_nce(
+            model.project(pool(model(ids, mask, types, unpad=unpad), mask, pooling), normalize=True),
+            2,
+            model.similarity_scale(),
+        )
         loss.backward()
         results[unpad] = embeddings, loss, {n: p.grad.clone() for n, p in model.named_parameters()}
     # the MLP saw 6 rows of 12 padded, then the 37 real tokens rounded up to 64 (Unpadded.MULTIPLE)

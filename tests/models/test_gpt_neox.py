@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from frugality.interop.hf_gpt_neox import from_hf, config_to_hf, to_hf
+from frugality.interop.hf_gpt_neox import config_to_hf, from_hf, to_hf
 from frugality.models import GPTNeoX, GPTNeoXConfig
 
 transformers = pytest.importorskip("transformers")

@@ -11,10 +11,20 @@ from frugality.models.kv_cache import KVCache
 from frugality.models.layers import RotaryEmbedding
 
 MODELS = {
-    "gpt-neox": lambda: GPTNeoX(GPTNeoXConfig(hidden_size=32, num_layers=2, num_heads=4, vocab_size=97,
-                                             max_seq_len=64, rotary_pct=0.5)),
-    "llama": lambda: Llama(LlamaConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                                       intermediate_size=48, vocab_size=97, max_seq_len=64)),
+    "gpt-neox": lambda: GPTNeoX(
+        GPTNeoXConfig(hidden_size=32, num_layers=2, num_heads=4, vocab_size=97, max_seq_len=64, rotary_pct=0.5)
+    ),
+    "llama": lambda: Llama(
+        LlamaConfig(
+            hidden_size=32,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=48,
+            vocab_size=97,
+            max_seq_len=64,
+        )
+    ),
 }
 
 
@@ -29,8 +39,8 @@ def test_cached_decoding_equals_the_full_forward(family):
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     positions = torch.full((len(rows), width), -1)
     for i, row in enumerate(rows):
-        head = row[:len(row) - prompt]
-        ids[i, width - len(head):], positions[i, width - len(head):] = head, torch.arange(len(head))
+        head = row[: len(row) - prompt]
+        ids[i, width - len(head) :], positions[i, width - len(head) :] = head, torch.arange(len(head))
     last = model(ids, cache=cache, positions=positions)[:, 0]
     for i, row in enumerate(rows):
         full = model(row[None])[0]

@@ -64,8 +64,11 @@ def test_a_model_built_empty_has_the_rotary_tables_of_one_built_for_real():
 def test_a_model_built_empty_keeps_its_tied_weights_tied():
     from frugality.models import BertConfig, LlamaConfig, build_empty
 
-    llama = build_empty(LlamaConfig(hidden_size=64, num_layers=1, num_heads=4, intermediate_size=128, vocab_size=100,
-                                    tie_embeddings=True))
+    llama = build_empty(
+        LlamaConfig(
+            hidden_size=64, num_layers=1, num_heads=4, intermediate_size=128, vocab_size=100, tie_embeddings=True
+        )
+    )
     assert llama.output.weight is llama.embed.weight
     bert = build_empty(BertConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, mlm_head=True))
     assert bert.mlm.decoder.weight is bert.embeddings.word.weight

@@ -18,8 +18,7 @@ def test_matches_torch_adamw_up_to_bf16_rounding():
     for p in ref_params:
         p.data = p.data.to(torch.bfloat16).float()  # same starting point
     ref = torch.optim.AdamW(ref_params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    ours = BF16AdamW(ours_params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
-                     rounding="nearest", fused=False)
+    ours = BF16AdamW(ours_params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, rounding="nearest", fused=False)
     torch.manual_seed(1)
     grads = [[torch.randn_like(p) for p in ref_params] for _ in range(3)]
     for step_grads in grads:
@@ -52,6 +51,7 @@ def test_parameters_and_moments_are_views_of_flat_buffers_and_gradients_are_not(
 def test_parameters_without_gradients_are_skipped_on_every_path(monkeypatch):
     """As torch's AdamW: no update, no moment decay; and the parameters after a gap still
     draw the noise of their own place in the flat buffer (the same bits on every path)."""
+
     def run(fused):
         params = [torch.nn.Parameter(torch.randn(n).to(torch.bfloat16)) for n in (100, 30, 70)]
         before = [p.detach().clone() for p in params]
@@ -78,8 +78,7 @@ def test_small_updates_survive_only_with_stochastic_rounding():
     for rounding in ("stochastic", "nearest"):
         p = torch.nn.Parameter(torch.ones(100_000, dtype=torch.bfloat16))
         # lr so small that each AdamW step (about lr in size) is 1/10 of bf16's step at 1.0.
-        opt = BF16AdamW([p], lr=2**-7 / 10, betas=(0.0, 0.0), eps=1e-30, rounding=rounding,
-                        seed=3, fused=False)
+        opt = BF16AdamW([p], lr=2**-7 / 10, betas=(0.0, 0.0), eps=1e-30, rounding=rounding, seed=3, fused=False)
         for _ in range(50):
             p.grad = torch.full_like(p, -1.0)  # always push upwards
             opt.step()
@@ -146,8 +145,7 @@ def test_compiled_update_matches_eager(monkeypatch):
 def test_eager_update_on_cuda_gives_the_cpu_kernels_bits(rounding):
     """The rounding noise is a hash of (key, index), so a GPU rounds exactly as the CPU does.
     (No clipping here: the norm's reduction order differs between devices.)"""
-    for a, b in zip(_three_steps(True, rounding, "cpu", clip=False),
-                    _three_steps(False, rounding, "cuda", clip=False)):
+    for a, b in zip(_three_steps(True, rounding, "cpu", clip=False), _three_steps(False, rounding, "cuda", clip=False)):
         assert torch.equal(a, b)
 
 

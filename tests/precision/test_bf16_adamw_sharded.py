@@ -51,8 +51,11 @@ def train(model, batch) -> dict[str, torch.Tensor]:
 
     torch.set_num_threads(1)
     decay = [p for p in model.parameters() if p.ndim == 2]
-    optimizer = BF16AdamW([{"params": decay, "weight_decay": 0.1},
-                           {"params": [p for p in model.parameters() if p.ndim < 2]}], lr=1e-2, seed=7)
+    optimizer = BF16AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": [p for p in model.parameters() if p.ndim < 2]}],
+        lr=1e-2,
+        seed=7,
+    )
     for _ in range(3):
         model(batch).float().square().mean().backward()
         optimizer.clip_grad_norm_(0.05)
@@ -70,12 +73,26 @@ def test_two_ranks_update_their_shards_to_the_one_process_bits(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__))))
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, str(script), str(tmp_path / "one.pt")], env=env,
-                         capture_output=True, text=True, timeout=300)
+    one = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "one.pt")], env=env, capture_output=True, text=True, timeout=300
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script), str(tmp_path / "two.pt"), "sharded"], env=env,
-                         capture_output=True, text=True, timeout=300)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            str(tmp_path / "two.pt"),
+            "sharded",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     expected, got = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert expected.keys() == got.keys() and len(expected) == 18

@@ -11,10 +11,10 @@ import torch
 
 from frugality.cli.main import main
 from frugality.config.recipe import load_recipe
-from frugality.runtime.plan import plan_memory
 from frugality.metrics.memory import training_state_bytes
 from frugality.models import build_model
 from frugality.runtime.optim import build_optimizer
+from frugality.runtime.plan import plan_memory
 from frugality.tasks import get_task
 
 
@@ -31,8 +31,9 @@ def test_one_process_plan_counts_the_real_training_state(micro_recipe_file, prec
     optimizer.step()  # the moments exist from the first step on
     assert plan.parameters == sum(p.numel() for p in model.parameters())
     # the real state also holds the step counters (a few bytes)
-    assert plan.weights + plan.gradients + plan.optimizer == pytest.approx(training_state_bytes(model, optimizer),
-                                                                          abs=1024)
+    assert plan.weights + plan.gradients + plan.optimizer == pytest.approx(
+        training_state_bytes(model, optimizer), abs=1024
+    )
     assert plan.in_flight == 0 and plan.strategy == "none"
 
 
@@ -59,10 +60,14 @@ def test_sharding_divides_the_state_and_adds_what_is_gathered(micro_recipe_file)
     recipe = load_recipe(str(micro_recipe_file), ["model.num_layers=4"])
     one, ddp = plan_memory(recipe, 1, "ddp"), plan_memory(recipe, 4, "ddp")
     fsdp = plan_memory(recipe, 4, "fsdp")
-    hsdp = plan_memory(recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"shard_size": 2})}),
-                       4, "hsdp")
-    kept = plan_memory(recipe.model_copy(update={"parallel": recipe.parallel.model_copy(
-        update={"reshard_after_forward": False})}), 4, "fsdp")
+    hsdp = plan_memory(
+        recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"shard_size": 2})}), 4, "hsdp"
+    )
+    kept = plan_memory(
+        recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"reshard_after_forward": False})}),
+        4,
+        "fsdp",
+    )
     assert ddp.weights == one.weights and ddp.in_flight == one.gradients  # DDP's buckets
     assert fsdp.shard_over == 4 and fsdp.optimizer == pytest.approx(one.optimizer / 4, abs=64)
     assert hsdp.shard_over == 2 and hsdp.weights == pytest.approx(one.weights / 2, abs=16)
@@ -73,8 +78,23 @@ def test_sharding_divides_the_state_and_adds_what_is_gathered(micro_recipe_file)
 
 def test_plan_command_prints_rows_and_refuses_bad_input(micro_recipe_file, tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main(["plan", str(micro_recipe_file), "--nproc", "1,2", "--strategy", "ddp,fsdp", "--memory", "1",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(micro_recipe_file),
+                "--nproc",
+                "1,2",
+                "--strategy",
+                "ddp,fsdp",
+                "--memory",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())
     assert [(r["strategy"], r["nproc"]) for r in rows] == [("none", 1), ("ddp", 2), ("fsdp", 2)]
     assert all(r["fits"] for r in rows) and "| fsdp | 2 | 2 |" in capsys.readouterr().out

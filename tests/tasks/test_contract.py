@@ -16,11 +16,19 @@ from frugality.models import build_model
 from frugality.tasks import TASKS, Evaluated, Task, task_for
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "frugality"
-SMALL = {"gpt-neox": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "vocab_size": 128, "max_seq_len": 32},
-         "llama": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "kv_heads": 2, "vocab_size": 128,
-                   "max_seq_len": 32},
-         "bert": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "vocab_size": 128,
-                  "max_seq_len": 32, "mlm_head": True}}
+SMALL = {
+    "gpt-neox": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "vocab_size": 128, "max_seq_len": 32},
+    "llama": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "kv_heads": 2, "vocab_size": 128, "max_seq_len": 32},
+    "bert": {
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_heads": 4,
+        "intermediate_size": 64,
+        "vocab_size": 128,
+        "max_seq_len": 32,
+        "mlm_head": True,
+    },
+}
 
 
 def test_every_task_is_a_declared_task_with_nothing_left_abstract():
@@ -34,18 +42,27 @@ def test_every_task_is_a_declared_task_with_nothing_left_abstract():
 def test_the_training_module_gives_a_loss_and_an_evaluation_through_one_forward(name):
     task = TASKS[name]
     family = task.families[0]
-    recipe = Recipe.model_validate({"name": "contract", "model": {"family": family, **SMALL[family]},
-                                    "data": {"seq_len": 16, "global_batch_size": 4, "micro_batch_size": 4},
-                                    "train": {"task": name}})
+    recipe = Recipe.model_validate(
+        {
+            "name": "contract",
+            "model": {"family": family, **SMALL[family]},
+            "data": {"seq_len": 16, "global_batch_size": 4, "micro_batch_size": 4},
+            "train": {"task": name},
+        }
+    )
     fitted = task_for(recipe, mask_id=3)
     torch.manual_seed(0)
     model = build_model(recipe.model)
     module = fitted.training_module(model)
     assert module.model is model and {n for n, _ in model.named_parameters()} <= {
-        n.removeprefix("model.") for n, _ in module.named_parameters()}  # the task adds no weights of its own
+        n.removeprefix("model.") for n, _ in module.named_parameters()
+    }  # the task adds no weights of its own
     batch = fitted.example_batch(recipe, torch.device("cpu"))
-    batch = type(batch)(**{**vars(batch), "ids": torch.randint(4, 128, batch.ids.shape)}) if hasattr(batch, "ids") \
+    batch = (
+        type(batch)(**{**vars(batch), "ids": torch.randint(4, 128, batch.ids.shape)})
+        if hasattr(batch, "ids")
         else torch.randint(4, 128, batch.shape)
+    )
     calls = []
     module.register_forward_hook(lambda *a: calls.append(1))
     loss = module(batch)
@@ -60,8 +77,11 @@ def test_the_training_module_gives_a_loss_and_an_evaluation_through_one_forward(
 
 
 def test_the_loop_and_the_builder_do_not_probe_tasks():
-    found = subprocess.run(["grep", "-rn", "hasattr(task\\|hasattr(state.task", str(SRC / "runtime"),
-                            str(SRC / "training")], capture_output=True, text=True).stdout
+    found = subprocess.run(
+        ["grep", "-rn", "hasattr(task\\|hasattr(state.task", str(SRC / "runtime"), str(SRC / "training")],
+        capture_output=True,
+        text=True,
+    ).stdout
     assert found == "", found
 
 
@@ -75,8 +95,13 @@ def test_the_documented_example_task_keeps_the_contract():
     exec(compile(example, "architecture.md", "exec"), namespace)
     task = namespace["SuffixLM"]()
     assert isinstance(task, Task) and not inspect.isabstract(type(task))
-    recipe = Recipe.model_validate({"name": "example", "model": {"family": "gpt-neox", **SMALL["gpt-neox"]},
-                                    "data": {"seq_len": 16, "global_batch_size": 2, "micro_batch_size": 2}})
+    recipe = Recipe.model_validate(
+        {
+            "name": "example",
+            "model": {"family": "gpt-neox", **SMALL["gpt-neox"]},
+            "data": {"seq_len": 16, "global_batch_size": 2, "micro_batch_size": 2},
+        }
+    )
     module = task.training_module(build_model(recipe.model))
     batch = torch.randint(0, 128, (2, 17))
     loss = module(batch)

@@ -9,10 +9,9 @@ import torch.nn.functional as F
 
 from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
-from frugality.tasks.contrastive import info_nce
 from frugality.tasks import Contrastive
+from frugality.tasks.contrastive import info_nce
 from frugality.training import trainer
-
 
 
 def test_info_nce_is_the_mean_of_both_directions_of_cross_entropy():
@@ -42,6 +41,7 @@ def test_info_nce_over_gathered_parts_is_info_nce_over_their_union(groups):
             queries = torch.equal(local, rows[0, part])  # else the documents
             whole = rows[0, 1 - part] if queries else rows[1:, 1 - part].flatten(0, 1)
             return torch.cat([local, whole] if part == 0 else [whole, local]), part
+
         return gather
 
     parts = [info_nce(rows[:, p].flatten(0, 1), groups, 20.0, gather_for(p)) for p in (0, 1)]
@@ -66,8 +66,9 @@ def test_evaluation_takes_its_loss_and_its_retrieval_embeddings_from_one_forward
     from frugality.data.pairs import TextBatch
     from frugality.models.bert import Bert, BertConfig
 
-    model = Bert(BertConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, head=(16,),
-                            pooler=False)).eval()
+    model = Bert(
+        BertConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, head=(16,), pooler=False)
+    ).eval()
     mask = (torch.arange(10) < torch.tensor([10, 4, 7, 2, 9, 5]).unsqueeze(1)).long()
     batch = TextBatch(torch.randint(1000, 2000, (6, 10)) * mask, mask, 3)
     calls = []
@@ -98,8 +99,16 @@ def test_retrieval_metrics_rank_each_querys_own_positive():
 
 
 def test_a_run_logs_retrieval_metrics_uses_the_buckets_and_learns(micro_pairs_recipe, tmp_path):
-    recipe = load_recipe(str(micro_pairs_recipe), ["train.steps=8", "train.eval_interval=8", "optim.lr=3e-3",
-                                                   "data.global_batch_size=4", "data.micro_batch_size=2"])
+    recipe = load_recipe(
+        str(micro_pairs_recipe),
+        [
+            "train.steps=8",
+            "train.eval_interval=8",
+            "optim.lr=3e-3",
+            "data.global_batch_size=4",
+            "data.micro_batch_size=2",
+        ],
+    )
     result = trainer.train(recipe, run_dir=tmp_path / "run", progress=False)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]
@@ -124,8 +133,11 @@ def test_a_stopped_contrastive_run_resumes_bit_identically(micro_pairs_recipe, t
     trainer.train(recipe, run_dir=tmp_path / "split", progress=False, until_step=2)
     resumed = trainer.train(recipe, run_dir=tmp_path / "split", progress=False)
     assert resumed.start_step == 2 and resumed.evals[4] == whole.evals[4]
-    losses = lambda run: [json.loads(l)["loss"] for l in (run / "metrics.jsonl").read_text().splitlines()
-                          if json.loads(l)["kind"] == "train"]
+    losses = lambda run: [
+        json.loads(line)["loss"]
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "train"
+    ]
     assert losses(tmp_path / "split") == losses(tmp_path / "whole")
     tokens = lambda run: json.loads((run / "summary.json").read_text())["tokens_seen"]
     assert tokens(tmp_path / "split") == tokens(tmp_path / "whole")  # counted across the resume
@@ -154,13 +166,19 @@ def test_bad_pairs_and_a_decoder_are_one_line_each(micro_pairs_recipe, tmp_path)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query": "a", "text": "b"}\n{"query": "c"}\n')
     with pytest.raises(UserError, match=r"bad.jsonl:2: field 'text' is missing"):
-        trainer.train(load_recipe(str(micro_pairs_recipe), [f'data.dataset="{bad}"']), run_dir=tmp_path / "r1", progress=False)
+        trainer.train(
+            load_recipe(str(micro_pairs_recipe), [f'data.dataset="{bad}"']), run_dir=tmp_path / "r1", progress=False
+        )
     with pytest.raises(UserError, match="choose the fields with data.fields"):
-        trainer.train(load_recipe(str(micro_pairs_recipe), ['data.fields=["query", "gloss"]']), run_dir=tmp_path / "r2",
-                      progress=False)
+        trainer.train(
+            load_recipe(str(micro_pairs_recipe), ['data.fields=["query", "gloss"]']),
+            run_dir=tmp_path / "r2",
+            progress=False,
+        )
     with pytest.raises(UserError, match="task contrastive trains encoders"):
         trainer.train(load_recipe("tiny", ["train.task=contrastive"]), run_dir=tmp_path / "r3", progress=False)
     with pytest.raises(UserError, match="at least two pairs per micro-batch"):
-        trainer.train(load_recipe(str(micro_pairs_recipe), ["data.micro_batch_size=1"]), run_dir=tmp_path / "r4",
-                      progress=False)
+        trainer.train(
+            load_recipe(str(micro_pairs_recipe), ["data.micro_batch_size=1"]), run_dir=tmp_path / "r4", progress=False
+        )
     assert not any((tmp_path / r).exists() for r in ("r1", "r2", "r3", "r4"))

@@ -11,10 +11,21 @@ from frugality.tasks import MaskedLM
 from frugality.tasks.masked_lm import mask
 from frugality.training import trainer
 
-MICRO = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=64",
-         "data.seq_len=32", "data.global_batch_size=8", "data.micro_batch_size=8", "train.steps=12",
-         "train.eval_interval=12", "train.eval_samples=16", "optim.warmup_steps=1", "train.precision=fp32",
-         "metrics.peak_tflops=1.0"]
+MICRO = [
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.intermediate_size=64",
+    "data.seq_len=32",
+    "data.global_batch_size=8",
+    "data.micro_batch_size=8",
+    "train.steps=12",
+    "train.eval_interval=12",
+    "train.eval_samples=16",
+    "optim.warmup_steps=1",
+    "train.precision=fp32",
+    "metrics.peak_tflops=1.0",
+]
 
 
 def test_masking_follows_berts_80_10_10_rule():
@@ -57,8 +68,11 @@ def test_each_rank_masks_its_own_positions_and_a_resume_masks_alike(monkeypatch)
 
 
 def test_a_micro_bert_learns_the_bundled_corpus(tmp_path):
-    result = trainer.train(load_recipe("bert-mlm", MICRO + ["optim.lr=1e-2", "optim.min_lr=1e-3"]), run_dir=tmp_path / "run",
-                           progress=False)
+    result = trainer.train(
+        load_recipe("bert-mlm", MICRO + ["optim.lr=1e-2", "optim.min_lr=1e-3"]),
+        run_dir=tmp_path / "run",
+        progress=False,
+    )
     assert result.evals[12] < result.evals[0] - 0.5  # from ~ln(30522) = 10.3
 
 
@@ -72,13 +86,17 @@ def test_special_tokens_are_never_masked():
 
 def test_a_bert_without_the_masked_lm_head_is_refused(tmp_path):
     with pytest.raises(UserError, match="needs model.mlm_head = true"):
-        trainer.train(load_recipe("bert-mlm", MICRO + ["model.mlm_head=false"]), run_dir=tmp_path / "run",
-                      progress=False)
+        trainer.train(
+            load_recipe("bert-mlm", MICRO + ["model.mlm_head=false"]), run_dir=tmp_path / "run", progress=False
+        )
     assert not (tmp_path / "run").exists()
 
 
 def test_a_tokenizer_without_mask_is_refused(tmp_path):
     with pytest.raises(UserError, match=r"has no \[MASK\] token"):
-        trainer.train(load_recipe("bert-mlm", MICRO + ["data.tokenizer=gpt2", "model.vocab_size=50304"]),
-                      run_dir=tmp_path / "run", progress=False)
+        trainer.train(
+            load_recipe("bert-mlm", MICRO + ["data.tokenizer=gpt2", "model.vocab_size=50304"]),
+            run_dir=tmp_path / "run",
+            progress=False,
+        )
     assert not (tmp_path / "run").exists()

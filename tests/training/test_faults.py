@@ -20,15 +20,21 @@ from frugality.training.callbacks.faults import parse
 
 def _train(recipe_file, run, fault, *args):
     env = dict(os.environ, FRUGALITY_INJECT_FAULT=fault)  # threads as in this process: the same sums
-    return subprocess.run([sys.executable, "-m", "frugality", "train", str(recipe_file), "--run-dir", str(run),
-                           "--no-progress", *args], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "frugality", "train", str(recipe_file), "--run-dir", str(run), "--no-progress", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_kill_while_saving_is_retried_to_the_uninterrupted_bits(micro_recipe_file, tmp_path):
     recipe = load_recipe(str(micro_recipe_file))  # 8 steps, checkpoints at 4 and 8
     trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
-    done = _train(micro_recipe_file, tmp_path / "run", "kill_in_save@8", "--retries", "1",
-                  "--set", "train.retry_backoff_s=0")
+    done = _train(
+        micro_recipe_file, tmp_path / "run", "kill_in_save@8", "--retries", "1", "--set", "train.retry_backoff_s=0"
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "killed by signal 9" in done.stderr
     _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, tmp_path / "run"))

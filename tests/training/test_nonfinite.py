@@ -39,7 +39,9 @@ def test_a_nan_in_one_gradient_skips_that_step_and_names_the_parameter(micro_rec
     monkeypatch.setattr(CausalLMModule, "forward", loss)
     monkeypatch.setattr(loop, "train_step", step)
     recipe = load_recipe(str(micro_recipe_file))
-    with pytest.warns(FrugalityWarning, match=f"step 3: the gradient of {target} is not finite; its update was skipped"):
+    with pytest.warns(
+        FrugalityWarning, match=f"step 3: the gradient of {target} is not finite; its update was skipped"
+    ):
         result = trainer.train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
     assert result.final_step == 8
     assert seen[3] is True and not any(seen[s] for s in (1, 2, 4, 5, 6, 7, 8))  # only step 3 left weights alone
@@ -49,10 +51,19 @@ def test_a_nan_in_one_gradient_skips_that_step_and_names_the_parameter(micro_rec
 
 
 def test_a_diverging_run_stops_in_one_line_with_exit_status_3(micro_recipe_file, tmp_path, capsys):
-    args = ["train", str(micro_recipe_file), "--run-dir", str(tmp_path / "run"), "--no-progress",
-            "--set", "optim.lr=1e6", "--set", "train.on_nonfinite=stop"]
+    args = [
+        "train",
+        str(micro_recipe_file),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+        "--set",
+        "optim.lr=1e6",
+        "--set",
+        "train.on_nonfinite=stop",
+    ]
     assert main(args) == 3
-    [line] = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error")]
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
     assert line.startswith("error: step 2: the gradient of embed.weight is not finite; stopping before applying it")
 
 
@@ -86,13 +97,17 @@ def _nan_gradient(model, loss):
 
 
 def test_rollback_restores_the_last_checkpoint_and_reshuffles_the_rest_of_the_epoch(
-        micro_recipe_file, tmp_path, monkeypatch):
+    micro_recipe_file, tmp_path, monkeypatch
+):
     from frugality.checkpoint import CheckpointManager
 
     runs = _bad_step(monkeypatch, at=6, times=1, spoil=_nan_gradient)
     recipe = load_recipe(str(micro_recipe_file), ["train.on_nonfinite=rollback"])  # checkpoints at 4, 8
-    with pytest.warns(FrugalityWarning, match="step 6: the gradient of layers.1.mlp.down.weight is not finite; "
-                                              "rolled back to step_00000004, the rest of the epoch reshuffled"):
+    with pytest.warns(
+        FrugalityWarning,
+        match="step 6: the gradient of layers.1.mlp.down.weight is not finite; "
+        "rolled back to step_00000004, the rest of the epoch reshuffled",
+    ):
         result = trainer.train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
     assert result.final_step == 8
     assert [n for n, _ in runs["batches"]] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
@@ -116,8 +131,10 @@ def test_a_step_that_stays_bad_after_the_rollbacks_stops_the_run(micro_recipe_fi
 
     runs = _bad_step(monkeypatch, at=6, times=99, spoil=_nan_gradient)
     recipe = load_recipe(str(micro_recipe_file), ["train.on_nonfinite=rollback", "train.max_rollbacks=2"])
-    with pytest.warns(FrugalityWarning, match="rolled back"), \
-            pytest.raises(RunDiverged, match="step 6: .* not finite; stopping after 2 rollback"):
+    with (
+        pytest.warns(FrugalityWarning, match="rolled back"),
+        pytest.raises(RunDiverged, match="step 6: .* not finite; stopping after 2 rollback"),
+    ):
         trainer.train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
     assert [n for n, _ in runs["batches"]] == [1, 2, 3, 4, 5, 6, 5, 6, 5, 6]  # each rollback counted
     fives = [b for n, b in runs["batches"] if n == 5]
@@ -127,8 +144,11 @@ def test_a_step_that_stays_bad_after_the_rollbacks_stops_the_run(micro_recipe_fi
 def test_a_loss_spike_is_skipped_like_a_non_finite_step(micro_recipe_file, tmp_path, monkeypatch):
     _bad_step(monkeypatch, at=6, times=1, spoil=lambda model, loss: loss * 100)
     recipe = load_recipe(str(micro_recipe_file), ["train.loss_spike=3", "train.loss_spike_window=4"])
-    with pytest.warns(FrugalityWarning, match=r"step 6: the loss .* is \d+\.\dx the median .* of the last 4 steps "
-                                              r"\(train.loss_spike = 3.0\); its update was skipped"):
+    with pytest.warns(
+        FrugalityWarning,
+        match=r"step 6: the loss .* is \d+\.\dx the median .* of the last 4 steps "
+        r"\(train.loss_spike = 3.0\); its update was skipped",
+    ):
         result = trainer.train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
     assert result.final_step == 8
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -10,8 +10,8 @@ from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
 from frugality.models import build_model
 from frugality.precision import get_policy
-from frugality.training import trainer
 from frugality.runtime.optim import build_optimizer
+from frugality.training import trainer
 
 EAGER = "train.fused_optimizer=false"  # the compiled update is tested in tests/precision
 
@@ -20,21 +20,26 @@ def _final_state(recipe, run_dir):
     policy = get_policy(recipe.train.precision)
     model = policy.prepare_model(build_model(recipe.model))
     optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed, fused=False)
-    CheckpointManager(run_dir / "checkpoints").load(CheckpointManager(run_dir / "checkpoints").latest(),
-                                                    model, optimizer)
+    CheckpointManager(run_dir / "checkpoints").load(
+        CheckpointManager(run_dir / "checkpoints").latest(), model, optimizer
+    )
     return model.state_dict(), optimizer.state_dict()
 
 
 def _train_losses(run_dir) -> list[float]:
-    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if r["kind"] == "train"]
 
 
-@pytest.mark.parametrize("precision,device", [
-    ("bf16-sr", "cpu"), ("bf16", "cpu"),
-    # On a GPU with the fused (compiled) update; the checkpoints load on the CPU below.
-    pytest.param("bf16-sr", "cuda", marks=pytest.mark.cuda),
-])
+@pytest.mark.parametrize(
+    "precision,device",
+    [
+        ("bf16-sr", "cpu"),
+        ("bf16", "cpu"),
+        # On a GPU with the fused (compiled) update; the checkpoints load on the CPU below.
+        pytest.param("bf16-sr", "cuda", marks=pytest.mark.cuda),
+    ],
+)
 def test_stop_and_resume_is_bit_identical(micro_recipe_file, tmp_path, precision, device):
     overrides = [f"train.precision={precision}", f"train.device={device}"]
     recipe = load_recipe(str(micro_recipe_file), overrides + ([EAGER] if device == "cpu" else []))
@@ -87,8 +92,7 @@ def test_fp8_trains_on_a_gpu_of_capability_8_9_or_later(micro_recipe_file, tmp_p
     assert kinds["output"] == "Linear" and sum(k == Float8Linear.__name__ for k in kinds.values()) == 4 * 2
 
     trainer.train(recipe, run_dir=tmp_path / "fp8", progress=False, tensorboard=False)
-    reference = load_recipe(str(micro_recipe_file), ["train.precision=amp-bf16", "train.device=cuda",
-                                                     "train.steps=16"])
+    reference = load_recipe(str(micro_recipe_file), ["train.precision=amp-bf16", "train.device=cuda", "train.steps=16"])
     trainer.train(reference, run_dir=tmp_path / "amp", progress=False, tensorboard=False)
     fp8, amp = _train_losses(tmp_path / "fp8"), _train_losses(tmp_path / "amp")
     assert all(map(torch.isfinite, torch.tensor(fp8)))

@@ -26,9 +26,23 @@ def test_a_second_train_on_a_directory_in_use_exits_2_naming_the_first(micro_rec
 
     def step(state, batches):
         if state.step == 5:  # the first run is mid-way, with a checkpoint at step 4: start a second
-            second.append(subprocess.run([sys.executable, "-m", "frugality", "train", str(micro_recipe_file),
-                                          "--run-dir", str(tmp_path / "shared"), "--no-progress"],
-                                         capture_output=True, text=True, timeout=300))
+            second.append(
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "frugality",
+                        "train",
+                        str(micro_recipe_file),
+                        "--run-dir",
+                        str(tmp_path / "shared"),
+                        "--no-progress",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+            )
         return real(state, batches)
 
     monkeypatch.setattr(loop, "train_step", step)
@@ -36,9 +50,12 @@ def test_a_second_train_on_a_directory_in_use_exits_2_naming_the_first(micro_rec
     done = second[0]
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
-    assert line.startswith(f"error: run directory {tmp_path / 'shared'} is in use by PID {os.getpid()} on "
-                           f"{os.uname().nodename} (started ")
-    assert line.endswith(f"(lock {lock_path(tmp_path / 'shared')}); wait for it to end, or train into another --run-dir")
+    assert line.startswith(
+        f"error: run directory {tmp_path / 'shared'} is in use by PID {os.getpid()} on {os.uname().nodename} (started "
+    )
+    assert line.endswith(
+        f"(lock {lock_path(tmp_path / 'shared')}); wait for it to end, or train into another --run-dir"
+    )
     # the first run's checkpoints, metrics and summary are those of a run alone
     _assert_identical(_final_state(recipe, tmp_path / "alone"), _final_state(recipe, tmp_path / "shared"))
     assert _train_losses(tmp_path / "alone") == _train_losses(tmp_path / "shared")
@@ -50,8 +67,9 @@ def test_a_second_train_on_a_directory_in_use_exits_2_naming_the_first(micro_rec
 def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_warning(micro_recipe_file, tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    lock_path(tmp_path / "run").write_text(json.dumps({"host": os.uname().nodename, "pid": dead.pid,
-                                                       "started": "2026-11-23T01:02:03"}))
+    lock_path(tmp_path / "run").write_text(
+        json.dumps({"host": os.uname().nodename, "pid": dead.pid, "started": "2026-11-23T01:02:03"})
+    )
     recipe = load_recipe(str(micro_recipe_file), ["train.steps=2", "optim.warmup_steps=1"])
     with pytest.warns(FrugalityWarning, match=f"taking over from PID {dead.pid}"):
         trainer.train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)

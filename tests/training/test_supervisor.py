@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_trainer import _assert_identical, _final_state, _train_losses
 
 from frugality.config.recipe import load_recipe
@@ -49,9 +48,10 @@ def test_a_killed_run_resumes_from_its_checkpoint_to_the_uninterrupted_bits(micr
     _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, run))
     assert _train_losses(tmp_path / "straight") == _train_losses(run)
     attempts = [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines()]
-    assert [(a["cause"], a["checkpoint_before"], a["checkpoint_after"], a["last_logged_step"],
-             a["recomputed_steps"]) for a in attempts] == [("killed by signal 9", 0, 4, 5, 1),
-                                                            ("finished", 4, 8, 8, 0)]
+    assert [
+        (a["cause"], a["checkpoint_before"], a["checkpoint_after"], a["last_logged_step"], a["recomputed_steps"])
+        for a in attempts
+    ] == [("killed by signal 9", 0, 4, 5, 1), ("finished", 4, 8, 8, 0)]
     summary = json.loads((run / "summary.json").read_text())
     goodput = summary["goodput"]
     assert summary["attempts"] == 2 and goodput["recomputed_steps"] == 1
@@ -68,10 +68,28 @@ def test_a_run_that_dies_before_any_checkpoint_twice_is_given_up(micro_recipe_fi
 
 
 def test_train_retries_supervises_the_same_command(micro_recipe_file, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "frugality", "train", str(micro_recipe_file), "--run-dir",
-                           str(tmp_path / "run"), "--no-progress", "--retries", "2", "--set", "train.steps=2",
-                           "--set", "optim.warmup_steps=1"],
-                          capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "frugality",
+            "train",
+            str(micro_recipe_file),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--no-progress",
+            "--retries",
+            "2",
+            "--set",
+            "train.steps=2",
+            "--set",
+            "optim.warmup_steps=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     [attempt] = [json.loads(line) for line in (tmp_path / "run" / "attempts.jsonl").read_text().splitlines()]
     assert attempt["cause"] == "finished" and attempt["checkpoint_after"] == 2

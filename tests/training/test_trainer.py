@@ -11,9 +11,9 @@ from frugality.checkpoint import CheckpointManager
 from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
 from frugality.models import build_model
+from frugality.runtime.optim import build_optimizer
 from frugality.runtime.state import build_state
 from frugality.training import loop, trainer
-from frugality.runtime.optim import build_optimizer
 
 
 def _final_state(recipe, run_dir):
@@ -25,7 +25,7 @@ def _final_state(recipe, run_dir):
 
 
 def _train_losses(run_dir):
-    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
@@ -49,7 +49,7 @@ def test_loss_falls_and_the_run_directory_has_everything(micro_recipe_file, tmp_
     assert result.evals[12] < result.evals[0] - 1.0  # from ~ln(50304) = 10.8
 
     assert load_recipe(str(run / "recipe.toml")).model == recipe.model
-    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train_records] == list(range(1, 13))
     for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "tokens"):
@@ -60,15 +60,26 @@ def test_loss_falls_and_the_run_directory_has_everything(micro_recipe_file, tmp_
     assert summary["final_step"] == 12 and summary["tokens_seen"] == 12 * 4 * 32
     assert summary["first_val_loss"] == result.evals[0] and summary["final_val_loss"] == result.evals[12]
     assert [p.name for p in CheckpointManager(run / "checkpoints").complete()] == [
-        "step_00000008", "step_00000012"
+        "step_00000008",
+        "step_00000012",
     ]  # keep_checkpoints = 2
 
     # What the run cost: every figure there, each labelled with how it is known
     cost = summary["cost"]
-    for key in ("wall_time_s", "tokens_per_s", "usd", "tokens_per_dollar", "usd_per_million_tokens", "kwh",
-                "joules_per_token", "kg_co2e"):
+    for key in (
+        "wall_time_s",
+        "tokens_per_s",
+        "usd",
+        "tokens_per_dollar",
+        "usd_per_million_tokens",
+        "kwh",
+        "joules_per_token",
+        "kg_co2e",
+    ):
         assert isinstance(cost[key], float | int) and cost[key] > 0, key
-    assert cost["tokens"] == 12 * 4 * 32 and cost["tokens_per_dollar"] == pytest.approx(cost["tokens"] / cost["usd"], rel=2e-3)
+    assert cost["tokens"] == 12 * 4 * 32 and cost["tokens_per_dollar"] == pytest.approx(
+        cost["tokens"] / cost["usd"], rel=2e-3
+    )
     labels = cost["labels"]
     assert labels["price"].startswith(("estimated", "catalogue", "declared"))
     assert labels["energy"].startswith(("measured", "estimated"))  # RAPL where readable, else the vCPU model
@@ -84,8 +95,15 @@ def test_loss_falls_and_the_run_directory_has_everything(micro_recipe_file, tmp_
     events = EventAccumulator(str(run))
     events.Reload()
     tags = events.Tags()["scalars"]
-    assert {"train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "train/mfu", "eval/loss",
-            "eval/perplexity"} <= set(tags)
+    assert {
+        "train/loss",
+        "train/grad_norm",
+        "train/lr",
+        "train/tokens_per_s",
+        "train/mfu",
+        "eval/loss",
+        "eval/perplexity",
+    } <= set(tags)
     assert len(events.Scalars("train/loss")) == 12
 
 
@@ -100,7 +118,7 @@ def test_stop_and_resume_is_bit_identical(micro_recipe_file, tmp_path):
     second = trainer.train(recipe, run_dir=tmp_path / "split", progress=False, tensorboard=False)
     assert second.start_step == 3 and second.final_step == 8
     # the run's cost counts both sessions: the first one's time is carried over from the log
-    records = [json.loads(l) for l in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     step3 = next(r for r in records if r["kind"] == "train" and r["step"] == 3)
     assert second.summary["cost"]["wall_time_s"] > step3["elapsed_s"] > 0
     assert second.summary["wall_time_s"] > first.summary["wall_time_s"] > 0  # the summary too covers both
@@ -201,8 +219,9 @@ def test_gradient_accumulation_matches_one_big_batch(micro_recipe_file):
 
 
 def test_amp_bf16_trains(micro_recipe_file, tmp_path):
-    recipe = load_recipe(str(micro_recipe_file), ["train.precision=amp-bf16", "train.steps=12",
-                                                  "train.eval_interval=12"])
+    recipe = load_recipe(
+        str(micro_recipe_file), ["train.precision=amp-bf16", "train.steps=12", "train.eval_interval=12"]
+    )
     result = trainer.train(recipe, run_dir=tmp_path / "amp", progress=False, tensorboard=False)
     assert result.evals[12] < result.evals[0] - 1.0
     # Master weights stay fp32 under autocast.
@@ -212,11 +231,14 @@ def test_amp_bf16_trains(micro_recipe_file, tmp_path):
 def test_resuming_under_another_precision_is_refused(micro_recipe_file, tmp_path):
     """`auto` may resolve otherwise on another machine: the checkpoint's policy must match."""
     run = tmp_path / "run"
-    trainer.train(load_recipe(str(micro_recipe_file)), run_dir=run, until_step=2, progress=False,
-                  tensorboard=False)
+    trainer.train(load_recipe(str(micro_recipe_file)), run_dir=run, until_step=2, progress=False, tensorboard=False)
     with pytest.raises(UserError, match="trained with float32 weights.*resolves train.precision = 'bf16-sr'"):
-        trainer.train(load_recipe(str(micro_recipe_file), ["train.precision=bf16-sr"]), run_dir=run,
-                      progress=False, tensorboard=False)
+        trainer.train(
+            load_recipe(str(micro_recipe_file), ["train.precision=bf16-sr"]),
+            run_dir=run,
+            progress=False,
+            tensorboard=False,
+        )
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
 
 
@@ -227,8 +249,9 @@ def test_validation_loss_does_not_depend_on_the_micro_batch(micro_recipe_file, t
 
     runs = {}
     for micro in (2, 1, 4):  # 5 samples: batches of 2, 2 and 1; five of 1; 4 and 1
-        recipe = load_recipe(str(micro_recipe_file), [f"data.micro_batch_size={micro}", "train.steps=4",
-                                                      "train.eval_samples=5"])
+        recipe = load_recipe(
+            str(micro_recipe_file), [f"data.micro_batch_size={micro}", "train.steps=4", "train.eval_samples=5"]
+        )
         runs[micro] = trainer.train(recipe, run_dir=tmp_path / f"m{micro}", progress=False, tensorboard=False)
     for micro in (1, 4):
         for step in (0, 4):
@@ -242,8 +265,16 @@ def test_masked_lm_validation_does_not_depend_on_the_micro_batch(tmp_path):
     from frugality.runtime.data import open_training_data
     from frugality.training.loop import validation_loss
 
-    sets = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=64",
-            "data.seq_len=32", "data.global_batch_size=12", "train.eval_samples=7", "train.precision=fp32"]
+    sets = [
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.num_heads=4",
+        "model.intermediate_size=64",
+        "data.seq_len=32",
+        "data.global_batch_size=12",
+        "train.eval_samples=7",
+        "train.precision=fp32",
+    ]
     losses = []
     for micro in (4, 3, 1):
         recipe = load_recipe("bert-mlm", [*sets, f"data.micro_batch_size={micro}"])

@@ -69,29 +69,45 @@ def bench_embed(model: str, texts: list[str], batch: int, precision: str, rounds
     rows = []
     for name in ("sentence-transformers", "frugality"):
         run = name in best
-        rows.append({"implementation": name, "precision": str(ours.dtype).removeprefix("torch."), "batch": batch,
-                     "texts": len(texts), "texts_per_s": round(len(texts) / best[name], 1) if run else None,
-                     "vs_sentence_transformers": round(best["sentence-transformers"] / best[name], 3)
-                     if run and not missing else None,
-                     "min_cosine": None if name == "sentence-transformers" or cosine is None
-                     else round(float(cosine.min()), 6),
-                     "threads": torch.get_num_threads(), "precision_choice": why,
-                     "skipped": None if run else missing})
+        rows.append(
+            {
+                "implementation": name,
+                "precision": str(ours.dtype).removeprefix("torch."),
+                "batch": batch,
+                "texts": len(texts),
+                "texts_per_s": round(len(texts) / best[name], 1) if run else None,
+                "vs_sentence_transformers": round(best["sentence-transformers"] / best[name], 3)
+                if run and not missing
+                else None,
+                "min_cosine": None
+                if name == "sentence-transformers" or cosine is None
+                else round(float(cosine.min()), 6),
+                "threads": torch.get_num_threads(),
+                "precision_choice": why,
+                "skipped": None if run else missing,
+            }
+        )
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| implementation | precision | batch | texts | texts/s | vs sentence-transformers | min cosine |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| implementation | precision | batch | texts | texts/s | vs sentence-transformers | min cosine |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['texts']:,} | "
-                         f"not run: {r['skipped']} | | |")
+            lines.append(
+                f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['texts']:,} | "
+                f"not run: {r['skipped']} | | |"
+            )
             continue
         cosine = "—" if r["min_cosine"] is None else f"{r['min_cosine']:.6f}"
         versus = "—" if r["vs_sentence_transformers"] is None else f"{r['vs_sentence_transformers']:.2f}×"
-        lines.append(f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['texts']:,} | "
-                     f"{r['texts_per_s']:,.0f} | {versus} | {cosine} |")
+        lines.append(
+            f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['texts']:,} | "
+            f"{r['texts_per_s']:,.0f} | {versus} | {cosine} |"
+        )
     return "\n".join(lines)
 
 
@@ -99,8 +115,9 @@ def rows_json(rows: list[dict]) -> str:
     return json.dumps(rows, indent=2)
 
 
-def bench_generate(model: str, batches: list[int], prompt_tokens: int, new_tokens: int, rounds: int,
-                   compile: bool = False, log=print) -> list[dict]:
+def bench_generate(
+    model: str, batches: list[int], prompt_tokens: int, new_tokens: int, rounds: int, compile: bool = False, log=print
+) -> list[dict]:
     """`frugality generate`'s engine against transformers' `generate` on the same weights
     (fp32, greedy, no stop token, `new_tokens` each, prompts of `prompt_tokens` tokens cut
     from the bundled corpus: all of one length, so transformers pads none; frugality pads them
@@ -121,8 +138,10 @@ def bench_generate(model: str, batches: list[int], prompt_tokens: int, new_token
         theirs = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         theirs.generation_config.eos_token_id = None  # every row runs to max_new_tokens, as ours do
     if prompt_tokens + new_tokens - 1 > decoder.max_seq_len:
-        raise UserError(f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens} pass the model's "
-                        f"{decoder.max_seq_len} positions")
+        raise UserError(
+            f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens} pass the model's "
+            f"{decoder.max_seq_len} positions"
+        )
     prompts, width = _corpus_prompts(decoder, max(batches), prompt_tokens), prompt_tokens
     length = cache_length(width, new_tokens, decoder.max_seq_len)
     engines = {b: Engine(decoder, b, length, "inductor" if compile else None) for b in batches}
@@ -134,8 +153,9 @@ def bench_generate(model: str, batches: list[int], prompt_tokens: int, new_token
     def hf(batch: int, new: int) -> list[list[int]]:
         ids = torch.tensor(prompts[:batch])
         with torch.no_grad():
-            out = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                                  pad_token_id=0)
+            out = theirs.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, pad_token_id=0
+            )
         return out[:, width:].tolist()
 
     impls = ({} if missing else {"transformers": hf}) | {"frugality": ours}
@@ -154,26 +174,43 @@ def bench_generate(model: str, batches: list[int], prompt_tokens: int, new_token
                     best[name, batch, new] = min(best.get((name, batch, new), seconds), seconds)
                     if new == new_tokens:
                         outputs[name, batch] = out
-                log(f"round {r + 1}, batch {batch}: " + ", ".join(
-                    f"{name} {_rates(best, name, batch, width, new_tokens)[1]:,.0f} decode tokens/s"
-                    for name in impls if (name, batch, new_tokens) in best))
+                log(
+                    f"round {r + 1}, batch {batch}: "
+                    + ", ".join(
+                        f"{name} {_rates(best, name, batch, width, new_tokens)[1]:,.0f} decode tokens/s"
+                        for name in impls
+                        if (name, batch, new_tokens) in best
+                    )
+                )
     rows = []
     for batch in batches:
         for name in ("transformers", "frugality"):
-            row = {"implementation": name + (" (compiled)" if compile and name == "frugality" else ""),
-                   "batch": batch, "prompt_tokens": width, "new_tokens": new_tokens, "prefill_tokens_per_s": None,
-                   "decode_tokens_per_s": None, "prefill_vs_transformers": None, "decode_vs_transformers": None,
-                   "same_tokens": None, "precision": "float32", "threads": torch.get_num_threads(),
-                   "skipped": None if name in impls else missing}
+            row = {
+                "implementation": name + (" (compiled)" if compile and name == "frugality" else ""),
+                "batch": batch,
+                "prompt_tokens": width,
+                "new_tokens": new_tokens,
+                "prefill_tokens_per_s": None,
+                "decode_tokens_per_s": None,
+                "prefill_vs_transformers": None,
+                "decode_vs_transformers": None,
+                "same_tokens": None,
+                "precision": "float32",
+                "threads": torch.get_num_threads(),
+                "skipped": None if name in impls else missing,
+            }
             if name in impls:
                 prefill, decode = _rates(best, name, batch, width, new_tokens)
                 row |= {"prefill_tokens_per_s": round(prefill, 1), "decode_tokens_per_s": round(decode, 1)}
             if name in impls and not missing:
                 reference = _rates(best, "transformers", batch, width, new_tokens)
-                row |= {"prefill_vs_transformers": round(prefill / reference[0], 3),
-                        "decode_vs_transformers": round(decode / reference[1], 3),
-                        "same_tokens": None if name == "transformers" else
-                        outputs[name, batch] == outputs["transformers", batch]}
+                row |= {
+                    "prefill_vs_transformers": round(prefill / reference[0], 3),
+                    "decode_vs_transformers": round(decode / reference[1], 3),
+                    "same_tokens": None
+                    if name == "transformers"
+                    else outputs[name, batch] == outputs["transformers", batch],
+                }
             rows.append(row)
     return rows
 
@@ -185,17 +222,24 @@ def _rates(best: dict, name: str, batch: int, width: int, new_tokens: int) -> tu
 
 
 def generate_markdown_table(rows: list[dict]) -> str:
-    lines = ["| implementation | batch | prompt tokens | new tokens | prefill tokens/s | decode tokens/s | "
-             "decode vs transformers | same tokens |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| implementation | batch | prompt tokens | new tokens | prefill tokens/s | decode tokens/s | "
+        "decode vs transformers | same tokens |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['implementation']} | {r['batch']} | {r['prompt_tokens']} | {r['new_tokens']} | "
-                         f"not run: {r['skipped']} | | | |")
+            lines.append(
+                f"| {r['implementation']} | {r['batch']} | {r['prompt_tokens']} | {r['new_tokens']} | "
+                f"not run: {r['skipped']} | | | |"
+            )
             continue
         same = "—" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
         versus = "—" if r["decode_vs_transformers"] is None else f"{r['decode_vs_transformers']:.2f}×"
-        lines.append(f"| {r['implementation']} | {r['batch']} | {r['prompt_tokens']} | {r['new_tokens']} | "
-                     f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | {versus} | {same} |")
+        lines.append(
+            f"| {r['implementation']} | {r['batch']} | {r['prompt_tokens']} | {r['new_tokens']} | "
+            f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | {versus} | {same} |"
+        )
     return "\n".join(lines)
 
 
@@ -208,8 +252,12 @@ def _corpus_prompts(decoder, count: int, tokens: int) -> list[list[int]]:
 
     with gzip.open(corpus_files()[0], "rt") as f:
         text = f.read(8 * count * tokens + 10_000)
-    ids = [i for i in decoder.tokenizer.encode(text, add_special_tokens=False).ids if i < decoder.model.config.vocab_size]
+    ids = [
+        i for i in decoder.tokenizer.encode(text, add_special_tokens=False).ids if i < decoder.model.config.vocab_size
+    ]
     if len(ids) < count * tokens:
-        raise UserError(f"the bundled corpus gave {len(ids)} tokens, short of {count} prompts x {tokens} tokens; "
-                        "lower --prompt-tokens or --batch")
-    return [ids[k * tokens:(k + 1) * tokens] for k in range(count)]
+        raise UserError(
+            f"the bundled corpus gave {len(ids)} tokens, short of {count} prompts x {tokens} tokens; "
+            "lower --prompt-tokens or --batch"
+        )
+    return [ids[k * tokens : (k + 1) * tokens] for k in range(count)]

@@ -12,7 +12,8 @@ documentation or training script sets it up, on the recipe's GPT-NeoX architectu
   fused layers and loss): both need CUDA and are not set up yet: their rows say so.
 
 A peer that cannot run here (not installed, needs CUDA, not set up, cannot build the
-architecture or the precision, fails to compile) is a row that says why, never left out. Peers install with `./scripts/setup.sh --peers`.
+architecture or the precision, fails to compile) is a row that says why, never left out. Peers install
+with `./scripts/setup.sh --peers`.
 """
 
 from __future__ import annotations
@@ -57,8 +58,10 @@ def parse_baselines(spec: str | None) -> list[tuple[str, str | None]]:
         if name in PRECISIONS and not precision:
             name, precision = "transformers", name
         if name not in PEERS:
-            raise UserError(f"--baseline {item!r}: choose peers from {', '.join(PEERS)} (each optionally "
-                            f":PRECISION), or a precision for transformers")
+            raise UserError(
+                f"--baseline {item!r}: choose peers from {', '.join(PEERS)} (each optionally "
+                f":PRECISION), or a precision for transformers"
+            )
         if precision and precision not in PRECISIONS:
             raise UserError(f"--baseline {item!r}: unknown precision {precision!r} (have: {', '.join(PRECISIONS)})")
         if any(name == seen for seen, _ in out):
@@ -96,20 +99,36 @@ def _litgpt(recipe: Recipe, precision: str, device: torch.device) -> PeerRunner:
     except ImportError as e:
         raise PeerUnavailable(f"litgpt is not installed ({e.name}; ./scripts/setup.sh --peers)") from None
     m = recipe.model
-    config = Config(name=recipe.name, block_size=m.max_seq_len, n_layer=m.num_layers, n_embd=m.hidden_size,
-                    n_head=m.num_heads, vocab_size=m.vocab_size, padded_vocab_size=m.vocab_size, padding_multiple=1,
-                    rotary_percentage=m.rotary_pct, rope_base=int(m.rotary_base), parallel_residual=m.parallel_residual,
-                    bias=True, norm_class_name="LayerNorm", norm_eps=m.layer_norm_eps, mlp_class_name="GptNeoxMLP",
-                    intermediate_size=m.ffn_size, gelu_approximate="none")
+    config = Config(
+        name=recipe.name,
+        block_size=m.max_seq_len,
+        n_layer=m.num_layers,
+        n_embd=m.hidden_size,
+        n_head=m.num_heads,
+        vocab_size=m.vocab_size,
+        padded_vocab_size=m.vocab_size,
+        padding_multiple=1,
+        rotary_percentage=m.rotary_pct,
+        rope_base=int(m.rotary_base),
+        parallel_residual=m.parallel_residual,
+        bias=True,
+        norm_class_name="LayerNorm",
+        norm_eps=m.layer_norm_eps,
+        mlp_class_name="GptNeoxMLP",
+        intermediate_size=m.ffn_size,
+        gelu_approximate="none",
+    )
     model = GPT(config).to(device)
     if precision in ("bf16", "bf16-sr"):  # litgpt's "bf16-true": the weights in bf16
         model = model.to(torch.bfloat16)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "amp-bf16"
-                else contextlib.nullcontext())  # "bf16-mixed"
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16) if precision == "amp-bf16" else contextlib.nullcontext()
+    )  # "bf16-mixed"
     model.train()
     o = recipe.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=device.type == "cuda"
+    )
     compiled_model = torch.compile(model)
 
     def step(batch: torch.Tensor) -> float:

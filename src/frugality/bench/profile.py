@@ -4,8 +4,8 @@ categories that explain a step:
 
 - matrix products, split into the output layer's (an operand as wide as the vocabulary)
   and the rest (the blocks' linear layers), with the rate all products ran at;
-- attention: its kernels and its batched products (bmm); the loss (softmax and cross-entropy, or frugality's fused output
-  loss); the optimizer step; gradient clipping;
+- attention: its kernels and its batched products (bmm); the loss (softmax and cross-entropy, or
+  frugality's fused output loss); the optimizer step; gradient clipping;
 - compiled (Inductor-fused) kernels: the time inside compiled regions that no aten op
   claims;
 - elementwise work, norms and copies (every other aten op);
@@ -48,9 +48,18 @@ CATEGORIES = (
     "outside ops (Python, autograd, ctypes)",
 )
 BATCHED_MATMULS = {"aten::bmm", "aten::baddbmm"}
-MATMULS = {"aten::mm", "aten::addmm", "aten::addbmm", "aten::_mkl_linear",
-           "mkl::_mkl_linear", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_addmm_activation",
-           "frugality::linear_product", "frugality::weight_grad"}
+MATMULS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::addbmm",
+    "aten::_mkl_linear",
+    "mkl::_mkl_linear",
+    "aten::mkldnn_linear",
+    "mkldnn::_linear_pointwise",
+    "aten::_addmm_activation",
+    "frugality::linear_product",
+    "frugality::weight_grad",
+}
 PRODUCTS = MATMULS | BATCHED_MATMULS  # every product whose time the rate divides by
 OUTPUT_LAYER_FUNCTIONS = {"LinearCrossEntropy"}  # their own time: products through ctypes (AMX)
 LOSS_WORDS = ("log_softmax", "nll_loss", "cross_entropy")
@@ -88,8 +97,11 @@ def categorize(name: str, ancestors: list[str], shapes: list, vocab: int) -> str
         return "attention"
     if any(w in name for w in LOSS_WORDS):
         return "loss (softmax, cross-entropy)"
-    if name.startswith(("aten::_foreach_norm", "aten::linalg_vector_norm", "aten::_foreach_mul")) or \
-            "clip_grad" in name or "get_total_norm" in name:
+    if (
+        name.startswith(("aten::_foreach_norm", "aten::linalg_vector_norm", "aten::_foreach_mul"))
+        or "clip_grad" in name
+        or "get_total_norm" in name
+    ):
         return "gradient clipping"
     if any(w in name for w in COMPILED_WORDS):
         return "compiled (fused) kernels"
@@ -98,14 +110,17 @@ def categorize(name: str, ancestors: list[str], shapes: list, vocab: int) -> str
     return "outside ops (Python, autograd, ctypes)"
 
 
-def profile_steps(recipe: Recipe, impl: str, precision: str, batch: int, seq: int, steps: int = 2,
-                  warmup: int = 2, log=print) -> StepProfile:
+def profile_steps(
+    recipe: Recipe, impl: str, precision: str, batch: int, seq: int, steps: int = 2, warmup: int = 2, log=print
+) -> StepProfile:
     """Profile `steps` steps of `impl` (frugality or a peer) after `warmup` steps; a peer that
     cannot run here, or fails in its warm-up, is a row saying why."""
     device = resolve_device(recipe.train.device)
     if device.type != "cpu":
-        raise UserError(f"bench profile reads CPU time; {device} runs its work in kernels this version does not "
-                        "read (--set train.device=cpu, or torch.profiler with CUDA activity)")
+        raise UserError(
+            f"bench profile reads CPU time; {device} runs its work in kernels this version does not "
+            "read (--set train.device=cpu, or torch.profiler with CUDA activity)"
+        )
     keep_freed_memory()  # as in training and bench train: no page faults charged to big buffers
     row = StepProfile(impl, precision, batch, seq, steps, 0.0)
     with contextlib.ExitStack() as stack:
@@ -123,8 +138,9 @@ def profile_steps(recipe: Recipe, impl: str, precision: str, batch: int, seq: in
                     raise
                 row.skipped = f"failed in its warm-up: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 return row
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
-                                    with_flops=True) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True, with_flops=True
+        ) as prof:
             t0 = time.perf_counter()
             for b in batches[warmup:]:
                 step(b)
@@ -141,8 +157,7 @@ def profile_steps(recipe: Recipe, impl: str, precision: str, batch: int, seq: in
         category = categorize(event.name, ancestors, event.input_shapes or [], recipe.model.vocab_size)
         self_s = event.self_cpu_time_total / 1e6
         seconds[category] += self_s
-        if category == "optimizer step" or not (event.name in PRODUCTS or
-                                                category.startswith("matrix products")):
+        if category == "optimizer step" or not (event.name in PRODUCTS or category.startswith("matrix products")):
             continue
         if event.flops:  # aten's products: FLOPs from their shapes
             flops, counted_s = flops + event.flops, counted_s + self_s
@@ -154,8 +169,10 @@ def profile_steps(recipe: Recipe, impl: str, precision: str, batch: int, seq: in
     row.seconds = {k: v / steps for k, v in seconds.items()}
     if counted_s and uncounted_s < 0.1 * (counted_s + uncounted_s):
         row.matmul_gflops = flops / counted_s / 1e9
-    log(f"{impl:21} {row.step_s:.3f} s/step; products "
-        f"{'n/a' if row.matmul_gflops is None else f'{row.matmul_gflops:.0f} GFLOP/s'}")
+    log(
+        f"{impl:21} {row.step_s:.3f} s/step; products "
+        f"{'n/a' if row.matmul_gflops is None else f'{row.matmul_gflops:.0f} GFLOP/s'}"
+    )
     return row
 
 
@@ -167,8 +184,11 @@ def markdown_table(rows: list[StepProfile]) -> str:
         cells = [f"{r.seconds[category]:.3f} ({r.seconds[category] / r.step_s:.0%})" for r in ran]
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
     lines.append("| **step** | " + " | ".join(f"**{r.step_s:.3f}**" for r in ran) + " |")
-    lines.append("| matrix products' rate (attention's included), GFLOP/s | " + " | ".join(
-        "—" if r.matmul_gflops is None else f"{r.matmul_gflops:.0f}" for r in ran) + " |")
+    lines.append(
+        "| matrix products' rate (attention's included), GFLOP/s | "
+        + " | ".join("—" if r.matmul_gflops is None else f"{r.matmul_gflops:.0f}" for r in ran)
+        + " |"
+    )
     lines += [f"\n{r.impl}: not profiled: {r.skipped}" for r in rows if r.skipped is not None]
     return "\n".join(lines)
 

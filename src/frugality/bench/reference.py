@@ -25,9 +25,7 @@ def build_transformers(recipe: Recipe, precision: str, device: torch.device, fus
         import transformers
     except ImportError:
         raise UserError("the transformers reference needs `pip install transformers`") from None
-    config = transformers.GPTNeoXConfig(
-        **{k: v for k, v in config_to_hf(recipe.model).items() if k != "architectures"}
-    )
+    config = transformers.GPTNeoXConfig(**{k: v for k, v in config_to_hf(recipe.model).items() if k != "architectures"})
     config._attn_implementation = "sdpa"  # transformers' default on PyTorch 2
     model = transformers.GPTNeoXForCausalLM(config).to(device)
     if precision in ("bf16", "bf16-sr"):
@@ -36,10 +34,12 @@ def build_transformers(recipe: Recipe, precision: str, device: torch.device, fus
         raise UserError(f"no transformers reference for precision {precision!r}")
     model.train()
     o = recipe.optim
-    optimizer = torch.optim.AdamW(parameter_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
-                                  fused=fused_adamw or None)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "amp-bf16"
-                else contextlib.nullcontext())
+    optimizer = torch.optim.AdamW(
+        parameter_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps, fused=fused_adamw or None
+    )
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16) if precision == "amp-bf16" else contextlib.nullcontext()
+    )
     return model, optimizer, autocast
 
 

@@ -20,9 +20,11 @@ from frugality.hardware import device_name
 def machine_line() -> str:
     """The machine, its threads, the OS and torch, today: the first line under a table's title."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return (f"Machine: {device_name(device)}, {os.cpu_count()} cores ({torch.get_num_threads()} torch "
-            f"threads), {platform.system()} {platform.machine()}; torch {torch.__version__}; "
-            f"{datetime.date.today().isoformat()}.")
+    return (
+        f"Machine: {device_name(device)}, {os.cpu_count()} cores ({torch.get_num_threads()} torch "
+        f"threads), {platform.system()} {platform.machine()}; torch {torch.__version__}; "
+        f"{datetime.date.today().isoformat()}."
+    )
 
 
 def write_results(folder: Path, kind: str, recipe: str, header: str, table: str, rows_json: str) -> Path:

@@ -3,7 +3,8 @@ data-parallel strategy, each configuration a real `frugality train --nproc N` ru
 recipe in a temporary directory.
 
 The global batch stays the recipe's, so every configuration trains the same samples per
-step (in micro-batches of one size: the recipe's, or the global batch over the most ranks); on CPUs the machine's cores are split between the ranks (OMP_NUM_THREADS = cores / N),
+step (in micro-batches of one size: the recipe's, or the global batch over the most ranks); on CPUs the
+machine's cores are split between the ranks (OMP_NUM_THREADS = cores / N),
 so that one process is not given the whole machine against N that share it. Reported per
 configuration: median global tokens/s, per rank, scaling efficiency against one process
 (tokens/s over N x the one-process rate per core share: 1.0 is linear), and rank 0's
@@ -45,8 +46,15 @@ class ScaleRow:
     exposed_communication_s: float | None = None  # step time over the independent runs'
 
 
-def bench_scale(recipe_arg: str | None, recipe: Recipe, overrides: list[str], nprocs: list[int],
-                strategies: list[str], steps: int, log=print) -> list[ScaleRow]:
+def bench_scale(
+    recipe_arg: str | None,
+    recipe: Recipe,
+    overrides: list[str],
+    nprocs: list[int],
+    strategies: list[str],
+    steps: int,
+    log=print,
+) -> list[ScaleRow]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # one micro-batch size for every configuration: the recipe's, or smaller where the most
     # ranks would not divide the global batch with it (one process then accumulates)
@@ -73,9 +81,20 @@ def bench_scale(recipe_arg: str | None, recipe: Recipe, overrides: list[str], np
                 share = [*overrides, f"data.global_batch_size={data.global_batch_size // n}"]
                 independent[n] = _independent_step_time(recipe_arg, share, n, steps, threads)
             alone = independent.get(n)
-            rows.append(ScaleRow(strategy if n > 1 else "none", n, threads, tps, round(tps / n, 1),
-                                 round(tps / base, 3) if base else None, summary["memory"].get("peak_memory_bytes"),
-                                 step, alone, round(step - alone, 4) if alone is not None else None))
+            rows.append(
+                ScaleRow(
+                    strategy if n > 1 else "none",
+                    n,
+                    threads,
+                    tps,
+                    round(tps / n, 1),
+                    round(tps / base, 3) if base else None,
+                    summary["memory"].get("peak_memory_bytes"),
+                    step,
+                    alone,
+                    round(step - alone, 4) if alone is not None else None,
+                )
+            )
             log(f"{rows[-1].strategy:5} x{n}: {tps:,.0f} tokens/s")
     return rows
 
@@ -94,13 +113,34 @@ def _run(recipe_arg, overrides, nproc, strategy, steps, threads) -> dict:
 
 
 def _start(recipe_arg, overrides, nproc, strategy, steps, threads, run_dir: Path):
-    sets = [*overrides, f"train.steps={steps}", f"train.eval_interval={steps}",
-            f"train.save_interval={steps}", f"parallel.data={strategy}", "optim.warmup_steps=0"]
-    command = [sys.executable, "-m", "frugality", "train", *([recipe_arg] if recipe_arg else []),
-               "--run-dir", str(run_dir), "--no-progress", "--nproc", str(nproc),
-               *(a for s in sets for a in ("--set", s))]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env=os.environ | {"OMP_NUM_THREADS": str(threads)})
+    sets = [
+        *overrides,
+        f"train.steps={steps}",
+        f"train.eval_interval={steps}",
+        f"train.save_interval={steps}",
+        f"parallel.data={strategy}",
+        "optim.warmup_steps=0",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "frugality",
+        "train",
+        *([recipe_arg] if recipe_arg else []),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--nproc",
+        str(nproc),
+        *(a for s in sets for a in ("--set", s)),
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": str(threads)},
+    )
     return process, run_dir, f"{strategy} x{nproc}"
 
 
@@ -112,17 +152,25 @@ def _finish(process: subprocess.Popen, run_dir: Path, name: str) -> dict:
 
 
 def markdown_table(rows: list[ScaleRow]) -> str:
-    lines = ["| strategy | processes | threads each | tokens/s | per rank | scaling efficiency | step (s) "
-             "| step without collectives (s) | exposed communication (s, share of step) "
-             "| peak memory, rank 0 (GiB) |", "|" + "---|" * 10]
+    lines = [
+        "| strategy | processes | threads each | tokens/s | per rank | scaling efficiency | step (s) "
+        "| step without collectives (s) | exposed communication (s, share of step) "
+        "| peak memory, rank 0 (GiB) |",
+        "|" + "---|" * 10,
+    ]
     for r in rows:
         mem = f"{r.peak_memory_bytes_rank0 / 2**30:.2f}" if r.peak_memory_bytes_rank0 else "n/a"
         eff = f"{r.efficiency:.2f}" if r.efficiency is not None else "n/a"
         alone = f"{r.independent_step_time_s:.3f}" if r.independent_step_time_s is not None else "n/a"
-        exposed = (f"{r.exposed_communication_s:.3f} ({r.exposed_communication_s / r.step_time_s:.0%})"
-                   if r.exposed_communication_s is not None else "n/a")
-        lines.append(f"| {r.strategy} | {r.nproc} | {r.threads_per_rank} | {r.tokens_per_s:,.0f} | "
-                     f"{r.tokens_per_s_per_rank:,.0f} | {eff} | {r.step_time_s:.3f} | {alone} | {exposed} | {mem} |")
+        exposed = (
+            f"{r.exposed_communication_s:.3f} ({r.exposed_communication_s / r.step_time_s:.0%})"
+            if r.exposed_communication_s is not None
+            else "n/a"
+        )
+        lines.append(
+            f"| {r.strategy} | {r.nproc} | {r.threads_per_rank} | {r.tokens_per_s:,.0f} | "
+            f"{r.tokens_per_s_per_rank:,.0f} | {eff} | {r.step_time_s:.3f} | {alone} | {exposed} | {mem} |"
+        )
     return "\n".join(lines)
 
 

@@ -24,14 +24,14 @@ import torch
 
 from frugality.bench.peers import PeerUnavailable, build_peer
 from frugality.config.recipe import Recipe
+from frugality.hardware import device_name
 from frugality.metrics.flops import training_flops_per_token
 from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
-from frugality.hardware import device_name
 from frugality.metrics.peak import PeakProbe, mfu, peak_flops
 from frugality.precision import get_policy, resolve_policy
 from frugality.runtime.device import resolve_device
-from frugality.runtime.state import build_state
 from frugality.runtime.host_memory import keep_freed_memory
+from frugality.runtime.state import build_state
 from frugality.training.loop import train_step
 
 
@@ -65,8 +65,9 @@ class BenchRow:
     skipped: str | None = None  # why the implementation did not run here
 
 
-def make_runner(impl: str, recipe: Recipe, precision: str, device: torch.device, batch: int, seq: int,
-                stack: contextlib.ExitStack):
+def make_runner(
+    impl: str, recipe: Recipe, precision: str, device: torch.device, batch: int, seq: int, stack: contextlib.ExitStack
+):
     """A `step(batch) -> loss` closure, the objects it trains, its compile session (frugality)
     and whether it compiles. frugality's come from the same builder as `frugality train`
     (`build_state`), at the recipe's `compile.level`, its compile session active until
@@ -88,8 +89,7 @@ def make_runner(impl: str, recipe: Recipe, precision: str, device: torch.device,
 def for_shape(recipe: Recipe, precision: str, batch: int, seq: int) -> Recipe:
     """`recipe` at `precision`, training one micro-batch of `batch` x `seq` tokens a step."""
     data = recipe.data.model_copy(update={"micro_batch_size": batch, "global_batch_size": batch, "seq_len": seq})
-    return recipe.model_copy(update={"data": data,
-                                     "train": recipe.train.model_copy(update={"precision": precision})})
+    return recipe.model_copy(update={"data": data, "train": recipe.train.model_copy(update={"precision": precision})})
 
 
 def random_batch(recipe: Recipe, batch: int, seq: int, device: torch.device, i: int) -> torch.Tensor:
@@ -102,10 +102,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, steps: int = 5,
-                warmup: int = 2, impls=("frugality", "transformers"), memory: bool = True,
-                baseline: str | None = None, log=print,
-                peer_precisions: dict[str, str] | None = None) -> list[BenchRow]:
+def bench_train(
+    recipe: Recipe,
+    precisions: list[str],
+    batch: int,
+    seq: int,
+    steps: int = 5,
+    warmup: int = 2,
+    impls=("frugality", "transformers"),
+    memory: bool = True,
+    baseline: str | None = None,
+    log=print,
+    peer_precisions: dict[str, str] | None = None,
+) -> list[BenchRow]:
     """One pass per precision, the implementations alternating within it. A peer runs at
     `peer_precisions[peer]`, else at `baseline` when given (e.g. frugality's bf16-sr against
     amp-bf16, the usual way to train the peers), else at the pass's precision."""
@@ -115,20 +124,35 @@ def bench_train(recipe: Recipe, precisions: list[str], batch: int, seq: int, ste
     rows = []
     for precision in precisions:
         with contextlib.ExitStack() as stack:  # frugality's compile session, for the pass
-            rows += _bench_pass(recipe, precision, batch, seq, steps, warmup, impls, memory, baseline, log,
-                                peer_precisions, device, stack)
+            rows += _bench_pass(
+                recipe,
+                precision,
+                batch,
+                seq,
+                steps,
+                warmup,
+                impls,
+                memory,
+                baseline,
+                log,
+                peer_precisions,
+                device,
+                stack,
+            )
     return rows
 
 
-def _bench_pass(recipe, precision, batch, seq, steps, warmup, impls, memory, baseline, log, peer_precisions,
-                device, stack) -> list[BenchRow]:
+def _bench_pass(
+    recipe, precision, batch, seq, steps, warmup, impls, memory, baseline, log, peer_precisions, device, stack
+) -> list[BenchRow]:
     """One precision's pass: every implementation's steps, alternating, and their rows."""
     rows = []
     peer_default = baseline or precision
     if peer_default == "auto":  # what `auto` picks, in the peers' usual form: amp-bf16 for bf16
         peer_default = "fp32" if resolve_policy("auto", device)[0].name == "fp32" else "amp-bf16"
-    impl_precision = {impl: precision if impl == "frugality" else
-                      (peer_precisions or {}).get(impl) or peer_default for impl in impls}
+    impl_precision = {
+        impl: precision if impl == "frugality" else (peer_precisions or {}).get(impl) or peer_default for impl in impls
+    }
     runners, skipped = {}, {}
     for impl in impls:
         try:
@@ -137,9 +161,11 @@ def _bench_pass(recipe, precision, batch, seq, steps, warmup, impls, memory, bas
             skipped[impl] = str(e)
             log(f"{impl:21} skipped: {e}")
     running = [impl for impl in impls if impl in runners]
-    flops_per_token = training_flops_per_token(
-        runners[running[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq
-    ) if running else 0.0
+    flops_per_token = (
+        training_flops_per_token(runners[running[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq)
+        if running
+        else 0.0
+    )
     times: dict[str, list[float]] = {impl: [] for impl in running}
     warmup_s = {impl: 0.0 for impl in running}
     dtypes = {impl: _policy(impl, impl_precision[impl], device).compute_dtype for impl in running}
@@ -175,33 +201,56 @@ def _bench_pass(recipe, precision, batch, seq, steps, warmup, impls, memory, bas
     del probes
     for impl in impls:
         if impl in skipped:
-            rows.append(BenchRow(impl=impl, precision=impl_precision[impl], batch=batch, seq=seq,
-                                 tokens_per_s=None, step_time_s=None, mfu=None, peak_memory_bytes=None,
-                                 state_bytes_per_param=None, steps=0, device=device_name(device),
-                                 skipped=skipped[impl]))
+            rows.append(
+                BenchRow(
+                    impl=impl,
+                    precision=impl_precision[impl],
+                    batch=batch,
+                    seq=seq,
+                    tokens_per_s=None,
+                    step_time_s=None,
+                    mfu=None,
+                    peak_memory_bytes=None,
+                    state_bytes_per_param=None,
+                    steps=0,
+                    device=device_name(device),
+                    skipped=skipped[impl],
+                )
+            )
             continue
         _, model, optimizer, _, compiles = runners[impl]
         median = statistics.median(times[impl])
         tokens_per_s = batch * seq / median
         peak = peak_flops(device, dtypes[impl])
         pass_peak = statistics.median(probe_rates[dtypes[impl]])
-        mem = (_peak_memory_subprocess(impl, recipe, impl_precision[impl], batch, seq)
-               if memory else None)
-        rows.append(BenchRow(
-            impl=impl, precision=impl_precision[impl], batch=batch, seq=seq,
-            tokens_per_s=round(tokens_per_s, 1), step_time_s=_significant(median),
-            mfu=_significant(mfu(flops_per_token * tokens_per_s, peak)), peak_memory_bytes=mem,
-            state_bytes_per_param=round(
-                training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2),
-            steps=steps, device=device_name(device),
-            compile_level=recipe.compile.level if impl == "frugality" else ("torch.compile" if compiles else None),
-            runs_as=_policy(impl, impl_precision[impl], device).label, pass_peak_flops=round(pass_peak),
-            mfu_vs_pass_peak=_significant(mfu(flops_per_token * tokens_per_s, pass_peak)),
-            warmup_s=round(warmup_s[impl], 2),
-        ))
-        log(f"{impl:21} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {_percent(rows[-1].mfu)} "
-            f"(vs the pass's probe: {_percent(rows[-1].mfu_vs_pass_peak)}); warm-up {warmup_s[impl]:.1f} s")
-    _speedups({r.impl: r for r in rows[len(rows) - len(impls):] if r.skipped is None}, times)
+        mem = _peak_memory_subprocess(impl, recipe, impl_precision[impl], batch, seq) if memory else None
+        rows.append(
+            BenchRow(
+                impl=impl,
+                precision=impl_precision[impl],
+                batch=batch,
+                seq=seq,
+                tokens_per_s=round(tokens_per_s, 1),
+                step_time_s=_significant(median),
+                mfu=_significant(mfu(flops_per_token * tokens_per_s, peak)),
+                peak_memory_bytes=mem,
+                state_bytes_per_param=round(
+                    training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2
+                ),
+                steps=steps,
+                device=device_name(device),
+                compile_level=recipe.compile.level if impl == "frugality" else ("torch.compile" if compiles else None),
+                runs_as=_policy(impl, impl_precision[impl], device).label,
+                pass_peak_flops=round(pass_peak),
+                mfu_vs_pass_peak=_significant(mfu(flops_per_token * tokens_per_s, pass_peak)),
+                warmup_s=round(warmup_s[impl], 2),
+            )
+        )
+        log(
+            f"{impl:21} {impl_precision[impl]:9} {tokens_per_s:9.1f} tokens/s  MFU {_percent(rows[-1].mfu)} "
+            f"(vs the pass's probe: {_percent(rows[-1].mfu_vs_pass_peak)}); warm-up {warmup_s[impl]:.1f} s"
+        )
+    _speedups({r.impl: r for r in rows[len(rows) - len(impls) :] if r.skipped is None}, times)
     return rows
 
 
@@ -260,8 +309,10 @@ class _Relabelled:
 
 
 def markdown_table(rows: list[BenchRow]) -> str:
-    header = ("| impl | precision | compile | batch × seq | tokens/s | frugality × | step time (s) "
-              "| MFU | MFU vs the pass's probe | state bytes/param | peak memory (GiB) | warm-up (s) |")
+    header = (
+        "| impl | precision | compile | batch × seq | tokens/s | frugality × | step time (s) "
+        "| MFU | MFU vs the pass's probe | state bytes/param | peak memory (GiB) | warm-up (s) |"
+    )
     lines = [header, "|" + "---|" * 12]
     for r in rows:
         if r.skipped:
@@ -274,10 +325,12 @@ def markdown_table(rows: list[BenchRow]) -> str:
             speedup += f" (pairs {median:.2f}×, {q1:.2f}–{q3:.2f})"
         if r.versus:
             speedup += f" vs {r.versus}"
-        lines.append(f"| {r.impl} | {r.runs_as or r.precision} | {r.compile_level or 'eager'} | {r.batch} × {r.seq} | "
-                     f"{r.tokens_per_s:,.0f} | {speedup} | {r.step_time_s:.3f} | {_percent(r.mfu)} | "
-                     f"{_percent(r.mfu_vs_pass_peak)} ({_gflops(r.pass_peak_flops)}) | "
-                     f"{r.state_bytes_per_param:g} | {mem} | {r.warmup_s if r.warmup_s is not None else 'n/a'} |")
+        lines.append(
+            f"| {r.impl} | {r.runs_as or r.precision} | {r.compile_level or 'eager'} | {r.batch} × {r.seq} | "
+            f"{r.tokens_per_s:,.0f} | {speedup} | {r.step_time_s:.3f} | {_percent(r.mfu)} | "
+            f"{_percent(r.mfu_vs_pass_peak)} ({_gflops(r.pass_peak_flops)}) | "
+            f"{r.state_bytes_per_param:g} | {mem} | {r.warmup_s if r.warmup_s is not None else 'n/a'} |"
+        )
     return "\n".join(lines)
 
 

@@ -71,8 +71,11 @@ class CheckpointManager:
         """Step folders (holding any of the files `marks`, where given), oldest first."""
         if not self.folder.is_dir():
             return []
-        found = [p for p in self.folder.iterdir()
-                 if _NAME.match(p.name) and p.is_dir() and (not marks or any((p / m).is_file() for m in marks))]
+        found = [
+            p
+            for p in self.folder.iterdir()
+            if _NAME.match(p.name) and p.is_dir() and (not marks or any((p / m).is_file() for m in marks))
+        ]
         return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
     def latest(self) -> Path | None:
@@ -83,13 +86,21 @@ class CheckpointManager:
             problem = verify(path)
             if problem is None:
                 return path
-            warnings.warn(f"checkpoint {path} is unusable ({problem}); trying the one before it",
-                          CorruptCheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"checkpoint {path} is unusable ({problem}); trying the one before it",
+                CorruptCheckpointWarning,
+                stacklevel=2,
+            )
         return None
 
     def save(
-        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict,
-        *, asynchronous: bool = False,
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: dict,
+        *,
+        asynchronous: bool = False,
     ) -> Path:
         """Write model, optimizer and `extra` (training state as plain JSON) for `step`.
 
@@ -117,8 +128,12 @@ class CheckpointManager:
         try:
             with single_process_ok():
                 if asynchronous:
-                    response = dcp.async_save(state, checkpoint_id=partial, process_group=self._host_group("async"),
-                                              no_dist=not dist.is_initialized())
+                    response = dcp.async_save(
+                        state,
+                        checkpoint_id=partial,
+                        process_group=self._host_group("async"),
+                        no_dist=not dist.is_initialized(),
+                    )
                     upload = getattr(response, "upload_completion", response)
                     self._pending = (step, final, partial, upload)
                     return final
@@ -223,16 +238,21 @@ class CheckpointManager:
         free = shutil.disk_usage(self.folder).free
         if free >= need * 1.05:  # manifests and file-system slack
             return None
-        return (f"cannot write checkpoint {final}: {_human(free)} free on the device holding "
-                f"{self.folder}, the checkpoint needs ~{_human(need)} (as {previous.name}); "
-                f"the previous checkpoint {previous.name} is intact")
+        return (
+            f"cannot write checkpoint {final}: {_human(free)} free on the device holding "
+            f"{self.folder}, the checkpoint needs ~{_human(need)} (as {previous.name}); "
+            f"the previous checkpoint {previous.name} is intact"
+        )
 
     def _failed(self, final: Path, partial: Path, error: BaseException) -> BaseException:
         """A save that failed: its partial folder removed, and for a filesystem fault one
         line naming the checkpoint, the cause and what is still there (other errors as
         they were)."""
-        cause = error if isinstance(error, OSError) else next(
-            (f[0] for f in getattr(error, "failures", {}).values() if isinstance(f[0], OSError)), None)
+        cause = (
+            error
+            if isinstance(error, OSError)
+            else next((f[0] for f in getattr(error, "failures", {}).values() if isinstance(f[0], OSError)), None)
+        )
         if cause is None and _out_of_space(self.folder):  # asked before the partial folder frees its space
             # torch.save's zip writer reports a full disk as "unexpected pos" (a RuntimeError)
             cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -242,9 +262,11 @@ class CheckpointManager:
             return error
         free = shutil.disk_usage(self.folder).free if self.folder.exists() else 0
         previous = self.latest()
-        return UserError(f"cannot write checkpoint {final}: {cause.strerror or cause} ({free / 2**30:.1f} GiB free "
-                         f"on the device holding {self.folder}); "
-                         + (f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint"))
+        return UserError(
+            f"cannot write checkpoint {final}: {cause.strerror or cause} ({free / 2**30:.1f} GiB free "
+            f"on the device holding {self.folder}); "
+            + (f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint")
+        )
 
     def load(self, path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Restore model and optimizer in place; return the saved `extra` state. Nothing in
@@ -253,18 +275,19 @@ class CheckpointManager:
         model_state, optim_state = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state, "extra": b""}
         safe_load(state, path)
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = state["extra"]
         if not isinstance(extra, bytes):
             raise UserError(f"checkpoint {path}: its training state is a {type(extra).__name__}, not JSON")
         if extra.startswith(b"{"):
             return json.loads(extra)
         legacy = legacy_state(extra, path)  # refused before anything is said when it is not plain data
-        warnings.warn(f"checkpoint {path} was written by an older frugality (training state pickled); "
-                      "read as plain data only. The next checkpoint is written as JSON.",
-                      LegacyCheckpointWarning, stacklevel=2)
+        warnings.warn(
+            f"checkpoint {path} was written by an older frugality (training state pickled); "
+            "read as plain data only. The next checkpoint is written as JSON.",
+            LegacyCheckpointWarning,
+            stacklevel=2,
+        )
         return legacy
 
 
@@ -276,8 +299,7 @@ def safe_load(state: dict, path: Path, *, no_dist: bool | None = None) -> None:
         no_dist = not dist.is_initialized()
     try:
         with single_process_ok():
-            dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(path),
-                     no_dist=no_dist)
+            dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(path), no_dist=no_dist)
     except CheckpointException as e:  # DCP wraps what each rank raised: ours is the message
         ours = next((f[0] for f in e.failures.values() if isinstance(f[0], UserError)), None)
         if ours is None:
@@ -290,8 +312,11 @@ def verify(path: Path) -> str | None:
     a checkpoint without a manifest, its `.metadata` exists); else what is wrong."""
     manifest = path / MANIFEST
     if not (path / ".metadata").is_file():
-        return ("no .metadata: DCP's index of the checkpoint was deleted" if manifest.is_file()
-                else "no .metadata: an incomplete save")
+        return (
+            "no .metadata: DCP's index of the checkpoint was deleted"
+            if manifest.is_file()
+            else "no .metadata: an incomplete save"
+        )
     if not manifest.is_file():  # older than manifests, or its manifest deleted: check what .metadata says
         return _check_against_metadata(path)
     try:

@@ -56,8 +56,11 @@ def _metadata_class(module: str, name: str) -> Any | None:
     if module != dcp_metadata.__name__:
         return None
     found = getattr(dcp_metadata, name, None)
-    if isinstance(found, type) and found.__module__ == module and (
-            hasattr(found, "__dataclass_fields__") or issubclass(found, Enum)):
+    if (
+        isinstance(found, type)
+        and found.__module__ == module
+        and (hasattr(found, "__dataclass_fields__") or issubclass(found, Enum))
+    ):
         return found
     return None
 
@@ -124,7 +127,8 @@ class _MetadataUnpickler(_RestrictedUnpickler):
 def _refusal(path: Path, what: str, error: Exception) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(
         f"checkpoint {path}: {what} asks to build {error}, which a checkpoint may not hold; "
-        f"refused without running it (see {SECURITY_DOC})")
+        f"refused without running it (see {SECURITY_DOC})"
+    )
 
 
 def _unpickle(unpickler: pickle.Unpickler, path: Path, what: str) -> Any:
@@ -134,8 +138,18 @@ def _unpickle(unpickler: pickle.Unpickler, path: Path, what: str) -> Any:
         return unpickler.load()
     except _Refused as e:
         raise _refusal(path, what, e) from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            RuntimeError, MemoryError, RecursionError) as e:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        RuntimeError,
+        MemoryError,
+        RecursionError,
+    ) as e:
         raise UserError(f"checkpoint {path}: {what} is unreadable ({type(e).__name__}: {e})") from None
 
 
@@ -171,8 +185,7 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise _refusal(self.path, f"value {read_item.dest_index.fqn!r}",
-                           _refused_global(e)) from None
+            raise _refusal(self.path, f"value {read_item.dest_index.fqn!r}", _refused_global(e)) from None
         plain = io.BytesIO()
         torch.save(loaded, plain)  # vetted plain data, for the parent's own reader
         plain.seek(0)
@@ -215,8 +228,14 @@ class _LegacyUnpickler(_RestrictedUnpickler):
 
         if isinstance(inst, np.dtype):  # a plain dtype's own state, nothing else: then left as built
             return "as built" if state == inst.__reduce__()[2] else False
-        return (type(inst) is np.ndarray and isinstance(state, tuple) and len(state) == 5
-                and isinstance(state[2], np.dtype) and state[2].kind in "biuf" and state[2].fields is None)
+        return (
+            type(inst) is np.ndarray
+            and isinstance(state, tuple)
+            and len(state) == 5
+            and isinstance(state[2], np.dtype)
+            and state[2].kind in "biuf"
+            and state[2].fields is None
+        )
 
     def find_class(self, module: str, name: str) -> Any:
         import numpy as np

@@ -41,73 +41,105 @@ def _write(table: str, rows_json: str, markdown_path, json_path) -> None:
 
 @bench.command("train")
 @click.argument("recipe", required=False)
-@click.option("--precision", "precisions", default="fp32,amp-bf16,bf16-sr,bf16", show_default=True,
-              help="Comma-separated precision policies.")
+@click.option(
+    "--precision",
+    "precisions",
+    default="fp32,amp-bf16,bf16-sr,bf16",
+    show_default=True,
+    help="Comma-separated precision policies.",
+)
 @click.option("--batch", type=int, help="Sequences per step [default: the recipe's micro_batch_size].")
 @click.option("--seq", type=int, help="Tokens per sequence [default: the recipe's seq_len].")
 @click.option("--steps", default=5, show_default=True, help="Timed steps per implementation.")
 @click.option("--warmup", default=2, show_default=True, help="Untimed steps first (allocator, compilation).")
 @click.option("--only", help="Run one implementation: frugality or a peer.")
-@click.option("--baseline", metavar="PEER[:PRECISION],...",
-              help="Peers to race, comma-separated: transformers, transformers-compiled, litgpt (torchtitan and "
-                   "liger-kernel: rows saying they are not set up yet); each optionally at a precision "
-                   "(transformers-compiled:amp-bf16); a bare precision is transformers at it [default: "
-                   "transformers at the pass's precision].")
+@click.option(
+    "--baseline",
+    metavar="PEER[:PRECISION],...",
+    help="Peers to race, comma-separated: transformers, transformers-compiled, litgpt (torchtitan and "
+    "liger-kernel: rows saying they are not set up yet); each optionally at a precision "
+    "(transformers-compiled:amp-bf16); a bare precision is transformers at it [default: "
+    "transformers at the pass's precision].",
+)
 @click.option("--no-memory", is_flag=True, help="Skip the peak-memory subprocesses.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
-def bench_train(recipe, precisions, batch, seq, steps, warmup, only, baseline, no_memory, overrides,
-                json_path, markdown_path) -> None:
+def bench_train(
+    recipe, precisions, batch, seq, steps, warmup, only, baseline, no_memory, overrides, json_path, markdown_path
+) -> None:
     """Training throughput of frugality against its peers (transformers' GPTNeoXForCausalLM +
     AdamW eager or compiled, litgpt, ...) on RECIPE's architecture, alternating steps in one
     process; medians of --steps. A peer that cannot run here is a row saying why."""
     from frugality.bench.peers import PEERS, parse_baselines
-    from frugality.bench.train import bench_train as run, markdown_table, rows_json
+    from frugality.bench.train import bench_train as run
+    from frugality.bench.train import markdown_table, rows_json
     from frugality.errors import UserError
 
     resolved, names, batch, seq = _resolve(recipe, overrides, precisions, batch, seq)
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be positive, --warmup not negative")
     if resolved.train.task != "causal_lm":
-        raise UserError(f"bench train times causal language models; recipe {resolved.name} trains "
-                        f"{resolved.train.task} (time it with frugality train: summary.json has tokens/s)")
+        raise UserError(
+            f"bench train times causal language models; recipe {resolved.name} trains "
+            f"{resolved.train.task} (time it with frugality train: summary.json has tokens/s)"
+        )
     peers = parse_baselines(baseline)
     impls = ("frugality", *dict.fromkeys(name for name, _ in peers))
     if only:
         if only != "frugality" and only not in PEERS:
             raise UserError(f"--only {only!r}: choose frugality or a peer ({', '.join(PEERS)})")
         impls = (only,)
-    compiled = [i for i in impls if i in ("transformers-compiled", "litgpt") or
-                (i == "frugality" and resolved.compile.level != "O0")]
+    compiled = [
+        i
+        for i in impls
+        if i in ("transformers-compiled", "litgpt") or (i == "frugality" and resolved.compile.level != "O0")
+    ]
     if warmup < 1 and compiled:
-        raise UserError(f"--warmup 0: {', '.join(compiled)} compile in their first step; "
-                        "it must be a warm-up step (--warmup 1 or more)")
-    rows = run(resolved, names, batch, seq, steps=steps, warmup=warmup, impls=impls,
-               peer_precisions={name: p for name, p in peers if p}, memory=not no_memory,
-               log=lambda line: click.echo(line, err=True))
+        raise UserError(
+            f"--warmup 0: {', '.join(compiled)} compile in their first step; "
+            "it must be a warm-up step (--warmup 1 or more)"
+        )
+    rows = run(
+        resolved,
+        names,
+        batch,
+        seq,
+        steps=steps,
+        warmup=warmup,
+        impls=impls,
+        peer_precisions={name: p for name, p in peers if p},
+        memory=not no_memory,
+        log=lambda line: click.echo(line, err=True),
+    )
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 
 @bench.command("compile")
 @click.argument("recipe", required=False)
 @click.option("--level", "levels", default="O0,O1,O2", show_default=True, help="Comma-separated compile levels.")
-@click.option("--precision", "precisions", default="fp32,amp-bf16,bf16-sr,bf16", show_default=True,
-              help="Comma-separated precision policies.")
+@click.option(
+    "--precision",
+    "precisions",
+    default="fp32,amp-bf16,bf16-sr,bf16",
+    show_default=True,
+    help="Comma-separated precision policies.",
+)
 @click.option("--batch", type=int, help="Sequences per step [default: the recipe's micro_batch_size].")
 @click.option("--seq", type=int, help="Tokens per sequence [default: the recipe's seq_len].")
 @click.option("--steps", default=5, show_default=True, help="Timed steps of the warm process.")
-@click.option("--cache", help="Cache URL to go through (s3://..., a directory) [default: a fresh "
-                              "temporary directory per level].")
+@click.option(
+    "--cache", help="Cache URL to go through (s3://..., a directory) [default: a fresh temporary directory per level]."
+)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
-def bench_compile(recipe, levels, precisions, batch, seq, steps, cache, overrides, json_path,
-                  markdown_path) -> None:
+def bench_compile(recipe, levels, precisions, batch, seq, steps, cache, overrides, json_path, markdown_path) -> None:
     """Cold compile time, warm-start time to the first step and tokens/s per compile level,
     each measured in fresh processes (a cold one with an empty cache, then a warm one that
     fetches what the cold one published)."""
-    from frugality.bench.compile import bench_compile as run, markdown_table, rows_json
+    from frugality.bench.compile import bench_compile as run
+    from frugality.bench.compile import markdown_table, rows_json
     from frugality.compile.levels import LEVELS
     from frugality.errors import UserError
 
@@ -118,16 +150,18 @@ def bench_compile(recipe, levels, precisions, batch, seq, steps, cache, override
             raise UserError(f"--level {name}: choose from {', '.join(LEVELS)}")
     if steps < 1:
         raise UserError("--steps must be positive")
-    rows = run(resolved, names, level_names, batch, seq, steps=steps, cache=cache,
-               log=lambda line: click.echo(line, err=True))
+    rows = run(
+        resolved, names, level_names, batch, seq, steps=steps, cache=cache, log=lambda line: click.echo(line, err=True)
+    )
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 
 @bench.command("scale")
 @click.argument("recipe", required=False)
 @click.option("--nproc", "nprocs", default="1,2", show_default=True, help="Comma-separated process counts.")
-@click.option("--strategy", "strategies", default="ddp,fsdp", show_default=True,
-              help="Comma-separated data-parallel strategies.")
+@click.option(
+    "--strategy", "strategies", default="ddp,fsdp", show_default=True, help="Comma-separated data-parallel strategies."
+)
 @click.option("--steps", default=10, show_default=True, help="Training steps per configuration.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
@@ -135,7 +169,8 @@ def bench_compile(recipe, levels, precisions, batch, seq, steps, cache, override
 def bench_scale(recipe, nprocs, strategies, steps, overrides, json_path, markdown_path) -> None:
     """Training tokens/s of RECIPE at each process count and strategy on this machine (real
     `frugality train --nproc N` runs; on CPUs the cores are split between the ranks)."""
-    from frugality.bench.scale import bench_scale as run, markdown_table, rows_json
+    from frugality.bench.scale import bench_scale as run
+    from frugality.bench.scale import markdown_table, rows_json
     from frugality.cli.options import comma_ints, comma_names
     from frugality.config.recipe import DATA_PARALLEL, load_recipe
     from frugality.errors import UserError
@@ -145,8 +180,7 @@ def bench_scale(recipe, nprocs, strategies, steps, overrides, json_path, markdow
     names = comma_names(strategies, DATA_PARALLEL, "--strategy")
     if steps < 2:
         raise UserError("--steps must be at least 2")
-    rows = run(recipe, resolved, list(overrides), counts, names, steps,
-               log=lambda line: click.echo(line, err=True))
+    rows = run(recipe, resolved, list(overrides), counts, names, steps, log=lambda line: click.echo(line, err=True))
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 
@@ -157,8 +191,9 @@ def bench_scale(recipe, nprocs, strategies, steps, overrides, json_path, markdow
 @click.option("--seq", type=int, help="Tokens per sequence [default: the recipe's seq_len].")
 @click.option("--steps", default=2, show_default=True, help="Profiled steps per implementation.")
 @click.option("--warmup", default=2, show_default=True, help="Unprofiled steps first (allocator, compilation).")
-@click.option("--baseline", metavar="PEER[:PRECISION],...", help="Peers to profile too, as for bench train "
-              "[default: none].")
+@click.option(
+    "--baseline", metavar="PEER[:PRECISION],...", help="Peers to profile too, as for bench train [default: none]."
+)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
@@ -178,39 +213,90 @@ def bench_profile(recipe, precision, batch, seq, steps, warmup, baseline, overri
     if steps < 1 or warmup < 1:
         raise UserError("--steps and --warmup must be positive (the first step compiles or allocates)")
     if resolved.train.task != "causal_lm":
-        raise UserError(f"bench profile times causal language models; recipe {resolved.name} trains "
-                        f"{resolved.train.task}")
+        raise UserError(
+            f"bench profile times causal language models; recipe {resolved.name} trains {resolved.train.task}"
+        )
     peers = parse_baselines(baseline) if baseline else []
     runs = [("frugality", precision)] + [(name, p or precision) for name, p in peers]
     if any(p == "auto" for _, p in runs):
         raise UserError("--baseline ...:auto: name the peer's precision (fp32, amp-bf16, ...)")
-    rows = [profile_steps(for_shape(resolved, p, batch, seq), impl, p, batch, seq, steps, warmup,
-                          log=lambda line: click.echo(line, err=True)) for impl, p in runs]
+    rows = [
+        profile_steps(
+            for_shape(resolved, p, batch, seq),
+            impl,
+            p,
+            batch,
+            seq,
+            steps,
+            warmup,
+            log=lambda line: click.echo(line, err=True),
+        )
+        for impl, p in runs
+    ]
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 
 @bench.command("infer")
 @click.argument("model", type=click.Path())
-@click.option("--generate", "generation", is_flag=True, help="Text generation instead of embeddings: `frugality "
-              "generate` against transformers' generate on a decoder MODEL (GPT-NeoX, Llama).")
-@click.option("--input", "input_path", type=click.Path(), help="Texts (.txt, .jsonl, .parquet) [default: the "
-              "WordNet glosses of ../shared/assets, else the bundled corpus's lines].")
+@click.option(
+    "--generate",
+    "generation",
+    is_flag=True,
+    help="Text generation instead of embeddings: `frugality "
+    "generate` against transformers' generate on a decoder MODEL (GPT-NeoX, Llama).",
+)
+@click.option(
+    "--input",
+    "input_path",
+    type=click.Path(),
+    help="Texts (.txt, .jsonl, .parquet) [default: the "
+    "WordNet glosses of ../shared/assets, else the bundled corpus's lines].",
+)
 @click.option("--text-field", default="text", show_default=True)
 @click.option("--texts", "count", default=5000, show_default=True, help="How many texts (the first N).")
-@click.option("--batch", help="Texts per batch, for both [default: 64]; with --generate, comma-separated batch "
-              "sizes [default: 1,8].")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="fp32", show_default=True,
-              help="Embeddings only: --generate compares in fp32.")
-@click.option("--prompt-tokens", default=128, show_default=True, help="With --generate: tokens per prompt "
-              "(pieces of the bundled corpus).")
+@click.option(
+    "--batch",
+    help="Texts per batch, for both [default: 64]; with --generate, comma-separated batch sizes [default: 1,8].",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["auto", "fp32", "bf16"]),
+    default="fp32",
+    show_default=True,
+    help="Embeddings only: --generate compares in fp32.",
+)
+@click.option(
+    "--prompt-tokens",
+    default=128,
+    show_default=True,
+    help="With --generate: tokens per prompt (pieces of the bundled corpus).",
+)
 @click.option("--new-tokens", default=64, show_default=True, help="With --generate: greedy tokens per prompt.")
-@click.option("--compile", "compile_", is_flag=True, help="With --generate: frugality's prefill and decoding "
-              "step compiled by Inductor (compilation is part of the untimed warm-up).")
+@click.option(
+    "--compile",
+    "compile_",
+    is_flag=True,
+    help="With --generate: frugality's prefill and decoding "
+    "step compiled by Inductor (compilation is part of the untimed warm-up).",
+)
 @click.option("--rounds", default=3, show_default=True, help="Alternating timed rounds; the best of each counts.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
-def bench_infer(model, generation, input_path, text_field, count, batch, precision, prompt_tokens, new_tokens,
-                compile_, rounds, json_path, markdown_path) -> None:
+def bench_infer(
+    model,
+    generation,
+    input_path,
+    text_field,
+    count,
+    batch,
+    precision,
+    prompt_tokens,
+    new_tokens,
+    compile_,
+    rounds,
+    json_path,
+    markdown_path,
+) -> None:
     """Embedding throughput of frugality against sentence-transformers' encode on MODEL
     (e.g. all-MiniLM-L6-v2), the same texts, batch size and precision: texts/s and the
     cosine between the outputs. With --generate, generation throughput against
@@ -229,8 +315,9 @@ def bench_infer(model, generation, input_path, text_field, count, batch, precisi
     if generation:
         if prompt_tokens < 1 or new_tokens < 2:
             raise UserError("--prompt-tokens must be positive and --new-tokens at least 2")
-        rows = bench_generate(model, comma_ints(batch or "1,8", "--batch"), prompt_tokens, new_tokens, rounds,
-                              compile_, log=log)
+        rows = bench_generate(
+            model, comma_ints(batch or "1,8", "--batch"), prompt_tokens, new_tokens, rounds, compile_, log=log
+        )
         _write(generate_markdown_table(rows), rows_json(rows), markdown_path, json_path)
         return
     if not (batch or "64").isdigit() or int(batch or 64) < 1 or count < 1:

@@ -28,8 +28,10 @@ def verify_command(path) -> None:
         folder = root / "checkpoints" if (root / "checkpoints").is_dir() else root
         if not folder.is_dir():
             raise UserError(f"{path}: not a run directory, checkpoints folder or checkpoint")
-        found = sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step_")),
-                       key=lambda p: (len(p.name), p.name))
+        found = sorted(
+            (p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step_")),
+            key=lambda p: (len(p.name), p.name),
+        )
         if not found:
             raise UserError(f"{path}: holds no checkpoints (step_* folders)")
     bad = 0
@@ -44,6 +46,9 @@ def verify_command(path) -> None:
     if bad:
         usable = CheckpointManager(found[0].parent).complete() if len(found) > 1 else []
         newest = next((p for p in reversed(usable) if verify(p) is None), None)
-        click.echo(f"{bad} of {len(found)} checkpoint(s) unusable" +
-                   (f"; a resume would start from step {step_of(newest)}" if newest else ""), err=True)
+        click.echo(
+            f"{bad} of {len(found)} checkpoint(s) unusable"
+            + (f"; a resume would start from step {step_of(newest)}" if newest else ""),
+            err=True,
+        )
         raise click.exceptions.Exit(1)

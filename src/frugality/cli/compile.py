@@ -10,11 +10,17 @@ from frugality.compile.levels import LEVELS
 @click.command("compile")
 @click.argument("recipe", required=False)
 @click.option("--level", type=click.Choice(LEVELS[1:]), help="Compile level [default: the recipe's compile.level].")
-@click.option("--cache", help="Cache directory or URL [default: compile.cache, $FRUGALITY_COMPILE_CACHE, "
-                              "else the user cache].")
+@click.option(
+    "--cache", help="Cache directory or URL [default: compile.cache, $FRUGALITY_COMPILE_CACHE, else the user cache]."
+)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
-@click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
-              help="The data-parallel ranks the run will train on (their micro-batch is compiled).")
+@click.option(
+    "--ranks",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="The data-parallel ranks the run will train on (their micro-batch is compiled).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def compile_(recipe, level, cache, overrides, ranks, no_progress) -> None:
     """Compile RECIPE's graphs ahead of time and publish them to the compile cache.
@@ -23,8 +29,8 @@ def compile_(recipe, level, cache, overrides, ranks, no_progress) -> None:
     directory), so `frugality train` with the same recipe and cache starts from compiled
     graphs and compiles nothing.
     """
-    from frugality.training.ahead import compile_ahead
     from frugality.config.recipe import load_recipe
+    from frugality.training.ahead import compile_ahead
 
     extra = [f"compile.level={level}"] if level else []
     extra += [f'compile.cache="{cache}"'] if cache else []

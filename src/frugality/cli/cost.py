@@ -67,18 +67,28 @@ def train_(seq_per_s, seq_len, price_per_hour, instance, catalogue, as_json) -> 
     from frugality.metrics.cost import train_figures
 
     usd, row, source = _price(price_per_hour, instance, catalogue)
-    f = train_figures(seq_per_s, seq_len, usd, _price_name(price_per_hour)) | {"instance": row.instance if row else None, "price": source}
-    _emit(f, as_json, [
-        f"{f['tokens_per_s']:,g} tokens/s at ${f['usd_per_hour']:g}/h ({source})",
-        f"{f['tokens_per_dollar']:,} tokens per dollar, ${f['usd_per_million_tokens']:.4f} per million tokens",
-    ])
+    f = train_figures(seq_per_s, seq_len, usd, _price_name(price_per_hour)) | {
+        "instance": row.instance if row else None,
+        "price": source,
+    }
+    _emit(
+        f,
+        as_json,
+        [
+            f"{f['tokens_per_s']:,g} tokens/s at ${f['usd_per_hour']:g}/h ({source})",
+            f"{f['tokens_per_dollar']:,} tokens per dollar, ${f['usd_per_million_tokens']:.4f} per million tokens",
+        ],
+    )
 
 
 @cost.command()
 @click.option("--rate", required=True, help="Inferences per hour to serve, e.g. 1000000 or 1e6/h.")
 @click.option("--per-instance-throughput", required=True, help="Inferences per second one instance serves.")
-@click.option("--watts", type=float, help="What one instance draws [default: its accelerators' board power "
-                                          "from the catalogue, labelled an estimate].")
+@click.option(
+    "--watts",
+    type=float,
+    help="What one instance draws [default: its accelerators' board power from the catalogue, labelled an estimate].",
+)
 @_price_options
 def serve(rate, per_instance_throughput, watts, price_per_hour, instance, catalogue, as_json) -> None:
     """The whole instances that serve RATE inferences per hour, their utilisation, and
@@ -90,16 +100,28 @@ def serve(rate, per_instance_throughput, watts, price_per_hour, instance, catalo
     if watts is None and row is not None and row.accelerator_tdp_w and row.accelerator_count:
         watts = row.accelerator_tdp_w * row.accelerator_count
         energy = f"estimated: {row.accelerator_count} x {row.accelerator_tdp_w:g} W board power, accelerators only"
-    f = serve_figures(_number(rate.removesuffix("/h"), "--rate"), _number(per_instance_throughput.removesuffix("/s"),
-                      "--per-instance-throughput"), usd, watts, _price_name(price_per_hour))
+    f = serve_figures(
+        _number(rate.removesuffix("/h"), "--rate"),
+        _number(per_instance_throughput.removesuffix("/s"), "--per-instance-throughput"),
+        usd,
+        watts,
+        _price_name(price_per_hour),
+    )
     f |= {"instance": row.instance if row else None, "price": source, "energy": energy}
-    kwh = (f"{f['kwh_per_million_inferences']:.4f} kWh per million inferences ({energy})"
-           if f["kwh_per_million_inferences"] is not None else "energy unknown (give --watts)")
-    _emit(f, as_json, [
-        f"{f['instances']} instance{'s' if f['instances'] != 1 else ''} for {f['inferences_per_hour']:,} "
-        f"inferences/h, {f['utilisation']:.1%} utilised, ${f['usd_per_hour']:g}/h ({source})",
-        f"${f['usd_per_million_inferences']:.4f} per million inferences; {kwh}",
-    ])
+    kwh = (
+        f"{f['kwh_per_million_inferences']:.4f} kWh per million inferences ({energy})"
+        if f["kwh_per_million_inferences"] is not None
+        else "energy unknown (give --watts)"
+    )
+    _emit(
+        f,
+        as_json,
+        [
+            f"{f['instances']} instance{'s' if f['instances'] != 1 else ''} for {f['inferences_per_hour']:,} "
+            f"inferences/h, {f['utilisation']:.1%} utilised, ${f['usd_per_hour']:g}/h ({source})",
+            f"${f['usd_per_million_inferences']:.4f} per million inferences; {kwh}",
+        ],
+    )
 
 
 @cost.command("compare")
@@ -122,8 +144,11 @@ def compare_(a, b, as_json) -> None:
     ratios = compare_figures(*figures)
     if not ratios:
         raise UserError(f"{a} and {b} share no figure to compare")
-    lines = [f"{key}: {r['a']:,} -> {r['b']:,} (x{r['ratio']:g}; B {'better' if r['b_better_by'] >= 0 else 'worse'} "
-             f"by {abs(r['b_better_by']):.1%})" for key, r in ratios.items()]
+    lines = [
+        f"{key}: {r['a']:,} -> {r['b']:,} (x{r['ratio']:g}; B {'better' if r['b_better_by'] >= 0 else 'worse'} "
+        f"by {abs(r['b_better_by']):.1%})"
+        for key, r in ratios.items()
+    ]
     _emit(ratios, as_json, lines)
 
 
@@ -135,8 +160,9 @@ def instances(catalogue) -> None:
 
     for row in load_catalogue(catalogue).values():
         accel = f"{row.accelerator_count} x {row.accelerator}" if row.accelerator_count else f"{row.vcpus} vCPUs"
-        click.echo(f"{row.provider:6} {row.instance:26} {accel:24} ${row.usd_per_hour:>10.4f}/h  {row.region:12} "
-                   f"{row.date}")
+        click.echo(
+            f"{row.provider:6} {row.instance:26} {accel:24} ${row.usd_per_hour:>10.4f}/h  {row.region:12} {row.date}"
+        )
 
 
 def _number(text: str, flag: str) -> str:

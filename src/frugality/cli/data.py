@@ -12,10 +12,16 @@ def data() -> None:
 
 @data.command()
 @click.argument("inputs", nargs=-1, required=True, type=click.Path())
-@click.option("--tokenizer", "tokenizer_name", default="pythia", show_default=True,
-              help="'pythia', 'gpt2', or a tokenizer.json / tokenizer folder.")
-@click.option("--out", "out_prefix", required=True, type=click.Path(),
-              help="Output prefix: writes PREFIX.bin and PREFIX.idx.")
+@click.option(
+    "--tokenizer",
+    "tokenizer_name",
+    default="pythia",
+    show_default=True,
+    help="'pythia', 'gpt2', or a tokenizer.json / tokenizer folder.",
+)
+@click.option(
+    "--out", "out_prefix", required=True, type=click.Path(), help="Output prefix: writes PREFIX.bin and PREFIX.idx."
+)
 @click.option("--field", default="text", show_default=True, help="JSON field holding the text (.jsonl).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing PREFIX.bin/.idx.")
 def prepare(inputs, tokenizer_name, out_prefix, field, overwrite) -> None:
@@ -26,8 +32,7 @@ def prepare(inputs, tokenizer_name, out_prefix, field, overwrite) -> None:
 
     tokenizer = load_tokenizer(tokenizer_name)
     stats = run_prepare(inputs, tokenizer, out_prefix, field=field, overwrite=overwrite)
-    click.echo(f"wrote {stats.bin_path} and {stats.idx_path}: {stats.documents:,} documents, "
-               f"{stats.tokens:,} tokens")
+    click.echo(f"wrote {stats.bin_path} and {stats.idx_path}: {stats.documents:,} documents, {stats.tokens:,} tokens")
 
 
 @data.command()
@@ -39,8 +44,10 @@ def inspect(prefix, tokenizer_name) -> None:
 
     prefix = prefix.removesuffix(".bin") if prefix.endswith(".bin") else prefix.removesuffix(".idx")
     ds = IndexedDataset(prefix)
-    click.echo(f"{prefix}: {ds.num_documents:,} documents, {ds.num_sequences:,} sequences, "
-               f"{ds.num_tokens:,} tokens of {ds.dtype}")
+    click.echo(
+        f"{prefix}: {ds.num_documents:,} documents, {ds.num_sequences:,} sequences, "
+        f"{ds.num_tokens:,} tokens of {ds.dtype}"
+    )
     if tokenizer_name and ds.num_sequences:
         from frugality.data.tokenizer import load_tokenizer
 

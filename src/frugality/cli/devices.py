@@ -24,20 +24,31 @@ def ls(as_json) -> None:
         return
     for d in devices:
         if d["kind"] == "cpu":
-            click.echo(f"cpu    {d['name']}: {d['usable_cpus']} of {d['logical_cpus']} logical CPUs usable, "
-                       f"{', '.join(d['instruction_sets']) or 'no vector extensions found'}; "
-                       f"bf16 {'native' if d['native_bf16'] else 'not native'}; {_gib(d['memory_gib'])} memory")
+            click.echo(
+                f"cpu    {d['name']}: {d['usable_cpus']} of {d['logical_cpus']} logical CPUs usable, "
+                f"{', '.join(d['instruction_sets']) or 'no vector extensions found'}; "
+                f"bf16 {'native' if d['native_bf16'] else 'not native'}; {_gib(d['memory_gib'])} memory"
+            )
         else:
             limit = f", power limit {d['power_limit_w']:.0f} W" if d["power_limit_w"] else ""
-            click.echo(f"gpu{d['index']}   {d['name']}: {_gib(d['memory_gib'])}, compute capability "
-                       f"{d['compute_capability']}, driver {d['driver']}{limit}")
+            click.echo(
+                f"gpu{d['index']}   {d['name']}: {_gib(d['memory_gib'])}, compute capability "
+                f"{d['compute_capability']}, driver {d['driver']}{limit}"
+            )
 
 
 @click.command()
-@click.option("--runs", "runs_dir", default="runs", show_default=True, type=click.Path(),
-              help="Where to look for running jobs (a runs folder or one run directory).")
-@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="Seconds between refreshes.")
+@click.option(
+    "--runs",
+    "runs_dir",
+    default="runs",
+    show_default=True,
+    type=click.Path(),
+    help="Where to look for running jobs (a runs folder or one run directory).",
+)
+@click.option(
+    "--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1), help="Seconds between refreshes."
+)
 @click.option("--once", is_flag=True, help="Measure over one interval, print, and exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --once: one JSON object.")
 def top(runs_dir, interval, once, as_json) -> None:
@@ -72,8 +83,11 @@ def _lines(snapshot: dict) -> list[str]:
     for d in snapshot["devices"]:
         name = "cpu" if d["kind"] == "cpu" else f"gpu{d['index']}"
         util = "n/a" if d["utilisation"] is None else f"{d['utilisation']:.0%}"
-        memory = (f"{d['memory_used_gib']:.1f}/{d['memory_gib']:.1f} GiB"
-                  if d["memory_used_gib"] is not None and d["memory_gib"] else "n/a")
+        memory = (
+            f"{d['memory_used_gib']:.1f}/{d['memory_gib']:.1f} GiB"
+            if d["memory_used_gib"] is not None and d["memory_gib"]
+            else "n/a"
+        )
         power = "n/a" if d["power_w"] is None else f"{d['power_w']:.0f} W"
         lines.append(f"{name:8} {util:>6} {memory:>17} {power:>9}")
     lines.append("")
@@ -89,7 +103,9 @@ def _lines(snapshot: dict) -> list[str]:
 
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 def _gib(value) -> str:

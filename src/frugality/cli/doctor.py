@@ -12,13 +12,29 @@ import click
 
 @click.command()
 @click.argument("recipe", required=False)
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Also test collectives among this many local processes (started through torchrun).")
-@click.option("--max-size", "max_mib", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Largest collective size in MiB (sizes from 1 KiB, x4 each).")
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Also test collectives among this many local processes (started through torchrun).",
+)
+@click.option(
+    "--max-size",
+    "max_mib",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Largest collective size in MiB (sizes from 1 KiB, x4 each).",
+)
 @click.option("--quick", is_flag=True, help="Skip the peak measurement.")
-@click.option("--threshold", "overrides_thresholds", multiple=True, metavar="NAME=VALUE",
-              help="Override a threshold (names in the JSON and docs/reliability.md).")
+@click.option(
+    "--threshold",
+    "overrides_thresholds",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Override a threshold (names in the JSON and docs/reliability.md).",
+)
 @click.option("--run-dir", type=click.Path(), help="Where runs are written [default: train.runs_dir].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the checks as JSON (a new file).")
@@ -51,8 +67,7 @@ def doctor(recipe, nproc, max_mib, quick, overrides_thresholds, run_dir, overrid
     if json_path:
         Path(json_path).write_text(json.dumps([c.as_dict() for c in checks], indent=1) + "\n")
     if bad:
-        click.echo(f"doctor: {len(bad)} check(s) failed: " + "; ".join(f"{c.name} ({c.detail})" for c in bad),
-                   err=True)
+        click.echo(f"doctor: {len(bad)} check(s) failed: " + "; ".join(f"{c.name} ({c.detail})" for c in bad), err=True)
         raise click.exceptions.Exit(1)
     click.echo(f"doctor: all {len(checks)} checks passed")
 
@@ -79,8 +94,15 @@ def _collectives(nproc: int, args: list[str], max_mib: int):
         out = Path(scratch) / "collectives.json"
         status = launch_local(nproc, ["doctor", *args, "--max-size", str(max_mib), "--collectives-worker", str(out)])
         if status != 0 or not out.is_file():
-            return [Check("collectives", f"collectives among {nproc} processes", FAIL, f"exit status {status}",
-                          "the processes did not complete (the failed rank is named above)")]
+            return [
+                Check(
+                    "collectives",
+                    f"collectives among {nproc} processes",
+                    FAIL,
+                    f"exit status {status}",
+                    "the processes did not complete (the failed rank is named above)",
+                )
+            ]
         return [Check(**row) for row in json.loads(out.read_text())]
 
 

@@ -10,29 +10,72 @@ import click
 @click.command()
 @click.argument("model", type=click.Path())
 @click.argument("inputs", nargs=-1, required=True, type=click.Path())
-@click.option("--out", required=True, type=click.Path(), help="Folder for the shards and manifest.json; "
-              "rerunning with the same --out resumes.")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(),
+    help="Folder for the shards and manifest.json; rerunning with the same --out resumes.",
+)
 @click.option("--text-field", default="text", show_default=True, help="The text's field in .jsonl/.parquet.")
 @click.option("--id-field", help="The id's field in .jsonl/.parquet [default: FILE:LINE].")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
-              help="auto: bf16 where this machine's bf16 products are native, else fp32.")
+@click.option(
+    "--precision",
+    type=click.Choice(["auto", "fp32", "bf16"]),
+    default="auto",
+    show_default=True,
+    help="auto: bf16 where this machine's bf16 products are native, else fp32.",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
-@click.option("--nproc", default="auto", show_default=True,
-              help="Processes sharing the work, each with its share of the CPU threads or its own GPU; auto: one "
-                   "per CPU (up to 8, one per 20,000 texts), or one per GPU.")
-@click.option("--batch-tokens", type=click.IntRange(min=8),
-              help="Padded tokens per batch: many short texts or a few long ones [default: 2048 on a CPU, "
-                   "65536 on a GPU].")
-@click.option("--shard-size", type=click.IntRange(min=1), default=50_000, show_default=True,
-              help="Texts per output shard (the unit a rerun redoes).")
-@click.option("--normalize/--no-normalize", default=None,
-              help="L2-normalise the embeddings [default: as the model's sentence-transformers config says].")
+@click.option(
+    "--nproc",
+    default="auto",
+    show_default=True,
+    help="Processes sharing the work, each with its share of the CPU threads or its own GPU; auto: one "
+    "per CPU (up to 8, one per 20,000 texts), or one per GPU.",
+)
+@click.option(
+    "--batch-tokens",
+    type=click.IntRange(min=8),
+    help="Padded tokens per batch: many short texts or a few long ones [default: 2048 on a CPU, 65536 on a GPU].",
+)
+@click.option(
+    "--shard-size",
+    type=click.IntRange(min=1),
+    default=50_000,
+    show_default=True,
+    help="Texts per output shard (the unit a rerun redoes).",
+)
+@click.option(
+    "--normalize/--no-normalize",
+    default=None,
+    help="L2-normalise the embeddings [default: as the model's sentence-transformers config says].",
+)
 @click.option("--max-length", type=click.IntRange(min=2), help="Cut texts to this many tokens [default: the model's].")
-@click.option("--format", "fmt", type=click.Choice(["npy", "parquet"]), default="npy", show_default=True,
-              help="npy: shard-N.npy + shard-N.ids.json; parquet: shard-N.parquet (id, embedding).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["npy", "parquet"]),
+    default="npy",
+    show_default=True,
+    help="npy: shard-N.npy + shard-N.ids.json; parquet: shard-N.parquet (id, embedding).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def embed(model, inputs, out, text_field, id_field, precision, device, nproc, batch_tokens, shard_size, normalize,
-          max_length, fmt, no_progress) -> None:
+def embed(
+    model,
+    inputs,
+    out,
+    text_field,
+    id_field,
+    precision,
+    device,
+    nproc,
+    batch_tokens,
+    shard_size,
+    normalize,
+    max_length,
+    fmt,
+    no_progress,
+) -> None:
     """Embed every text of INPUTS (.txt, .jsonl, .parquet) with MODEL (a Hugging Face or
     sentence-transformers folder, a folder from `frugality import hf`, or a run) into
     shards under --out. Ctrl-C or a crash loses only the shard in progress: the same
@@ -46,9 +89,17 @@ def embed(model, inputs, out, text_field, id_field, precision, device, nproc, ba
         from frugality.errors import UserError
 
         raise UserError(f"--nproc {nproc!r}: a number of processes (1 or more) or auto")
-    settings = EmbedSettings(model=model, out=out, shard_size=shard_size, batch_tokens=batch_tokens,
-                             precision=precision, device=device, normalize=normalize, max_length=max_length,
-                             format=fmt)
+    settings = EmbedSettings(
+        model=model,
+        out=out,
+        shard_size=shard_size,
+        batch_tokens=batch_tokens,
+        precision=precision,
+        device=device,
+        normalize=normalize,
+        max_length=max_length,
+        format=fmt,
+    )
     try:
         result = run_job(settings, open_inputs(list(inputs), text_field, id_field), nproc, not no_progress)
     except KeyboardInterrupt:
@@ -59,9 +110,11 @@ def embed(model, inputs, out, text_field, id_field, precision, device, nproc, ba
         sys.exit(1)
     resumed = f" (resumed: {result['resumed_from']:,} were done)" if result["resumed_from"] else ""
     speed = f", {result['texts_per_s']:,.0f} texts/s" if result["texts_per_s"] else ""
-    click.echo(f"{out}: {result['count']:,} texts in {result['shards']} shards{resumed}; embedded "
-               f"{result['embedded']:,} in {result['seconds']:.1f} s{speed} ({result['processes']} "
-               f"process{'es' if result['processes'] > 1 else ''}); {result['precision']}")
+    click.echo(
+        f"{out}: {result['count']:,} texts in {result['shards']} shards{resumed}; embedded "
+        f"{result['embedded']:,} in {result['seconds']:.1f} s{speed} ({result['processes']} "
+        f"process{'es' if result['processes'] > 1 else ''}); {result['precision']}"
+    )
 
 
 def _need_pyarrow() -> None:

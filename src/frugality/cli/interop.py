@@ -19,9 +19,9 @@ def import_hf_command(source, out) -> None:
     """Import a Hugging Face checkpoint folder (config.json + safetensors or
     pytorch_model.bin) as a frugality checkpoint folder with its recipe.toml, ready for
     `frugality train RECIPE --init-from OUT` or `frugality export hf OUT`."""
-    from frugality.interop.weights import save_weights
     from frugality.config.recipe import Recipe
     from frugality.interop.hf import SENTENCE_TRANSFORMERS_FILES, import_hf
+    from frugality.interop.weights import save_weights
 
     config, state = import_hf(source)
     out = Path(out)
@@ -34,8 +34,14 @@ def import_hf_command(source, out) -> None:
     for name in SENTENCE_TRANSFORMERS_FILES:  # how an embedding model pools, for `frugality embed`
         if (Path(source) / name).is_file():
             files[name] = (Path(source) / name).read_bytes()
-    recipe = Recipe.model_validate({"name": _recipe_name(out), "description": f"imported from {source}",
-                                    "model": config.model_dump(), "data": data})
+    recipe = Recipe.model_validate(
+        {
+            "name": _recipe_name(out),
+            "description": f"imported from {source}",
+            "model": config.model_dump(),
+            "data": data,
+        }
+    )
     files["recipe.toml"] = recipe.to_toml().encode()
     save_weights(out, state, files)
     n = sum(t.numel() for t in state.values())

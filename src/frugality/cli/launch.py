@@ -17,8 +17,13 @@ def launch() -> None:
 @launch.command("slurm")
 @click.argument("recipe", required=False)
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--gpus-per-node", type=click.IntRange(min=0), default=0, show_default=True,
-              help="GPUs per node, one rank each; 0 for CPU nodes.")
+@click.option(
+    "--gpus-per-node",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="GPUs per node, one rank each; 0 for CPU nodes.",
+)
 @click.option("--procs-per-node", type=click.IntRange(min=1), help="Ranks per node on CPU nodes [default: 1].")
 @click.option("--partition", help="SLURM partition.")
 @click.option("--time", "time_limit", help="SLURM time limit, e.g. 24:00:00.")
@@ -27,8 +32,9 @@ def launch() -> None:
 @click.option("--run-dir", help="Run directory [default: <train.runs_dir>/<name>].")
 @click.option("--out", type=click.Path(), help="Where to write the script [default: <run-dir>.sbatch].")
 @click.option("--submit", is_flag=True, help="Submit it with sbatch.")
-def slurm(recipe, nodes, gpus_per_node, procs_per_node, partition, time_limit, cpus_per_task, overrides, run_dir,
-          out, submit) -> None:
+def slurm(
+    recipe, nodes, gpus_per_node, procs_per_node, partition, time_limit, cpus_per_task, overrides, run_dir, out, submit
+) -> None:
     """Write an sbatch script that trains RECIPE on SLURM: the compile step, then torchrun
     on every node with c10d rendezvous; requeued on preemption, resuming its checkpoint."""
     from frugality.config.recipe import load_recipe
@@ -37,12 +43,24 @@ def slurm(recipe, nodes, gpus_per_node, procs_per_node, partition, time_limit, c
 
     resolved = load_recipe(recipe, list(overrides))  # checked here, before anything is written
     if gpus_per_node and procs_per_node and procs_per_node != gpus_per_node:
-        raise UserError(f"--procs-per-node {procs_per_node}: on GPU nodes there is one rank per GPU "
-                        f"(--gpus-per-node {gpus_per_node})")
+        raise UserError(
+            f"--procs-per-node {procs_per_node}: on GPU nodes there is one rank per GPU "
+            f"(--gpus-per-node {gpus_per_node})"
+        )
     run_dir = run_dir or str(Path(resolved.train.runs_dir) / resolved.name)
-    job = SlurmJob(recipe or "tiny", tuple(overrides), resolved.name, run_dir, nodes, gpus_per_node,
-                   gpus_per_node or procs_per_node or 1, resolved.compile.level != "O0", partition,
-                   time_limit, cpus_per_task)
+    job = SlurmJob(
+        recipe or "tiny",
+        tuple(overrides),
+        resolved.name,
+        run_dir,
+        nodes,
+        gpus_per_node,
+        gpus_per_node or procs_per_node or 1,
+        resolved.compile.level != "O0",
+        partition,
+        time_limit,
+        cpus_per_task,
+    )
     path = Path(out or f"{run_dir.rstrip('/')}.sbatch")
     if path.exists():
         raise UserError(f"--out {path}: exists; choose another path or remove it")

@@ -17,9 +17,9 @@ from frugality.cli.compile import compile_
 from frugality.cli.cost import cost
 from frugality.cli.data import data
 from frugality.cli.devices import ls, top
+from frugality.cli.doctor import doctor
 from frugality.cli.embed import embed
 from frugality.cli.generate import generate
-from frugality.cli.doctor import doctor
 from frugality.cli.interop import export, import_
 from frugality.cli.launch import launch
 from frugality.cli.plan import plan

@@ -11,10 +11,15 @@ import click
 @click.command()
 @click.argument("recipe", required=False)
 @click.option("--nproc", "nprocs", default="1,8", show_default=True, help="Comma-separated process counts.")
-@click.option("--strategy", "strategies", default="ddp,fsdp", show_default=True,
-              help="Comma-separated data-parallel strategies.")
-@click.option("--memory", "memory_gib", type=click.FloatRange(min=0, min_open=True),
-              help="Device memory per rank in GiB [default: this machine's GPU, or its RAM shared by the ranks].")
+@click.option(
+    "--strategy", "strategies", default="ddp,fsdp", show_default=True, help="Comma-separated data-parallel strategies."
+)
+@click.option(
+    "--memory",
+    "memory_gib",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Device memory per rank in GiB [default: this machine's GPU, or its RAM shared by the ranks].",
+)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the plans as JSON (a new file).")
 def plan(recipe, nprocs, strategies, memory_gib, overrides, json_path) -> None:
@@ -23,8 +28,8 @@ def plan(recipe, nprocs, strategies, memory_gib, overrides, json_path) -> None:
     whether it fits the device (see frugality.runtime.plan for what is counted)."""
     from frugality.cli.options import comma_ints, comma_names
     from frugality.config.recipe import DATA_PARALLEL, load_recipe
-    from frugality.runtime.plan import HEADROOM, markdown_rows, plan_memory
     from frugality.errors import UserError
+    from frugality.runtime.plan import HEADROOM, markdown_rows, plan_memory
 
     resolved = load_recipe(recipe, list(overrides))
     counts = comma_ints(nprocs, "--nproc")
@@ -38,10 +43,14 @@ def plan(recipe, nprocs, strategies, memory_gib, overrides, json_path) -> None:
             plans.append(plan_memory(resolved, n, strategy, memory))
     click.echo(markdown_rows(plans))
     if resolved.train.precision == "auto":
-        click.echo("train.precision auto: planned as bf16-sr, what it picks where bf16 products are native "
-                   "(--set train.precision=... for another)")
-    click.echo(f"fits: the total within {HEADROOM:.0%} of each rank's device memory; activations are eager "
-               "PyTorch's, without checkpointing; hsdp shards over parallel.shard_size ranks (all when unset)")
+        click.echo(
+            "train.precision auto: planned as bf16-sr, what it picks where bf16 products are native "
+            "(--set train.precision=... for another)"
+        )
+    click.echo(
+        f"fits: the total within {HEADROOM:.0%} of each rank's device memory; activations are eager "
+        "PyTorch's, without checkpointing; hsdp shards over parallel.shard_size ranks (all when unset)"
+    )
     if json_path:
         Path(json_path).write_text(json.dumps([p.as_dict() for p in plans], indent=1) + "\n")
 

@@ -17,8 +17,10 @@ def recipes(name) -> None:
     for recipe_name in sorted(shipped_recipes(), key=_size_order):
         r = load_recipe(recipe_name)
         m = r.model
-        click.echo(f"{recipe_name:14} {m.family:9} layers {m.num_layers:3}  hidden {m.hidden_size:5}  "
-                   f"heads {m.num_heads:3}  seq {r.data.seq_len:5}  {r.description}")
+        click.echo(
+            f"{recipe_name:14} {m.family:9} layers {m.num_layers:3}  hidden {m.hidden_size:5}  "
+            f"heads {m.num_heads:3}  seq {r.data.seq_len:5}  {r.description}"
+        )
     _machine()
 
 
@@ -32,8 +34,10 @@ def _machine() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     click.echo(f"\nthis machine: {probe(device).describe()}")
     speeds = report(device)  # the product probe, cached per machine
-    click.echo(f"products (256-square, quick probe): fp32 {speeds['fp32_gflops']:,.1f} GFLOP/s, "
-               f"bf16 {speeds['bf16_gflops']:,.1f} GFLOP/s")
+    click.echo(
+        f"products (256-square, quick probe): fp32 {speeds['fp32_gflops']:,.1f} GFLOP/s, "
+        f"bf16 {speeds['bf16_gflops']:,.1f} GFLOP/s"
+    )
     click.echo(resolve_policy("auto", device)[1])
 
 

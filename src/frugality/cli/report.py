@@ -10,8 +10,11 @@ import click
 
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path())
-@click.option("--out", type=click.Path(), help="Folder for report.md and the plots [default: RUN/report for one "
-                                               "run, ./report for several].")
+@click.option(
+    "--out",
+    type=click.Path(),
+    help="Folder for report.md and the plots [default: RUN/report for one run, ./report for several].",
+)
 def report(runs, out) -> None:
     """Markdown and PNG plots of one or many runs side by side: the loss against steps,
     tokens, hours, dollars and kWh; throughput and MFU over time; what each run cost."""
@@ -29,8 +32,12 @@ def report(runs, out) -> None:
 @click.command()
 @click.argument("run_a", type=click.Path())
 @click.argument("run_b", type=click.Path())
-@click.option("--tolerance", default="0.1%", show_default=True,
-              help="The largest relative difference of the final validation loss that passes.")
+@click.option(
+    "--tolerance",
+    default="0.1%",
+    show_default=True,
+    help="The largest relative difference of the final validation loss that passes.",
+)
 @click.option("--plots", type=click.Path(), help="Also write the two runs' curves overlaid to this folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict and its figures as one JSON object.")
 def compare(run_a, run_b, tolerance, plots, as_json) -> None:
@@ -43,19 +50,31 @@ def compare(run_a, run_b, tolerance, plots, as_json) -> None:
     if plots:
         from frugality.metrics.report import plot_comparison
 
-        result["plot"] = str(plot_comparison(load_trajectory(run_a), load_trajectory(run_b),
-                                             (Path(run_a).name, Path(run_b).name), Path(plots) / "compare.png"))
+        result["plot"] = str(
+            plot_comparison(
+                load_trajectory(run_a),
+                load_trajectory(run_b),
+                (Path(run_a).name, Path(run_b).name),
+                Path(plots) / "compare.png",
+            )
+        )
     if as_json:
         click.echo(json.dumps(result))
     else:
         a, b = (f"{v:.6f}" if isinstance(v, (int, float)) else str(v) for v in result["final_val_loss"])
         diff = result["final_val_rel_diff"]
-        click.echo(f"{result['verdict']}: final validation loss at step {result['final_step']}: {a} (A) vs {b} (B), "
-                   f"{'not a number' if diff is None else format(diff, '+.4%')} (tolerance {result['tolerance']:.4%})")
-        click.echo(f"training loss over {result['train_steps_compared']} shared steps: largest deviation "
-                   f"{result['train_loss_max_rel_dev']:.4%}" + _at(result['train_loss_max_rel_dev_step']))
-        click.echo(f"gradient norm: largest deviation {result['grad_norm_max_rel_dev']:.4%}"
-                   + _at(result['grad_norm_max_rel_dev_step']))
+        click.echo(
+            f"{result['verdict']}: final validation loss at step {result['final_step']}: {a} (A) vs {b} (B), "
+            f"{'not a number' if diff is None else format(diff, '+.4%')} (tolerance {result['tolerance']:.4%})"
+        )
+        click.echo(
+            f"training loss over {result['train_steps_compared']} shared steps: largest deviation "
+            f"{result['train_loss_max_rel_dev']:.4%}" + _at(result["train_loss_max_rel_dev_step"])
+        )
+        click.echo(
+            f"gradient norm: largest deviation {result['grad_norm_max_rel_dev']:.4%}"
+            + _at(result["grad_norm_max_rel_dev_step"])
+        )
         for key, (x, y) in result["cost"].items():
             if x is not None or y is not None:
                 click.echo(f"{key}: {_show(x)} (A) vs {_show(y)} (B)")

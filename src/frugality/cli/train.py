@@ -9,26 +9,49 @@ import click
 
 @click.command()
 @click.argument("recipe", required=False)
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a recipe field, e.g. --set optim.lr=3e-4 (repeatable).")
-@click.option("--run-dir", type=click.Path(),
-              help="Run directory [default: the run whose recipe.toml RECIPE is, else <train.runs_dir>/<name>].")
-@click.option("--fresh", is_flag=True,
-              help="Start over even if the run directory holds a checkpoint (the old run is moved aside).")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a recipe field, e.g. --set optim.lr=3e-4 (repeatable).",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(),
+    help="Run directory [default: the run whose recipe.toml RECIPE is, else <train.runs_dir>/<name>].",
+)
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Start over even if the run directory holds a checkpoint (the old run is moved aside).",
+)
 @click.option("--until-step", type=int, help="Stop (with a checkpoint) after this step; rerun to continue.")
-@click.option("--init-from", type=click.Path(),
-              help="Start a new run from these weights: a run directory, a checkpoint, or a folder "
-                   "from `frugality import hf` or Hugging Face.")
-@click.option("--resume-optimizer", is_flag=True,
-              help="With --init-from a frugality checkpoint: take its optimizer state too.")
+@click.option(
+    "--init-from",
+    type=click.Path(),
+    help="Start a new run from these weights: a run directory, a checkpoint, or a folder "
+    "from `frugality import hf` or Hugging Face.",
+)
+@click.option(
+    "--resume-optimizer", is_flag=True, help="With --init-from a frugality checkpoint: take its optimizer state too."
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs still go to the run directory).")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Processes on this machine (started through torchrun's launcher; parallel.* in the recipe).")
-@click.option("--retries", type=click.IntRange(min=0),
-              help="Rerun a crashed run from its latest valid checkpoint up to this many times "
-                   "[default: train.retries].")
-def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optimizer, no_progress, nproc,
-          retries) -> None:
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Processes on this machine (started through torchrun's launcher; parallel.* in the recipe).",
+)
+@click.option(
+    "--retries",
+    type=click.IntRange(min=0),
+    help="Rerun a crashed run from its latest valid checkpoint up to this many times [default: train.retries].",
+)
+def train(
+    recipe, overrides, run_dir, fresh, until_step, init_from, resume_optimizer, no_progress, nproc, retries
+) -> None:
     """Train a model from RECIPE: a shipped recipe's name (default: tiny) or a .toml file.
 
     A run directory that holds a checkpoint resumes from it. Ctrl-C or SIGTERM finishes
@@ -61,22 +84,33 @@ def train(recipe, overrides, run_dir, fresh, until_step, init_from, resume_optim
         where = Path(run_dir) if run_dir else Path(resolved.train.runs_dir) / resolved.name
         sys.exit(supervise(child, where, retries, resolved.train.retry_backoff_s, log=click.echo))
     if nproc > 1:  # the same command in N processes, started as torchrun starts them
-        sys.exit(distributed.launch_local(nproc, [*argv, "--nproc", "1", "--retries", "0"],
-                                          resolved.parallel.timeout_s))
+        sys.exit(
+            distributed.launch_local(nproc, [*argv, "--nproc", "1", "--retries", "0"], resolved.parallel.timeout_s)
+        )
     try:
-        result = run_training(resolved, run_dir=run_dir, fresh=fresh, until_step=until_step,
-                              progress=not no_progress, init_from=init_from,
-                              resume_optimizer=resume_optimizer)
+        result = run_training(
+            resolved,
+            run_dir=run_dir,
+            fresh=fresh,
+            until_step=until_step,
+            progress=not no_progress,
+            init_from=init_from,
+            resume_optimizer=resume_optimizer,
+        )
     finally:
         distributed.shutdown()
     s = result.summary
     if result.complete and distributed.world_from_env().is_main:
         if until_step is not None and until_step < resolved.train.steps:
-            click.echo(f"{result.run_dir}: already at step {until_step} (--until-step); nothing to do (a later "
-                       "--until-step, or none, trains on)")
+            click.echo(
+                f"{result.run_dir}: already at step {until_step} (--until-step); nothing to do (a later "
+                "--until-step, or none, trains on)"
+            )
         else:
-            click.echo(f"{result.run_dir}: complete at step {result.final_step}; nothing to do (raise train.steps "
-                       "to train on, or --fresh to start over)")
+            click.echo(
+                f"{result.run_dir}: complete at step {result.final_step}; nothing to do (raise train.steps "
+                "to train on, or --fresh to start over)"
+            )
         if not s:
             click.echo(f"{result.run_dir}: no summary.json (the session that finished ended before writing it)")
     if not s:  # a rank other than the first: rank 0 reports
@@ -109,8 +143,10 @@ def _check_ranks(recipe, nproc: int) -> None:
         raise UserError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} CUDA device(s), one per rank")
     cores = len(os.sched_getaffinity(0))
     if device.type == "cpu" and nproc > cores:
-        raise UserError(f"--nproc {nproc}: this machine has {cores} CPU cores, and each CPU rank needs one; "
-                        "more ranks than cores only contend for them (use torchrun across machines for more)")
+        raise UserError(
+            f"--nproc {nproc}: this machine has {cores} CPU cores, and each CPU rank needs one; "
+            "more ranks than cores only contend for them (use torchrun across machines for more)"
+        )
     recipe.for_data_parallel(nproc)
 
 
@@ -124,17 +160,24 @@ def cost_line(c: dict) -> str:
     """The run's cost in one line, each figure's kind in brackets."""
     kind = lambda label: label.split(" ", 1)[0].split(":", 1)[0]  # measured, estimated, declared, catalogue
     labels = c["labels"]
-    money = (f"${c['usd']:.4f} [{kind(labels['price'])}], {_fmt(c['tokens_per_dollar'], ',')} tokens/$"
-             if c.get("usd") is not None else "no price (set cost.instance or cost.price_per_hour)")
-    line = (f"cost: {money}; {c['kwh'] * 1000:.3f} Wh [{kind(labels['energy'])}], "
-            f"{_fmt(c['joules_per_token'], '.4g')} J/token, {c['kg_co2e'] * 1000:.3f} g CO2e")
+    money = (
+        f"${c['usd']:.4f} [{kind(labels['price'])}], {_fmt(c['tokens_per_dollar'], ',')} tokens/$"
+        if c.get("usd") is not None
+        else "no price (set cost.instance or cost.price_per_hour)"
+    )
+    line = (
+        f"cost: {money}; {c['kwh'] * 1000:.3f} Wh [{kind(labels['energy'])}], "
+        f"{_fmt(c['joules_per_token'], '.4g')} J/token, {c['kg_co2e'] * 1000:.3f} g CO2e"
+    )
     target = c.get("target")
     if target:
-        line += (f"; loss {target['loss']:g} reached at step {target['step']:g} after {target['elapsed_s']:.0f} s"
-                 if target["reached"] else f"; loss {target['loss']:g} not reached")
+        line += (
+            f"; loss {target['loss']:g} reached at step {target['step']:g} after {target['elapsed_s']:.0f} s"
+            if target["reached"]
+            else f"; loss {target['loss']:g} not reached"
+        )
     return line + " (summary.json says how each is known)"
 
 
 def _fmt(value, spec: str = ".3f") -> str:
     return "n/a" if value is None else format(value, spec)
-

@@ -49,8 +49,8 @@ from pathlib import Path
 import torch
 
 from frugality import __version__
-from frugality.paths import cache_dir
 from frugality.errors import FrugalityWarning
+from frugality.paths import cache_dir
 
 ENTRY_FORMAT = 1
 MANIFEST = "manifest.json"
@@ -74,8 +74,12 @@ def device_fingerprint(device: torch.device) -> dict:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
-        return {"type": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
-                "cuda": torch.version.cuda}
+        return {
+            "type": "cuda",
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "cuda": torch.version.cuda,
+        }
     info = {"type": device.type, "machine": platform.machine()}
     if device.type == "cpu":
         # The instruction sets Inductor's C++ may be built for (AMX, AVX-512, ...), and the
@@ -86,8 +90,9 @@ def device_fingerprint(device: torch.device) -> dict:
     return info
 
 
-def fingerprint(*, model: dict, micro_batch_size: int, seq_len: int, precision: str, level: str,
-                device: torch.device, options: dict) -> dict:
+def fingerprint(
+    *, model: dict, micro_batch_size: int, seq_len: int, precision: str, level: str, device: torch.device, options: dict
+) -> dict:
     """Everything that makes compiled code valid; two runs with equal fingerprints compile the
     same graphs. Steps, learning rates, datasets and paths are left out: they change no graph."""
     return {
@@ -143,9 +148,12 @@ class CompileCache:
         """Unpack the entry into `into`; a missing entry is a miss, a bad one a warning."""
         if self.remote and not self.signed and self.url not in _warned_unsigned:
             _warned_unsigned.add(self.url)
-            warnings.warn(f"compile cache {self.url}: whoever can write there can run code on this "
-                          f"machine; set {KEY_ENV_VAR} to sign and verify entries (docs/security.md)",
-                          CompileCacheWarning, stacklevel=2)
+            warnings.warn(
+                f"compile cache {self.url}: whoever can write there can run code on this "
+                f"machine; set {KEY_ENV_VAR} to sign and verify entries (docs/security.md)",
+                CompileCacheWarning,
+                stacklevel=2,
+            )
         try:
             manifest = self._read_manifest()
             if manifest is None:
@@ -158,8 +166,9 @@ class CompileCache:
                 return FetchResult(False)
             data = self.fs.cat_file(f"{self.entry}/{manifest['archive']}")
             if len(data) != manifest["size"] or hashlib.sha256(data).hexdigest() != manifest["sha256"]:
-                self._warn(f"archive {manifest['archive']} does not match its manifest (corrupt, "
-                           "partly written or altered)")
+                self._warn(
+                    f"archive {manifest['archive']} does not match its manifest (corrupt, partly written or altered)"
+                )
                 return FetchResult(False)
             members = _read_archive(data)
             if "files" in manifest and (problem := _files_problem(members, manifest["files"])):
@@ -186,13 +195,15 @@ class CompileCache:
                 "archive": archive,
                 "size": len(data),
                 "sha256": digest,
-                "files": {name: hashlib.sha256(content).hexdigest()
-                          for name, content in _read_archive(data).items()},
+                "files": {name: hashlib.sha256(content).hexdigest() for name, content in _read_archive(data).items()},
                 "frugality": __version__,
             }
             if self.signed:
-                manifest["signature"] = {"alg": "hmac-sha256", "key_id": key_id(self._key),
-                                         "value": _mac(self._key, manifest)}
+                manifest["signature"] = {
+                    "alg": "hmac-sha256",
+                    "key_id": key_id(self._key),
+                    "value": _mac(self._key, manifest),
+                }
             staged = f"{self.entry}/.{MANIFEST}.{uuid.uuid4().hex}"
             self.fs.pipe_file(staged, json.dumps(manifest, indent=1).encode())
             self.fs.mv(staged, f"{self.entry}/{MANIFEST}")  # the entry switches here
@@ -231,8 +242,7 @@ class CompileCache:
             return None
 
     def _warn(self, what: str) -> None:
-        warnings.warn(f"compile cache entry {self!r} {what}; ignoring it", CompileCacheWarning,
-                      stacklevel=3)
+        warnings.warn(f"compile cache entry {self!r} {what}; ignoring it", CompileCacheWarning, stacklevel=3)
 
 
 def key_id(key: bytes) -> str:

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from frugality.config.recipe import COMPILE_LEVELS as LEVELS
-
 
 @dataclass(frozen=True)
 class CompileLevel:
@@ -34,8 +32,9 @@ class CompileLevel:
 _LEVELS = {
     "O0": CompileLevel("O0", None, "eager: no compilation"),
     "O1": CompileLevel("O1", "default", "transformer blocks compiled with Inductor's defaults"),
-    "O2": CompileLevel("O2", "max-autotune-no-cudagraphs",
-                       "transformer blocks compiled with autotuned matrix-product templates"),
+    "O2": CompileLevel(
+        "O2", "max-autotune-no-cudagraphs", "transformer blocks compiled with autotuned matrix-product templates"
+    ),
 }
 
 

@@ -37,7 +37,6 @@ from frugality.compile.cache import KEY_ENV_VAR, CompileCache, cache_url, finger
 from frugality.compile.levels import apply_level, get_level, graph_name, inductor_options, revert_to_eager
 from frugality.errors import FrugalityWarning, UserError
 
-
 T = TypeVar("T")
 
 
@@ -98,20 +97,35 @@ def _fleet_key(variable: str) -> bytes | None:
     cannot name another variable, and a key too short to be a secret (a variable such as
     HOME, guessable by whoever wrote the recipe) is refused."""
     if variable != KEY_ENV_VAR and os.environ.get(KEY_ENV_VAR):
-        raise UserError(f"compile.cache_key_env = {variable!r} while {KEY_ENV_VAR} is set: a recipe may not "
-                        "choose another cache key (docs/security.md)")
+        raise UserError(
+            f"compile.cache_key_env = {variable!r} while {KEY_ENV_VAR} is set: a recipe may not "
+            "choose another cache key (docs/security.md)"
+        )
     key = os.environ.get(variable, "")
     if key and len(key) < MIN_KEY_LENGTH:
-        raise UserError(f"the compile cache key in ${variable} has {len(key)} characters; a fleet key needs at "
-                        f"least {MIN_KEY_LENGTH} random ones (docs/security.md)")
+        raise UserError(
+            f"the compile cache key in ${variable} has {len(key)} characters; a fleet key needs at "
+            f"least {MIN_KEY_LENGTH} random ones (docs/security.md)"
+        )
     return key.encode() or None
 
 
 class CompileSession:
-    def __init__(self, level: str, *, cache: str | None, on_recompile: str, fallback: bool,
-                 model_config: dict, micro_batch_size: int, seq_len: int, precision: str,
-                 compute_dtype: torch.dtype, device: torch.device,
-                 cache_key_env: str = KEY_ENV_VAR) -> None:
+    def __init__(
+        self,
+        level: str,
+        *,
+        cache: str | None,
+        on_recompile: str,
+        fallback: bool,
+        model_config: dict,
+        micro_batch_size: int,
+        seq_len: int,
+        precision: str,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        cache_key_env: str = KEY_ENV_VAR,
+    ) -> None:
         self.level = get_level(level)
         self.enabled = self.level.mode is not None
         self.on_recompile = on_recompile
@@ -120,8 +134,15 @@ class CompileSession:
         self.cache: CompileCache | None = None
         if self.enabled:
             self.options = inductor_options(device, compute_dtype)
-            fp = fingerprint(model=model_config, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                             precision=precision, level=level, device=device, options=self.options)
+            fp = fingerprint(
+                model=model_config,
+                micro_batch_size=micro_batch_size,
+                seq_len=seq_len,
+                precision=precision,
+                level=level,
+                device=device,
+                options=self.options,
+            )
             key = _fleet_key(cache_key_env)  # never logged or stored
             self.cache = CompileCache(cache_url(cache), fp, key)
             self.stats.cache = repr(self.cache)
@@ -137,11 +158,19 @@ class CompileSession:
     def for_recipe(cls, recipe, device: torch.device, policy) -> "CompileSession":
         """The session `recipe` asks for, under the resolved precision `policy`."""
         c = recipe.compile
-        return cls(c.level, cache=c.cache, on_recompile=c.on_recompile, fallback=c.fallback,
-                   cache_key_env=c.cache_key_env,
-                   model_config=recipe.model.model_dump(mode="json"),
-                   micro_batch_size=recipe.data.micro_batch_size, seq_len=recipe.data.seq_len,
-                   precision=policy.key, compute_dtype=policy.graph_dtype, device=device)
+        return cls(
+            c.level,
+            cache=c.cache,
+            on_recompile=c.on_recompile,
+            fallback=c.fallback,
+            cache_key_env=c.cache_key_env,
+            model_config=recipe.model.model_dump(mode="json"),
+            micro_batch_size=recipe.data.micro_batch_size,
+            seq_len=recipe.data.seq_len,
+            precision=policy.key,
+            compute_dtype=policy.graph_dtype,
+            device=device,
+        )
 
     # -- 1. start ---------------------------------------------------------------------------
     def start(self, model: torch.nn.Module) -> None:
@@ -222,7 +251,8 @@ class CompileSession:
         reasons = [
             f"{m.co_name} ({os.path.basename(m.co_filename or '?')}:{m.co_firstlineno}): "
             f"{_guard_reason(m.recompile_reason) if m.recompile_reason else 'a new graph'}"
-            for m in new if m.co_name is not None  # None: a backward compiled with its forward
+            for m in new
+            if m.co_name is not None  # None: a backward compiled with its forward
         ]
         self.stats.recompiles += len(reasons)
         self.stats.recompile_reasons += reasons
@@ -230,8 +260,9 @@ class CompileSession:
             message = f"compile: recompiled after warm-up at step {step}: {reason}"
             if self.on_recompile == "error":
                 raise RecompileError(
-                    f"{message} (compile.on_recompile = \"error\"; the data path keeps shapes "
-                    "static, so a changed batch shape or a new code path caused it)")
+                    f'{message} (compile.on_recompile = "error"; the data path keeps shapes '
+                    "static, so a changed batch shape or a new code path caused it)"
+                )
             warnings.warn(message, RecompileWarning, stacklevel=3)
         return reasons
 
@@ -291,9 +322,14 @@ class CompileSession:
         self.stats.cache_hits = hits - self._base[0]
         self.stats.cache_misses = misses - self._base[1]
         self.stats.graphs = self.stats.cache_hits + self.stats.cache_misses
-        self.stats.compile_s = round(sum(
-            (m.entire_frame_compile_time_s or 0.0) + (m.backward_cumulative_compile_time_us or 0) / 1e6
-            for m in _metrics() if not any(m is s for s in self._start_metrics)), 2)
+        self.stats.compile_s = round(
+            sum(
+                (m.entire_frame_compile_time_s or 0.0) + (m.backward_cumulative_compile_time_us or 0) / 1e6
+                for m in _metrics()
+                if not any(m is s for s in self._start_metrics)
+            ),
+            2,
+        )
 
 
 def _is_compile_failure(error: Exception) -> bool:

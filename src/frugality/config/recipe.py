@@ -29,7 +29,6 @@ from pydantic import (
 from frugality.errors import UserError
 from frugality.models import FAMILIES, ModelConfig
 
-
 # The allowed values of each setting, listed once: the packages that implement them
 # (frugality.precision, frugality.compile.levels, frugality.tasks) read them from here.
 PRECISIONS = ("auto", "fp32", "amp-bf16", "bf16-sr", "bf16", "fp8")
@@ -58,11 +57,14 @@ class DataConfig(_Section):
     )
     val_fraction: float = Field(default=0.02, gt=0.0, lt=0.5)
     fields: tuple[str, str] | tuple[str, str, str] = Field(
-        default=("query", "text"), description="contrastive: the JSONL fields of the query, the positive and "
-        "(optionally) a hard negative")
+        default=("query", "text"),
+        description="contrastive: the JSONL fields of the query, the positive and (optionally) a hard negative",
+    )
     buckets: tuple[PositiveInt, ...] = Field(
-        default=(), description="contrastive: the padded lengths a batch may take besides seq_len (the "
-        "longest); each is one compiled shape")
+        default=(),
+        description="contrastive: the padded lengths a batch may take besides seq_len (the "
+        "longest); each is one compiled shape",
+    )
     mask_prob: float = Field(default=0.15, gt=0.0, lt=1.0, description="masked_lm: share of tokens predicted")
 
     @model_validator(mode="after")
@@ -70,8 +72,10 @@ class DataConfig(_Section):
         if any(b > self.seq_len for b in self.buckets):
             raise ValueError(f"buckets ({list(self.buckets)}) must not exceed seq_len ({self.seq_len})")
         if len({*self.buckets, self.seq_len}) > 4:  # x 2 (training, evaluation): dynamo's 8 graphs per code
-            raise ValueError(f"buckets ({list(self.buckets)}): at most three besides seq_len (each is a compiled "
-                             "graph for training and one for evaluation)")
+            raise ValueError(
+                f"buckets ({list(self.buckets)}): at most three besides seq_len (each is a compiled "
+                "graph for training and one for evaluation)"
+            )
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"global_batch_size ({self.global_batch_size}) must be a multiple of "
@@ -104,42 +108,64 @@ class TrainConfig(_Section):
     steps: PositiveInt = 1000
     eval_interval: PositiveInt = 100
     eval_samples: PositiveInt = Field(
-        default=64, description="validation samples per evaluation, the same ones every time and at any "
-        "micro-batch and process count (all of the held-out split where it is smaller)")
+        default=64,
+        description="validation samples per evaluation, the same ones every time and at any "
+        "micro-batch and process count (all of the held-out split where it is smaller)",
+    )
     eval_batches: PositiveInt | None = Field(
-        default=None, description="older recipes' count of micro-batches: read as eval_samples = eval_batches x "
-        "data.micro_batch_size (the samples it meant)")
+        default=None,
+        description="older recipes' count of micro-batches: read as eval_samples = eval_batches x "
+        "data.micro_batch_size (the samples it meant)",
+    )
     save_interval: PositiveInt = 1000
     keep_checkpoints: PositiveInt = Field(default=2, description="newest checkpoints to keep")
     async_checkpoint: bool = Field(
-        default=False, description="write checkpoints from a background thread while training goes on "
-        "(the state is first copied to host memory: that much more of it); see docs/checkpoints.md")
+        default=False,
+        description="write checkpoints from a background thread while training goes on "
+        "(the state is first copied to host memory: that much more of it); see docs/checkpoints.md",
+    )
     on_nonfinite: Literal["skip", "rollback", "stop"] = Field(
-        default="skip", description="a step whose loss or gradients are not finite (or whose loss spikes, "
+        default="skip",
+        description="a step whose loss or gradients are not finite (or whose loss spikes, "
         "train.loss_spike) is never applied: skip it and go on, rolling back after train.max_skipped in a "
-        "row; roll back to the last checkpoint at once; or stop at once. Past train.max_rollbacks, stop")
+        "row; roll back to the last checkpoint at once; or stop at once. Past train.max_rollbacks, stop",
+    )
     max_skipped: PositiveInt = Field(default=3, description="consecutive skipped steps that roll the run back")
     max_rollbacks: NonNegativeInt = Field(
-        default=1, description="rollbacks to the last checkpoint (with the rest of the epoch reshuffled) "
-        "before a diverging run stops with exit status 3")
+        default=1,
+        description="rollbacks to the last checkpoint (with the rest of the epoch reshuffled) "
+        "before a diverging run stops with exit status 3",
+    )
     loss_spike: float | None = Field(
-        default=None, gt=1.0, description="a step whose loss exceeds this many times the median of the "
-        "last train.loss_spike_window applied steps is a bad step, like a non-finite one (unset: off)")
+        default=None,
+        gt=1.0,
+        description="a step whose loss exceeds this many times the median of the "
+        "last train.loss_spike_window applied steps is a bad step, like a non-finite one (unset: off)",
+    )
     loss_spike_window: int = Field(default=50, ge=4, description="applied steps the loss-spike median spans")
     retries: NonNegativeInt = Field(
-        default=0, description="frugality train reruns a crashed run from its latest valid checkpoint up to "
-        "this many times (see frugality.training.supervisor)")
-    retry_backoff_s: NonNegativeFloat = Field(default=5.0, description="wait before the first retry, doubled "
-                                              "for each one after")
+        default=0,
+        description="frugality train reruns a crashed run from its latest valid checkpoint up to "
+        "this many times (see frugality.training.supervisor)",
+    )
+    retry_backoff_s: NonNegativeFloat = Field(
+        default=5.0, description="wait before the first retry, doubled for each one after"
+    )
     step_timeout_s: PositiveFloat | None = Field(
-        default=None, description="a step or evaluation that takes longer (after the first step) writes every "
-        "thread's stack to hang-rank<R>.txt in the run directory and exits with status 5; unset: no watchdog")
+        default=None,
+        description="a step or evaluation that takes longer (after the first step) writes every "
+        "thread's stack to hang-rank<R>.txt in the run directory and exits with status 5; unset: no watchdog",
+    )
     check_memory: bool = Field(
-        default=True, description="refuse, before anything is written, a run whose memory plan (frugality "
-        "plan) exceeds the memory free on its device")
+        default=True,
+        description="refuse, before anything is written, a run whose memory plan (frugality "
+        "plan) exceeds the memory free on its device",
+    )
     preflight: bool = Field(
-        default=False, description="run the quick health checks on every rank before step 1 (products, "
-        "stochastic rounding, disk, and the collectives' values); refuse to start on a failure")
+        default=False,
+        description="run the quick health checks on every rank before step 1 (products, "
+        "stochastic rounding, disk, and the collectives' values); refuse to start on a failure",
+    )
     log_interval: PositiveInt = 1
     precision: Literal[PRECISIONS] = Field(
         default="auto",
@@ -171,7 +197,8 @@ class CompileConfig(_Section):
         "(s3://bucket/prefix, file://...); default $FRUGALITY_COMPILE_CACHE, else the user cache",
     )
     cache_key_env: str = Field(
-        default="FRUGALITY_CACHE_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        default="FRUGALITY_CACHE_KEY",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="the environment variable holding the fleet key that signs published cache "
         "entries and that fetched ones must be signed with (unset: entries are not authenticated; "
         "docs/security.md). The key itself is never read from a recipe",
@@ -179,9 +206,7 @@ class CompileConfig(_Section):
     on_recompile: Literal["warn", "error"] = Field(
         default="warn", description="what a compilation after warm-up does: warn, or stop the run"
     )
-    fallback: bool = Field(
-        default=True, description="a graph that fails to compile runs eagerly (false: stop)"
-    )
+    fallback: bool = Field(default=True, description="a graph that fails to compile runs eagerly (false: stop)")
 
 
 class ParallelConfig(_Section):
@@ -189,20 +214,27 @@ class ParallelConfig(_Section):
     frugality.distributed and docs/distributed.md. One process ignores it."""
 
     data: Literal[DATA_PARALLEL] = Field(
-        default="ddp", description="ddp: replicas, gradients all-reduced; fsdp: FSDP2, parameters, "
+        default="ddp",
+        description="ddp: replicas, gradients all-reduced; fsdp: FSDP2, parameters, "
         "gradients and optimizer state sharded per transformer block; hsdp: FSDP2 sharded within "
-        "groups of parallel.shard_size ranks, replicated across the groups")
+        "groups of parallel.shard_size ranks, replicated across the groups",
+    )
     shard_size: PositiveInt | None = Field(
-        default=None, description="hsdp: ranks per shard group (default: the processes per node); "
-        "must divide the world size")
+        default=None,
+        description="hsdp: ranks per shard group (default: the processes per node); must divide the world size",
+    )
     reshard_after_forward: bool = Field(
-        default=True, description="fsdp/hsdp: free each block's gathered parameters after its forward "
-        "(gathered again for backward); false keeps them, trading memory for one all-gather less")
+        default=True,
+        description="fsdp/hsdp: free each block's gathered parameters after its forward "
+        "(gathered again for backward); false keeps them, trading memory for one all-gather less",
+    )
     timeout_s: PositiveInt = Field(default=600, description="a collective waiting longer fails the run")
     gather_negatives: bool = Field(
-        default=False, description="contrastive training: each query is scored against every rank's documents "
+        default=False,
+        description="contrastive training: each query is scored against every rank's documents "
         "(gathered, gradients flowing back), not only its own rank's: world-size times the in-batch negatives, "
-        "as one process with world-size times the micro-batch")
+        "as one process with world-size times the micro-batch",
+    )
 
 
 class MetricsConfig(_Section):
@@ -219,13 +251,19 @@ class CostConfig(_Section):
     price_per_hour: PositiveFloat | None = Field(default=None, description="USD per hour; overrides the catalogue's")
     catalogue: str | None = Field(default=None, description="a CSV of instances merged over the bundled catalogue")
     watts: PositiveFloat | None = Field(
-        default=None, description="the machine's draw; declared, it replaces the energy meters")
-    pue: float | None = Field(default=None, ge=1.0, description="power usage effectiveness; default: the "
-                              "instance's provider's figure, else 1.0")
+        default=None, description="the machine's draw; declared, it replaces the energy meters"
+    )
+    pue: float | None = Field(
+        default=None,
+        ge=1.0,
+        description="power usage effectiveness; default: the instance's provider's figure, else 1.0",
+    )
     grid_gco2_per_kwh: NonNegativeFloat = Field(
-        default=436.0, description="grid carbon intensity; default: world average 2022 (Ember)")
+        default=436.0, description="grid carbon intensity; default: world average 2022 (Ember)"
+    )
     target_loss: PositiveFloat | None = Field(
-        default=None, description="report the time, dollars and energy to reach this validation loss")
+        default=None, description="report the time, dollars and energy to reach this validation loss"
+    )
 
 
 class Recipe(_Section):
@@ -260,15 +298,9 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _check(self) -> "Recipe":
         if self.data.seq_len > self.model.max_seq_len:
-            raise ValueError(
-                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len "
-                f"({self.model.max_seq_len})"
-            )
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         if self.optim.warmup_steps > self.train.steps:
-            raise ValueError(
-                f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds train.steps "
-                f"({self.train.steps})"
-            )
+            raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
         return self
 
     def to_toml(self) -> str:
@@ -281,28 +313,32 @@ class Recipe(_Section):
         A global batch that the ranks cannot share evenly is a UserError."""
         d = self.data
         if d.global_batch_size % ranks:
-            raise UserError(f"data.global_batch_size ({d.global_batch_size}) cannot be shared evenly by {ranks} "
-                            f"data-parallel ranks; choose a multiple of {ranks} (--set data.global_batch_size=N) "
-                            "or another process count")
+            raise UserError(
+                f"data.global_batch_size ({d.global_batch_size}) cannot be shared evenly by {ranks} "
+                f"data-parallel ranks; choose a multiple of {ranks} (--set data.global_batch_size=N) "
+                "or another process count"
+            )
         per_rank = d.global_batch_size // ranks
         if per_rank % d.micro_batch_size == 0:
             return self, None
         micro = max(m for m in range(1, d.micro_batch_size + 1) if per_rank % m == 0)
         if self.train.task == "contrastive" and micro < 2:
-            raise UserError(f"data.global_batch_size ({d.global_batch_size}) over {ranks} ranks leaves {per_rank} "
-                            "pair(s) per rank, and contrastive training needs micro-batches of at least two pairs "
-                            "that divide it; choose another global batch or process count")
-        note = (f"data.micro_batch_size {d.micro_batch_size} -> {micro}: the global batch of {d.global_batch_size} "
-                f"over {ranks} ranks is {per_rank} each, {per_rank // micro} micro-batch(es) of {micro}")
+            raise UserError(
+                f"data.global_batch_size ({d.global_batch_size}) over {ranks} ranks leaves {per_rank} "
+                "pair(s) per rank, and contrastive training needs micro-batches of at least two pairs "
+                "that divide it; choose another global batch or process count"
+            )
+        note = (
+            f"data.micro_batch_size {d.micro_batch_size} -> {micro}: the global batch of {d.global_batch_size} "
+            f"over {ranks} ranks is {per_rank} each, {per_rank // micro} micro-batch(es) of {micro}"
+        )
         return self.model_copy(update={"data": d.model_copy(update={"micro_batch_size": micro})}), note
 
 
 def shipped_recipes() -> dict[str, Path]:
     """Recipes that ship inside the package, by name."""
     folder = resources.files("frugality") / "recipes"
-    return {
-        Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".toml")
-    }
+    return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".toml")}
 
 
 def find_recipe(name_or_path: str | None) -> Path:
@@ -317,8 +353,7 @@ def find_recipe(name_or_path: str | None) -> Path:
     shipped = shipped_recipes()
     if name_or_path not in shipped:
         raise UserError(
-            f"no recipe named {name_or_path!r} (shipped: {', '.join(sorted(shipped))}; "
-            "or give a path to a .toml file)"
+            f"no recipe named {name_or_path!r} (shipped: {', '.join(sorted(shipped))}; or give a path to a .toml file)"
         )
     return shipped[name_or_path]
 
@@ -372,8 +407,7 @@ def _describe(error: ValidationError, path: Path, from_cli: dict[str, str]) -> s
 
 def _describe_one(problem: dict, path: Path, from_cli: dict[str, str]) -> str:
     # A discriminated union puts the chosen family in the location: model.llama.hidden_size.
-    loc = [p for i, p in enumerate(problem["loc"]) if not (i == 1 and problem["loc"][0] == "model"
-                                                           and p in FAMILIES)]
+    loc = [p for i, p in enumerate(problem["loc"]) if not (i == 1 and problem["loc"][0] == "model" and p in FAMILIES)]
     key = ".".join(str(p) for p in loc)
     message = problem["msg"].removeprefix("Value error, ")
     if problem["type"] == "union_tag_invalid":
@@ -402,7 +436,11 @@ def _flags_behind(key: str, message: str, kind: str, from_cli: dict[str, str]) -
     for flag_key, item in from_cli.items():
         if key and flag_key != key and not flag_key.startswith(key + "."):
             continue
-        if flag_key == key or kind == "extra_forbidden" or flag_key in message or \
-                re.search(rf"\b{re.escape(flag_key.rsplit('.', 1)[-1])}\b", message):
+        if (
+            flag_key == key
+            or kind == "extra_forbidden"
+            or flag_key in message
+            or re.search(rf"\b{re.escape(flag_key.rsplit('.', 1)[-1])}\b", message)
+        ):
             found.append(item)
     return found

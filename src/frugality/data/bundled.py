@@ -7,10 +7,10 @@ import hashlib
 from importlib import resources
 from pathlib import Path
 
-from frugality.paths import cache_dir
 from frugality.data.indexed import paths
 from frugality.data.prepare import prepare
 from frugality.data.tokenizer import LoadedTokenizer
+from frugality.paths import cache_dir
 
 BUNDLED_PREFIX = "bundled:"
 _CORPORA = ("gutenberg",)

@@ -161,9 +161,7 @@ class IndexedDataset:
         # The token stream of all sequences back to back; documents end with EOD tokens
         # when written by `frugality data prepare` (or megatron's preprocess_data --append-eod).
         self.tokens = (
-            np.memmap(bin_path, dtype=self.dtype, mode="r")
-            if self.num_tokens
-            else np.zeros(0, dtype=self.dtype)
+            np.memmap(bin_path, dtype=self.dtype, mode="r") if self.num_tokens else np.zeros(0, dtype=self.dtype)
         )
 
     @property

@@ -128,7 +128,11 @@ class TrainStream:
 
 
 def validation_batches(
-    samples: PackedSamples, count: int, micro_batch_size: int, rank: int = 0, world_size: int = 1,
+    samples: PackedSamples,
+    count: int,
+    micro_batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> tuple[list[torch.Tensor], int]:
     """The same validation samples at every evaluation, whatever the micro-batch and the
     world size: the first `count` of the split, or the whole split where it is smaller. They

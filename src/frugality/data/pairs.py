@@ -39,8 +39,9 @@ class TextBatch:
         return self.ids.shape[0] // self.groups
 
     def to(self, device, non_blocking: bool = False) -> "TextBatch":
-        return TextBatch(self.ids.to(device, non_blocking=non_blocking),
-                         self.mask.to(device, non_blocking=non_blocking), self.groups)
+        return TextBatch(
+            self.ids.to(device, non_blocking=non_blocking), self.mask.to(device, non_blocking=non_blocking), self.groups
+        )
 
 
 def read_pairs(path: Path, fields: tuple[str, ...]) -> list[list[str]]:
@@ -61,8 +62,10 @@ def read_pairs(path: Path, fields: tuple[str, ...]) -> list[list[str]]:
                 for column, name in zip(columns, fields):
                     text = row.get(name)
                     if not isinstance(text, str) or not text.strip():
-                        raise UserError(f"{path}:{number}: field {name!r} is missing or not a non-empty string "
-                                        "(choose the fields with data.fields)")
+                        raise UserError(
+                            f"{path}:{number}: field {name!r} is missing or not a non-empty string "
+                            "(choose the fields with data.fields)"
+                        )
                     column.append(text)
     except (OSError, EOFError, UnicodeDecodeError) as e:
         if isinstance(e, FileNotFoundError):
@@ -76,8 +79,15 @@ def read_pairs(path: Path, fields: tuple[str, ...]) -> list[list[str]]:
 class PairSamples:
     """Tokenized pairs, split into training and validation by a seeded permutation."""
 
-    def __init__(self, path: str | Path, tokenizer: Tokenizer, fields: tuple[str, ...], buckets: tuple[int, ...],
-                 val_fraction: float, seed: int) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: Tokenizer,
+        fields: tuple[str, ...],
+        buckets: tuple[int, ...],
+        val_fraction: float,
+        seed: int,
+    ) -> None:
         self.path, self.seed, self.groups = Path(path), seed, len(fields)
         self.buckets = tuple(sorted(buckets))
         columns = read_pairs(self.path, fields)
@@ -95,8 +105,10 @@ class PairSamples:
         order = np.random.default_rng([seed, 0xDA7A]).permutation(self.num_pairs)
         n_val = max(1, round(val_fraction * self.num_pairs))
         if n_val >= self.num_pairs:
-            raise UserError(f"data.dataset {self.path}: {self.num_pairs} pairs leave none for training after the "
-                            f"validation split (data.val_fraction = {val_fraction})")
+            raise UserError(
+                f"data.dataset {self.path}: {self.num_pairs} pairs leave none for training after the "
+                f"validation split (data.val_fraction = {val_fraction})"
+            )
         self.val_ids = np.sort(order[:n_val])
         self.train_ids = np.sort(order[n_val:])
 
@@ -112,8 +124,8 @@ class PairSamples:
         tokens = torch.zeros(len(rows), length, dtype=torch.long)
         mask = torch.zeros(len(rows), length, dtype=torch.long)
         for j, row in enumerate(rows):
-            tokens[j, :len(row)] = torch.from_numpy(row.astype(np.int64))
-            mask[j, :len(row)] = 1
+            tokens[j, : len(row)] = torch.from_numpy(row.astype(np.int64))
+            mask[j, : len(row)] = 1
         return TextBatch(tokens, mask, self.groups)
 
     def gather_step(self, ids: list[np.ndarray]) -> list[TextBatch]:
@@ -126,5 +138,6 @@ class PairSamples:
         return next(b for b in self.buckets if b >= longest)
 
     def _rows(self, ids: np.ndarray) -> list[np.ndarray]:
-        return [self._ids[g][self._starts[g][i]:self._starts[g][i + 1]] for g in range(self.groups)
-                for i in ids.tolist()]
+        return [
+            self._ids[g][self._starts[g][i] : self._starts[g][i + 1]] for g in range(self.groups) for i in ids.tolist()
+        ]

@@ -17,7 +17,7 @@ def not_utf8(text: str) -> tuple[int, str] | None:
     if found is None:
         return None
     start = text.rfind("\n", 0, found.start()) + 1
-    column = len(text[start:found.start()].encode("utf-8", "surrogateescape"))
+    column = len(text[start : found.start()].encode("utf-8", "surrogateescape"))
     byte = ord(found.group()) - 0xDC00
     return text.count("\n", 0, start) + 1, f"not UTF-8 text (byte 0x{byte:02x} at offset {column} in the line)"
 
@@ -26,5 +26,6 @@ def json_type(value) -> str:
     """What a JSON value is, in JSON's words (for `field 'text' is not a string (a number)`)."""
     if value is None:
         return "null"
-    return {bool: "a boolean", int: "a number", float: "a number", list: "an array",
-            dict: "an object"}.get(type(value), type(value).__name__)
+    return {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}.get(
+        type(value), type(value).__name__
+    )

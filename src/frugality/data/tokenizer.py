@@ -54,8 +54,7 @@ def load_tokenizer(name_or_path: str) -> LoadedTokenizer:
         path, source = Path(name_or_path), str(Path(name_or_path).resolve())
         if not path.exists():
             raise UserError(
-                f"tokenizer {name_or_path!r}: no such file or folder "
-                f"(shipped: {', '.join(sorted(set(_ALIASES)))})"
+                f"tokenizer {name_or_path!r}: no such file or folder (shipped: {', '.join(sorted(set(_ALIASES)))})"
             )
     tokenizer = _open(path)
     eod = next((tid for t in _EOD_CANDIDATES if (tid := tokenizer.token_to_id(t)) is not None), None)
@@ -78,9 +77,7 @@ def _open(path: Path) -> Tokenizer:
             return Tokenizer.from_str(bpe.to_str())
     except Exception as e:  # the library raises bare Exceptions on malformed files
         raise UserError(f"tokenizer {path}: cannot be read: {e}") from None
-    raise UserError(
-        f"tokenizer {path}: expected tokenizer.json, or vocab.json/encoder.json + merges.txt/vocab.bpe"
-    )
+    raise UserError(f"tokenizer {path}: expected tokenizer.json, or vocab.json/encoder.json + merges.txt/vocab.bpe")
 
 
 def _first(folder: Path, *names: str) -> Path | None:

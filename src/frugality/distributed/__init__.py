@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as launch
@@ -73,8 +73,10 @@ def launch_local(nproc: int, args: list[str], shutdown_timeout_s: int | None = N
         # launcher's SIGTERM (the OOM killer, a lost node), else one that exited of its own
         # accord; the others' SIGTERM is usually the launcher tearing them down after it.
         failures = sorted(e.failures.items())
-        rank, failure = next(((r, f) for r, f in failures if f.exitcode < 0 and f.exitcode != -signal.SIGTERM),
-                             next(((r, f) for r, f in failures if f.exitcode > 0), failures[0]))
+        rank, failure = next(
+            ((r, f) for r, f in failures if f.exitcode < 0 and f.exitcode != -signal.SIGTERM),
+            next(((r, f) for r, f in failures if f.exitcode > 0), failures[0]),
+        )
         if failure.exitcode == 130:  # stopped by a signal after a checkpoint: rank 0 said so
             return 130
         if failure.exitcode < 0:
@@ -113,8 +115,9 @@ def follow_launcher() -> None:
 def world_from_env() -> World:
     """This process's place, from the variables torchrun sets (world size 1 without them)."""
     try:
-        return World(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                     int(os.environ.get("LOCAL_RANK", 0)))
+        return World(
+            int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+        )
     except ValueError:
         raise UserError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)") from None
 
@@ -249,7 +252,7 @@ class _GatherWithGrad(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone(memory_format=torch.contiguous_format)  # reduced in place: never autograd's own
         dist.all_reduce(grad)  # a reduce-scatter, on every backend (gloo has none); the rows are few
-        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
+        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]
 
 
 def gather_with_grad(rows: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -46,17 +46,27 @@ def render(job: SlurmJob) -> str:
         "--requeue",  # preempted or a node lost: run again, resuming from the last checkpoint
         f"--output={job.run_dir}.slurm-%j.out",  # beside the run: SLURM opens it before the script runs
     ]
-    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "",
-             "# Written by `frugality launch slurm`; submit with sbatch.",
-             "set -euo pipefail",
-             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)', ""]
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {d}" for d in directives),
+        "",
+        "# Written by `frugality launch slurm`; submit with sbatch.",
+        "set -euo pipefail",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "",
+    ]
     if job.compile_first:
-        lines += ["# 1. compile the graphs once, into the shared cache (compile.cache or $FRUGALITY_COMPILE_CACHE)",
-                  f"srun --nodes=1 --ntasks=1 {PYTHON} -m frugality compile {recipe_args} "
-                  f"--ranks {job.nodes * job.procs_per_node} --no-progress", ""]
-    lines += [f"# {'2' if job.compile_first else '1'}. train: torchrun on every node, rendezvous at the first",
-              "srun --kill-on-bad-exit=1 " + torchrun_command(job, "$SLURM_NNODES", "$head_node", "$SLURM_JOB_ID"),
-              ""]
+        lines += [
+            "# 1. compile the graphs once, into the shared cache (compile.cache or $FRUGALITY_COMPILE_CACHE)",
+            f"srun --nodes=1 --ntasks=1 {PYTHON} -m frugality compile {recipe_args} "
+            f"--ranks {job.nodes * job.procs_per_node} --no-progress",
+            "",
+        ]
+    lines += [
+        f"# {'2' if job.compile_first else '1'}. train: torchrun on every node, rendezvous at the first",
+        "srun --kill-on-bad-exit=1 " + torchrun_command(job, "$SLURM_NNODES", "$head_node", "$SLURM_JOB_ID"),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -64,6 +74,8 @@ def torchrun_command(job: SlurmJob, nnodes: str, head: str, job_id: str, port: i
     """The training step's command on one node (shell-quoted, variables left to the shell)."""
     sets = [a for o in job.overrides for a in ("--set", o)]
     train = ["-m", "frugality", "train", job.recipe, *sets, "--run-dir", job.run_dir, "--no-progress"]
-    return (f"{PYTHON} -m torch.distributed.run --nnodes={nnodes} --nproc_per_node={job.procs_per_node} "
-            f"--rdzv-backend=c10d --rdzv-endpoint={head}:{port} --rdzv-id={job_id} "
-            + " ".join(shlex.quote(a) for a in train))
+    return (
+        f"{PYTHON} -m torch.distributed.run --nnodes={nnodes} --nproc_per_node={job.procs_per_node} "
+        f"--rdzv-backend=c10d --rdzv-endpoint={head}:{port} --rdzv-id={job_id} "
+        + " ".join(shlex.quote(a) for a in train)
+    )

@@ -15,12 +15,24 @@ PASS, FAIL, INFO = "pass", "fail", "info"
 # Per device kind. Floors that catch a broken or misconfigured machine (a link fallen back
 # to sockets, a full disk), not targets: a healthy machine clears them by far.
 THRESHOLDS = {
-    "cpu": {"fp32_product_rel_error": 1e-5, "bf16_product_rel_error": 1e-2, "sr_mean_bias_steps": 0.01,
-            "min_free_disk_gib": 1.0, "min_disk_write_mb_s": 20.0, "min_bus_bandwidth_gb_s": 0.05,
-            "max_small_latency_ms": 50.0},
-    "cuda": {"fp32_product_rel_error": 1e-2,  # TF32 products where enabled
-             "bf16_product_rel_error": 1e-2, "sr_mean_bias_steps": 0.01, "min_free_disk_gib": 10.0,
-             "min_disk_write_mb_s": 100.0, "min_bus_bandwidth_gb_s": 5.0, "max_small_latency_ms": 5.0},
+    "cpu": {
+        "fp32_product_rel_error": 1e-5,
+        "bf16_product_rel_error": 1e-2,
+        "sr_mean_bias_steps": 0.01,
+        "min_free_disk_gib": 1.0,
+        "min_disk_write_mb_s": 20.0,
+        "min_bus_bandwidth_gb_s": 0.05,
+        "max_small_latency_ms": 50.0,
+    },
+    "cuda": {
+        "fp32_product_rel_error": 1e-2,  # TF32 products where enabled
+        "bf16_product_rel_error": 1e-2,
+        "sr_mean_bias_steps": 0.01,
+        "min_free_disk_gib": 10.0,
+        "min_disk_write_mb_s": 100.0,
+        "min_bus_bandwidth_gb_s": 5.0,
+        "max_small_latency_ms": 5.0,
+    },
 }
 
 
@@ -53,14 +65,26 @@ def thresholds(device_type: str, overrides: list[str] = ()) -> dict[str, float]:
 
 def at_most(group: str, name: str, value: float, limit: float, shown: str, key: str) -> Check:
     ok = value <= limit
-    return Check(group, name, PASS if ok else FAIL, shown, f"{'<=' if ok else 'above'} {limit:g} ({key})",
-                 {"value": value, "limit": limit})
+    return Check(
+        group,
+        name,
+        PASS if ok else FAIL,
+        shown,
+        f"{'<=' if ok else 'above'} {limit:g} ({key})",
+        {"value": value, "limit": limit},
+    )
 
 
 def at_least(group: str, name: str, value: float, limit: float, shown: str, key: str) -> Check:
     ok = value >= limit
-    return Check(group, name, PASS if ok else FAIL, shown, f"{'>=' if ok else 'below'} {limit:g} ({key})",
-                 {"value": value, "limit": limit})
+    return Check(
+        group,
+        name,
+        PASS if ok else FAIL,
+        shown,
+        f"{'>=' if ok else 'below'} {limit:g} ({key})",
+        {"value": value, "limit": limit},
+    )
 
 
 def failed(checks: list[Check]) -> list[Check]:

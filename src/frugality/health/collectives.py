@@ -22,8 +22,12 @@ import torch.distributed as dist
 from frugality.health import FAIL, PASS, Check, at_least, at_most
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
 
 
 def sizes(largest: int) -> list[int]:
@@ -108,17 +112,47 @@ def collective_checks(device: torch.device, limits: dict[str, float], largest: i
             algbw = size / seconds / 1e9
             busbw = algbw * BUS_FACTOR[op](n)
             shown = f"{seconds * 1e6:,.0f} us, algbw {algbw:.3f} GB/s, busbw {busbw:.3f} GB/s"
-            checks.append(Check("collectives", f"{op} {_human(size)}", PASS if wrong == 0 else FAIL, shown,
-                                "values checked" if wrong == 0 else f"{wrong} wrong values across the ranks",
-                                {"op": op, "bytes": size, "ranks": n, "time_us": seconds * 1e6,
-                                 "algbw_gb_s": algbw, "busbw_gb_s": busbw, "wrong_values": wrong}))
+            checks.append(
+                Check(
+                    "collectives",
+                    f"{op} {_human(size)}",
+                    PASS if wrong == 0 else FAIL,
+                    shown,
+                    "values checked" if wrong == 0 else f"{wrong} wrong values across the ranks",
+                    {
+                        "op": op,
+                        "bytes": size,
+                        "ranks": n,
+                        "time_us": seconds * 1e6,
+                        "algbw_gb_s": algbw,
+                        "busbw_gb_s": busbw,
+                        "wrong_values": wrong,
+                    },
+                )
+            )
             if op == "all_reduce":
                 small = small or (seconds, size)
                 large = (busbw, size)
-    checks.append(at_most("collectives", f"all_reduce latency at {_human(small[1])}", small[0] * 1e3,
-                          limits["max_small_latency_ms"], f"{small[0] * 1e3:.3f} ms", "max_small_latency_ms"))
-    checks.append(at_least("collectives", f"all_reduce bus bandwidth at {_human(large[1])}", large[0],
-                           limits["min_bus_bandwidth_gb_s"], f"{large[0]:.3f} GB/s", "min_bus_bandwidth_gb_s"))
+    checks.append(
+        at_most(
+            "collectives",
+            f"all_reduce latency at {_human(small[1])}",
+            small[0] * 1e3,
+            limits["max_small_latency_ms"],
+            f"{small[0] * 1e3:.3f} ms",
+            "max_small_latency_ms",
+        )
+    )
+    checks.append(
+        at_least(
+            "collectives",
+            f"all_reduce bus bandwidth at {_human(large[1])}",
+            large[0],
+            limits["min_bus_bandwidth_gb_s"],
+            f"{large[0]:.3f} GB/s",
+            "min_bus_bandwidth_gb_s",
+        )
+    )
     return checks
 
 

@@ -21,8 +21,9 @@ from frugality.health import FAIL, INFO, PASS, Check, at_least
 GIB = 2**30
 
 
-def machine_checks(device: torch.device, recipe: Recipe, run_root: Path, limits: dict[str, float],
-                   write_mib: int = 64) -> list[Check]:
+def machine_checks(
+    device: torch.device, recipe: Recipe, run_root: Path, limits: dict[str, float], write_mib: int = 64
+) -> list[Check]:
     hw = probe(device)
     checks = [Check("machine", "device", INFO, hw.name, hw.describe(), {"features": list(hw.features)})]
     checks.append(_memory(device))
@@ -34,8 +35,14 @@ def machine_checks(device: torch.device, recipe: Recipe, run_root: Path, limits:
 
 def _memory(device: torch.device) -> Check:
     free, total = device_memory(device)
-    return Check("machine", "memory", INFO, f"{free / GIB:.1f} of {total / GIB:.1f} GiB free", device.type,
-                 {"free_bytes": free, "total_bytes": total})
+    return Check(
+        "machine",
+        "memory",
+        INFO,
+        f"{free / GIB:.1f} of {total / GIB:.1f} GiB free",
+        device.type,
+        {"free_bytes": free, "total_bytes": total},
+    )
 
 
 def _disk(run_root: Path, limits: dict[str, float], write_mib: int) -> list[Check]:
@@ -53,8 +60,16 @@ def _disk(run_root: Path, limits: dict[str, float], write_mib: int) -> list[Chec
             f.flush()
             os.fsync(f.fileno())
         rate = write_mib * 2**20 / 1e6 / (time.perf_counter() - t0)
-        checks.append(at_least("machine", f"disk write at {existing}", rate, limits["min_disk_write_mb_s"],
-                               f"{rate:,.0f} MB/s", "min_disk_write_mb_s"))
+        checks.append(
+            at_least(
+                "machine",
+                f"disk write at {existing}",
+                rate,
+                limits["min_disk_write_mb_s"],
+                f"{rate:,.0f} MB/s",
+                "min_disk_write_mb_s",
+            )
+        )
     except OSError as e:
         checks.append(Check("machine", f"disk write at {existing}", FAIL, "not writable", str(e)))
     finally:
@@ -72,8 +87,14 @@ def _existing(path: Path) -> Path:
 
 def free_disk_check(run_root: Path, limits: dict[str, float]) -> Check:
     free = shutil.disk_usage(_existing(run_root)).free / GIB
-    return at_least("machine", f"free disk at {run_root}", free, limits["min_free_disk_gib"], f"{free:,.1f} GiB",
-                    "min_free_disk_gib")
+    return at_least(
+        "machine",
+        f"free disk at {run_root}",
+        free,
+        limits["min_free_disk_gib"],
+        f"{free:,.1f} GiB",
+        "min_free_disk_gib",
+    )
 
 
 def _compile_cache(recipe: Recipe) -> Check:

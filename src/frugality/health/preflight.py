@@ -20,8 +20,10 @@ def preflight(device: torch.device, run_root: Path) -> int:
     """Run the checks; raise UserError naming what failed (here or on another rank).
     Returns how many checks passed on this rank."""
     limits = thresholds(device.type)
-    checks = product_checks(device, limits) + [stochastic_rounding_check(device, limits),
-                                               free_disk_check(run_root, limits)]
+    checks = product_checks(device, limits) + [
+        stochastic_rounding_check(device, limits),
+        free_disk_check(run_root, limits),
+    ]
     if dist.is_initialized():
         from frugality.health.collectives import collective_checks
 
@@ -34,6 +36,9 @@ def preflight(device: torch.device, run_root: Path) -> int:
             raise UserError(f"preflight failed on another rank (rank {dist.get_rank()} passed); see its error")
     if failures:
         where = f" on rank {dist.get_rank()}" if dist.is_initialized() else ""
-        raise UserError(f"preflight failed{where}: " + "; ".join(f"{c.name}: {c.value} ({c.detail})" for c in failures)
-                        + " (train.preflight; `frugality doctor` for the full checks)")
+        raise UserError(
+            f"preflight failed{where}: "
+            + "; ".join(f"{c.name}: {c.value} ({c.detail})" for c in failures)
+            + " (train.preflight; `frugality doctor` for the full checks)"
+        )
     return len(checks)

@@ -100,8 +100,9 @@ def resolve_processes(nproc: int | str, count: int, device) -> int:
     return max(1, min(vcpus(), MAX_CPU_PROCESSES, count // TEXTS_PER_PROCESS))
 
 
-def prepare(settings: EmbedSettings, inputs: Inputs, encoder_line: dict, model: dict,
-            processes=lambda count: 1) -> dict:
+def prepare(
+    settings: EmbedSettings, inputs: Inputs, encoder_line: dict, model: dict, processes=lambda count: 1
+) -> dict:
     """Check or create the job in `out` (before any shard is written); the job record.
     What must match on a rerun is what decides the output: the model's weights (`model`,
     its files' sizes and times), the inputs (sizes and times), the fields, the format and
@@ -110,9 +111,15 @@ def prepare(settings: EmbedSettings, inputs: Inputs, encoder_line: dict, model: 
     job's shard size is the one asked for, or smaller so that each of `processes(count)`
     processes gets a shard."""
     out = Path(settings.out)
-    job = {"model": model, "inputs": inputs.identity(), "text_field": inputs.text_field,
-           "id_field": inputs.id_field, "format": settings.format, "shard_size_asked": settings.shard_size,
-           "encoder": {k: v for k, v in encoder_line.items() if k != "precision"}}
+    job = {
+        "model": model,
+        "inputs": inputs.identity(),
+        "text_field": inputs.text_field,
+        "id_field": inputs.id_field,
+        "format": settings.format,
+        "shard_size_asked": settings.shard_size,
+        "encoder": {k: v for k, v in encoder_line.items() if k != "precision"},
+    }
     existing = out / JOB_FILE
     if existing.is_file():
         try:
@@ -121,8 +128,10 @@ def prepare(settings: EmbedSettings, inputs: Inputs, encoder_line: dict, model: 
             raise UserError(f"{existing}: damaged; remove the folder or choose another --out") from None
         changed = _first_difference({k: v for k, v in before.items() if k in job}, job)
         if changed:
-            raise UserError(f"{out} holds an embedding job with other settings ({changed} differs); rerun it "
-                            f"as it was, or choose another --out")
+            raise UserError(
+                f"{out} holds an embedding job with other settings ({changed} differs); rerun it "
+                f"as it was, or choose another --out"
+            )
         return before
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} exists and is not an embedding job's folder; choose another")
@@ -146,8 +155,10 @@ def _count_unique(inputs: Inputs) -> int:
     seen: set[str] = set()
     for text_id, _ in inputs:
         if text_id in seen:
-            raise UserError(f"id {text_id!r} occurs twice in the inputs: ids must be unique (--id-field names "
-                            f"the field; without it, FILE:LINE is)")
+            raise UserError(
+                f"id {text_id!r} occurs twice in the inputs: ids must be unique (--id-field names "
+                f"the field; without it, FILE:LINE is)"
+            )
         seen.add(text_id)
     if not seen:
         raise UserError("the inputs hold no text")
@@ -175,8 +186,9 @@ def pending_shards(out: Path, count: int, shard_size: int, fmt: str) -> list[int
     return [k for k in range(shards) if not is_complete(out, k, fmt, min(shard_size, count - k * shard_size))]
 
 
-def run_shards(encoder, inputs: Inputs, settings: EmbedSettings, size: int, shards: list[int], count: int,
-               report=lambda n: None) -> int:
+def run_shards(
+    encoder, inputs: Inputs, settings: EmbedSettings, size: int, shards: list[int], count: int, report=lambda n: None
+) -> int:
     """Embed and write `shards` (numbers, of `size` texts), streaming through the inputs
     once (the first `count` texts: what the job counted); the number of shards written.
     `report(n)` hears of every n texts embedded."""
@@ -220,7 +232,7 @@ def embed_texts(encoder, texts: list[str], batch_tokens: int, max_batch: int, re
         longest = len(rows[order[start]])
         pad_to = min(longest, encoder.max_length)
         n = max(1, min(max_batch, batch_tokens // pad_to, len(order) - start))
-        chosen = order[start:start + n]
+        chosen = order[start : start + n]
         result[chosen] = encoder.embed_tokens([rows[i] for i in chosen], pad_to)
         report(n)
         start += n
@@ -280,10 +292,17 @@ def write_manifest(out: Path, job: dict, dim: int) -> dict:
         entry = {"first": k * size, "count": min(size, count - k * size)}
         entry |= {"ids": names[0], "embeddings": names[1]} if fmt == "npy" else {"table": names[0]}
         shards.append(entry)
-    manifest = {"format": f"frugality-embeddings/1 ({fmt})", "model": job["model"]["weights"], "count": count,
-                "dim": dim, "dtype": "float32", "encoder": job["encoder"] | {"precision": job.get("precision")},
-                "inputs": job["inputs"], "shards": shards,
-                "written": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    manifest = {
+        "format": f"frugality-embeddings/1 ({fmt})",
+        "model": job["model"]["weights"],
+        "count": count,
+        "dim": dim,
+        "dtype": "float32",
+        "encoder": job["encoder"] | {"precision": job.get("precision")},
+        "inputs": job["inputs"],
+        "shards": shards,
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     _write_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=2).encode())
     return manifest
 
@@ -315,8 +334,14 @@ def read_embeddings(out: str | Path) -> tuple[list[str], np.ndarray]:
 def encoder_record(encoder, why: str) -> dict:
     """How the encoder was resolved: a resumed job must find all of it but the precision
     phrase (which names the machine) unchanged."""
-    return {"dtype": str(encoder.dtype).removeprefix("torch."), "precision": why, "pooling": encoder.pooling.mode,
-            "normalize": encoder.pooling.normalize, "max_length": encoder.max_length, "dim": encoder.dim}
+    return {
+        "dtype": str(encoder.dtype).removeprefix("torch."),
+        "precision": why,
+        "pooling": encoder.pooling.mode,
+        "normalize": encoder.pooling.normalize,
+        "max_length": encoder.max_length,
+        "dim": encoder.dim,
+    }
 
 
 def run_job(settings: EmbedSettings, inputs: Inputs, nproc: int | str = "auto", progress: bool = True) -> dict:
@@ -330,8 +355,13 @@ def run_job(settings: EmbedSettings, inputs: Inputs, nproc: int | str = "auto", 
 
     device = resolve_device(settings.device)
     encoder, why = load_encoder(settings.model, device, settings.precision, settings.normalize, settings.max_length)
-    job = prepare(settings, inputs, encoder_record(encoder, why), encoder.identity(),
-                  lambda n: resolve_processes(nproc, n, device))
+    job = prepare(
+        settings,
+        inputs,
+        encoder_record(encoder, why),
+        encoder.identity(),
+        lambda n: resolve_processes(nproc, n, device),
+    )
     out, count, size = Path(settings.out), job["count"], job["shard_size"]
     with _locked(out):
         clean_partials(out)
@@ -339,8 +369,9 @@ def run_job(settings: EmbedSettings, inputs: Inputs, nproc: int | str = "auto", 
         processes = min(resolve_processes(nproc, count, device), len(pending))
         todo = sum(min(size, count - k * size) for k in pending)
         t0 = time.perf_counter()
-        with tqdm(total=count, initial=count - todo, unit="text", disable=not progress, dynamic_ncols=True,
-                  mininterval=1.0) as bar:
+        with tqdm(
+            total=count, initial=count - todo, unit="text", disable=not progress, dynamic_ncols=True, mininterval=1.0
+        ) as bar:
             if processes <= 1:
                 run_shards(encoder, inputs, settings, size, pending, count, report=bar.update)
             else:  # each worker loads the very weights this process resolved (a run's checkpoint then)
@@ -352,9 +383,17 @@ def run_job(settings: EmbedSettings, inputs: Inputs, nproc: int | str = "auto", 
         if missing:
             raise JobIncomplete(f"shards {missing[:5]} were not written; rerun the same command to finish")
         manifest = write_manifest(out, job, job["encoder"]["dim"])
-    return {"count": count, "embedded": todo, "seconds": seconds, "texts_per_s": todo / seconds if seconds else None,
-            "shards": len(manifest["shards"]), "resumed_from": count - todo, "precision": why, "out": str(out),
-            "processes": max(1, processes)}
+    return {
+        "count": count,
+        "embedded": todo,
+        "seconds": seconds,
+        "texts_per_s": todo / seconds if seconds else None,
+        "shards": len(manifest["shards"]),
+        "resumed_from": count - todo,
+        "precision": why,
+        "out": str(out),
+        "processes": max(1, processes),
+    }
 
 
 @contextmanager
@@ -369,8 +408,17 @@ def _locked(out: Path):
         yield
 
 
-def _worker(rank: int, settings: EmbedSettings, inputs: Inputs, size: int, shards: list[int], count: int,
-            device: str, threads: int, queue) -> None:
+def _worker(
+    rank: int,
+    settings: EmbedSettings,
+    inputs: Inputs,
+    size: int,
+    shards: list[int],
+    count: int,
+    device: str,
+    threads: int,
+    queue,
+) -> None:
     """A worker process: its shards, progress and any error (one line) through `queue`.
     Ctrl-C is the parent's to handle: it ends the workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -380,8 +428,9 @@ def _worker(rank: int, settings: EmbedSettings, inputs: Inputs, size: int, shard
         from frugality.inference.encoder import load_encoder
 
         torch.set_num_threads(threads)
-        encoder, _ = load_encoder(settings.model, torch.device(device), settings.precision, settings.normalize,
-                                  settings.max_length)
+        encoder, _ = load_encoder(
+            settings.model, torch.device(device), settings.precision, settings.normalize, settings.max_length
+        )
         run_shards(encoder, inputs, settings, size, shards, count, report=queue.put)
     except OSError as e:  # a full disk: raised again by the parent, where the CLI makes it one line
         queue.put(("error", rank, f"{type(e).__name__}: {e}", e.errno, e.strerror, e.filename))
@@ -404,9 +453,11 @@ def _run_workers(settings, inputs, size, pending, count, nproc, device, bar) -> 
     workers = []
     for rank in range(nproc):
         where = f"cuda:{rank % gpus}" if gpus else str(device)
-        p = ctx.Process(target=_worker, args=(rank, settings, inputs, size, pending[rank::nproc], count, where,
-                                              threads, q),
-                        daemon=True)
+        p = ctx.Process(
+            target=_worker,
+            args=(rank, settings, inputs, size, pending[rank::nproc], count, where, threads, q),
+            daemon=True,
+        )
         p.start()
         workers.append(p)
     error = None

@@ -20,12 +20,13 @@ from torch import nn
 
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
-from frugality.precision import bf16_is_native
-from frugality.interop.weights import load_weights, recipe_beside, resolve_source
 from frugality.interop.hf import import_hf
 from frugality.interop.sentence_transformers import pooling_mode, read_json
+from frugality.interop.weights import load_weights, recipe_beside, resolve_source
 from frugality.models import build_empty
 from frugality.models.bert import Bert, pool
+from frugality.precision import bf16_is_native
+
 
 @dataclass(frozen=True)
 class Pooling:
@@ -48,12 +49,18 @@ def read_pooling(folder: Path) -> Pooling:
     return pooling
 
 
-
 class Encoder:
     """Texts in, one embedding (float32) per text out."""
 
-    def __init__(self, model: Bert, tokenizer: Tokenizer, pooling: Pooling, device: torch.device,
-                 dtype: torch.dtype, source: Path) -> None:
+    def __init__(
+        self,
+        model: Bert,
+        tokenizer: Tokenizer,
+        pooling: Pooling,
+        device: torch.device,
+        dtype: torch.dtype,
+        source: Path,
+    ) -> None:
         self.model, self.tokenizer, self.pooling = model.eval(), tokenizer, pooling
         self.device, self.dtype, self.source = device, dtype, source  # source: the folder the weights came from
         self.max_length = min(pooling.max_length or model.config.max_seq_len, model.config.max_seq_len)
@@ -64,9 +71,15 @@ class Encoder:
     def identity(self) -> dict:
         """What a resumed job checks is the same model: the folder of the weights and each
         of its files' size and modification time."""
-        files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(self.source.iterdir())
-                 if p.is_file() and (p.suffix in (".safetensors", ".bin", ".distcp") or
-                                     p.name in ("config.json", ".metadata", "tokenizer.json"))}
+        files = {
+            p.name: [p.stat().st_size, p.stat().st_mtime_ns]
+            for p in sorted(self.source.iterdir())
+            if p.is_file()
+            and (
+                p.suffix in (".safetensors", ".bin", ".distcp")
+                or p.name in ("config.json", ".metadata", "tokenizer.json")
+            )
+        }
         return {"weights": str(self.source.resolve()), "files": files}
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
@@ -79,8 +92,8 @@ class Encoder:
         ids = torch.zeros(len(rows), pad_to, dtype=torch.long)
         mask = torch.zeros(len(rows), pad_to, dtype=torch.long)
         for i, row in enumerate(rows):
-            ids[i, :len(row)] = torch.tensor(row)
-            mask[i, :len(row)] = 1
+            ids[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pooled = pool(self.model(ids, mask), mask, self.pooling.mode)
         return self.model.project(pooled, self.pooling.normalize).float().cpu().numpy()  # through any head
@@ -134,8 +147,13 @@ def load_model(path: str | Path, check: Callable[[object, Path], None]) -> Loade
     return LoadedModel(model, str(own) if own.is_file() else recipe.data.tokenizer, source.path)
 
 
-def load_encoder(path: str | Path, device: torch.device, precision: str = "auto",
-                 normalize: bool | None = None, max_length: int | None = None) -> tuple[Encoder, str]:
+def load_encoder(
+    path: str | Path,
+    device: torch.device,
+    precision: str = "auto",
+    normalize: bool | None = None,
+    max_length: int | None = None,
+) -> tuple[Encoder, str]:
     """The encoder at `path` on `device`, and the precision line (what was chosen, why)."""
     folder = Path(path)
     dtype, why = resolve_precision(precision, device)
@@ -147,7 +165,9 @@ def load_encoder(path: str | Path, device: torch.device, precision: str = "auto"
     if st_folder is not None:
         pooling = read_pooling(st_folder)
     else:
-        pooling = replace(read_pooling(folder), mode=loaded.model.config.pooling, normalize=loaded.model.config.normalize)
+        pooling = replace(
+            read_pooling(folder), mode=loaded.model.config.pooling, normalize=loaded.model.config.normalize
+        )
     if normalize is not None:
         pooling = replace(pooling, normalize=normalize)
     if max_length is not None:

@@ -76,8 +76,15 @@ class Completion:
 class Decoder:
     """A decoder ready to generate: the model in eval mode, its tokenizer, its end tokens."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, eos_ids: tuple[int, ...],
-                 device: torch.device, dtype: torch.dtype, source: Path) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        eos_ids: tuple[int, ...],
+        device: torch.device,
+        dtype: torch.dtype,
+        source: Path,
+    ) -> None:
         self.model, self.tokenizer, self.eos_ids = model.eval(), tokenizer, eos_ids
         self.device, self.dtype, self.source = device, dtype, source
         self.max_seq_len = model.config.max_seq_len
@@ -105,8 +112,7 @@ def load_decoder(path: str | Path, device: torch.device, precision: str = "auto"
 
 def _check_decoder(config, folder: Path) -> None:
     if config.family not in DECODERS:
-        raise UserError(f"model {folder}: a {config.family} model; `generate` takes a decoder "
-                        f"({', '.join(DECODERS)})")
+        raise UserError(f"model {folder}: a {config.family} model; `generate` takes a decoder ({', '.join(DECODERS)})")
 
 
 def _open_tokenizer(spec: str, folder: Path) -> Tokenizer:
@@ -200,8 +206,13 @@ class Engine:
         self.timing = Timing()
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: Sampling, generator: torch.Generator | None = None,
-                 on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: Sampling,
+        generator: torch.Generator | None = None,
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> list[Completion]:
         """Completions of up to `batch` tokenized prompts. `on_text(row, piece)` gets each
         row's text as it becomes final (streaming); `generator` defaults to one seeded
         with `sampling.seed`."""
@@ -212,8 +223,10 @@ class Engine:
             raise ValueError("an empty prompt")
         longest = max(len(p) for p in prompts)
         if longest + sampling.max_new_tokens - 1 > length:
-            raise ValueError(f"a prompt of {longest} tokens and {sampling.max_new_tokens} new ones exceed the "
-                             f"cache's {length} positions")
+            raise ValueError(
+                f"a prompt of {longest} tokens and {sampling.max_new_tokens} new ones exceed the "
+                f"cache's {length} positions"
+            )
         if generator is None:
             generator = torch.Generator(device).manual_seed(sampling.seed)
         width = bucket(longest, self.decoder.max_seq_len)
@@ -221,8 +234,8 @@ class Engine:
         ids = torch.full((self.batch, width), self.pad_id, dtype=torch.long)
         positions = torch.full((self.batch, width), -1, dtype=torch.long)
         for i, row in enumerate(rows):
-            ids[i, width - len(row):] = torch.tensor(row)
-            positions[i, width - len(row):] = torch.arange(len(row))
+            ids[i, width - len(row) :] = torch.tensor(row)
+            positions[i, width - len(row) :] = torch.arange(len(row))
         model = self.decoder.model
         t0 = time.perf_counter()
         logits = self.prefill(model, ids.to(device), positions.to(device), self.cache)
@@ -273,8 +286,9 @@ class _RowText:
         if self.on_text:
             final = len(text.rstrip("\ufffd"))
             for s in self.sampling.stop_strings:  # hold back what may be the start of a stop string
-                final = min(final, next((len(text) - k for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])),
-                                        final))
+                final = min(
+                    final, next((len(text) - k for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), final)
+                )
             self._show(row, text[:final])
         return False
 
@@ -297,15 +311,23 @@ def fit_prompts(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int)
     max_seq_len, and how many were cut."""
     room = decoder.max_seq_len - max_new_tokens + 1  # the last new token is never fed back
     if room < 1:
-        raise UserError(f"--max-new-tokens {max_new_tokens}: the model takes at most {decoder.max_seq_len} "
-                        f"positions, prompt included")
+        raise UserError(
+            f"--max-new-tokens {max_new_tokens}: the model takes at most {decoder.max_seq_len} "
+            f"positions, prompt included"
+        )
     cut = sum(len(p) > room for p in prompts)
     return [p[-room:] for p in prompts], cut
 
 
-def generate_all(decoder: Decoder, items: list[tuple[str, str]], sampling: Sampling, batch: int,
-                 compile: str | None = None, on_row: Callable[[dict], None] | None = None,
-                 on_text: Callable[[int, str], None] | None = None) -> dict:
+def generate_all(
+    decoder: Decoder,
+    items: list[tuple[str, str]],
+    sampling: Sampling,
+    batch: int,
+    compile: str | None = None,
+    on_row: Callable[[dict], None] | None = None,
+    on_text: Callable[[int, str], None] | None = None,
+) -> dict:
     """Complete every (id, prompt) of `items` in batches of `batch`, in order: `on_row`
     gets one record per prompt (id, prompt, completion, token counts, finish), `on_text`
     each batch's text as it comes (streaming one prompt). Returns the job's totals."""
@@ -319,14 +341,26 @@ def generate_all(decoder: Decoder, items: list[tuple[str, str]], sampling: Sampl
     generator = torch.Generator(decoder.device).manual_seed(sampling.seed)
     totals = Timing()
     for start in range(0, len(items), engine.batch):
-        prompts = encoded[start:start + engine.batch]
+        prompts = encoded[start : start + engine.batch]
         completions = engine.generate(prompts, sampling, generator, on_text)
         for k, (prompt, completion) in enumerate(zip(prompts, completions)):
             key, text = items[start + k]
             if on_row:
-                on_row({"id": key, "prompt": text, "completion": completion.text, "prompt_tokens": len(prompt),
-                        "completion_tokens": len(completion.tokens), "finish": completion.finish})
+                on_row(
+                    {
+                        "id": key,
+                        "prompt": text,
+                        "completion": completion.text,
+                        "prompt_tokens": len(prompt),
+                        "completion_tokens": len(completion.tokens),
+                        "finish": completion.finish,
+                    }
+                )
         t = engine.timing
-        totals = Timing(totals.prefill_s + t.prefill_s, totals.decode_s + t.decode_s,
-                        totals.prompt_tokens + t.prompt_tokens, totals.new_tokens + t.new_tokens)
+        totals = Timing(
+            totals.prefill_s + t.prefill_s,
+            totals.decode_s + t.decode_s,
+            totals.prompt_tokens + t.prompt_tokens,
+            totals.new_tokens + t.new_tokens,
+        )
     return {"prompts": len(items), "cut": cut, "timing": totals, "batch": engine.batch, "cache_length": length}

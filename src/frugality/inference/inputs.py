@@ -28,8 +28,9 @@ class Inputs:
 
     def identity(self) -> list[dict]:
         """What a resumed job checks has not changed: each file's path, size and mtime."""
-        return [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
-                for p in self.paths]
+        return [
+            {"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in self.paths
+        ]
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
         """(id, text) for every text of every file, in order."""
@@ -68,13 +69,17 @@ class Inputs:
         if not isinstance(record, dict) or self.text_field not in record:
             raise UserError(f"{path} line {number}: no text field {self.text_field!r} (--text-field names it)")
         if not isinstance(record[self.text_field], str):
-            raise UserError(f"{path} line {number}: the text field {self.text_field!r} is not a string "
-                            f"({json_type(record[self.text_field])})")
+            raise UserError(
+                f"{path} line {number}: the text field {self.text_field!r} is not a string "
+                f"({json_type(record[self.text_field])})"
+            )
         if self.id_field is None:
             return f"{path}:{number}", record[self.text_field]
         if not isinstance(record.get(self.id_field), (str, int)) or isinstance(record.get(self.id_field), bool):
-            raise UserError(f"{path} line {number}: no id field {self.id_field!r} holding a string or an "
-                            f"integer (--id-field names it)")
+            raise UserError(
+                f"{path} line {number}: no id field {self.id_field!r} holding a string or an "
+                f"integer (--id-field names it)"
+            )
         return str(record[self.id_field]), record[self.text_field]
 
     def _parquet(self, path: Path) -> Iterator[tuple[str, str]]:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from frugality.interop.weights import load_weights, recipe_beside, resolve_source, stored_dtype
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 from frugality.interop.hf import export_hf
 from frugality.interop.sentence_transformers import module_files
+from frugality.interop.weights import load_weights, recipe_beside, resolve_source, stored_dtype
 from frugality.models import build_model
 
 

@@ -37,8 +37,9 @@ def config_from_hf(config: dict[str, Any], where: Path, state_keys: set[str] = f
     BERT, which heads exist is read from the checkpoint's tensor names."""
     adapter = ADAPTERS.get(config.get("model_type"))
     if adapter is None:
-        raise UserError(f"{where}: model_type {config.get('model_type')!r} is not supported yet (supported: "
-                        f"{', '.join(ADAPTERS)})")
+        raise UserError(
+            f"{where}: model_type {config.get('model_type')!r} is not supported yet (supported: {', '.join(ADAPTERS)})"
+        )
     try:
         return adapter.config_from_hf(config, state_keys)
     except KeyError as e:
@@ -53,8 +54,10 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 
     if (folder / "model.safetensors").is_file():
         return _readable(load_file, folder / "model.safetensors")
-    for index_name, loader in (("model.safetensors.index.json", load_file),
-                               ("pytorch_model.bin.index.json", _load_bin)):
+    for index_name, loader in (
+        ("model.safetensors.index.json", load_file),
+        ("pytorch_model.bin.index.json", _load_bin),
+    ):
         index = folder / index_name
         if index.is_file():
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -126,15 +129,18 @@ def _check_against_config(state: dict[str, torch.Tensor], config, config_path: P
         if name not in state:
             raise UserError(f"{config_path}: the weights lack {name!r}, which this config needs")
         if state[name].shape != shape:
-            raise UserError(f"{config_path} and the weights disagree: {name!r} is {list(state[name].shape)} in "
-                            f"the weights, {list(shape)} by the config")
+            raise UserError(
+                f"{config_path} and the weights disagree: {name!r} is {list(state[name].shape)} in "
+                f"the weights, {list(shape)} by the config"
+            )
     extra = sorted(set(state) - set(expected))
     if extra:
         raise UserError(f"{config_path}: the weights hold {extra[0]!r}, which this config has no place for")
 
 
-def export_hf(config, state: dict[str, torch.Tensor], out: str | Path,
-              files: Mapping[str, bytes] = MappingProxyType({})) -> Path:
+def export_hf(
+    config, state: dict[str, torch.Tensor], out: str | Path, files: Mapping[str, bytes] = MappingProxyType({})
+) -> Path:
     """Write `config.json` + `model.safetensors` (+ tokenizer files) that
     `transformers.AutoModelForCausalLM.from_pretrained(out)` loads; dtype preserved."""
     out = Path(out)

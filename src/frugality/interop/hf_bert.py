@@ -28,10 +28,14 @@ NAMES = NameMap(
         ("mlm.decoder.bias", "cls.predictions.bias"),
     ),
     layer=(
-        ("attn.query", "attention.self.query"), ("attn.key", "attention.self.key"),
-        ("attn.value", "attention.self.value"), ("attn.out", "attention.output.dense"),
-        ("attn_norm", "attention.output.LayerNorm"), ("up", "intermediate.dense"),
-        ("down", "output.dense"), ("mlp_norm", "output.LayerNorm"),
+        ("attn.query", "attention.self.query"),
+        ("attn.key", "attention.self.key"),
+        ("attn.value", "attention.self.value"),
+        ("attn.out", "attention.output.dense"),
+        ("attn_norm", "attention.output.LayerNorm"),
+        ("up", "intermediate.dense"),
+        ("down", "output.dense"),
+        ("mlp_norm", "output.LayerNorm"),
     ),
     theirs_layer="encoder.layer.{i}.{module}.{kind}",
     # Buffers and tied copies that checkpoints may carry.
@@ -48,8 +52,13 @@ def to_hf(state: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.Te
     re-ties it."""
     # The embedding head and the temperature are not BertModel's: sentence-transformers'
     # Dense modules carry the head (frugality.interop.sentence_transformers).
-    out = NAMES.to_theirs({k: v for k, v in state.items() if k != "mlm.decoder.weight"
-                           and not k.startswith("head.") and k != "logit_scale"})
+    out = NAMES.to_theirs(
+        {
+            k: v
+            for k, v in state.items()
+            if k != "mlm.decoder.weight" and not k.startswith("head.") and k != "logit_scale"
+        }
+    )
     if cfg.mlm_head:
         out = {(k if k.startswith("cls.") else "bert." + k): v for k, v in out.items()}
     return out
@@ -58,8 +67,11 @@ def to_hf(state: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.Te
 def from_hf(state: dict[str, torch.Tensor], cfg: BertConfig) -> dict[str, torch.Tensor]:
     """Either layout -> ours, keeping only the heads `cfg` has."""
     out = NAMES.to_ours({k.removeprefix("bert."): v for k, v in state.items()})
-    out = {k: v for k, v in out.items()
-           if not (k.startswith("pooler.") and not cfg.pooler) and not (k.startswith("mlm.") and not cfg.mlm_head)}
+    out = {
+        k: v
+        for k, v in out.items()
+        if not (k.startswith("pooler.") and not cfg.pooler) and not (k.startswith("mlm.") and not cfg.mlm_head)
+    }
     if cfg.mlm_head:
         out["mlm.decoder.weight"] = out["embeddings.word.weight"]
     return out
@@ -91,9 +103,14 @@ def config_from_hf(config: dict[str, Any], state_keys: set[str] = frozenset()) -
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only exact gelu)")
     has = lambda suffix: any(k.removeprefix("bert.").startswith(suffix) for k in state_keys)
     return BertConfig(
-        hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"],
-        num_heads=config["num_attention_heads"], intermediate_size=config["intermediate_size"],
-        vocab_size=config["vocab_size"], max_seq_len=config.get("max_position_embeddings", 512),
-        type_vocab_size=config.get("type_vocab_size", 2), layer_norm_eps=config.get("layer_norm_eps", 1e-12),
-        pooler=has("pooler."), mlm_head=has("cls.predictions."),
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        max_seq_len=config.get("max_position_embeddings", 512),
+        type_vocab_size=config.get("type_vocab_size", 2),
+        layer_norm_eps=config.get("layer_norm_eps", 1e-12),
+        pooler=has("pooler."),
+        mlm_head=has("cls.predictions."),
     )

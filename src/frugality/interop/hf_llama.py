@@ -13,12 +13,20 @@ from frugality.models.llama import LlamaConfig
 
 NAMES = NameMap(
     family="Llama",
-    top=(("embed.weight", "model.embed_tokens.weight"), ("final_norm.weight", "model.norm.weight"),
-         ("output.weight", "lm_head.weight")),
+    top=(
+        ("embed.weight", "model.embed_tokens.weight"),
+        ("final_norm.weight", "model.norm.weight"),
+        ("output.weight", "lm_head.weight"),
+    ),
     layer=(
-        ("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
-        ("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"),
-        ("attn.o", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"),
+        ("attn_norm", "input_layernorm"),
+        ("mlp_norm", "post_attention_layernorm"),
+        ("attn.q", "self_attn.q_proj"),
+        ("attn.k", "self_attn.k_proj"),
+        ("attn.v", "self_attn.v_proj"),
+        ("attn.o", "self_attn.o_proj"),
+        ("mlp.gate", "mlp.gate_proj"),
+        ("mlp.up", "mlp.up_proj"),
         ("mlp.down", "mlp.down_proj"),
     ),
     theirs_layer="model.layers.{i}.{module}.{kind}",
@@ -73,9 +81,14 @@ def config_from_hf(config: dict[str, Any], state_keys: set[str] = frozenset()) -
     if config.get("head_dim") not in (None, config["hidden_size"] // heads):
         raise ValueError("head_dim other than hidden_size / num_attention_heads is not supported yet")
     return LlamaConfig(
-        hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads", heads), intermediate_size=config["intermediate_size"],
-        vocab_size=config["vocab_size"], max_seq_len=config.get("max_position_embeddings", 2048),
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads", heads),
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        max_seq_len=config.get("max_position_embeddings", 2048),
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6), tie_embeddings=config.get("tie_word_embeddings", False),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        tie_embeddings=config.get("tie_word_embeddings", False),
     )

@@ -32,16 +32,27 @@ class NameMap:
 
     def to_theirs(self, state: dict[str, torch.Tensor], top: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
         """Our names -> theirs; `top` overrides entries of the top-level table."""
-        return _rename(state, dict(self.top) | (top or {}), dict(self.layer), _pattern(_OURS_LAYER),
-                       self.theirs_layer, lambda name: f"no Hugging Face name for parameter {name!r}")
+        return _rename(
+            state,
+            dict(self.top) | (top or {}),
+            dict(self.layer),
+            _pattern(_OURS_LAYER),
+            self.theirs_layer,
+            lambda name: f"no Hugging Face name for parameter {name!r}",
+        )
 
     def to_ours(self, state: dict[str, torch.Tensor], top: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
         """Their names -> ours, skipping `ignored`; `top` adds (theirs -> ours) aliases."""
         skip = re.compile(self.ignored) if self.ignored else None
         kept = {k: v for k, v in state.items() if not (skip and skip.search(k))}
-        return _rename(kept, {t: o for o, t in self.top} | (top or {}), {t: o for o, t in self.layer},
-                       _pattern(self.theirs_layer), _OURS_LAYER,
-                       lambda name: f"unexpected tensor {name!r} in a {self.family} checkpoint")
+        return _rename(
+            kept,
+            {t: o for o, t in self.top} | (top or {}),
+            {t: o for o, t in self.layer},
+            _pattern(self.theirs_layer),
+            _OURS_LAYER,
+            lambda name: f"unexpected tensor {name!r} in a {self.family} checkpoint",
+        )
 
 
 def _rename(state, top, layer, source: re.Pattern, target: str, error) -> dict[str, torch.Tensor]:

@@ -22,8 +22,11 @@ from frugality.errors import UserError
 from frugality.models.bert import BertConfig
 
 # Activations by their sentence-transformers (torch class) names.
-ACTIVATION_CLASSES = {"tanh": "torch.nn.modules.activation.Tanh", "relu": "torch.nn.modules.activation.ReLU",
-                      "gelu": "torch.nn.modules.activation.GELU"}
+ACTIVATION_CLASSES = {
+    "tanh": "torch.nn.modules.activation.Tanh",
+    "relu": "torch.nn.modules.activation.ReLU",
+    "gelu": "torch.nn.modules.activation.GELU",
+}
 IDENTITY = "torch.nn.modules.linear.Identity"
 _BY_CLASS = {cls.rsplit(".", 1)[-1]: name for name, cls in ACTIVATION_CLASSES.items()}
 
@@ -68,13 +71,17 @@ def read_modules(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         elif kind == "Normalize":
             fields["normalize"] = True
         else:
-            raise UserError(f"{folder / 'modules.json'}: module {module.get('type')!r} is not supported "
-                            "(Transformer, Pooling, Dense, Normalize are)")
+            raise UserError(
+                f"{folder / 'modules.json'}: module {module.get('type')!r} is not supported "
+                "(Transformer, Pooling, Dense, Normalize are)"
+            )
     if widths:
         inner = set(activations[:-1])
         if activations[-1] != "Identity" or len(inner) > 1 or not inner <= set(_BY_CLASS):
-            raise UserError(f"{folder / 'modules.json'}: Dense layers with activations {activations}: frugality's "
-                            "head takes one of Tanh, ReLU, GELU between layers and none after the last")
+            raise UserError(
+                f"{folder / 'modules.json'}: Dense layers with activations {activations}: frugality's "
+                "head takes one of Tanh, ReLU, GELU between layers and none after the last"
+            )
         fields["head"] = tuple(widths)
         if inner:
             fields["head_activation"] = _BY_CLASS[inner.pop()]
@@ -82,15 +89,18 @@ def read_modules(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def pooling_mode(path: Path) -> str:
-    """"mean" or "cls" from a Pooling module's config.json (either generation of keys;
+    """ "mean" or "cls" from a Pooling module's config.json (either generation of keys;
     mean without one). Any other pooling, or several at once (sentence-transformers then
     concatenates them), is refused: frugality would compute something else."""
     config = read_json(path) or {}
     if "pooling_mode" in config:
         modes = {str(config["pooling_mode"])}
     else:
-        modes = {key.removeprefix("pooling_mode_") for key, on in config.items()
-                 if key.startswith("pooling_mode_") and on is True}
+        modes = {
+            key.removeprefix("pooling_mode_")
+            for key, on in config.items()
+            if key.startswith("pooling_mode_") and on is True
+        }
     modes = {"mean" if m in ("mean_tokens", "mean") else "cls" if m in ("cls_token", "cls") else m for m in modes}
     if not modes:
         return "mean"
@@ -121,25 +131,39 @@ def module_files(config: BertConfig, state: dict[str, torch.Tensor], max_length:
     modules = [("", "Transformer"), ("1_Pooling", "Pooling")]
     files = {
         "sentence_bert_config.json": _dump({"max_seq_length": max_length, "do_lower_case": False}),
-        "1_Pooling/config.json": _dump({
-            "word_embedding_dimension": config.hidden_size,
-            "pooling_mode_cls_token": config.pooling == "cls", "pooling_mode_mean_tokens": config.pooling == "mean",
-            "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}),
+        "1_Pooling/config.json": _dump(
+            {
+                "word_embedding_dimension": config.hidden_size,
+                "pooling_mode_cls_token": config.pooling == "cls",
+                "pooling_mode_mean_tokens": config.pooling == "mean",
+                "pooling_mode_max_tokens": False,
+                "pooling_mode_mean_sqrt_len_tokens": False,
+            }
+        ),
     }
     widths = [config.hidden_size, *config.head]
     for i, (a, b) in enumerate(zip(widths, widths[1:])):
         folder = f"{len(modules)}_Dense"
         last = i == len(config.head) - 1
-        files[f"{folder}/config.json"] = _dump({
-            "in_features": a, "out_features": b, "bias": True,
-            "activation_function": IDENTITY if last else ACTIVATION_CLASSES[config.head_activation]})
+        files[f"{folder}/config.json"] = _dump(
+            {
+                "in_features": a,
+                "out_features": b,
+                "bias": True,
+                "activation_function": IDENTITY if last else ACTIVATION_CLASSES[config.head_activation],
+            }
+        )
         tensors = {"linear.weight": state[f"head.{i}.weight"], "linear.bias": state[f"head.{i}.bias"]}
         files[f"{folder}/model.safetensors"] = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
         modules.append((folder, "Dense"))
     if config.normalize:
         modules.append((f"{len(modules)}_Normalize", "Normalize"))
-    files["modules.json"] = _dump([{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
-                                   for i, (path, kind) in enumerate(modules)])
+    files["modules.json"] = _dump(
+        [
+            {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+            for i, (path, kind) in enumerate(modules)
+        ]
+    )
     return files
 
 

@@ -42,8 +42,10 @@ def resolve_source(path: str | Path, what: str = "--init-from") -> WeightsSource
     latest = CheckpointManager(p / "checkpoints").latest()
     if latest is not None:
         return WeightsSource(latest, "dcp", "optim" in _top_level_keys(latest))
-    raise UserError(f"{what} {p}: not a run directory with a checkpoint, a checkpoint "
-                    "folder, or a Hugging Face checkpoint folder (config.json)")
+    raise UserError(
+        f"{what} {p}: not a run directory with a checkpoint, a checkpoint "
+        "folder, or a Hugging Face checkpoint folder (config.json)"
+    )
 
 
 def _metadata(path: Path):
@@ -54,8 +56,9 @@ def _top_level_keys(path: Path) -> set[str]:
     return {key.split(".", 1)[0] for key in _metadata(path)}
 
 
-def _check_shapes(theirs: dict[str, tuple], ours: dict[str, torch.Tensor], where: Path,
-                  optional: tuple[str, ...] = ()) -> None:
+def _check_shapes(
+    theirs: dict[str, tuple], ours: dict[str, torch.Tensor], where: Path, optional: tuple[str, ...] = ()
+) -> None:
     for name, tensor in ours.items():
         if name not in theirs and name.startswith(optional):
             continue  # a part the source never had (an embedding head): it starts as initialised
@@ -113,7 +116,9 @@ def load_weights(source: WeightsSource, model: nn.Module) -> list[str]:
     return [name for name in ours if name not in theirs]
 
 
-def save_weights(path: str | Path, state: dict[str, torch.Tensor], files: Mapping[str, bytes] = MappingProxyType({})) -> Path:
+def save_weights(
+    path: str | Path, state: dict[str, torch.Tensor], files: Mapping[str, bytes] = MappingProxyType({})
+) -> Path:
     """A model-only checkpoint folder (what `frugality import hf` writes) plus extra files,
     written under a temporary name and renamed into place when complete."""
     final = Path(path)
@@ -137,8 +142,11 @@ def save_weights(path: str | Path, state: dict[str, torch.Tensor], files: Mappin
     except BaseException as e:  # a full disk, Ctrl-C: no partial folder left behind
         shutil.rmtree(partial, ignore_errors=True)
         # DCP wraps a writer's OSError in its own exception; the CLI's one line names the folder asked for
-        cause = e if isinstance(e, OSError) else next(
-            (f[0] for f in getattr(e, "failures", {}).values() if isinstance(f[0], OSError)), None)
+        cause = (
+            e
+            if isinstance(e, OSError)
+            else next((f[0] for f in getattr(e, "failures", {}).values() if isinstance(f[0], OSError)), None)
+        )
         if cause is not None and cause.errno is not None:
             raise OSError(cause.errno, cause.strerror, str(final)) from None
         problem = _no_room(final, need) if isinstance(e, Exception) else None
@@ -154,8 +162,10 @@ def _no_room(final: Path, need: int) -> str | None:
     free = shutil.disk_usage(folder).free
     if free >= need * 1.05:  # DCP's metadata and file-system slack
         return None
-    return (f"cannot write {final}: {free / 2**20:,.1f} MiB free on the device holding {folder}, the weights "
-            f"need ~{need / 2**20:,.1f} MiB")
+    return (
+        f"cannot write {final}: {free / 2**20:,.1f} MiB free on the device holding {folder}, the weights "
+        f"need ~{need / 2**20:,.1f} MiB"
+    )
 
 
 def recipe_beside(source: WeightsSource) -> Recipe:

@@ -83,9 +83,15 @@ def amx_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     """Whether `amx_attention` takes these (batch, heads, seq, head_size) tensors (k and v
     repeated to q's heads where fewer): bf16 on a CPU whose kernel runs, seq and head_size
     multiples of 32."""
-    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.bfloat16
-            and k.shape == v.shape and k.shape[-2:] == q.shape[-2:] and q.shape[-2] % 32 == 0
-            and q.shape[-1] % 32 == 0 and amx_kernel_runs())
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and k.shape == v.shape
+        and k.shape[-2:] == q.shape[-2:]
+        and q.shape[-2] % 32 == 0
+        and q.shape[-1] % 32 == 0
+        and amx_kernel_runs()
+    )
 
 
 @torch.compiler.assume_constant_result  # asked once; compiled graphs keep the answer
@@ -96,8 +102,22 @@ def amx_kernel_runs() -> bool:
         q = torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16)
         kernel = kernels.attention_forward_bf16()
         none = torch.empty(0)
-        _KERNEL_TRIED["runs"] = kernel is not None and _call(kernel, q, q, q, torch.empty_like(q), torch.empty(1, 1, 32),
-                                                     tensors=(q, q, q, q), cos=none, sin=none, rotary_dim=0) == 0
+        _KERNEL_TRIED["runs"] = (
+            kernel is not None
+            and _call(
+                kernel,
+                q,
+                q,
+                q,
+                torch.empty_like(q),
+                torch.empty(1, 1, 32),
+                tensors=(q, q, q, q),
+                cos=none,
+                sin=none,
+                rotary_dim=0,
+            )
+            == 0
+        )
     return _KERNEL_TRIED["runs"]
 
 
@@ -118,18 +138,38 @@ def _seq_major(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(batch, seq, heads, dim, dtype=q.dtype, device=q.device)
 
 
-def _call(kernel, *pointers_from: torch.Tensor, tensors: tuple[torch.Tensor, ...], cos: torch.Tensor,
-          sin: torch.Tensor, rotary_dim: int) -> int:
+def _call(
+    kernel,
+    *pointers_from: torch.Tensor,
+    tensors: tuple[torch.Tensor, ...],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+) -> int:
     """kernel(pointers..., batch, heads, seq, dim, strides of `tensors`, cos, sin, rotary_dim,
     scale, threads)."""
     batch, heads, seq, dim = tensors[0].shape
-    if rotary_dim and not all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == (seq, dim)
-                              for t in (cos, sin)):  # the kernel reads seq rows of dim floats
-        raise ValueError(f"attention: rotary tables must be contiguous float32 ({seq}, {dim}), "
-                         f"got {tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
+    if rotary_dim and not all(
+        t.dtype == torch.float32 and t.is_contiguous() and t.shape == (seq, dim) for t in (cos, sin)
+    ):  # the kernel reads seq rows of dim floats
+        raise ValueError(
+            f"attention: rotary tables must be contiguous float32 ({seq}, {dim}), "
+            f"got {tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}"
+        )
     strides = torch.tensor([t.stride()[:3] for t in tensors], dtype=torch.int64)
-    return kernel(*(t.data_ptr() for t in pointers_from), batch, heads, seq, dim, strides.data_ptr(),
-                  cos.data_ptr(), sin.data_ptr(), rotary_dim, dim**-0.5, torch.get_num_threads())
+    return kernel(
+        *(t.data_ptr() for t in pointers_from),
+        batch,
+        heads,
+        seq,
+        dim,
+        strides.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        rotary_dim,
+        dim**-0.5,
+        torch.get_num_threads(),
+    )
 
 
 def _check(code: int) -> None:
@@ -145,13 +185,26 @@ def _check(code: int) -> None:
 
 
 @torch.library.custom_op("frugality::amx_attention", mutates_args=())
-def _amx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _amx_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(output laid out (batch, seq, heads, dim), log-sum-exp (batch, heads, seq))."""
     q, k, v = _rows(q), _rows(k), _rows(v)
     out, lse = _seq_major(q), torch.empty(q.shape[:-1], dtype=torch.float32)
-    _check(_call(kernels.attention_forward_bf16(), q, k, v, out, lse, tensors=(q, k, v, out.transpose(1, 2)),
-                 cos=cos, sin=sin, rotary_dim=rotary_dim))
+    _check(
+        _call(
+            kernels.attention_forward_bf16(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            tensors=(q, k, v, out.transpose(1, 2)),
+            cos=cos,
+            sin=sin,
+            rotary_dim=rotary_dim,
+        )
+    )
     return out, lse
 
 
@@ -161,16 +214,39 @@ def _(q, k, v, cos, sin, rotary_dim):
 
 
 @torch.library.custom_op("frugality::amx_attention_backward", mutates_args=())
-def _amx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _amx_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (with respect to q and k before rotation), each laid out (batch, seq, heads,
     dim); q, k, v, out, grad_out (batch, heads, seq, dim)."""
     q, k, v, out, grad_out = _rows(q), _rows(k), _rows(v), _rows(out), _rows(grad_out)
     dq, dk, dv = _seq_major(q), _seq_major(q), _seq_major(q)
-    _check(_call(kernels.attention_backward_bf16(), q, k, v, out, lse, grad_out, dq, dk, dv,
-                 tensors=(q, k, v, out, grad_out, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)),
-                 cos=cos, sin=sin, rotary_dim=rotary_dim))
+    _check(
+        _call(
+            kernels.attention_backward_bf16(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            grad_out,
+            dq,
+            dk,
+            dv,
+            tensors=(q, k, v, out, grad_out, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)),
+            cos=cos,
+            sin=sin,
+            rotary_dim=rotary_dim,
+        )
+    )
     return dq, dk, dv
 
 
@@ -215,8 +291,13 @@ def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryEmbedding | None = None,
-                     fp32_products: bool = False) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotary: RotaryEmbedding | None = None,
+    fp32_products: bool = False,
+) -> torch.Tensor:
     """The models' causal attention (see frugality.models.layers.CausalAttention) on a CPU:
     bf16 with AMX through `amx_attention`; training inside a compiled region through
     `BlockedBackwardAttention`; else SDPA. With `fp32_products`, bf16 inputs are computed

@@ -32,7 +32,7 @@ def _cpu_signature() -> str:
     """What -march=native depends on: the CPU model and its feature flags."""
     try:
         info = Path("/proc/cpuinfo").read_text()
-        lines = [l for l in info.splitlines() if l.startswith(("model name", "flags"))][:2]
+        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
         return "\n".join(lines)
     except OSError:
         return platform.processor() + platform.machine()
@@ -50,11 +50,11 @@ def library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     here = resources.files("frugality") / "kernels"
     source = (here / f"{name}.c").read_bytes()
     # the shared headers are part of what is built: a change to one rebuilds every kernel
-    headers = b"".join(h.read_bytes() for h in sorted(here.iterdir(), key=lambda h: h.name)
-                       if h.name.endswith(".h"))
+    headers = b"".join(h.read_bytes() for h in sorted(here.iterdir(), key=lambda h: h.name) if h.name.endswith(".h"))
     flags = [*_FLAGS, *extra_flags]
-    key = hashlib.sha256(source + headers + " ".join(flags).encode() + compiler.encode()
-                         + _cpu_signature().encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        source + headers + " ".join(flags).encode() + compiler.encode() + _cpu_signature().encode()
+    ).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"{name}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,8 +62,12 @@ def library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         tmp = path.with_suffix(f".{os.getpid()}.so")
         src.write_bytes(source)
         try:
-            done = subprocess.run([compiler, *flags, f"-I{here}", str(src), "-o", str(tmp), "-lm"],
-                                  capture_output=True, text=True, timeout=120)
+            done = subprocess.run(
+                [compiler, *flags, f"-I{here}", str(src), "-o", str(tmp), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
         except (OSError, subprocess.TimeoutExpired) as e:
             warnings.warn(f"could not build the C kernel {name} ({e}); using torch ops")
             return None

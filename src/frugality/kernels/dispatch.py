@@ -18,8 +18,10 @@ from frugality.hardware import probe
 
 # name -> (what it does, the CPU features it needs: all of them)
 KERNELS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "amx-linear": ("linear layers' bf16 products (forward, weight and wide input gradients)",
-                   ("amx_tile", "amx_bf16", "avx512_bf16")),
+    "amx-linear": (
+        "linear layers' bf16 products (forward, weight and wide input gradients)",
+        ("amx_tile", "amx_bf16", "avx512_bf16"),
+    ),
     "amx-attention": ("causal attention in bf16, rotary included", ("amx_tile", "amx_bf16", "avx512_bf16")),
     "gelu": ("exact GELU and its gradient in bf16", ("avx512f", "avx512bw", "avx512_bf16")),
     "cross-entropy": ("the output layer's loss and logit gradient, row by row", ()),
@@ -37,8 +39,10 @@ def disabled() -> set[str]:
         return set(KERNELS)
     unknown = names - set(KERNELS)
     if unknown:
-        raise UserError(f"FRUGALITY_DISABLE_KERNELS: unknown kernel(s) {', '.join(sorted(unknown))}; "
-                        f"known: {', '.join(KERNELS)}, all")
+        raise UserError(
+            f"FRUGALITY_DISABLE_KERNELS: unknown kernel(s) {', '.join(sorted(unknown))}; "
+            f"known: {', '.join(KERNELS)}, all"
+        )
     return names
 
 

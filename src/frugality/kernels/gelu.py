@@ -22,8 +22,14 @@ from frugality import kernels
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
     """F.gelu (exact), through the kernel where it applies."""
-    if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.is_contiguous() and x.numel() > 0
-            and not torch.is_autocast_enabled("cpu") and kernel_runs()):
+    if (
+        x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and x.is_contiguous()
+        and x.numel() > 0
+        and not torch.is_autocast_enabled("cpu")
+        and kernel_runs()
+    ):
         return gelu_op(x)
     return F.gelu(x)
 
@@ -65,8 +71,9 @@ def gelu_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """grad times GELU's derivative at x (contiguous bf16 CPU tensors of one shape)."""
     grad = grad.contiguous()
     out = torch.empty_like(x)
-    _check(kernels.gelu_backward_bf16()(grad.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel(),
-                                        torch.get_num_threads()))
+    _check(
+        kernels.gelu_backward_bf16()(grad.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads())
+    )
     return out
 
 

@@ -28,10 +28,17 @@ from frugality import kernels
 
 def weight_grad_applies(grad_out: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether `weight_grad` takes these (tokens, outputs) and (tokens, inputs) tensors."""
-    return (grad_out.device.type == "cpu" and grad_out.dtype == x.dtype == torch.bfloat16
-            and grad_out.dim() == x.dim() == 2 and grad_out.shape[0] == x.shape[0]
-            and grad_out.shape[0] > 0 and grad_out.shape[0] % 32 == 0 and grad_out.shape[1] % 32 == 0
-            and x.shape[1] % 32 == 0 and amx_kernel_runs())
+    return (
+        grad_out.device.type == "cpu"
+        and grad_out.dtype == x.dtype == torch.bfloat16
+        and grad_out.dim() == x.dim() == 2
+        and grad_out.shape[0] == x.shape[0]
+        and grad_out.shape[0] > 0
+        and grad_out.shape[0] % 32 == 0
+        and grad_out.shape[1] % 32 == 0
+        and x.shape[1] % 32 == 0
+        and amx_kernel_runs()
+    )
 
 
 @torch.compiler.assume_constant_result  # asked once; compiled graphs keep the answer
@@ -41,8 +48,11 @@ def amx_kernel_runs() -> bool:
     if "runs" not in _KERNEL_TRIED:
         x = torch.zeros(32, 32, dtype=torch.bfloat16)
         kernel = kernels.weight_grad_bf16()
-        _KERNEL_TRIED["runs"] = kernel is not None and _call(kernel, x, x, torch.empty(32, 32, dtype=torch.bfloat16),
-                                                     torch.empty(32, dtype=torch.bfloat16)) == 0
+        _KERNEL_TRIED["runs"] = (
+            kernel is not None
+            and _call(kernel, x, x, torch.empty(32, 32, dtype=torch.bfloat16), torch.empty(32, dtype=torch.bfloat16))
+            == 0
+        )
     return _KERNEL_TRIED["runs"]
 
 
@@ -50,18 +60,36 @@ _KERNEL_TRIED: dict[str, bool] = {}
 
 
 def _call(kernel, grad_out: torch.Tensor, x: torch.Tensor, out: torch.Tensor, bias_out: torch.Tensor) -> int:
-    return kernel(grad_out.data_ptr(), grad_out.stride(0), x.data_ptr(), x.stride(0), out.data_ptr(),
-                  bias_out.data_ptr(), grad_out.shape[0], grad_out.shape[1], x.shape[1], torch.get_num_threads())
+    return kernel(
+        grad_out.data_ptr(),
+        grad_out.stride(0),
+        x.data_ptr(),
+        x.stride(0),
+        out.data_ptr(),
+        bias_out.data_ptr(),
+        grad_out.shape[0],
+        grad_out.shape[1],
+        x.shape[1],
+        torch.get_num_threads(),
+    )
 
 
 def amx_product_applies(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> bool:
     """Whether `product` takes a (rows, K) and the weight (N, K) if `transposed`, else (K, N)."""
-    return (a.device.type == weight.device.type == "cpu" and a.dtype == weight.dtype == torch.bfloat16
-            and (bias is None or bias.dtype == torch.bfloat16) and a.dim() == weight.dim() == 2
-            and a.shape[0] > 0 and a.shape[0] % 32 == 0 and a.shape[1] % 32 == 0
-            and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
-            and a.shape[1] == weight.shape[1 if transposed else 0]
-            and (a.shape[1] <= _PRODUCT_MAX_K or (not transposed and bias is None)) and amx_kernel_runs())
+    return (
+        a.device.type == weight.device.type == "cpu"
+        and a.dtype == weight.dtype == torch.bfloat16
+        and (bias is None or bias.dtype == torch.bfloat16)
+        and a.dim() == weight.dim() == 2
+        and a.shape[0] > 0
+        and a.shape[0] % 32 == 0
+        and a.shape[1] % 32 == 0
+        and weight.shape[0] % 32 == 0
+        and weight.shape[1] % 32 == 0
+        and a.shape[1] == weight.shape[1 if transposed else 0]
+        and (a.shape[1] <= _PRODUCT_MAX_K or (not transposed and bias is None))
+        and amx_kernel_runs()
+    )
 
 
 # matmul_cpu.c's KMAX: its packed panels of the weight must stay in L2; past it, input
@@ -69,8 +97,9 @@ def amx_product_applies(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 _PRODUCT_MAX_K = 4096
 
 
-def amx_product_into(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
-                 out: torch.Tensor) -> torch.Tensor:
+def amx_product_into(
+    a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, out: torch.Tensor
+) -> torch.Tensor:
     """out = a @ weight^T + bias if `transposed` (the forward product, weight (N, K)), else
     a @ weight (the input gradient, weight (K, N)); see `amx_product_applies`. `out`: (rows, N),
     contiguous rows."""
@@ -80,13 +109,33 @@ def amx_product_into(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     bias = None if bias is None else bias.contiguous()
     n = weight.shape[0] if transposed else weight.shape[1]
     if a.shape[1] > _PRODUCT_MAX_K:
-        code = kernels.matmul_long_bf16()(a.data_ptr(), a.stride(0), weight.data_ptr(), weight.stride(0),
-                                          out.data_ptr(), out.stride(0), a.shape[0], n, a.shape[1],
-                                          torch.get_num_threads())
+        code = kernels.matmul_long_bf16()(
+            a.data_ptr(),
+            a.stride(0),
+            weight.data_ptr(),
+            weight.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            a.shape[0],
+            n,
+            a.shape[1],
+            torch.get_num_threads(),
+        )
     else:
-        code = kernels.matmul_bf16()(a.data_ptr(), a.stride(0), weight.data_ptr(), weight.stride(0),
-                                      int(transposed), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                      out.stride(0), a.shape[0], n, a.shape[1], torch.get_num_threads())
+        code = kernels.matmul_bf16()(
+            a.data_ptr(),
+            a.stride(0),
+            weight.data_ptr(),
+            weight.stride(0),
+            int(transposed),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            a.shape[0],
+            n,
+            a.shape[1],
+            torch.get_num_threads(),
+        )
     if code == -2:
         raise MemoryError("linear product: could not allocate the kernel's buffers")
     if code != 0:
@@ -166,10 +215,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear; for bf16 on CPUs with AMX through the kernels: `_Linear` (all three
     products) when the weight's gradient will be wanted, `product` when no gradient is
     (evaluation, inference)."""
-    if (x.device.type == "cpu" and x.dim() >= 2 and not torch.is_autocast_enabled("cpu")
-            and x.dtype == weight.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
-            and x.shape[:-1].numel() % 32 == 0 and x.numel() > 0 and weight.shape[0] % 32 == 0
-            and weight.shape[1] % 32 == 0 and amx_kernel_runs()):
+    if (
+        x.device.type == "cpu"
+        and x.dim() >= 2
+        and not torch.is_autocast_enabled("cpu")
+        and x.dtype == weight.dtype == torch.bfloat16
+        and (bias is None or bias.dtype == torch.bfloat16)
+        and x.shape[:-1].numel() % 32 == 0
+        and x.numel() > 0
+        and weight.shape[0] % 32 == 0
+        and weight.shape[1] % 32 == 0
+        and amx_kernel_runs()
+    ):
         if torch.is_grad_enabled() and weight.requires_grad:
             return _Linear.apply(x, weight, bias)
         wanted = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))

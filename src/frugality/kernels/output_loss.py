@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from frugality import kernels
-from frugality.kernels.linear import product, amx_product_applies, amx_product_into, weight_grad, weight_grad_applies
+from frugality.kernels.linear import amx_product_applies, amx_product_into, product, weight_grad, weight_grad_applies
 from frugality.models.layers import OutputLayer
 
 _ROWS_PER_CHUNK = 64  # 64 x 50k float32 = 12.9 MB: within a server CPU's L3
@@ -49,11 +49,18 @@ def _workspace(shape: tuple[int, int], dtype: torch.dtype, device: torch.device)
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                grad_mode: bool, compute_dtype: torch.dtype | None) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        grad_mode: bool,
+        compute_dtype: torch.dtype | None,
+    ) -> torch.Tensor:
         device_type = hidden.device.type
-        dtype = compute_dtype or (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-                                  else hidden.dtype)
+        dtype = compute_dtype or (
+            torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+        )
         ctx.dtypes = hidden.dtype, weight.dtype
         # needs_input_grad says True under torch.no_grad() too; without the caller's grad
         # mode, evaluation would pay for the gradient's two products (2/3 of the layer).
@@ -62,8 +69,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             return LinearCrossEntropy._forward(ctx, hidden.to(dtype), weight.to(dtype), targets, want_grad)
 
     @staticmethod
-    def _forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                 want_grad: bool) -> torch.Tensor:
+    def _forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_grad: bool
+    ) -> torch.Tensor:
         logits = _workspace((hidden.shape[0], weight.shape[0]), hidden.dtype, hidden.device)
         amx_layout = _transpose_first(hidden)
         if amx_product_applies(hidden, weight, None, transposed=True):  # AMX: the weight as it is
@@ -87,8 +95,11 @@ class LinearCrossEntropy(torch.autograd.Function):
                 grad_weight = kernels.transposed(kernels.transposed(hidden) @ grad_logits)
             else:
                 grad_weight = grad_logits.t() @ hidden
-            grad_hidden = (product(grad_logits, weight, None, False)
-                           if amx_product_applies(grad_logits, weight, None, transposed=False) else grad_logits @ weight)
+            grad_hidden = (
+                product(grad_logits, weight, None, False)
+                if amx_product_applies(grad_logits, weight, None, transposed=False)
+                else grad_logits @ weight
+            )
             ctx.save_for_backward(grad_hidden, grad_weight)
         return row_losses.sum() / n
 
@@ -122,8 +133,17 @@ def rows_in_c(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_gr
         return None
     targets = targets.to(torch.int64).contiguous()
     losses = torch.empty(logits.shape[0], dtype=torch.float32)
-    bad = kernel(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
-                 targets.data_ptr(), scale, int(want_grad), losses.data_ptr(), torch.get_num_threads())
+    bad = kernel(
+        logits.data_ptr(),
+        logits.shape[0],
+        logits.shape[1],
+        logits.stride(0),
+        targets.data_ptr(),
+        scale,
+        int(want_grad),
+        losses.data_ptr(),
+        torch.get_num_threads(),
+    )
     if bad < 0:
         raise MemoryError("cross-entropy: could not allocate a row buffer")
     if bad:
@@ -131,8 +151,7 @@ def rows_in_c(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_gr
     return losses
 
 
-def rows_fused(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
-                want_grad: bool) -> torch.Tensor:
+def rows_fused(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, want_grad: bool) -> torch.Tensor:
     """The rows' losses, and their gradient written over `logits`, as one graph for
     torch.compile: a reduction (max, then the sum of exponentials) and one elementwise
     pass, both reading the logits in their own dtype and computing in float32."""
@@ -172,8 +191,9 @@ def rows_compiled(logits: torch.Tensor, targets: torch.Tensor, scale: float, wan
         with torch._dynamo.config.patch(recompile_limit=64):
             return _COMPILED["fn"](logits, targets.to(torch.int64), scale_tensor, want_grad)
     except Exception as e:  # e.g. no Triton for this GPU; nothing was written before the failure
-        warnings.warn(f"compiled cross-entropy failed ({type(e).__name__}: {e}); using torch ops "
-                      "for the rest of this run")
+        warnings.warn(
+            f"compiled cross-entropy failed ({type(e).__name__}: {e}); using torch ops for the rest of this run"
+        )
         _COMPILED["fn"] = None
         return None
 
@@ -182,11 +202,13 @@ def rows_in_torch(logits: torch.Tensor, targets: torch.Tensor, scale: float, wan
     """The same with torch ops, in chunks of rows in float32: on CPUs small enough to stay
     in cache, elsewhere large enough that kernel launches don't dominate."""
     n = logits.shape[0]
-    rows_per_chunk = (_ROWS_PER_CHUNK if logits.device.type == "cpu"
-                      else max(_ROWS_PER_CHUNK, CHUNK_BYTES_OFF_CPU // (4 * logits.shape[1])))
+    rows_per_chunk = (
+        _ROWS_PER_CHUNK
+        if logits.device.type == "cpu"
+        else max(_ROWS_PER_CHUNK, CHUNK_BYTES_OFF_CPU // (4 * logits.shape[1]))
+    )
     losses = torch.empty(n, dtype=torch.float32, device=logits.device)
-    buffer = torch.empty(min(n, rows_per_chunk), logits.shape[1], dtype=torch.float32,
-                         device=logits.device)
+    buffer = torch.empty(min(n, rows_per_chunk), logits.shape[1], dtype=torch.float32, device=logits.device)
     for start in range(0, n, rows_per_chunk):
         rows = logits[start : start + rows_per_chunk]
         x = buffer[: rows.shape[0]]
@@ -205,8 +227,9 @@ def rows_in_torch(logits: torch.Tensor, targets: torch.Tensor, scale: float, wan
     return losses
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compute_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, without materialising
     float32 logits. hidden: (tokens, d); weight: (vocab, d); targets: (tokens,) int64. The
     products run in `compute_dtype` if given, else autocast's dtype or hidden's."""

@@ -55,8 +55,11 @@ def specialize(model: nn.Module, device: torch.device, policy, training: bool = 
         elif kind is CausalAttention:
             probe = torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16)
             amx = bf16 and amx_attention_applies(probe, probe, probe)
-            swap(module, CPUCausalAttention, "attention: AMX kernel" if amx else
-                 "attention: SDPA, blocked backward when compiled")
+            swap(
+                module,
+                CPUCausalAttention,
+                "attention: AMX kernel" if amx else "attention: SDPA, blocked backward when compiled",
+            )
         elif kind is RotaryEmbedding and not policy.fp32_products:
             swap(module, ProductRotaryEmbedding, "rotary: half swap as a product")
             module.specialize()

@@ -123,16 +123,26 @@ def parity(run_a: str | Path, run_b: str | Path, tolerance: float = DEFAULT_TOLE
     if not c.eval_steps:
         raise UserError(f"{run_a} and {run_b} share no evaluation step: nothing to judge quality by")
     if c.eval_steps[-1] != max(a.eval) or c.eval_steps[-1] != max(b.eval):
-        raise UserError(f"the runs' last evaluations differ (steps {max(a.eval)} and {max(b.eval)}): "
-                        f"compare runs of the same length")
+        raise UserError(
+            f"the runs' last evaluations differ (steps {max(a.eval)} and {max(b.eval)}): "
+            f"compare runs of the same length"
+        )
     numbers = all(isinstance(v, (int, float)) and v == v for v in (c.val_loss_a[-1], c.val_loss_b[-1]))
     final = c.final_val_rel_diff if numbers else None  # a diverged run ("nan" in the log) fails
     loss_dev, loss_step = c.largest("loss")
     norm_dev, norm_step = c.largest("grad_norm")
     side = {}
     costs = [t.summary.get("cost") if isinstance(t.summary.get("cost"), dict) else {} for t in (a, b)]
-    for key in ("tokens", "wall_time_s", "tokens_per_s", "usd", "tokens_per_dollar", "kwh", "joules_per_token",
-                "kg_co2e"):
+    for key in (
+        "tokens",
+        "wall_time_s",
+        "tokens_per_s",
+        "usd",
+        "tokens_per_dollar",
+        "kwh",
+        "joules_per_token",
+        "kg_co2e",
+    ):
         side[key] = [c.get(key) for c in costs]
     labels = [{k: c.get("labels", {}).get(k) for k in ("price", "energy")} for c in costs]
     return {
@@ -142,8 +152,10 @@ def parity(run_a: str | Path, run_b: str | Path, tolerance: float = DEFAULT_TOLE
         "final_val_loss": [c.val_loss_a[-1], c.val_loss_b[-1]],
         "final_val_rel_diff": final,
         "train_steps_compared": len(c.steps),
-        "train_loss_max_rel_dev": loss_dev, "train_loss_max_rel_dev_step": loss_step,
-        "grad_norm_max_rel_dev": norm_dev, "grad_norm_max_rel_dev_step": norm_step,
+        "train_loss_max_rel_dev": loss_dev,
+        "train_loss_max_rel_dev_step": loss_step,
+        "grad_norm_max_rel_dev": norm_dev,
+        "grad_norm_max_rel_dev_step": norm_step,
         "cost": side,
         "cost_labels": labels,  # how each run's dollars and energy are known
     }

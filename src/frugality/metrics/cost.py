@@ -19,9 +19,17 @@ from fractions import Fraction
 from frugality.errors import UserError
 
 # Decimal places of each figure the calculator and the summaries report.
-ROUNDING = {"tokens_per_s": 1, "tokens_per_dollar": 0, "usd_per_million_tokens": 4, "usd_per_hour": 4,
-            "instances": 0, "utilisation": 4, "usd_per_million_inferences": 4, "kwh_per_million_inferences": 4,
-            "inferences_per_hour": 0}
+ROUNDING = {
+    "tokens_per_s": 1,
+    "tokens_per_dollar": 0,
+    "usd_per_million_tokens": 4,
+    "usd_per_hour": 4,
+    "instances": 0,
+    "utilisation": 4,
+    "usd_per_million_inferences": 4,
+    "kwh_per_million_inferences": 4,
+    "inferences_per_hour": 0,
+}
 
 
 def exact(value) -> Fraction:
@@ -52,25 +60,31 @@ def train_figures(seq_per_s, seq_len, usd_per_hour, price_name: str = "the price
     tokens_per_s = _positive("--seq-per-s", seq_per_s) * _positive("--seq-len", seq_len)
     price = _positive(price_name, usd_per_hour)
     per_hour = tokens_per_s * 3600
-    return {"tokens_per_s": rounded("tokens_per_s", tokens_per_s),
-            "usd_per_hour": rounded("usd_per_hour", price),
-            "tokens_per_dollar": rounded("tokens_per_dollar", per_hour / price),
-            "usd_per_million_tokens": rounded("usd_per_million_tokens", price / per_hour * 1_000_000)}
+    return {
+        "tokens_per_s": rounded("tokens_per_s", tokens_per_s),
+        "usd_per_hour": rounded("usd_per_hour", price),
+        "tokens_per_dollar": rounded("tokens_per_dollar", per_hour / price),
+        "usd_per_million_tokens": rounded("usd_per_million_tokens", price / per_hour * 1_000_000),
+    }
 
 
-def serve_figures(rate_per_hour, per_instance_per_s, usd_per_hour, watts=None,
-                  price_name: str = "the price per hour") -> dict:
+def serve_figures(
+    rate_per_hour, per_instance_per_s, usd_per_hour, watts=None, price_name: str = "the price per hour"
+) -> dict:
     """The fleet that serves `rate_per_hour` inferences and what a million of them cost."""
     rate = _positive("--rate", rate_per_hour)
     capacity = _positive("--per-instance-throughput", per_instance_per_s) * 3600  # per instance per hour
     price = _positive(price_name, usd_per_hour)
     instances = math.ceil(rate / capacity)
     millions = rate / 1_000_000
-    figures = {"inferences_per_hour": rounded("inferences_per_hour", rate), "instances": instances,
-               "utilisation": rounded("utilisation", rate / (instances * capacity)),
-               "usd_per_hour": rounded("usd_per_hour", instances * price),
-               "usd_per_million_inferences": rounded("usd_per_million_inferences", instances * price / millions),
-               "kwh_per_million_inferences": None}
+    figures = {
+        "inferences_per_hour": rounded("inferences_per_hour", rate),
+        "instances": instances,
+        "utilisation": rounded("utilisation", rate / (instances * capacity)),
+        "usd_per_hour": rounded("usd_per_hour", instances * price),
+        "usd_per_million_inferences": rounded("usd_per_million_inferences", instances * price / millions),
+        "kwh_per_million_inferences": None,
+    }
     if watts is not None:
         energy = instances * _positive("--watts", watts) / 1000 / millions
         figures["kwh_per_million_inferences"] = rounded("kwh_per_million_inferences", energy)
@@ -104,8 +118,7 @@ def kwh(joules: float, pue: float) -> float:
     return round(joules * pue / 3.6e6, 9)
 
 
-def run_figures(tokens: int, seconds: float, joules: float, usd: float | None, pue: float,
-                gco2_per_kwh: float) -> dict:
+def run_figures(tokens: int, seconds: float, joules: float, usd: float | None, pue: float, gco2_per_kwh: float) -> dict:
     """A run's totals: its tokens, time, device energy and dollars as tokens/s, tokens per
     dollar, kWh at the wall (device energy x PUE), J per token and kg CO2e."""
     energy = kwh(joules, pue)
@@ -135,9 +148,15 @@ def at_target(points: list[dict], target: float) -> dict | None:
             if previous is None or previous["loss"] == point["loss"]:
                 return {k: point[k] for k in ("step", "elapsed_s", "energy_j", "usd")}
             f = (previous["loss"] - target) / (previous["loss"] - point["loss"])
-            mix = lambda k: None if point[k] is None or previous[k] is None else previous[k] + f * (point[k] - previous[k])
+            mix = lambda k: (
+                None if point[k] is None or previous[k] is None else previous[k] + f * (point[k] - previous[k])
+            )
             usd = mix("usd")
-            return {"step": round(mix("step"), 1), "elapsed_s": round(mix("elapsed_s"), 2),
-                    "energy_j": round(mix("energy_j"), 1), "usd": None if usd is None else round(usd, 9)}
+            return {
+                "step": round(mix("step"), 1),
+                "elapsed_s": round(mix("elapsed_s"), 2),
+                "energy_j": round(mix("energy_j"), 1),
+                "usd": None if usd is None else round(usd, 9),
+            }
         previous = point
     return None

@@ -19,9 +19,17 @@ from frugality.metrics.energy import POWERCAP, RaplMeter, vcpus
 def inventory() -> list[dict]:
     """Every device, one dict each: kind, index, name and what it can do."""
     hw = probe("cpu")
-    cpu = {"kind": "cpu", "index": 0, "name": hw.name, "logical_cpus": os.cpu_count(), "usable_cpus": vcpus(),
-           "instruction_sets": list(hw.features), "torch_isa": hw.torch_isa, "native_bf16": hw.native_bf16,
-           "memory_gib": _memory_gib()[1]}
+    cpu = {
+        "kind": "cpu",
+        "index": 0,
+        "name": hw.name,
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": vcpus(),
+        "instruction_sets": list(hw.features),
+        "torch_isa": hw.torch_isa,
+        "native_bf16": hw.native_bf16,
+        "memory_gib": _memory_gib()[1],
+    }
     return [cpu, *_nvml_inventory()]
 
 
@@ -45,10 +53,17 @@ def _nvml_inventory() -> list[dict]:
     for i in range(nvml.nvmlDeviceGetCount()):
         h = nvml.nvmlDeviceGetHandleByIndex(i)
         major, minor = nvml.nvmlDeviceGetCudaComputeCapability(h)
-        gpus.append({"kind": "cuda", "index": i, "name": _text(nvml.nvmlDeviceGetName(h)),
-                     "memory_gib": round(nvml.nvmlDeviceGetMemoryInfo(h).total / 2**30, 1), "driver": driver,
-                     "compute_capability": f"{major}.{minor}",
-                     "power_limit_w": _maybe(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000)})
+        gpus.append(
+            {
+                "kind": "cuda",
+                "index": i,
+                "name": _text(nvml.nvmlDeviceGetName(h)),
+                "memory_gib": round(nvml.nvmlDeviceGetMemoryInfo(h).total / 2**30, 1),
+                "driver": driver,
+                "compute_capability": f"{major}.{minor}",
+                "power_limit_w": _maybe(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000),
+            }
+        )
     return gpus
 
 
@@ -96,8 +111,14 @@ class Sampler:
         if times and self.cpu_before and times[1] > self.cpu_before[1]:
             util = (times[0] - self.cpu_before[0]) / (times[1] - self.cpu_before[1])
         self.cpu_before = times
-        cpu = {"kind": "cpu", "index": 0, "utilisation": None if util is None else round(util, 3),
-               "memory_used_gib": _memory_gib()[0], "memory_gib": _memory_gib()[1], "power_w": None}
+        cpu = {
+            "kind": "cpu",
+            "index": 0,
+            "utilisation": None if util is None else round(util, 3),
+            "memory_used_gib": _memory_gib()[0],
+            "memory_gib": _memory_gib()[1],
+            "power_w": None,
+        }
         if self.rapl is not None and seconds > 0:
             joules = self.rapl.joules()
             cpu["power_w"] = round((joules - self.rapl_joules) / seconds, 1)
@@ -108,11 +129,16 @@ class Sampler:
             for i in range(nvml.nvmlDeviceGetCount()):
                 h = nvml.nvmlDeviceGetHandleByIndex(i)
                 memory = nvml.nvmlDeviceGetMemoryInfo(h)
-                devices.append({"kind": "cuda", "index": i,
-                                "utilisation": _maybe(lambda: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100),
-                                "memory_used_gib": round(memory.used / 2**30, 2),
-                                "memory_gib": round(memory.total / 2**30, 1),
-                                "power_w": _maybe(lambda: round(nvml.nvmlDeviceGetPowerUsage(h) / 1000, 1))})
+                devices.append(
+                    {
+                        "kind": "cuda",
+                        "index": i,
+                        "utilisation": _maybe(lambda: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100),
+                        "memory_used_gib": round(memory.used / 2**30, 2),
+                        "memory_gib": round(memory.total / 2**30, 1),
+                        "power_w": _maybe(lambda: round(nvml.nvmlDeviceGetPowerUsage(h) / 1000, 1)),
+                    }
+                )
         return devices
 
 

@@ -93,9 +93,13 @@ class RaplMeter(Meter):
         self.how = f"RAPL {', '.join(names)} via {root}; whole sockets"
 
     def start(self) -> None:
-        self.counters = [_Counter(lambda z=zone: int(_read_text(z / "energy_uj")) * 1e-6,
-                                  int(_read_text(zone / "max_energy_range_uj")) * 1e-6)
-                         for zone, _ in self.zones]
+        self.counters = [
+            _Counter(
+                lambda z=zone: int(_read_text(z / "energy_uj")) * 1e-6,
+                int(_read_text(zone / "max_energy_range_uj")) * 1e-6,
+            )
+            for zone, _ in self.zones
+        ]
 
     def sample(self) -> None:
         for counter in self.counters:
@@ -161,12 +165,15 @@ class CpuUtilisationModel(Meter):
     vCPUs x min x wall + CPU seconds x (max - min): each process adds its own CPU seconds
     and its share of the idle draw."""
 
-    def __init__(self, vcpus: int, min_w: float = CCF_VCPU_MIN_W, max_w: float = CCF_VCPU_MAX_W,
-                 share: int = 1, cpu_seconds=None) -> None:
+    def __init__(
+        self, vcpus: int, min_w: float = CCF_VCPU_MIN_W, max_w: float = CCF_VCPU_MAX_W, share: int = 1, cpu_seconds=None
+    ) -> None:
         self.vcpus, self.min_w, self.max_w, self.share = vcpus, min_w, max_w, share
         self.cpu_seconds = cpu_seconds or _cpu_seconds
-        self.how = (f"{vcpus} vCPUs x ({min_w:g} + utilisation x {max_w - min_w:g}) W, Cloud Carbon "
-                    f"Footprint's per-vCPU model, utilisation measured")
+        self.how = (
+            f"{vcpus} vCPUs x ({min_w:g} + utilisation x {max_w - min_w:g}) W, Cloud Carbon "
+            f"Footprint's per-vCPU model, utilisation measured"
+        )
 
     def start(self) -> None:
         self.t0, self.cpu0 = time.perf_counter(), self.cpu_seconds()
@@ -177,9 +184,14 @@ class CpuUtilisationModel(Meter):
         return self.vcpus * self.min_w * wall / self.share + busy * (self.max_w - self.min_w)
 
 
-def open_meter(device_type: str, index: int | None = None, watts: float | None = None,
-               accelerator_w: float | None = None, share: int = 1,
-               powercap: Path = POWERCAP) -> tuple[Meter, list[str]]:
+def open_meter(
+    device_type: str,
+    index: int | None = None,
+    watts: float | None = None,
+    accelerator_w: float | None = None,
+    share: int = 1,
+    powercap: Path = POWERCAP,
+) -> tuple[Meter, list[str]]:
     """The best meter for a device, and why better ones were not used (one phrase each).
 
     Order: a declared `watts` (the user knows best what the whole machine draws), then the
@@ -194,8 +206,9 @@ def open_meter(device_type: str, index: int | None = None, watts: float | None =
         except Exception as e:  # no library, no driver, a GPU before Volta
             passed.append(f"NVML energy counter unreadable ({type(e).__name__}: {e})")
         if accelerator_w is not None:
-            return ConstantPower(accelerator_w, "the accelerator's board power from the price catalogue, "
-                                                "an upper bound"), passed
+            return ConstantPower(
+                accelerator_w, "the accelerator's board power from the price catalogue, an upper bound"
+            ), passed
         passed.append("no board power for this GPU in the catalogue: the GPU is not counted")
     else:
         try:

@@ -18,10 +18,28 @@ from pathlib import Path
 
 from frugality.errors import UserError
 
-COLUMNS = ("provider", "instance", "accelerator", "accelerator_count", "accelerator_memory_gib", "vcpus",
-           "memory_gib", "usd_per_hour", "region", "accelerator_tdp_w", "source", "date")
-_NUMBERS = {"accelerator_count": int, "vcpus": int, "accelerator_memory_gib": float, "memory_gib": float,
-            "usd_per_hour": float, "accelerator_tdp_w": float}
+COLUMNS = (
+    "provider",
+    "instance",
+    "accelerator",
+    "accelerator_count",
+    "accelerator_memory_gib",
+    "vcpus",
+    "memory_gib",
+    "usd_per_hour",
+    "region",
+    "accelerator_tdp_w",
+    "source",
+    "date",
+)
+_NUMBERS = {
+    "accelerator_count": int,
+    "vcpus": int,
+    "accelerator_memory_gib": float,
+    "memory_gib": float,
+    "usd_per_hour": float,
+    "accelerator_tdp_w": float,
+}
 _REQUIRED = ("provider", "instance", "usd_per_hour", "source")
 
 # Power usage effectiveness by provider, as Cloud Carbon Footprint uses them
@@ -99,13 +117,23 @@ def check_cost(instance: str | None, user_file: str | None) -> dict[str, Instanc
     """The catalogue, with `instance` checked against it: before a run writes anything."""
     catalogue = load_catalogue(user_file)
     if instance and instance not in catalogue:
-        raise UserError(f"cost.instance {instance!r} is not in the price catalogue; `frugality cost "
-                        f"instances` lists them, or set cost.price_per_hour")
+        raise UserError(
+            f"cost.instance {instance!r} is not in the price catalogue; `frugality cost "
+            f"instances` lists them, or set cost.price_per_hour"
+        )
     return catalogue
 
 
-def resolve_price(catalogue: dict[str, Instance], price_per_hour: float | None, instance: str | None,
-                  device_type: str, device_name: str, vcpus: int, devices: int = 1, hosts: int = 1) -> Price | None:
+def resolve_price(
+    catalogue: dict[str, Instance],
+    price_per_hour: float | None,
+    instance: str | None,
+    device_type: str,
+    device_name: str,
+    vcpus: int,
+    devices: int = 1,
+    hosts: int = 1,
+) -> Price | None:
     """What this run costs per hour, and how that is known; None where nothing in the
     catalogue resembles its machines. A declared or catalogue price is per machine, times
     `hosts`; `devices` is the number of accelerators the run uses (or of hosts on CPUs),
@@ -116,12 +144,20 @@ def resolve_price(catalogue: dict[str, Instance], price_per_hour: float | None, 
     machines = f" x {hosts} machines" if hosts > 1 else ""
     if price_per_hour is not None:
         provider = row.provider if row else None
-        return Price(price_per_hour * hosts, f"declared in cost.price_per_hour (${price_per_hour:g}/h{machines})",
-                     provider, _board_power(row, devices) if row else None)
+        return Price(
+            price_per_hour * hosts,
+            f"declared in cost.price_per_hour (${price_per_hour:g}/h{machines})",
+            provider,
+            _board_power(row, devices) if row else None,
+        )
     if row is not None:
-        return Price(row.usd_per_hour * hosts, f"catalogue: {row.instance} on demand in {row.region}, "
-                     f"${row.usd_per_hour:g}/h{machines} ({row.source}, {row.date})", row.provider,
-                     _board_power(row, devices))
+        return Price(
+            row.usd_per_hour * hosts,
+            f"catalogue: {row.instance} on demand in {row.region}, "
+            f"${row.usd_per_hour:g}/h{machines} ({row.source}, {row.date})",
+            row.provider,
+            _board_power(row, devices),
+        )
     return _estimate(catalogue, device_type, device_name, vcpus, devices)
 
 
@@ -132,23 +168,34 @@ def _board_power(row: Instance, devices: int) -> float | None:
 def _estimate(catalogue, device_type, device_name, vcpus, devices) -> Price | None:
     if device_type == "cuda":
         name = device_name.upper()
-        matches = [r for r in catalogue.values() if r.accelerator_count and
-                   re.search(rf"\b{re.escape(_accelerator_family(r.accelerator))}\b", name)]
+        matches = [
+            r
+            for r in catalogue.values()
+            if r.accelerator_count and re.search(rf"\b{re.escape(_accelerator_family(r.accelerator))}\b", name)
+        ]
         if not matches:
             return None
         row = min(matches, key=lambda r: r.usd_per_hour / r.accelerator_count)
         hourly = row.usd_per_hour / row.accelerator_count * devices
-        return Price(hourly, f"estimated: {devices} of {row.instance}'s {row.accelerator_count} "
-                     f"{row.accelerator} at ${row.usd_per_hour:g}/h on demand in {row.region} ({row.date})",
-                     row.provider, _board_power(row, devices))
+        return Price(
+            hourly,
+            f"estimated: {devices} of {row.instance}'s {row.accelerator_count} "
+            f"{row.accelerator} at ${row.usd_per_hour:g}/h on demand in {row.region} ({row.date})",
+            row.provider,
+            _board_power(row, devices),
+        )
     vendor = "c7a" if "AMD" in device_name.upper() else "c7i"
     matches = [r for r in catalogue.values() if not r.accelerator_count and r.vcpus and r.instance.startswith(vendor)]
     if not matches:
         return None
     row = min(matches, key=lambda r: r.usd_per_hour / r.vcpus)
     hourly = row.usd_per_hour / row.vcpus * vcpus
-    return Price(hourly, f"estimated: {vcpus} vCPUs at the rate of {row.instance} (${row.usd_per_hour:g}/h for "
-                 f"{row.vcpus}) on demand in {row.region} ({row.date})", row.provider)
+    return Price(
+        hourly,
+        f"estimated: {vcpus} vCPUs at the rate of {row.instance} (${row.usd_per_hour:g}/h for "
+        f"{row.vcpus}) on demand in {row.region} ({row.date})",
+        row.provider,
+    )
 
 
 def _accelerator_family(accelerator: str) -> str:

@@ -10,8 +10,13 @@ from pathlib import Path
 from frugality.metrics.compare import Trajectory, load_trajectory
 
 # The x axes of loss.png: (title, the train/eval record's field, scale to the unit shown)
-AXES = (("step", "step", 1.0), ("tokens (millions)", "tokens", 1e-6), ("hours", "elapsed_s", 1 / 3600),
-        ("dollars", "usd", 1.0), ("device kWh (before PUE)", "energy_j", 1 / 3.6e6))
+AXES = (
+    ("step", "step", 1.0),
+    ("tokens (millions)", "tokens", 1e-6),
+    ("hours", "elapsed_s", 1 / 3600),
+    ("dollars", "usd", 1.0),
+    ("device kWh (before PUE)", "energy_j", 1 / 3.6e6),
+)
 
 
 def write_report(runs: list[str | Path], out: str | Path, names: list[str] | None = None) -> list[Path]:
@@ -20,8 +25,10 @@ def write_report(runs: list[str | Path], out: str | Path, names: list[str] | Non
     trajectories = [load_trajectory(r) for r in runs]
     names = names or _names([Path(r) for r in runs])
     out.mkdir(parents=True, exist_ok=True)
-    written = [_plot_loss(trajectories, names, out / "loss.png"),
-               _plot_throughput(trajectories, names, out / "throughput.png")]
+    written = [
+        _plot_loss(trajectories, names, out / "loss.png"),
+        _plot_throughput(trajectories, names, out / "throughput.png"),
+    ]
     (out / "report.md").write_text(_markdown(trajectories, names, [p.name for p in written]))
     return [out / "report.md", *written]
 
@@ -146,9 +153,14 @@ def _markdown(trajectories: list[Trajectory], names: list[str], images: list[str
             lines.append(f"- {name}, {key.replace('_', ' ')}: {text}")
         target = _get(t.summary, ("cost", "target"))
         if target:
-            lines.append(f"- {name}, target loss {target['loss']:g}: " + (
-                f"reached at step {target['step']:g} after {target['elapsed_s']:,.1f} s, "
-                f"{target['kwh']:.6f} kWh" + (f", ${target['usd']:,.4f}" if target.get("usd") is not None else "")
-                if target["reached"] else "not reached"))
+            lines.append(
+                f"- {name}, target loss {target['loss']:g}: "
+                + (
+                    f"reached at step {target['step']:g} after {target['elapsed_s']:,.1f} s, "
+                    f"{target['kwh']:.6f} kWh" + (f", ${target['usd']:,.4f}" if target.get("usd") is not None else "")
+                    if target["reached"]
+                    else "not reached"
+                )
+            )
     lines += ["", *(f"![{Path(i).stem}]({i})" for i in images), ""]
     return "\n".join(lines)

@@ -23,8 +23,11 @@ def _family(value: Any) -> str:
 
 # The recipe's [model] table validates into one of these, selected by `family`.
 ModelConfig = Annotated[
-    Union[Annotated[GPTNeoXConfig, Tag("gpt-neox")], Annotated[LlamaConfig, Tag("llama")],
-          Annotated[BertConfig, Tag("bert")]],
+    Union[
+        Annotated[GPTNeoXConfig, Tag("gpt-neox")],
+        Annotated[LlamaConfig, Tag("llama")],
+        Annotated[BertConfig, Tag("bert")],
+    ],
     Discriminator(_family),
 ]
 
@@ -60,5 +63,15 @@ def build_model(cfg) -> nn.Module:
         raise ValueError(f"unknown model family {cfg.family!r}") from None
 
 
-__all__ = ["FAMILIES", "Bert", "BertConfig", "GPTNeoX", "GPTNeoXConfig", "Llama", "LlamaConfig",
-           "ModelConfig", "build_empty", "build_model"]
+__all__ = [
+    "FAMILIES",
+    "Bert",
+    "BertConfig",
+    "GPTNeoX",
+    "GPTNeoXConfig",
+    "Llama",
+    "LlamaConfig",
+    "ModelConfig",
+    "build_empty",
+    "build_model",
+]

@@ -45,12 +45,17 @@ class BertConfig(BaseModel):
     init_std: float = Field(default=0.02, gt=0.0)
     # As an embedding model (contrastive training, `frugality embed`, sentence-transformers export):
     pooling: Literal["mean", "cls"] = "mean"
-    head: tuple[PositiveInt, ...] = Field(default=(), description="widths of the MLP projection head's layers "
-                                    "after pooling (empty: none); the last layer is linear")
+    head: tuple[PositiveInt, ...] = Field(
+        default=(),
+        description="widths of the MLP projection head's layers after pooling (empty: none); the last layer is linear",
+    )
     head_activation: Literal["tanh", "relu", "gelu"] = Field(default="gelu", description="between head layers")
     normalize: bool = Field(default=False, description="L2-normalise the embeddings")
-    temperature: float = Field(default=0.05, gt=0.0, description="contrastive loss: similarities are divided "
-                               "by it (the initial value when learnt)")
+    temperature: float = Field(
+        default=0.05,
+        gt=0.0,
+        description="contrastive loss: similarities are divided by it (the initial value when learnt)",
+    )
     learn_temperature: bool = False
 
     @model_validator(mode="after")
@@ -90,8 +95,10 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             return self.out(tokens.unpad(y.transpose(1, 2).flatten(0, 1).flatten(1)))
         b, t, d = x.shape
-        q, k, v = (proj(x).view(b, t, self.heads, self.head_size).transpose(1, 2)
-                   for proj in (self.query, self.key, self.value))
+        q, k, v = (
+            proj(x).view(b, t, self.heads, self.head_size).transpose(1, 2)
+            for proj in (self.query, self.key, self.value)
+        )
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # bidirectional
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
@@ -190,8 +197,14 @@ class Bert(nn.Module):
             else:
                 p.normal_(0.0, self.config.init_std)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, *, unpad: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        *,
+        unpad: bool = False,
+    ) -> torch.Tensor:
         """Hidden states (B, T, d). `unpad` (with an attention mask) skips the padding in every
         layer but attention and puts the rows back in the padded layout at the end, zeros at
         the padding; the real tokens' states are the same."""
@@ -209,16 +222,23 @@ class Bert(nn.Module):
             h = layer(h, mask)
         return h
 
-    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-              token_type_ids: torch.Tensor | None = None, *, normalize: bool | None = None,
-              unpad: bool = False) -> torch.Tensor:
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        *,
+        normalize: bool | None = None,
+        unpad: bool = False,
+    ) -> torch.Tensor:
         """Sentence embeddings: the hidden states pooled (`config.pooling`), through the
         projection head, L2-normalised where `normalize` (default `config.normalize`) says."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         hidden = self(input_ids, attention_mask, token_type_ids, unpad=unpad)
-        return self.project(pool(hidden, attention_mask, self.config.pooling),
-                            self.config.normalize if normalize is None else normalize)
+        return self.project(
+            pool(hidden, attention_mask, self.config.pooling), self.config.normalize if normalize is None else normalize
+        )
 
     def similarity_scale(self) -> torch.Tensor | float:
         """1 / temperature; learnt, it is kept at most 100 (CLIP's bound) so that the

@@ -29,9 +29,7 @@ class GPTNeoXConfig(BaseModel):
     hidden_size: PositiveInt
     num_layers: PositiveInt
     num_heads: PositiveInt
-    intermediate_size: PositiveInt | None = Field(
-        default=None, description="MLP width; 4 x hidden_size when left out"
-    )
+    intermediate_size: PositiveInt | None = Field(default=None, description="MLP width; 4 x hidden_size when left out")
     vocab_size: PositiveInt = 50304
     max_seq_len: PositiveInt = 2048
     rotary_pct: float = Field(default=0.25, ge=0.0, le=1.0)
@@ -42,9 +40,7 @@ class GPTNeoXConfig(BaseModel):
     @model_validator(mode="after")
     def _check_shapes(self) -> "GPTNeoXConfig":
         if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
-            )
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         if self.rotary_dim % 2:
             raise ValueError(
                 f"rotary_pct ({self.rotary_pct}) x head size ({self.head_size}) gives an odd "
@@ -151,8 +147,13 @@ class GPTNeoX(nn.Module):
             h = layer(h)
         return self.final_norm(h)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits (B, T, vocab); or, given next-token `targets` (B, T), the mean cross-entropy.
         Decoding, with a `cache`: the tokens sit at `positions` (B, T) of their rows (-1:
         padding), their keys and values go into the cache, and only the last column's

@@ -24,8 +24,17 @@ from frugality.models.layers import RotaryEmbedding
 class KVCache:
     """Keys and values of `num_layers` layers for `batch` rows of up to `length` positions."""
 
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, length: int, head_size: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        length: int,
+        head_size: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         shape = (batch, kv_heads, length + 1, head_size)  # + 1: the slot padding is written to
         self.batch, self.length = batch, length
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -51,8 +60,9 @@ class LayerCache:
     values: torch.Tensor
     positions: torch.Tensor  # (batch, seq); -1 marks padding
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryEmbedding | None = None
+    ) -> torch.Tensor:
         """Rotate q and k by their positions, write k and v into their slots, and attend
         each query to the slots at or before its position. Padding queries see slot 0 (so
         no softmax row is empty); their outputs are never used."""
@@ -64,5 +74,6 @@ class LayerCache:
         self.keys.scatter_(2, slots, k)
         self.values.scatter_(2, slots, v)
         visible = torch.arange(length + 1, device=q.device) <= at[:, None, :, None]  # (batch, 1, seq, length + 1)
-        return F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=visible,
-                                              enable_gqa=self.keys.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(
+            q, self.keys, self.values, attn_mask=visible, enable_gqa=self.keys.shape[1] != q.shape[1]
+        )

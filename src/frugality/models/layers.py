@@ -80,8 +80,9 @@ class CausalAttention(nn.Module):
     scale is the default head_size ** -0.5. No parameters: a module so that a device's
     faster attention can be swapped in (`frugality.kernels.specialize`)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryEmbedding | None = None
+    ) -> torch.Tensor:
         if rotary is not None:
             q, k = rotary(q), rotary(k)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])

@@ -26,7 +26,9 @@ class LlamaConfig(BaseModel):
     hidden_size: PositiveInt
     num_layers: PositiveInt
     num_heads: PositiveInt
-    num_kv_heads: PositiveInt | None = Field(default=None, description="grouped-query attention; = num_heads when left out")
+    num_kv_heads: PositiveInt | None = Field(
+        default=None, description="grouped-query attention; = num_heads when left out"
+    )
     intermediate_size: PositiveInt
     vocab_size: PositiveInt = 32000
     max_seq_len: PositiveInt = 2048
@@ -147,8 +149,13 @@ class Llama(nn.Module):
             h = layer(h)
         return self.final_norm(h)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """As GPTNeoX.forward: logits, the loss given `targets`, or a decoding step with a `cache`."""
         if cache is None:
             return self.output.logits_or_loss(self.hidden_states(input_ids), targets)

@@ -61,8 +61,11 @@ class PrecisionPolicy:
     @property
     def label(self) -> str:
         """The name, and the compute mode where it differs from the policy's usual one."""
-        return f"{self.name} (fp32 products)" if self.fp32_products or (
-            self.name == "amp-bf16" and not self.autocast) else self.name
+        return (
+            f"{self.name} (fp32 products)"
+            if self.fp32_products or (self.name == "amp-bf16" and not self.autocast)
+            else self.name
+        )
 
     @property
     def state_bytes_per_param(self) -> int:
@@ -129,12 +132,16 @@ def resolve_policy(name: str, device: torch.device) -> tuple[PrecisionPolicy, st
     if native or policy.compute_dtype != torch.bfloat16 or name == "fp8":
         return policy, f"precision {name}"
     if policy.autocast:  # amp-bf16: autocast to bf16 here would emulate every product
-        return (replace(policy, compute_dtype=torch.float32, autocast=False),
-                f"precision amp-bf16: products run in fp32, not bf16 autocast ({why}; bf16 would be "
-                "hundreds of times slower); use fp32 or auto here")
-    return (replace(policy, compute_dtype=torch.float32, fp32_products=True),
-            f"precision {name}: bf16 weights, gradients and optimizer state, products computed in fp32 "
-            f"from the bf16 operands ({why})")
+        return (
+            replace(policy, compute_dtype=torch.float32, autocast=False),
+            f"precision amp-bf16: products run in fp32, not bf16 autocast ({why}; bf16 would be "
+            "hundreds of times slower); use fp32 or auto here",
+        )
+    return (
+        replace(policy, compute_dtype=torch.float32, fp32_products=True),
+        f"precision {name}: bf16 weights, gradients and optimizer state, products computed in fp32 "
+        f"from the bf16 operands ({why})",
+    )
 
 
 def _check_fp8(device: torch.device) -> None:
@@ -161,7 +168,11 @@ def _to_float8(model: nn.Module) -> nn.Module:
     def eligible(module: nn.Module, fqn: str) -> bool:
         # float8 matmuls need both dimensions divisible by 16; the output layer stays bf16
         # (its gradient is the most precision-sensitive, as in torchao's own recipes).
-        return (isinstance(module, nn.Linear) and fqn != "output"
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        return (
+            isinstance(module, nn.Linear)
+            and fqn != "output"
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+        )
 
     return convert_to_float8_training(model, module_filter_fn=eligible)

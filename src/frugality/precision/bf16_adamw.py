@@ -45,15 +45,38 @@ from frugality.precision.stochastic_rounding import mix_key, noise16x3, round_to
 
 Rounding = Literal["stochastic", "nearest"]
 _EAGER_CHUNK = 1 << 20  # bounds the eager path's temporaries to a few MB
-_FLOAT_SCALARS = ("lr", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay",
-                  "bc1", "bc2_sqrt", "grad_scale")
+_FLOAT_SCALARS = (
+    "lr",
+    "beta1",
+    "one_minus_beta1",
+    "beta2",
+    "one_minus_beta2",
+    "eps",
+    "decay",
+    "bc1",
+    "bc2_sqrt",
+    "grad_scale",
+)
 
 
 def _update(
-    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
-    lr: torch.Tensor, beta1: torch.Tensor, one_minus_beta1: torch.Tensor, beta2: torch.Tensor,
-    one_minus_beta2: torch.Tensor, eps: torch.Tensor, decay: torch.Tensor, bc1: torch.Tensor,
-    bc2_sqrt: torch.Tensor, grad_scale: torch.Tensor, key: torch.Tensor, stochastic: bool,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    start: torch.Tensor,
+    lr: torch.Tensor,
+    beta1: torch.Tensor,
+    one_minus_beta1: torch.Tensor,
+    beta2: torch.Tensor,
+    one_minus_beta2: torch.Tensor,
+    eps: torch.Tensor,
+    decay: torch.Tensor,
+    bc1: torch.Tensor,
+    bc2_sqrt: torch.Tensor,
+    grad_scale: torch.Tensor,
+    key: torch.Tensor,
+    stochastic: bool,
 ) -> None:
     """One AdamW step on flat bf16 buffers, in place. Scalars are 0-dim float32 tensors
     computed once by the caller (so a changing learning rate never recompiles), and the
@@ -93,8 +116,7 @@ class BF16AdamW(torch.optim.Optimizer):
         seed: int = 0,
         fused: bool = True,
     ) -> None:
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        rounding=rounding, seed=seed)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rounding=rounding, seed=seed)
         super().__init__(params, defaults)
         self._compiled: Callable | None = None
         self._fused = fused
@@ -117,8 +139,9 @@ class BF16AdamW(torch.optim.Optimizer):
         if any(p.dtype != torch.bfloat16 or p.device != device for p in params):
             raise ValueError("BF16AdamW needs bfloat16 parameters on one device per group")
         numel = sum(p.numel() for p in params)
-        flat = {name: torch.zeros(numel, dtype=torch.bfloat16, device=device)
-                for name in ("param", "exp_avg", "exp_avg_sq")}
+        flat = {
+            name: torch.zeros(numel, dtype=torch.bfloat16, device=device) for name in ("param", "exp_avg", "exp_avg_sq")
+        }
         step = torch.zeros((), dtype=torch.float32)  # one counter per group, shared by its params
         offset = 0
         for p in params:
@@ -142,9 +165,20 @@ class BF16AdamW(torch.optim.Optimizer):
             if p.dtype != torch.bfloat16:
                 raise ValueError("BF16AdamW needs bfloat16 parameters")
             self._shard_starts[p] = offset + _shard_offset(p)
-            self.state[p] = {"step": step, **{name: DTensor.from_local(
-                torch.zeros_like(p.to_local()), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                run_check=False) for name in ("exp_avg", "exp_avg_sq")}}
+            self.state[p] = {
+                "step": step,
+                **{
+                    name: DTensor.from_local(
+                        torch.zeros_like(p.to_local()),
+                        p.device_mesh,
+                        p.placements,
+                        shape=p.shape,
+                        stride=p.stride(),
+                        run_check=False,
+                    )
+                    for name in ("exp_avg", "exp_avg_sq")
+                },
+            }
             offset += p.numel()
 
     @torch.no_grad()
@@ -192,7 +226,8 @@ class BF16AdamW(torch.optim.Optimizer):
             total = torch.tensor(math.sqrt(squares), dtype=torch.float32)
         else:
             total = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(_local(g), dtype=torch.float32) for g in grads]))
+                torch.stack([torch.linalg.vector_norm(_local(g), dtype=torch.float32) for g in grads])
+            )
         if isinstance(grads[0], DTensor):  # each rank summed its shards: add the other shards' sums
             total = _sum_over_shards(total.square(), grads[0]).sqrt()
         value = float(total)
@@ -208,9 +243,16 @@ class BF16AdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lr, wd = f32(group["lr"]), f32(group["weight_decay"])
         return dict(
-            lr=lr, beta1=f32(beta1), one_minus_beta1=f32(1) - f32(beta1), beta2=f32(beta2),
-            one_minus_beta2=f32(1) - f32(beta2), eps=f32(group["eps"]), decay=f32(1) - lr * wd,
-            bc1=f32(1 - beta1**step), bc2_sqrt=f32((1 - beta2**step) ** 0.5), grad_scale=f32(grad_scale),
+            lr=lr,
+            beta1=f32(beta1),
+            one_minus_beta1=f32(1) - f32(beta1),
+            beta2=f32(beta2),
+            one_minus_beta2=f32(1) - f32(beta2),
+            eps=f32(group["eps"]),
+            decay=f32(1) - lr * wd,
+            bc1=f32(1 - beta1**step),
+            bc2_sqrt=f32((1 - beta2**step) ** 0.5),
+            grad_scale=f32(grad_scale),
             key=mix_key(group["seed"], index, step),
         )
 
@@ -248,17 +290,23 @@ class BF16AdamW(torch.optim.Optimizer):
             if self._compiled is None:
                 self._compiled = torch.compile(_update, dynamic=True, fullgraph=True)
             try:
-                self._compiled(*buffers, torch.tensor(start, dtype=torch.int64, device=device),
-                               **tensors, stochastic=stochastic)
+                self._compiled(
+                    *buffers, torch.tensor(start, dtype=torch.int64, device=device), **tensors, stochastic=stochastic
+                )
                 return
             except Exception as e:  # e.g. an Inductor C++ build failure on this machine
-                warnings.warn(f"compiled BF16AdamW step failed ({type(e).__name__}: {e}); "
-                              "using eager torch ops for the rest of this run")
+                warnings.warn(
+                    f"compiled BF16AdamW step failed ({type(e).__name__}: {e}); "
+                    "using eager torch ops for the rest of this run"
+                )
                 self._fused = False
         for chunk in range(0, n, _EAGER_CHUNK):
-            _update(*(b[chunk : chunk + _EAGER_CHUNK] for b in buffers),
-                    torch.tensor(start + chunk, dtype=torch.int64, device=device), **tensors,
-                    stochastic=stochastic)
+            _update(
+                *(b[chunk : chunk + _EAGER_CHUNK] for b in buffers),
+                torch.tensor(start + chunk, dtype=torch.int64, device=device),
+                **tensors,
+                stochastic=stochastic,
+            )
 
     def _run_shards(self, group: dict, scalars: dict, stochastic: bool) -> None:
         """The update of a sharded group, each rank on its local shards in place (one pass per
@@ -267,8 +315,12 @@ class BF16AdamW(torch.optim.Optimizer):
             if p.grad is None or p.to_local().numel() == 0:  # FSDP2 may leave a rank no rows
                 continue
             state = self.state[p]
-            local = [p.to_local(), _bf16_contiguous(p.grad.to_local()), state["exp_avg"].to_local(),
-                     state["exp_avg_sq"].to_local()]
+            local = [
+                p.to_local(),
+                _bf16_contiguous(p.grad.to_local()),
+                state["exp_avg"].to_local(),
+                state["exp_avg_sq"].to_local(),
+            ]
             if not all(t.is_contiguous() for t in local):
                 raise ValueError("BF16AdamW needs contiguous local shards (FSDP2 sharding on dim 0)")
             flat = [t.view(-1) for t in local]

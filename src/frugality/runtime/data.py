@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from frugality.config.recipe import Recipe
 from frugality.data.bundled import BUNDLED_PREFIX, bundled_dataset, bundled_pairs
 from frugality.data.indexed import IndexedDataset
@@ -40,8 +38,10 @@ def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, wor
         )
     if recipe.train.task == "contrastive":
         if recipe.data.micro_batch_size < 2:
-            raise UserError("data.micro_batch_size = 1: contrastive training needs at least two pairs per micro-batch "
-                            "(each pair's negatives are the others)")
+            raise UserError(
+                "data.micro_batch_size = 1: contrastive training needs at least two pairs per micro-batch "
+                "(each pair's negatives are the others)"
+            )
         samples = _open_pairs(recipe, tokenizer)
     else:
         dataset = _open_dataset(recipe, tokenizer, progress)
@@ -54,16 +54,19 @@ def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, wor
                 f"({recipe.model.vocab_size}); was it tokenized with another tokenizer?"
             )
     stream = TrainStream(samples, recipe.data.global_batch_size, recipe.data.micro_batch_size, rank, world_size)
-    val_batches, val_counted = validation_batches(samples, recipe.train.eval_samples, recipe.data.micro_batch_size,
-                                                  rank, world_size)
+    val_batches, val_counted = validation_batches(
+        samples, recipe.train.eval_samples, recipe.data.micro_batch_size, rank, world_size
+    )
     if isinstance(samples, PairSamples):
         description = samples.description
     else:
         description = f"{len(samples.train_ids):,} training samples ({samples.dataset.num_tokens:,} tokens)"
     mask_id = tokenizer.tokenizer.token_to_id("[MASK]")
     if recipe.train.task == "masked_lm" and mask_id is None:
-        raise UserError(f"train.task masked_lm: tokenizer {recipe.data.tokenizer!r} has no [MASK] token "
-                        "(use data.tokenizer = \"bert-uncased\" or a BERT tokenizer)")
+        raise UserError(
+            f"train.task masked_lm: tokenizer {recipe.data.tokenizer!r} has no [MASK] token "
+            '(use data.tokenizer = "bert-uncased" or a BERT tokenizer)'
+        )
     specials = tuple(i for t in ("[CLS]", "[SEP]", "[PAD]") if (i := tokenizer.tokenizer.token_to_id(t)) is not None)
     return TrainingData(samples, stream, val_batches, val_counted, description, mask_id, specials)
 

@@ -71,8 +71,14 @@ class MemoryPlan:
         return asdict(self) | {"total": self.total, "fits": self.fits}
 
 
-def plan_memory(recipe: Recipe, nproc: int, strategy: str, device_memory: int | None = None,
-                policy: PrecisionPolicy | None = None, fused_output: bool = False) -> MemoryPlan:
+def plan_memory(
+    recipe: Recipe,
+    nproc: int,
+    strategy: str,
+    device_memory: int | None = None,
+    policy: PrecisionPolicy | None = None,
+    fused_output: bool = False,
+) -> MemoryPlan:
     """The plan under `policy` (as fitted to a device), by default the recipe's (`auto`:
     bf16-sr). `fused_output`: count the output layer's loss as frugality's fused layer keeps
     it (one tokens x vocab buffer in the compute dtype) rather than as eager PyTorch does."""
@@ -98,9 +104,22 @@ def plan_memory(recipe: Recipe, nproc: int, strategy: str, device_memory: int | 
     if policy.autocast:  # autocast does not run on the meta device: count its products' dtype
         model = model.to(policy.compute_dtype)
     activations = saved_activation_bytes(model, recipe, policy.compute_dtype if fused_output else None)
-    return MemoryPlan(recipe.name, strategy if nproc > 1 else "none", nproc, shard, policy.name, total,
-                      recipe.data.micro_batch_size, recipe.data.seq_len, per_rank * item, per_rank * item,
-                      per_rank * moments, in_flight, activations, device_memory)
+    return MemoryPlan(
+        recipe.name,
+        strategy if nproc > 1 else "none",
+        nproc,
+        shard,
+        policy.name,
+        total,
+        recipe.data.micro_batch_size,
+        recipe.data.seq_len,
+        per_rank * item,
+        per_rank * item,
+        per_rank * moments,
+        in_flight,
+        activations,
+        device_memory,
+    )
 
 
 def saved_activation_bytes(model: nn.Module, recipe: Recipe, fused_output: torch.dtype | None = None) -> int:
@@ -165,15 +184,20 @@ def _numel(module: nn.Module) -> int:
 
 def markdown_rows(plans: list[MemoryPlan]) -> str:
     gib = 2**30
-    lines = ["| recipe | parameters | precision | strategy | ranks | sharded over | weights | gradients | optimizer "
-             "| in flight | activations (1 micro-batch) | total per rank (GiB) | fits (device GiB) |", "|" + "---|" * 13]
+    lines = [
+        "| recipe | parameters | precision | strategy | ranks | sharded over | weights | gradients | optimizer "
+        "| in flight | activations (1 micro-batch) | total per rank (GiB) | fits (device GiB) |",
+        "|" + "---|" * 13,
+    ]
     for p in plans:
         fits = "n/a" if p.fits is None else f"{'yes' if p.fits else 'no'} ({p.device_memory / gib:.1f})"
-        lines.append(f"| {p.recipe} | {p.parameters / 1e6:,.0f}M | {p.precision} | {p.strategy} | {p.nproc} | "
-                     f"{p.shard_over} | "
-                     f"{p.weights / gib:.2f} | {p.gradients / gib:.2f} | {p.optimizer / gib:.2f} | "
-                     f"{p.in_flight / gib:.2f} | {p.activations / gib:.2f} (b={p.micro_batch}, s={p.seq_len}) | "
-                     f"{p.total / gib:.2f} | {fits} |")
+        lines.append(
+            f"| {p.recipe} | {p.parameters / 1e6:,.0f}M | {p.precision} | {p.strategy} | {p.nproc} | "
+            f"{p.shard_over} | "
+            f"{p.weights / gib:.2f} | {p.gradients / gib:.2f} | {p.optimizer / gib:.2f} | "
+            f"{p.in_flight / gib:.2f} | {p.activations / gib:.2f} (b={p.micro_batch}, s={p.seq_len}) | "
+            f"{p.total / gib:.2f} | {fits} |"
+        )
     return "\n".join(lines)
 
 
@@ -191,10 +215,13 @@ def check_fits(recipe: Recipe, policy: PrecisionPolicy, world_size: int, device:
     if plan.total <= free:
         return
     gib = 2**30
-    where = "of this machine's RAM" + (" per rank" if world_size > 1 else "") if device.type == "cpu" else \
-        f"on {device}"
-    raise UserError(f"data.micro_batch_size {recipe.data.micro_batch_size} x seq_len {recipe.data.seq_len} needs "
-                    f"about {plan.total / gib:.1f} GiB per rank (activations {plan.activations / gib:.1f} GiB; "
-                    f"frugality plan), more than the {free / gib:.1f} GiB free {where}; lower "
-                    "data.micro_batch_size (the global batch is kept, by accumulation), or set "
-                    "train.check_memory = false to try anyway")
+    where = (
+        "of this machine's RAM" + (" per rank" if world_size > 1 else "") if device.type == "cpu" else f"on {device}"
+    )
+    raise UserError(
+        f"data.micro_batch_size {recipe.data.micro_batch_size} x seq_len {recipe.data.seq_len} needs "
+        f"about {plan.total / gib:.1f} GiB per rank (activations {plan.activations / gib:.1f} GiB; "
+        f"frugality plan), more than the {free / gib:.1f} GiB free {where}; lower "
+        "data.micro_batch_size (the global batch is kept, by accumulation), or set "
+        "train.check_memory = false to try anyway"
+    )

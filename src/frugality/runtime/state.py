@@ -20,17 +20,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from frugality.metrics.prices import check_cost
 from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
 from frugality.distributed import World, describe, gather_with_grad, wrap
 from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.kernels.specialize import specialize
+from frugality.metrics.prices import check_cost
 from frugality.models import build_model
 from frugality.precision import PrecisionPolicy, resolve_policy
 from frugality.runtime.data import TrainingData
-from frugality.tasks import Task, freeze_unused, task_for
 from frugality.runtime.optim import build_optimizer
+from frugality.tasks import Task, freeze_unused, task_for
 
 
 @dataclass
@@ -67,14 +67,20 @@ def check_recipe(recipe: Recipe, device: torch.device) -> None:
     check_cost(recipe.cost.instance, recipe.cost.catalogue)  # an unknown instance or a bad catalogue too
 
 
-def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None = None,
-                world: World = World()) -> TrainState:
+def build_state(
+    recipe: Recipe, device: torch.device, data: TrainingData | None = None, world: World = World()
+) -> TrainState:
     """The training state for `recipe` on `device` (see the module's docstring for the
     order); `data` from `frugality.runtime.data.open_training_data` where batches come from
     the recipe's dataset. The recipe's micro-batch and sequence length key the compiled graphs."""
     gather = gather_with_grad if world.distributed and recipe.parallel.gather_negatives else None
-    task = task_for(recipe, data.mask_id if data is not None else None, data.special_ids if data is not None else (),
-                    gather=gather, unpad=recipe.compile.level == "O0")
+    task = task_for(
+        recipe,
+        data.mask_id if data is not None else None,
+        data.special_ids if data is not None else (),
+        gather=gather,
+        unpad=recipe.compile.level == "O0",
+    )
     policy, note = resolve_policy(recipe.train.precision, device)
     torch.manual_seed(recipe.seed)
     with device:
@@ -85,18 +91,32 @@ def build_state(recipe: Recipe, device: torch.device, data: TrainingData | None 
     if world.distributed:
         wrapped = wrap(wrapped, getattr(model, "layers", []), recipe.parallel, world, device)
         choices.append(describe(recipe.parallel, world))
-    optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed,
-                                fused=recipe.train.fused_optimizer)
+    optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed, fused=recipe.train.fused_optimizer)
     compiled = CompileSession.for_recipe(recipe, device, policy)
     notes = [note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")]
     if recipe.parallel.gather_negatives:
-        notes.append(f"contrastive negatives gathered from all {world.world_size} ranks" if world.distributed else
-                     "parallel.gather_negatives: one process, nothing to gather")
+        notes.append(
+            f"contrastive negatives gathered from all {world.world_size} ranks"
+            if world.distributed
+            else "parallel.gather_negatives: one process, nothing to gather"
+        )
     notes += task.notes(recipe)
     if frozen:
         notes.append(f"not trained (task {task.name} does not use them): {_prefixes(frozen)}")
-    return TrainState(recipe, device, policy, task, model, wrapped, optimizer, compiled, notes, data, world,
-                      recent_losses=deque(maxlen=recipe.train.loss_spike_window))
+    return TrainState(
+        recipe,
+        device,
+        policy,
+        task,
+        model,
+        wrapped,
+        optimizer,
+        compiled,
+        notes,
+        data,
+        world,
+        recent_losses=deque(maxlen=recipe.train.loss_spike_window),
+    )
 
 
 def _prefixes(names: list[str]) -> str:

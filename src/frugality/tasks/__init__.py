@@ -24,18 +24,26 @@ def get_task(name: str) -> Task:
         raise UserError(f"train.task {name!r}: choose one of {', '.join(TASKS)}") from None
 
 
-def task_for(recipe, mask_id: int | None = None, special_ids: tuple[int, ...] = (), gather=None,
-             unpad: bool = False) -> Task:
+def task_for(
+    recipe, mask_id: int | None = None, special_ids: tuple[int, ...] = (), gather=None, unpad: bool = False
+) -> Task:
     """The recipe's task, checked against its model and fitted to the run: the tokenizer's
     [MASK] id and the special tokens never masked (masked LM), the gather of every rank's
     negatives (`parallel.gather_negatives`), the padding skipped (eager contrastive runs)."""
     task = get_task(recipe.train.task)
     task.check(recipe.model)
     if recipe.parallel.gather_negatives and not task.gathers_negatives:
-        raise UserError(f"parallel.gather_negatives = true: only contrastive training has negatives to gather "
-                        f"(train.task is {recipe.train.task!r})")
-    return task.configured(mask_id=0 if mask_id is None else mask_id, special_ids=tuple(special_ids), mask_prob=recipe.data.mask_prob,
-                           gather=gather, unpad=unpad)
+        raise UserError(
+            f"parallel.gather_negatives = true: only contrastive training has negatives to gather "
+            f"(train.task is {recipe.train.task!r})"
+        )
+    return task.configured(
+        mask_id=0 if mask_id is None else mask_id,
+        special_ids=tuple(special_ids),
+        mask_prob=recipe.data.mask_prob,
+        gather=gather,
+        unpad=unpad,
+    )
 
 
 def freeze_unused(task, model) -> list[str]:
@@ -49,5 +57,15 @@ def freeze_unused(task, model) -> list[str]:
     return frozen
 
 
-__all__ = ["TASKS", "CausalLM", "Contrastive", "Evaluated", "MaskedLM", "RunSetup", "Task", "freeze_unused",
-           "get_task", "task_for"]
+__all__ = [
+    "TASKS",
+    "CausalLM",
+    "Contrastive",
+    "Evaluated",
+    "MaskedLM",
+    "RunSetup",
+    "Task",
+    "freeze_unused",
+    "get_task",
+    "task_for",
+]

@@ -62,16 +62,19 @@ class Task(ABC):
     def check(self, model_config) -> None:
         """Refuse a model this task cannot train, in one line."""
         if model_config.family not in self.families:
-            raise UserError(f"model.family {model_config.family!r}: task {self.name} trains {self.trains} "
-                            f"({', '.join(self.families)})")
+            raise UserError(
+                f"model.family {model_config.family!r}: task {self.name} trains {self.trains} "
+                f"({', '.join(self.families)})"
+            )
 
     @abstractmethod
     def training_module(self, model: nn.Module) -> nn.Module:
         """The module DDP and FSDP2 wrap: `forward(batch)` is the batch's loss (a scalar
         tensor), `forward(batch, evaluate=True)` an `Evaluated`; it holds `model` as `.model`."""
 
-    def metrics(self, outputs: list, counted: int,
-                all_ranks: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+    def metrics(
+        self, outputs: list, counted: int, all_ranks: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[str, float]:
         """An evaluation's figures besides the loss, from this rank's batches' `outputs`
         (the first `counted` count; the others only keep the ranks in step), with
         `all_ranks(rows)` gathering a tensor from every rank; none by default."""
@@ -111,4 +114,3 @@ def rank() -> int:
     """This process's rank in the default process group, 0 outside one."""
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-

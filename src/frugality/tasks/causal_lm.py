@@ -36,8 +36,9 @@ class CausalLM(Task):
         try:
             super().check(model_config)
         except UserError as e:
-            raise UserError(f"{e}; {model_config.family} models can be imported, exported and used for "
-                            "embeddings") from None
+            raise UserError(
+                f"{e}; {model_config.family} models can be imported, exported and used for embeddings"
+            ) from None
 
     def training_module(self, model: nn.Module) -> nn.Module:
         return CausalLMModule(model)

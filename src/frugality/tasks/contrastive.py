@@ -35,7 +35,7 @@ class ContrastiveModule(nn.Module):
         if not evaluate:
             return loss
         n = batch.pairs
-        return Evaluated(loss, n, (embeddings[:n].float(), embeddings[n:2 * n].float()))
+        return Evaluated(loss, n, (embeddings[:n].float(), embeddings[n : 2 * n].float()))
 
 
 def info_nce(embeddings: torch.Tensor, groups: int, scale: torch.Tensor | float, gather=None) -> torch.Tensor:
@@ -111,5 +111,7 @@ class Contrastive(Task):
     def notes(self, recipe) -> list[str]:
         if self.setup.unpad:
             return ["padding skipped in every layer but attention (eager: the real tokens' count varies)"]
-        return [f"padding kept in every layer: compiled blocks ({recipe.compile.level}) take static shapes; "
-                "compile.level = O0 skips it, often faster for short texts"]
+        return [
+            f"padding kept in every layer: compiled blocks ({recipe.compile.level}) take static shapes; "
+            "compile.level = O0 skips it, often faster for short texts"
+        ]

@@ -28,17 +28,21 @@ def compile_ahead(recipe: Recipe, progress: bool = True, ranks: int = 1) -> dict
     Each trial step is one micro-batch per rank: accumulating more would run the same
     graphs again (a Pythia recipe's step is 32 of them)."""
     if recipe.compile.level == "O0":
-        raise UserError("compile.level is O0 (eager): nothing to compile; "
-                        "choose a level with --level O1 or --set compile.level=O1")
+        raise UserError(
+            "compile.level is O0 (eager): nothing to compile; choose a level with --level O1 or --set compile.level=O1"
+        )
     recipe, _ = recipe.for_data_parallel(ranks)
     here = world_from_env().world_size  # this command's own ranks, under torchrun
-    trial = recipe.model_copy(update={
-        # one micro-batch of validation: the run's shape (a split smaller than one: the whole of it, as the run's)
-        "train": recipe.train.model_copy(update={"eval_samples": recipe.data.micro_batch_size, "keep_checkpoints": 1}),
-        "data": recipe.data.model_copy(update={"global_batch_size": recipe.data.micro_batch_size * here}),
-    })
+    trial = recipe.model_copy(
+        update={
+            # one micro-batch of validation: the run's shape (a split smaller than one: the whole of it, as the run's)
+            "train": recipe.train.model_copy(
+                update={"eval_samples": recipe.data.micro_batch_size, "keep_checkpoints": 1}
+            ),
+            "data": recipe.data.model_copy(update={"global_batch_size": recipe.data.micro_batch_size * here}),
+        }
+    )
     steps = min(TRIAL_STEPS, recipe.train.steps)
     with tempfile.TemporaryDirectory(prefix="frugality-compile-") as scratch:
-        result = train(trial, run_dir=Path(scratch) / "run", until_step=steps, progress=progress,
-                       tensorboard=False)
+        result = train(trial, run_dir=Path(scratch) / "run", until_step=steps, progress=progress, tensorboard=False)
     return result.summary["compile"]

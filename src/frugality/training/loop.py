@@ -58,8 +58,9 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
         evaluate(state, callbacks)
     while state.step < stop_at:
         t0 = time.perf_counter()  # the step's time includes fetching its batches
-        lr = learning_rate(state.step, recipe.train.steps, recipe.optim.lr, recipe.optim.min_lr,
-                           recipe.optim.warmup_steps)
+        lr = learning_rate(
+            state.step, recipe.train.steps, recipe.optim.lr, recipe.optim.min_lr, recipe.optim.warmup_steps
+        )
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         batches = state.data.stream.next_step()
@@ -68,8 +69,9 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
         state.step += 1
         tokens = step_tokens(state, batches)
         state.tokens_seen += tokens
-        result = StepResult(state.step, loss, norm, lr, time.perf_counter() - t0, state.step == stop_at, rejected,
-                            tokens=tokens)
+        result = StepResult(
+            state.step, loss, norm, lr, time.perf_counter() - t0, state.step == stop_at, rejected, tokens=tokens
+        )
         callbacks.on_step_end(state, result)
         if result.rolled_back_to is not None:  # a policy restored the last checkpoint: go on from its step
             continue
@@ -152,8 +154,10 @@ def _spike(state: TrainState, loss: float) -> str | None:
     median = statistics.median(recent)
     if loss <= factor * median:
         return None
-    return (f"the loss {loss:.4g} is {loss / median:.1f}x the median {median:.4g} of the last {len(recent)} "
-            f"steps (train.loss_spike = {factor})")
+    return (
+        f"the loss {loss:.4g} is {loss / median:.1f}x the median {median:.4g} of the last {len(recent)} "
+        f"steps (train.loss_spike = {factor})"
+    )
 
 
 @torch.no_grad()
@@ -171,8 +175,9 @@ def validation_loss(state: TrainState) -> tuple[float, dict]:
     n = state.data.val_counted
     metrics = state.task.metrics([d.outputs for d in done], n, all_gather_rows)
     counted = done[:n]
-    total, count = all_sum([sum(d.loss.item() * d.weight for d in counted if d.weight),
-                            sum(d.weight for d in counted)], state.device)
+    total, count = all_sum(
+        [sum(d.loss.item() * d.weight for d in counted if d.weight), sum(d.weight for d in counted)], state.device
+    )
     return total / count, metrics
 
 

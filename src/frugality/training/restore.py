@@ -16,10 +16,15 @@ def training_state(state: TrainState) -> dict:
     RNG states, the losses spike detection looks back on, the precision policy (a resume
     under another policy is refused) and the recipe trained with (a resume must match its
     seed, model and data)."""
-    return {"data": state.data.stream.state_dict(), "rng": rng.get_state(), "step": state.step,
-            "precision": state.policy.name, "recent_losses": list(state.recent_losses),
-            "tokens_seen": state.tokens_seen,
-            "recipe": state.recipe.model_dump(mode="json", exclude_none=True)}
+    return {
+        "data": state.data.stream.state_dict(),
+        "rng": rng.get_state(),
+        "step": state.step,
+        "precision": state.policy.name,
+        "recent_losses": list(state.recent_losses),
+        "tokens_seen": state.tokens_seen,
+        "recipe": state.recipe.model_dump(mode="json", exclude_none=True),
+    }
 
 
 def restore(state: TrainState, checkpoints: CheckpointManager, path: Path) -> dict:

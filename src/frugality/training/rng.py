@@ -20,9 +20,11 @@ def get_state() -> dict:
     """Every generator's state as plain JSON (checkpoints hold no pickles, docs/security.md)."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(internal), gauss],
-             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-             "torch": _encode(torch.get_rng_state())}
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _encode(torch.get_rng_state()),
+    }
     if torch.cuda.is_available():
         state["cuda"] = [_encode(s) for s in torch.cuda.get_rng_state_all()]
     return state

@@ -101,8 +101,10 @@ def _acquire(run_dir: Path):
             f.seek(0)
             holder = _holder(f.read())
             f.close()
-            raise UserError(f"run directory {run_dir} is in use by {holder} (lock {path}); wait for it to end, "
-                            "or train into another --run-dir") from None
+            raise UserError(
+                f"run directory {run_dir} is in use by {holder} (lock {path}); wait for it to end, "
+                "or train into another --run-dir"
+            ) from None
         try:  # the file locked must still be the one at the path: a run ending removes it
             if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
                 break
@@ -112,12 +114,22 @@ def _acquire(run_dir: Path):
     f.seek(0)
     previous = f.read()
     if previous.strip():  # the last holder died without releasing: its lock went with it
-        warnings.warn(f"run directory {run_dir}: taking over from {_holder(previous)}, which ended without "
-                      "releasing it", FrugalityWarning, stacklevel=3)
+        warnings.warn(
+            f"run directory {run_dir}: taking over from {_holder(previous)}, which ended without releasing it",
+            FrugalityWarning,
+            stacklevel=3,
+        )
     f.seek(0)
     f.truncate()
-    f.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                        "started": datetime.datetime.now().isoformat(timespec="seconds")}))
+    f.write(
+        json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started": datetime.datetime.now().isoformat(timespec="seconds"),
+            }
+        )
+    )
     f.flush()
     return f
 
@@ -225,9 +237,11 @@ def _check_compatible(then: dict, now: dict, run_dir: Path, source: str) -> None
             continue
         name, _, change = key.partition(" ")
         was, _, is_now = change.partition(" -> ")
-        raise UserError(f"run directory {run_dir} was trained with another {name} ({was} in {source}, "
-                        f"{is_now} now); resume with the same recipe, or start over with --fresh "
-                        "(the old run is kept aside)")
+        raise UserError(
+            f"run directory {run_dir} was trained with another {name} ({was} in {source}, "
+            f"{is_now} now); resume with the same recipe, or start over with --fresh "
+            "(the old run is kept aside)"
+        )
 
 
 def differences(then, now, prefix: str = "") -> list[str]:
@@ -314,8 +328,9 @@ def active_runs(root: Path) -> list[dict]:
         if not isinstance(info, dict) or info.get("host") != socket.gethostname() or not _alive(info.get("pid")):
             continue
         run_dir = lock.with_name(lock.name[1:].removesuffix(".lock"))
-        found.append({"run_dir": str(run_dir), "pid": info["pid"], "started": info.get("started"),
-                      **_progress(run_dir)})
+        found.append(
+            {"run_dir": str(run_dir), "pid": info["pid"], "started": info.get("started"), **_progress(run_dir)}
+        )
     return found
 
 
@@ -349,5 +364,9 @@ def _progress(run_dir: Path) -> dict:
         record = {}
     step, seconds = record.get("step"), record.get("step_time_s")
     eta = (total - step) * seconds if isinstance(total, int) and step is not None and seconds else None
-    return {"step": step, "total_steps": total, "tokens_per_s": record.get("tokens_per_s"),
-            "eta_s": None if eta is None else round(eta, 1)}
+    return {
+        "step": step,
+        "total_steps": total,
+        "tokens_per_s": record.get("tokens_per_s"),
+        "eta_s": None if eta is None else round(eta, 1),
+    }

@@ -59,11 +59,24 @@ def supervise(command: list[str], run_dir: Path, retries: int, backoff_s: float,
         status = subprocess.run(command if not attempts else _without_fresh(command)).returncode
         ended = time.time()
         after, logged = _checkpoint_step(run_dir), _last_logged_step(run_dir)
-        cause = NOT_RETRIED.get(status) or (f"killed by signal {-status}" if status < 0 else
-                                            f"a rank killed by signal {status - 128}" if 128 < status < 160 else
-                                            f"exit status {status}")
-        attempt = Attempt(len(attempts) + 1, started, ended, status, cause, before, after, logged,
-                          max(0, logged - after) if status not in NOT_RETRIED else 0)
+        cause = NOT_RETRIED.get(status) or (
+            f"killed by signal {-status}"
+            if status < 0
+            else f"a rank killed by signal {status - 128}"
+            if 128 < status < 160
+            else f"exit status {status}"
+        )
+        attempt = Attempt(
+            len(attempts) + 1,
+            started,
+            ended,
+            status,
+            cause,
+            before,
+            after,
+            logged,
+            max(0, logged - after) if status not in NOT_RETRIED else 0,
+        )
         attempts.append(attempt)
         _write(run_dir, attempts)
         if status in NOT_RETRIED:
@@ -73,12 +86,18 @@ def supervise(command: list[str], run_dir: Path, retries: int, backoff_s: float,
         no_progress = no_progress + 1 if after <= before else 0
         if len(attempts) > retries or no_progress >= 2:
             why = f"{retries} retries spent" if len(attempts) > retries else "two attempts in a row saved no checkpoint"
-            log(f"error: {run_dir}: attempt {attempt.attempt} ended ({cause}); giving up: {why} "
-                f"(see {run_dir / ATTEMPTS_FILE})", err=True)
+            log(
+                f"error: {run_dir}: attempt {attempt.attempt} ended ({cause}); giving up: {why} "
+                f"(see {run_dir / ATTEMPTS_FILE})",
+                err=True,
+            )
             return GAVE_UP_EXIT
         pause = backoff_s * 2 ** (len(attempts) - 1)
-        log(f"warning: {run_dir}: attempt {attempt.attempt} ended ({cause}) at step {logged}; resuming from "
-            f"step {after} in {pause:.0f} s (retry {len(attempts)} of {retries})", err=True)
+        log(
+            f"warning: {run_dir}: attempt {attempt.attempt} ended ({cause}) at step {logged}; resuming from "
+            f"step {after} in {pause:.0f} s (retry {len(attempts)} of {retries})",
+            err=True,
+        )
         time.sleep(pause)
         waited += pause
 
@@ -126,8 +145,10 @@ def _summarise(run_dir: Path, attempts: list[Attempt], waited: float) -> None:
     productive = steps * (summary.get("median_step_time_s") or 0.0)
     summary["attempts"] = len(attempts)
     summary["goodput"] = {
-        "productive_s": round(productive, 3), "wall_s": round(wall, 3),
+        "productive_s": round(productive, 3),
+        "wall_s": round(wall, 3),
         "goodput": round(productive / wall, 4) if wall > 0 else None,
-        "recomputed_steps": sum(a.recomputed_steps for a in attempts), "backoff_s": round(waited, 3),
+        "recomputed_steps": sum(a.recomputed_steps for a in attempts),
+        "backoff_s": round(waited, 3),
     }
     path.write_text(json.dumps(summary, indent=2) + "\n")

@@ -11,22 +11,23 @@ position and RNG states all live in the checkpoint.
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from frugality.checkpoint import CheckpointManager, step_of
 from frugality import distributed
+from frugality.checkpoint import CheckpointManager, step_of
 from frugality.config.recipe import Recipe
 from frugality.errors import UserError
 from frugality.hardware import probe
 from frugality.health.preflight import preflight
 from frugality.interop.weights import WeightsSource, check_compatible, load_weights, resolve_source, stored_dtype
+from frugality.precision import resolve_policy
 from frugality.runtime.data import open_training_data
 from frugality.runtime.device import resolve_device
-from frugality.precision import resolve_policy
+from frugality.runtime.host_memory import keep_freed_memory
+from frugality.runtime.optim import apply_fused_choice
 from frugality.runtime.plan import check_fits
 from frugality.runtime.state import TrainState, build_state, check_recipe
 from frugality.training import rng
@@ -34,17 +35,16 @@ from frugality.training import run_dir as rundir
 from frugality.training.callbacks import Callbacks
 from frugality.training.callbacks.checkpointing import Checkpointing
 from frugality.training.callbacks.cost import Cost
-from frugality.training.callbacks.memory import Memory
 from frugality.training.callbacks.divergence import DivergenceGuard
-from frugality.training.callbacks.faults import ENV_VAR as FAULT_ENV_VAR, FaultInjector
+from frugality.training.callbacks.faults import ENV_VAR as FAULT_ENV_VAR
+from frugality.training.callbacks.faults import FaultInjector
+from frugality.training.callbacks.memory import Memory
 from frugality.training.callbacks.progress import Progress
 from frugality.training.callbacks.run_log import CloseCompileSession, RunLog
 from frugality.training.callbacks.signals import StopOnSignal
 from frugality.training.callbacks.summary import Summary
 from frugality.training.callbacks.throughput import Throughput
 from frugality.training.callbacks.watchdog import Watchdog
-from frugality.runtime.host_memory import keep_freed_memory
-from frugality.runtime.optim import apply_fused_choice
 from frugality.training.loop import fit
 from frugality.training.restore import restore
 
@@ -60,9 +60,16 @@ class TrainResult:
     complete: bool = False  # the run was already where it was asked to stop: nothing was done
 
 
-def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False, until_step: int | None = None,
-          progress: bool = True, tensorboard: bool = True, init_from: str | Path | None = None,
-          resume_optimizer: bool = False) -> TrainResult:
+def train(
+    recipe: Recipe,
+    run_dir: str | Path | None = None,
+    fresh: bool = False,
+    until_step: int | None = None,
+    progress: bool = True,
+    tensorboard: bool = True,
+    init_from: str | Path | None = None,
+    resume_optimizer: bool = False,
+) -> TrainResult:
     """Train `recipe` in `run_dir` (default `<train.runs_dir>/<name>`), resuming its
     latest checkpoint unless `fresh`; stop after `until_step` if given (with a checkpoint).
 
@@ -91,16 +98,22 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
         plan = rundir.plan_run(recipe, run_path, fresh)
         done = step_of(plan.resume_from) if plan.resume_from is not None else 0
         if done > stop_at:
-            raise UserError(f"--until-step {until_step}: {run_path} is already at step {done}" if until_step else
-                            f"train.steps ({total}): {run_path} is already at step {done}; raise train.steps to "
-                            "train on, or start over with --fresh")
+            raise UserError(
+                f"--until-step {until_step}: {run_path} is already at step {done}"
+                if until_step
+                else f"train.steps ({total}): {run_path} is already at step {done}; raise train.steps to "
+                "train on, or start over with --fresh"
+            )
         if done == stop_at:  # nothing to do: nothing is written, the run's results stay as they are
-            return TrainResult(run_path, done, done, summary=rundir.read_summary(run_path) if world.is_main else {},
-                               complete=True)
+            return TrainResult(
+                run_path, done, done, summary=rundir.read_summary(run_path) if world.is_main else {}, complete=True
+            )
         source = resolve_source(init_from) if init_from is not None and plan.resume_from is None else None
         if resume_optimizer and (source is None or not source.has_optimizer):
-            raise UserError("--resume-optimizer needs --init-from a frugality training checkpoint "
-                            "(one with optimizer state) and a new run")
+            raise UserError(
+                "--resume-optimizer needs --init-from a frugality training checkpoint "
+                "(one with optimizer state) and a new run"
+            )
         state = build_state(recipe, device, data, world)
         if batch_note:
             state.choices.append(batch_note)
@@ -118,20 +131,28 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
         main = world.is_main
         faults = os.environ.get(FAULT_ENV_VAR, "")
         summary = Summary(run_path) if main else None
-        callbacks = Callbacks(*(c for c in (
-            Watchdog(run_path, recipe.train.step_timeout_s) if recipe.train.step_timeout_s else None,
-            StopOnSignal(),
-            CloseCompileSession(),  # publishes the compiled graphs before the summary names them
-            Throughput(),  # tokens/s and MFU into each step's record
-            Cost(run_path, main),  # elapsed time, dollars and energy into the records; the summary's cost
-            DivergenceGuard(checkpoints),  # marks skipped steps (before the log), rolls back
-            Memory() if main else None,  # the first step's memory, for the log and the summary
-            RunLog(run_path, tensorboard) if main else None,
-            Progress(_header(state, plan, source, init_from, resume_optimizer), progress, stop_at) if main else None,
-            Checkpointing(checkpoints, stop_at),  # after evaluation: a checkpoint sees the step's whole result
-            summary,  # last at the end: what the others published
-            FaultInjector(faults, run_path, checkpoints) if "@" in faults else None,  # the reliability suite's
-        ) if c is not None))
+        callbacks = Callbacks(
+            *(
+                c
+                for c in (
+                    Watchdog(run_path, recipe.train.step_timeout_s) if recipe.train.step_timeout_s else None,
+                    StopOnSignal(),
+                    CloseCompileSession(),  # publishes the compiled graphs before the summary names them
+                    Throughput(),  # tokens/s and MFU into each step's record
+                    Cost(run_path, main),  # elapsed time, dollars and energy into the records; the summary's cost
+                    DivergenceGuard(checkpoints),  # marks skipped steps (before the log), rolls back
+                    Memory() if main else None,  # the first step's memory, for the log and the summary
+                    RunLog(run_path, tensorboard) if main else None,
+                    Progress(_header(state, plan, source, init_from, resume_optimizer), progress, stop_at)
+                    if main
+                    else None,
+                    Checkpointing(checkpoints, stop_at),  # after evaluation: a checkpoint sees the step's whole result
+                    summary,  # last at the end: what the others published
+                    FaultInjector(faults, run_path, checkpoints) if "@" in faults else None,  # the reliability suite's
+                )
+                if c is not None
+            )
+        )
         start = state.step
         # the blocks compiled (or fetched) once any checkpoint is loaded; published and cleaned up however it ends
         with state.compiled.active(state.model):
@@ -140,20 +161,29 @@ def train(recipe: Recipe, run_dir: str | Path | None = None, fresh: bool = False
             except (torch.OutOfMemoryError, RuntimeError) as e:
                 if not _out_of_memory(e):
                     raise
-                raise UserError(f"out of memory on {device} in step {state.step + 1} "
-                                f"({str(e).splitlines()[0][:160]}); lower data.micro_batch_size "
-                                f"({recipe.data.micro_batch_size}; the global batch is kept, by accumulation); "
-                                "checkpoints already written are kept") from None
+                raise UserError(
+                    f"out of memory on {device} in step {state.step + 1} "
+                    f"({str(e).splitlines()[0][:160]}); lower data.micro_batch_size "
+                    f"({recipe.data.micro_batch_size}; the global batch is kept, by accumulation); "
+                    "checkpoints already written are kept"
+                ) from None
             finally:
                 callbacks.on_exit(state)
-        return TrainResult(run_path, start, state.step, state.stop_requested,
-                           summary.evals if summary else {}, summary.summary if summary else {})
+        return TrainResult(
+            run_path,
+            start,
+            state.step,
+            state.stop_requested,
+            summary.evals if summary else {},
+            summary.summary if summary else {},
+        )
 
 
 def _out_of_memory(error: BaseException) -> bool:
     """An allocation that failed: CUDA's OutOfMemoryError, or the CPU allocator's error."""
     return isinstance(error, torch.OutOfMemoryError) or any(
-        text in str(error) for text in ("can't allocate memory", "not enough memory", "std::bad_alloc"))
+        text in str(error) for text in ("can't allocate memory", "not enough memory", "std::bad_alloc")
+    )
 
 
 def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: bool, stop_at: int) -> None:
@@ -168,21 +198,27 @@ def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: boo
         else:
             fresh = load_weights(source, state.model)
             if fresh:
-                state.choices.append(f"--init-from has no {', '.join(sorted({n.rsplit('.', 1)[0] for n in fresh}))}: "
-                                     "trained from their initialisation")
+                state.choices.append(
+                    f"--init-from has no {', '.join(sorted({n.rsplit('.', 1)[0] for n in fresh}))}: "
+                    "trained from their initialisation"
+                )
         rng.seed_everything(seed)
     elif plan.resume_from is not None:
         stored = stored_dtype(WeightsSource(plan.resume_from, "dcp"))
         if stored is not None and stored != state.policy.storage_dtype:  # DCP could not load it
-            raise UserError(f"{plan.resume_from}: trained with {str(stored).removeprefix('torch.')} weights, but "
-                            f"this run resolves train.precision = {state.recipe.train.precision!r} to "
-                            f"{state.policy.name} here; resume with the run's precision (--set train.precision=...)")
+            raise UserError(
+                f"{plan.resume_from}: trained with {str(stored).removeprefix('torch.')} weights, but "
+                f"this run resolves train.precision = {state.recipe.train.precision!r} to "
+                f"{state.policy.name} here; resume with the run's precision (--set train.precision=...)"
+            )
         extra = restore(state, checkpoints, plan.resume_from)
         saved = extra.get("precision", state.policy.name)
         if saved != state.policy.name:  # e.g. `auto` resolving otherwise on another machine
-            raise UserError(f"{plan.resume_from}: trained with precision {saved}, but this run resolves "
-                            f"train.precision = {state.recipe.train.precision!r} to {state.policy.name} here; "
-                            f"resume with --set train.precision={saved}")
+            raise UserError(
+                f"{plan.resume_from}: trained with precision {saved}, but this run resolves "
+                f"train.precision = {state.recipe.train.precision!r} to {state.policy.name} here; "
+                f"resume with --set train.precision={saved}"
+            )
     else:
         rng.seed_everything(seed)
 
@@ -202,16 +238,20 @@ def _header(state: TrainState, plan, source, init_from, resume_optimizer: bool) 
             lines.append(f"recipe changed since {plan.resume_from.name}: {', '.join(plan.changes)}")
     if plan.unused_edits:
         recipe_file = plan.path / rundir.RECIPE_FILE
-        lines.append(f"{recipe_file} was edited by hand ({', '.join(plan.unused_edits)}, as 'file -> this run'); "
-                     f"this run uses its own recipe and keeps the edited file as {plan.edited_kept_as.name}; to train "
-                     f"with the edits, run: frugality train {plan.edited_kept_as}")
+        lines.append(
+            f"{recipe_file} was edited by hand ({', '.join(plan.unused_edits)}, as 'file -> this run'); "
+            f"this run uses its own recipe and keeps the edited file as {plan.edited_kept_as.name}; to train "
+            f"with the edits, run: frugality train {plan.edited_kept_as}"
+        )
     if source is not None:
         lines.append(f"initialised from {source.path}" + (" with its optimizer state" if resume_optimizer else ""))
     served = len(data.samples.train_ids)
     if served < recipe.data.global_batch_size:  # e.g. a Pythia recipe on the bundled corpus
-        lines.append(f"data: {served:,} training samples, fewer than one step's {recipe.data.global_batch_size:,}: "
-                     "each step goes over them more than once; for this recipe, prepare a larger corpus "
-                     "(frugality data prepare FILES --out PREFIX) and --set data.dataset=PREFIX")
+        lines.append(
+            f"data: {served:,} training samples, fewer than one step's {recipe.data.global_batch_size:,}: "
+            "each step goes over them more than once; for this recipe, prepare a larger corpus "
+            "(frugality data prepare FILES --out PREFIX) and --set data.dataset=PREFIX"
+        )
     n_params = sum(p.numel() for p in state.model.parameters())
     lines.append(
         f"{recipe.name}: {recipe.model.family} {n_params / 1e6:.1f}M parameters, {state.policy.label} on "

@@ -23,8 +23,10 @@ def test_skipped_steps_are_marked_and_too_many_in_a_row_roll_back_or_stop(state,
     for _ in range(2):
         with pytest.warns(FrugalityWarning):
             guard.on_step_end(state, step(state, rejected="the gradient of w is not finite"))
-    with pytest.raises(RunDiverged, match="step 7: the gradient of w is not finite, 3 steps in a row; stopping: "
-                                          "no checkpoint to roll back to yet"):
+    with pytest.raises(
+        RunDiverged,
+        match="step 7: the gradient of w is not finite, 3 steps in a row; stopping: no checkpoint to roll back to yet",
+    ):
         guard.on_step_end(state, step(state, rejected="the gradient of w is not finite"))
     assert guard.skipped == [2, 3, 5, 6, 7]
 

@@ -1,8 +1,8 @@
 import json
 import math
 
-from frugality.training.loop import EvalResult, RunEnd
 from frugality.training.callbacks.run_log import CloseCompileSession, RunLog
+from frugality.training.loop import EvalResult, RunEnd
 
 
 def _records(tmp_path):
@@ -19,8 +19,13 @@ def test_train_records_every_log_interval_and_at_the_last_step_evals_and_compile
         log.on_step_end(state, result)
     log.on_train_end(state, RunEnd())
     records = _records(tmp_path)
-    assert [(r["kind"], r["step"]) for r in records] == [("compile", 0), ("eval", 0), ("train", 3), ("train", 4),
-                                                          ("compile", 4)]
+    assert [(r["kind"], r["step"]) for r in records] == [
+        ("compile", 0),
+        ("eval", 0),
+        ("train", 3),
+        ("train", 4),
+        ("compile", 4),
+    ]
     train = records[2]
     assert list(train) == ["kind", "step", "loss", "grad_norm", "lr", "tokens_per_s", "epoch"]
     assert records[1]["perplexity"] == math.exp(3.0)

@@ -26,9 +26,22 @@ def test_a_rank_stuck_in_a_step_ends_both_with_their_stacks(micro_recipe_file, t
     script = tmp_path / "hangs.py"
     script.write_text(HANGS)
     run = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(micro_recipe_file), str(run)],
-                          capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            str(micro_recipe_file),
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode != 0 and "exitcode  : 5" in done.stderr
     stuck = (run / "hang-rank1.txt").read_text()
     assert stuck.startswith("no step ended in 2 s (train.step_timeout_s); every thread:")

@@ -17,8 +17,13 @@ class Checkpointing(Callback):
         self.manager.poll()  # completes an asynchronous save whose files are written
         if state.step % state.recipe.train.save_interval == 0 or state.step == self.stop_at or state.stop_requested:
             last = state.step == self.stop_at or state.stop_requested  # nothing left to overlap with
-            self.manager.save(state.step, state.model, state.optimizer, training_state(state),
-                              asynchronous=state.recipe.train.async_checkpoint and not last)
+            self.manager.save(
+                state.step,
+                state.model,
+                state.optimizer,
+                training_state(state),
+                asynchronous=state.recipe.train.async_checkpoint and not last,
+            )
 
     def on_train_end(self, state, end) -> None:
         self.manager.wait()

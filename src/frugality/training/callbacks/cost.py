@@ -47,13 +47,21 @@ class Cost(Callback):
         self.tokens_seen = 0  # as of the last step (Throughput counts them)
 
     def on_train_start(self, state) -> None:
-        recipe, world, c = state.recipe, state.world, state.recipe.cost
+        world, c = state.world, state.recipe.cost
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         hosts = max(1, world.world_size // local)
         devices = world.world_size if state.device.type == "cuda" else hosts
         catalogue = check_cost(c.instance, c.catalogue)
-        self.price = resolve_price(catalogue, c.price_per_hour, c.instance, state.device.type,
-                                   probe(state.device).name, vcpus() * hosts, devices, hosts)
+        self.price = resolve_price(
+            catalogue,
+            c.price_per_hour,
+            c.instance,
+            state.device.type,
+            probe(state.device).name,
+            vcpus() * hosts,
+            devices,
+            hosts,
+        )
         per_device_w = self.price.accelerator_w / devices if self.price and self.price.accelerator_w else None
         self.meter, self.notes = open_meter(state.device.type, state.device.index, c.watts, per_device_w, share=local)
         self.world_size = world.world_size
@@ -61,15 +69,20 @@ class Cost(Callback):
         estimated_provider = self.price is not None and self.price.label.startswith("estimated")
         self.pue = c.pue if c.pue is not None else PROVIDER_PUE.get(provider, 1.0)
         self.pue_label = f"{self.pue:g}, " + (
-            "declared in cost.pue" if c.pue is not None else
-            f"{provider}'s figure in Cloud Carbon Footprint's methodology"
+            "declared in cost.pue"
+            if c.pue is not None
+            else f"{provider}'s figure in Cloud Carbon Footprint's methodology"
             + (" (the provider the price is estimated from)" if estimated_provider else "")
-            if provider in PROVIDER_PUE else "no facility overhead counted (no cloud provider known)")
+            if provider in PROVIDER_PUE
+            else "no facility overhead counted (no cloud provider known)"
+        )
         default = type(c).model_fields["grid_gco2_per_kwh"].default
         self.gco2 = c.grid_gco2_per_kwh
         self.gco2_label = f"{self.gco2:g} gCO2e/kWh, " + (
-            "world average 2022 (Ember, Global Electricity Review 2023)" if self.gco2 == default
-            else "declared in cost.grid_gco2_per_kwh")
+            "world average 2022 (Ember, Global Electricity Review 2023)"
+            if self.gco2 == default
+            else "declared in cost.grid_gco2_per_kwh"
+        )
         if self.main and state.step > 0:
             self._read_back()
         self.meter.start()
@@ -120,18 +133,23 @@ class Cost(Callback):
             result.record.update(elapsed_s=round(elapsed, 3), usd=_round(self.usd(elapsed), 9))
             if result.final:
                 figures = self.figures(result.record.get("tokens", 0), None)
-                result.record.update(energy_j=round(self.energy_j(), 1),
-                                     **{k: figures[k] for k in LOGGED if figures[k] is not None})
+                result.record.update(
+                    energy_j=round(self.energy_j(), 1), **{k: figures[k] for k in LOGGED if figures[k] is not None}
+                )
 
     def on_eval(self, state, result) -> None:
         self._gather(state)
         if self.main:
             elapsed = self.elapsed_s()
-            point = {"step": state.step, "loss": result.loss, "elapsed_s": round(elapsed, 3),
-                     "energy_j": round(self.energy_j(), 1), "usd": _round(self.usd(elapsed), 9)}
+            point = {
+                "step": state.step,
+                "loss": result.loss,
+                "elapsed_s": round(elapsed, 3),
+                "energy_j": round(self.energy_j(), 1),
+                "usd": _round(self.usd(elapsed), 9),
+            }
             self.evals = [p for p in self.evals if p["step"] < state.step] + [point]  # a rollback re-evaluates
-            result.record.update({k: v for k, v in point.items() if k not in ("step", "loss")},
-                                 tokens=self.tokens_seen)
+            result.record.update({k: v for k, v in point.items() if k not in ("step", "loss")}, tokens=self.tokens_seen)
 
     def on_train_end(self, state, end) -> None:
         self._gather(state)

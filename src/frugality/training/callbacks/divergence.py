@@ -47,15 +47,18 @@ class DivergenceGuard(Callback):
         train = state.recipe.train
         what = f"step {result.step}: {result.rejected}"
         if train.on_nonfinite == "stop":
-            self._stop(f"{what}; stopping before applying it (train.on_nonfinite = \"stop\")")
+            self._stop(f'{what}; stopping before applying it (train.on_nonfinite = "stop")')
         if train.on_nonfinite == "rollback" or self.in_a_row >= train.max_skipped:
             if train.on_nonfinite == "skip":
                 what += f", {self.in_a_row} steps in a row"
             result.rolled_back_to = result.record["rolled_back_to"] = self._roll_back(state, what)
             return
         if state.world.is_main:
-            warnings.warn(f"{what}; its update was skipped ({self.in_a_row} in a row, rolling back at "
-                          f"{train.max_skipped})", FrugalityWarning, stacklevel=2)
+            warnings.warn(
+                f"{what}; its update was skipped ({self.in_a_row} in a row, rolling back at {train.max_skipped})",
+                FrugalityWarning,
+                stacklevel=2,
+            )
 
     def _roll_back(self, state, what: str) -> int:
         train = state.recipe.train
@@ -63,8 +66,10 @@ class DivergenceGuard(Callback):
         # restore rewinds the data stream's record, never this count)
         done = max(self.rollbacks, len(state.data.stream.reshuffles))
         if done >= train.max_rollbacks:
-            self._stop(f"{what}; stopping after {done} rollback(s) (train.max_rollbacks = "
-                       f"{train.max_rollbacks}; lower optim.lr and resume from the last checkpoint)")
+            self._stop(
+                f"{what}; stopping after {done} rollback(s) (train.max_rollbacks = "
+                f"{train.max_rollbacks}; lower optim.lr and resume from the last checkpoint)"
+            )
         if self.checkpoints is not None:
             self.checkpoints.wait()  # an asynchronous save in flight is the newest checkpoint
         path = self.checkpoints.latest() if self.checkpoints is not None else None
@@ -75,6 +80,10 @@ class DivergenceGuard(Callback):
         state.data.stream.reshuffle(self.rollbacks)  # from the restored position: other batches each time
         self.in_a_row = 0
         if state.world.is_main:
-            warnings.warn(f"{what}; rolled back to {path.name}, the rest of the epoch reshuffled "
-                          f"(rollback {done + 1} of {train.max_rollbacks})", FrugalityWarning, stacklevel=3)
+            warnings.warn(
+                f"{what}; rolled back to {path.name}, the rest of the epoch reshuffled "
+                f"(rollback {done + 1} of {train.max_rollbacks})",
+                FrugalityWarning,
+                stacklevel=3,
+            )
         return state.step

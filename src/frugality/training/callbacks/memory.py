@@ -17,9 +17,12 @@ class Memory(Callback):
             return
         n = sum(p.numel() for p in state.model.parameters())
         bytes_ = training_state_bytes(state.model, state.optimizer)
-        self.record = {"training_state_bytes": bytes_, "bytes_per_param": bytes_ / n,
-                       "policy_bytes_per_param": state.policy.state_bytes_per_param,
-                       "peak_memory_bytes": peak_memory_bytes(state.device)}
+        self.record = {
+            "training_state_bytes": bytes_,
+            "bytes_per_param": bytes_ / n,
+            "policy_bytes_per_param": state.policy.state_bytes_per_param,
+            "peak_memory_bytes": peak_memory_bytes(state.device),
+        }
         result.logs["memory"] = dict(self.record)
 
     def on_train_end(self, state, end) -> None:

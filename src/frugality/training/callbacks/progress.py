@@ -16,8 +16,9 @@ class Progress(Callback):
     def on_train_start(self, state) -> None:
         for line in self.header:  # with --no-progress too: a log (SLURM's) shows what ran
             tqdm.write(line)
-        self.bar = tqdm(total=self.stop_at, initial=state.step, unit="step", disable=not self.enabled,
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+            total=self.stop_at, initial=state.step, unit="step", disable=not self.enabled, dynamic_ncols=True
+        )
 
     def on_compiled(self, state, phase: str) -> None:
         if self.enabled:
@@ -25,8 +26,9 @@ class Progress(Callback):
 
     def on_step_end(self, state, result) -> None:
         # the figures first, then the count that redraws the bar: the loss shown is the step's named
-        self.bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.record.get('tokens_per_s', 0):,.0f}",
-                             refresh=False)
+        self.bar.set_postfix(
+            loss=f"{result.loss:.3f}", tok_s=f"{result.record.get('tokens_per_s', 0):,.0f}", refresh=False
+        )
         self.bar.update(1)
 
     def on_eval(self, state, result) -> None:
@@ -45,9 +47,11 @@ class Progress(Callback):
 
 def compile_line(phase: str, stats) -> str:
     source = "cache entry fetched from" if stats.fetched else "no cache entry at"
-    line = (f"compile {stats.level}, {phase} ready: {stats.graphs} graphs so far, {stats.cache_hits} "
-            f"from the cache, {stats.cache_misses} compiled, {stats.compile_s:.1f} s ({source} "
-            f"{stats.cache})")
+    line = (
+        f"compile {stats.level}, {phase} ready: {stats.graphs} graphs so far, {stats.cache_hits} "
+        f"from the cache, {stats.cache_misses} compiled, {stats.compile_s:.1f} s ({source} "
+        f"{stats.cache})"
+    )
     if stats.fallbacks:
         line += f"; eager fallback for {', '.join(stats.fallbacks)}"
     return line

@@ -20,9 +20,17 @@ class RunLog(Callback):
         for kind, values in result.logs.items():  # what other callbacks measured, by kind
             self.logger.log(kind, result.step, values)
         if result.step % state.recipe.train.log_interval == 0 or result.final:
-            self.logger.log("train", result.step, {"loss": result.loss, "grad_norm": result.grad_norm,
-                                                   "lr": result.lr, **result.record,
-                                                   "epoch": state.data.stream.epoch})
+            self.logger.log(
+                "train",
+                result.step,
+                {
+                    "loss": result.loss,
+                    "grad_norm": result.grad_norm,
+                    "lr": result.lr,
+                    **result.record,
+                    "epoch": state.data.stream.epoch,
+                },
+            )
 
     def on_eval(self, state, result) -> None:
         loss = result.loss

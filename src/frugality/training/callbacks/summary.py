@@ -55,8 +55,9 @@ class Summary(Callback):
                 earlier.append(record)  # an earlier session's logged steps (the log is cut at the resume)
         # every part of the run: this session's steps and the earlier sessions' logged ones
         parts = self.steps + earlier
-        times, rates, mfus = ([r[key] for r in parts if _number(r.get(key))]
-                              for key in ("step_time_s", "tokens_per_s", "mfu"))
+        times, rates, mfus = (
+            [r[key] for r in parts if _number(r.get(key))] for key in ("step_time_s", "tokens_per_s", "mfu")
+        )
         previous = rundir.read_summary(self.run_dir) if self.start_step else {}
         if not previous or not 0 < previous.get("final_step", 0) <= self.start_step:
             previous = {}  # none, or not of an earlier part of this run
@@ -74,8 +75,9 @@ class Summary(Callback):
             "tokens_seen": state.tokens_seen,
             "sessions": previous.get("sessions", 1) + 1 if previous else 1,
             "wall_time_s": round(previous.get("wall_time_s", 0) + time.perf_counter() - self.wall_start, 2),
-            "train_time_s": round(previous.get("train_time_s", 0) + sum(r.get("step_time_s", 0) for r in self.steps),
-                                  2),
+            "train_time_s": round(
+                previous.get("train_time_s", 0) + sum(r.get("step_time_s", 0) for r in self.steps), 2
+            ),
             "median_step_time_s": _median(times, 4),
             "median_tokens_per_s": _median(rates, 1),
             "median_mfu": _median(mfus, 4),

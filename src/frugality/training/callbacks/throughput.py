@@ -25,18 +25,26 @@ class Throughput(Callback):
 
     def on_train_start(self, state) -> None:
         r = state.recipe
-        self.flops_per_token = training_flops_per_token(state.model, r.model.num_layers, r.model.hidden_size,
-                                                        r.data.seq_len)
-        self.peak = (r.metrics.peak_tflops * 1e12 if r.metrics.peak_tflops
-                     else peak_flops(state.device, state.policy.compute_dtype))
+        self.flops_per_token = training_flops_per_token(
+            state.model, r.model.num_layers, r.model.hidden_size, r.data.seq_len
+        )
+        self.peak = (
+            r.metrics.peak_tflops * 1e12
+            if r.metrics.peak_tflops
+            else peak_flops(state.device, state.policy.compute_dtype)
+        )
         self.peak *= state.world.world_size  # tokens/s are global: against every rank's device
 
     def on_step_end(self, state, result) -> None:
         self.step_times.append(result.seconds)
         self.step_tokens.append(result.tokens)
         tokens_per_s = result.tokens / result.seconds
-        result.record.update(tokens_per_s=tokens_per_s, mfu=mfu(self.flops_per_token * tokens_per_s, self.peak),
-                             step_time_s=result.seconds, tokens=state.tokens_seen)
+        result.record.update(
+            tokens_per_s=tokens_per_s,
+            mfu=mfu(self.flops_per_token * tokens_per_s, self.peak),
+            step_time_s=result.seconds,
+            tokens=state.tokens_seen,
+        )
 
     def tokens_per_s(self) -> list[float]:
         """Each step's tokens/s, this session."""
