@@ -177,7 +177,8 @@ def product_rate(device: torch.device, dtype: torch.dtype) -> float:
     """The machine's square-product speed in `dtype` (FLOP/s): `measure_product_rate` once
     per machine fingerprint, cached in `<cache>/products.json` (written through a temporary
     file of this process's own, then renamed: ranks that measure at once never clash). MFU's
-    peak, `frugality recipes`' speeds and the doctor's all come from here."""
+    peak and `frugality recipes`' speeds come from here (the doctor measures afresh with
+    `measure_product_rate`)."""
     cache_file = cache_dir() / "products.json"
     key = f"{fingerprint(device)}|{dtype}"  # the ISA limits in force change the rate
     cached = _read_json(cache_file)
@@ -190,21 +191,33 @@ def product_rate(device: torch.device, dtype: torch.dtype) -> float:
 def measure_product_rate(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:
     """FLOP/s of square matmuls: the median of five timed calls after a warm-up call. Not
     the best call: one mistimed call on a shared machine once read 2.3x the sustained rate
-    and would have halved every MFU computed against it. Without a `size`: 8192 on GPUs,
-    2048 on CPUs, or smaller where the dtype is slow here (emulated bf16 ran at 0.3 GFLOP/s:
-    57 s a call at 2048), so that a call stays short."""
-    n = size or product_size(device, dtype)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    torch.mm(a, b)  # warms up the kernel and the allocator
-    times = []
-    for _ in range(5):
-        _sync(device)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2.0 * n**3 / max(statistics.median(times), 1e-12)
+    and would have halved every MFU computed against it."""
+    probe = ProductProbe(device, dtype, size)
+    return statistics.median(probe.sample() for _ in range(5))
+
+
+class ProductProbe:
+    """A square product in `dtype`, timed once per `sample()` (FLOP/s): the one probe of the
+    product speed. Without a `size`: 8192 on GPUs, 2048 on CPUs, or smaller where the dtype
+    is slow here (emulated bf16 ran at 0.3 GFLOP/s: 57 s a call at 2048), so that a call
+    stays short. A benchmark samples it between its own steps for the peak of that moment."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, size: int | None = None) -> None:
+        self.device = device
+        self.n = size or product_size(device, dtype)
+        self.a = torch.randn(self.n, self.n, device=device, dtype=dtype)
+        self.b = torch.randn(self.n, self.n, device=device, dtype=dtype)
+        torch.mm(self.a, self.b)  # warms up the kernel and the allocator
+
+    def sample(self) -> float:
+        _sync(self.device)
+        t0 = _clock()
+        torch.mm(self.a, self.b)
+        _sync(self.device)
+        return 2.0 * self.n**3 / max(_clock() - t0, 1e-12)
+
+
+_clock = time.perf_counter  # looked up at each call: a test can time the probe with its own clock
 
 
 def product_size(device: torch.device, dtype: torch.dtype, largest: int = 2048, seconds: float = 0.25) -> int:

@@ -108,7 +108,7 @@ def test_recipes_lists_and_shows(capsys):
     assert listed[0].startswith("tiny") and listed[-1].startswith("gpt-neox-20b")
     # then what this machine is and what `auto` picks on it
     assert machine[0].startswith("this machine: ") and "bf16 products" in machine[0]
-    assert machine[1].startswith("products (256-square, quick probe): fp32 ") and "GFLOP/s" in machine[1]
+    assert machine[1].startswith("products (measured once per machine): fp32 ") and "GFLOP/s" in machine[1]
     assert machine[2].startswith("precision auto -> ")
     assert main(["recipes", "pythia-70m"]) == 0
     assert "hidden_size = 512" in capsys.readouterr().out

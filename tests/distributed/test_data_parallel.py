@@ -5,6 +5,7 @@ and under another strategy."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -305,3 +306,42 @@ def test_gathered_negatives_on_two_ranks_train_as_one_process_with_both_batches(
     assert "negatives gathered" not in local.stdout + one.stdout
     assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
     assert _losses(tmp_path / "local")[1] != pytest.approx(_losses(tmp_path / "one")[1], rel=1e-3)
+    # FSDP2, whose root is the task's training module (the learnt temperature and the head
+    # are the root's): the same losses again
+    sharded = _train(
+        micro_pairs_recipe,
+        tmp_path / "sharded",
+        2,
+        *sets,
+        "data.micro_batch_size=2",
+        "parallel.gather_negatives=true",
+        "parallel.data=fsdp",
+    )
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert _losses(tmp_path / "sharded") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
+
+
+def test_masked_lm_trains_on_two_fsdp_ranks_and_resumes_on_one(tmp_path):
+    """The masked-LM head (tied to the embeddings) at FSDP2's root, the training module:
+    two ranks train, save, and one process resumes the checkpoint."""
+    sets = [
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.num_heads=4",
+        "model.intermediate_size=64",
+        "data.seq_len=32",
+        "data.global_batch_size=4",
+        "data.micro_batch_size=2",
+        "train.steps=4",
+        "train.eval_interval=2",
+        "train.save_interval=2",
+        "train.eval_samples=4",
+        "optim.warmup_steps=1",
+        "train.precision=fp32",
+    ]
+    two = _train("bert-mlm", tmp_path / "run", 2, *sets, "parallel.data=fsdp", extra=["--until-step", "2"])
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = _train("bert-mlm", tmp_path / "run", 1, *sets)
+    assert one.returncode == 0, one.stderr[-3000:]
+    losses = _losses(tmp_path / "run")
+    assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())

@@ -177,7 +177,7 @@ def test_bad_pairs_and_a_decoder_are_one_line_each(micro_pairs_recipe, tmp_path)
         )
     with pytest.raises(UserError, match="task contrastive trains encoders"):
         trainer.train(load_recipe("tiny", ["train.task=contrastive"]), run_dir=tmp_path / "r3", progress=False)
-    with pytest.raises(UserError, match="at least two pairs per micro-batch"):
+    with pytest.raises(UserError, match="train.task contrastive needs at least 2 samples per micro-batch"):
         trainer.train(
             load_recipe(str(micro_pairs_recipe), ["data.micro_batch_size=1"]), run_dir=tmp_path / "r4", progress=False
         )

@@ -56,11 +56,12 @@ def plan(recipe, nprocs, strategies, memory_gib, overrides, json_path) -> None:
 
 
 def _device_memory(nproc: int) -> int:
-    """This machine's memory per rank: its GPU's, or the RAM divided among the ranks."""
-    import os
-
+    """This machine's memory per rank: its GPU's, or the RAM (within any cgroup limit)
+    divided among the ranks, as `hardware.device_memory` reads them."""
     import torch
 
+    from frugality.hardware import device_memory
+
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // nproc
+        return device_memory(torch.device("cuda", 0))[1]
+    return device_memory(torch.device("cpu"))[1] // nproc

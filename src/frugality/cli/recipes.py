@@ -35,7 +35,7 @@ def _machine() -> None:
     click.echo(f"\nthis machine: {probe(device).describe()}")
     speeds = report(device)  # the product probe, cached per machine
     click.echo(
-        f"products (256-square, quick probe): fp32 {speeds['fp32_gflops']:,.1f} GFLOP/s, "
+        f"products (measured once per machine): fp32 {speeds['fp32_gflops']:,.1f} GFLOP/s, "
         f"bf16 {speeds['bf16_gflops']:,.1f} GFLOP/s"
     )
     click.echo(resolve_policy("auto", device)[1])

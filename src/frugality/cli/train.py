@@ -137,6 +137,7 @@ def _check_ranks(recipe, nproc: int) -> None:
 
     from frugality.errors import UserError
     from frugality.runtime.device import resolve_device
+    from frugality.tasks import get_task
 
     device = resolve_device(recipe.train.device)
     if device.type == "cuda" and nproc > torch.cuda.device_count():
@@ -147,7 +148,7 @@ def _check_ranks(recipe, nproc: int) -> None:
             f"--nproc {nproc}: this machine has {cores} CPU cores, and each CPU rank needs one; "
             "more ranks than cores only contend for them (use torchrun across machines for more)"
         )
-    recipe.for_data_parallel(nproc)
+    recipe.for_data_parallel(nproc, get_task(recipe.train.task).min_micro_batch)
 
 
 def _retrieval(metrics: dict) -> str:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from frugality.config.recipe import COMPILE_LEVELS as LEVELS  # noqa: F401 - the levels, named once there
+
 
 @dataclass(frozen=True)
 class CompileLevel:

@@ -149,6 +149,7 @@ class CompileSession:
             self.stats.signed = self.cache.signed
         self._local = None
         self._previous_dir = None
+        self._base = None  # the cache counters at the start
         self.warmed: set[str] = set()  # phases past their first call
         self._seen_metrics: list = []
         self._start_metrics: list = []
@@ -194,8 +195,8 @@ class CompileSession:
     def active(self, model: torch.nn.Module):
         """The session around a run: started on `model`'s blocks, then closed (what was
         compiled published) and cleaned up however the block ends."""
-        self.start(model)
         try:
+            self.start(model)
             yield self
         finally:
             self.close()
@@ -302,7 +303,7 @@ class CompileSession:
                 self._published_misses = self.stats.cache_misses
 
     def close(self) -> None:
-        if not self.enabled:
+        if not self.enabled or self._base is None:  # never started (or its start failed)
             return
         self._account()
         self.publish()

@@ -306,11 +306,12 @@ class Recipe(_Section):
     def to_toml(self) -> str:
         return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
 
-    def for_data_parallel(self, ranks: int) -> tuple["Recipe", str | None]:
+    def for_data_parallel(self, ranks: int, min_micro: int = 1) -> tuple["Recipe", str | None]:
         """This recipe over `ranks` data-parallel ranks, keeping its global batch: where
         `micro_batch_size` x ranks does not divide the global batch, the micro-batch becomes
         the largest that does (the rest accumulated), and a note says so for the run header.
-        A global batch that the ranks cannot share evenly is a UserError."""
+        A global batch that the ranks cannot share evenly, or only in micro-batches under
+        `min_micro` (the task's smallest), is a UserError."""
         d = self.data
         if d.global_batch_size % ranks:
             raise UserError(
@@ -322,11 +323,11 @@ class Recipe(_Section):
         if per_rank % d.micro_batch_size == 0:
             return self, None
         micro = max(m for m in range(1, d.micro_batch_size + 1) if per_rank % m == 0)
-        if self.train.task == "contrastive" and micro < 2:
+        if micro < min_micro:
             raise UserError(
                 f"data.global_batch_size ({d.global_batch_size}) over {ranks} ranks leaves {per_rank} "
-                "pair(s) per rank, and contrastive training needs micro-batches of at least two pairs "
-                "that divide it; choose another global batch or process count"
+                f"sample(s) per rank, and train.task {self.train.task} needs micro-batches of at least "
+                f"{min_micro} that divide it; choose another global batch or process count"
             )
         note = (
             f"data.micro_batch_size {d.micro_batch_size} -> {micro}: the global batch of {d.global_batch_size} "

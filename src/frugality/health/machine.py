@@ -17,6 +17,7 @@ from frugality.data.bundled import BUNDLED_PREFIX
 from frugality.data.indexed import IndexedDataset
 from frugality.hardware import device_memory, probe
 from frugality.health import FAIL, INFO, PASS, Check, at_least
+from frugality.tasks import get_task
 
 GIB = 2**30
 
@@ -118,7 +119,7 @@ def _dataset(recipe: Recipe) -> Check:
     name = recipe.data.dataset
     if name.startswith(BUNDLED_PREFIX):
         return Check("machine", "dataset", INFO, name, "bundled with frugality")
-    if recipe.train.task == "contrastive":  # a JSONL of pairs, read whole when training starts
+    if get_task(recipe.train.task).samples == "pairs":  # a JSONL of pairs, read whole when training starts
         if not os.access(name, os.R_OK) or not Path(name).is_file():
             return Check("machine", "dataset", FAIL, name, "no readable file of pairs")
         return Check("machine", "dataset", PASS, name, f"{Path(name).stat().st_size:,} bytes of pairs readable")

@@ -16,11 +16,10 @@ figure: `mfu()` is where every MFU is computed.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
-from frugality.hardware import product_rate, product_size
+from frugality.hardware import ProductProbe, product_rate
 
 
 def mfu(flops_per_s: float, peak: float | None) -> float | None:
@@ -31,30 +30,9 @@ def mfu(flops_per_s: float, peak: float | None) -> float | None:
     return ratio if 0.0 <= ratio <= 1.0 else None
 
 
-class PeakProbe:
-    """`hardware.measure_product_rate`'s product, one call per `sample()`: a benchmark
-    samples it between its own steps, for MFU against the peak of that moment."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype, size: int | None = None) -> None:
-        self.device = device
-        self.n = size or product_size(device, dtype)
-        self.a = torch.randn(self.n, self.n, device=device, dtype=dtype)
-        self.b = torch.randn(self.n, self.n, device=device, dtype=dtype)
-        torch.mm(self.a, self.b)  # warms up the kernel and the allocator
-
-    def sample(self) -> float:
-        _sync(self.device)
-        t0 = time.perf_counter()
-        torch.mm(self.a, self.b)
-        _sync(self.device)
-        return 2.0 * self.n**3 / (time.perf_counter() - t0)
+PeakProbe = ProductProbe  # a benchmark samples the product speed between its own steps
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """The device's peak for MFU: the machine's cached product rate (`hardware.product_rate`)."""
     return product_rate(device, dtype)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -14,6 +14,7 @@ from frugality.data.loader import PackedSamples, TrainStream, validation_batches
 from frugality.data.pairs import PairSamples
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
+from frugality.tasks import get_task
 
 
 @dataclass
@@ -36,12 +37,13 @@ def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, wor
             f"tokenizer {recipe.data.tokenizer!r} has {tokenizer.vocab_size} tokens, more than "
             f"model.vocab_size ({recipe.model.vocab_size})"
         )
-    if recipe.train.task == "contrastive":
-        if recipe.data.micro_batch_size < 2:
-            raise UserError(
-                "data.micro_batch_size = 1: contrastive training needs at least two pairs per micro-batch "
-                "(each pair's negatives are the others)"
-            )
+    task = get_task(recipe.train.task)
+    if recipe.data.micro_batch_size < task.min_micro_batch:
+        raise UserError(
+            f"data.micro_batch_size = {recipe.data.micro_batch_size}: train.task {task.name} needs at least "
+            f"{task.min_micro_batch} samples per micro-batch"
+        )
+    if task.samples == "pairs":
         samples = _open_pairs(recipe, tokenizer)
     else:
         dataset = _open_dataset(recipe, tokenizer, progress)
@@ -62,9 +64,9 @@ def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, wor
     else:
         description = f"{len(samples.train_ids):,} training samples ({samples.dataset.num_tokens:,} tokens)"
     mask_id = tokenizer.tokenizer.token_to_id("[MASK]")
-    if recipe.train.task == "masked_lm" and mask_id is None:
+    if task.needs_mask_token and mask_id is None:
         raise UserError(
-            f"train.task masked_lm: tokenizer {recipe.data.tokenizer!r} has no [MASK] token "
+            f"train.task {task.name}: tokenizer {recipe.data.tokenizer!r} has no [MASK] token "
             '(use data.tokenizer = "bert-uncased" or a BERT tokenizer)'
         )
     specials = tuple(i for t in ("[CLS]", "[SEP]", "[PAD]") if (i := tokenizer.tokenizer.token_to_id(t)) is not None)

@@ -2,14 +2,15 @@
 (`train`, `compile`, `bench train`, `bench compile`) assembles its parts here, in this
 order, so that each sees the same model:
 
-1. the model, built plain on the device from the recipe's seed;
-2. the precision policy, fitted to the device (`frugality.precision.resolve_policy`):
-   bf16 cast or float8 conversion;
+1. the task, checked against the model and fitted to the run (`frugality.tasks.task_for`);
+2. the model, built plain on the device from the recipe's seed, then cast or converted by
+   the precision policy fitted to the device (`frugality.precision.resolve_policy`);
 3. backend kernels: the device's faster layers swapped in (`frugality.kernels.specialize`);
-4. parallel wrapping from outside the model, where torchrun started several processes
-   (`frugality.distributed.wrap`: DDP or FSDP2);
-5. the optimizer the policy calls for, and the compile session (`frugality.compile`),
-   started by the caller once any checkpoint is loaded.
+4. the task's training module around the model, and parallel wrapping of that module from
+   outside where torchrun started several processes (`frugality.distributed.wrap`: DDP or
+   FSDP2);
+5. the optimizer the policy calls for, over the model's parameters, and the compile
+   session (`frugality.compile`), which the caller enters once any checkpoint is loaded.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ def build_state(
     frozen = freeze_unused(task, model)  # before any wrapping: DDP must not wait for their gradients
     choices = specialize(model, device, policy)
     wrapped = task.training_module(model)
+    own = {id(p) for p in wrapped.parameters()} - {id(p) for p in model.parameters()}
+    if own:  # the optimizer and the checkpoints see the model's parameters only
+        raise RuntimeError(f"task {task.name}: its training module holds {len(own)} parameters of its own")
     if world.distributed:
         wrapped = wrap(wrapped, getattr(model, "layers", []), recipe.parallel, world, device)
         choices.append(describe(recipe.parallel, world))

@@ -51,6 +51,10 @@ class Task(ABC):
     trains: ClassVar[str] = "models"  # what they are, for messages: "encoders", "decoders"
     unused: ClassVar[tuple[str, ...]] = ()  # parameter prefixes its loss never reaches: frozen before wrapping
     gathers_negatives: ClassVar[bool] = False  # parallel.gather_negatives applies to it
+    samples: ClassVar[str] = "blocks"  # its data: "blocks" of a Megatron dataset, or "pairs" of texts (JSONL)
+    min_micro_batch: ClassVar[int] = 1  # the smallest micro-batch its loss is defined on
+    needs_mask_token: ClassVar[bool] = False  # the tokenizer must have [MASK]
+    perplexity: ClassVar[bool] = True  # its evaluations log exp(loss)
 
     def __init__(self, setup: RunSetup = RunSetup()) -> None:
         self.setup = setup
@@ -70,7 +74,9 @@ class Task(ABC):
     @abstractmethod
     def training_module(self, model: nn.Module) -> nn.Module:
         """The module DDP and FSDP2 wrap: `forward(batch)` is the batch's loss (a scalar
-        tensor), `forward(batch, evaluate=True)` an `Evaluated`; it holds `model` as `.model`."""
+        tensor), `forward(batch, evaluate=True)` an `Evaluated`; it holds `model` as `.model`
+        and no parameters of its own (the optimizer and checkpoints see the model's:
+        `build_state` refuses a module with others)."""
 
     def metrics(
         self, outputs: list, counted: int, all_ranks: Callable[[torch.Tensor], torch.Tensor]
@@ -96,6 +102,10 @@ class Task(ABC):
     def notes(self, recipe) -> list[str]:
         """Lines for the run header about how this task runs."""
         return []
+
+    def batch_shape(self, recipe) -> str:
+        """A step's batch, for the run header."""
+        return f"{recipe.data.global_batch_size} x {recipe.data.seq_len} tokens"
 
 
 @dataclass

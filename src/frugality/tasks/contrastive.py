@@ -68,6 +68,9 @@ class Contrastive(Task):
     trains = "encoders"
     unused = ("pooler.", "mlm.")  # BERT's pooler and masked-LM head (the tied decoder weight is the embedding's)
     gathers_negatives = True
+    samples = "pairs"
+    min_micro_batch = 2  # each pair's negatives are the others
+    perplexity = False
 
     def training_module(self, model: nn.Module) -> nn.Module:
         return ContrastiveModule(model, self.setup)
@@ -107,6 +110,11 @@ class Contrastive(Task):
         metrics["mrr"] = (1.0 / rank.float()).mean().item()
         metrics["candidates"] = positives.shape[0]
         return metrics
+
+    def batch_shape(self, recipe) -> str:
+        d = recipe.data
+        buckets = "/".join(str(b) for b in sorted({*d.buckets, d.seq_len}))
+        return f"{d.global_batch_size} pairs ({len(d.fields)} texts each, padded to {buckets} tokens)"
 
     def notes(self, recipe) -> list[str]:
         if self.setup.unpad:

@@ -81,6 +81,7 @@ class MaskedLM(Task):
     name = "masked_lm"
     families = ("bert",)
     trains = "encoders"
+    needs_mask_token = True
     unused = ("pooler.", "head.", "logit_scale")  # the embedding model's parts
 
     blocks = PackedBlocks()

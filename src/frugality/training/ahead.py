@@ -15,6 +15,7 @@ from pathlib import Path
 from frugality.config.recipe import Recipe
 from frugality.distributed import world_from_env
 from frugality.errors import UserError
+from frugality.tasks import get_task
 from frugality.training.trainer import train
 
 TRIAL_STEPS = 2
@@ -31,7 +32,7 @@ def compile_ahead(recipe: Recipe, progress: bool = True, ranks: int = 1) -> dict
         raise UserError(
             "compile.level is O0 (eager): nothing to compile; choose a level with --level O1 or --set compile.level=O1"
         )
-    recipe, _ = recipe.for_data_parallel(ranks)
+    recipe, _ = recipe.for_data_parallel(ranks, get_task(recipe.train.task).min_micro_batch)
     here = world_from_env().world_size  # this command's own ranks, under torchrun
     trial = recipe.model_copy(
         update={

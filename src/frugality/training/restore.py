@@ -27,13 +27,19 @@ def training_state(state: TrainState) -> dict:
     }
 
 
-def restore(state: TrainState, checkpoints: CheckpointManager, path: Path) -> dict:
-    """Load checkpoint `path` into `state`: model and optimizer (torch keeps the saved
-    groups' fused/foreach flags: the recipe's choice is applied again), the data position,
-    RNG states, recent losses and tokens seen; `state.step` becomes its step. Returns its
-    training state."""
+def load_weights_and_moments(state: TrainState, checkpoints: CheckpointManager, path: Path) -> dict:
+    """Model and optimizer from checkpoint `path` (torch keeps the saved groups'
+    fused/foreach flags: the recipe's choice is applied again); its training state."""
     extra = checkpoints.load(path, state.model, state.optimizer)
     apply_fused_choice(state.optimizer, state.recipe.train.fused_optimizer)
+    return extra
+
+
+def restore(state: TrainState, checkpoints: CheckpointManager, path: Path) -> dict:
+    """Load checkpoint `path` into `state`: model and optimizer, the data position, RNG
+    states, recent losses and tokens seen; `state.step` becomes its step. Returns its
+    training state."""
+    extra = load_weights_and_moments(state, checkpoints, path)
     state.data.stream.load_state_dict(extra["data"])
     rng.set_state(extra["rng"])
     state.recent_losses.clear()

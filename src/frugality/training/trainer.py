@@ -27,9 +27,9 @@ from frugality.precision import resolve_policy
 from frugality.runtime.data import open_training_data
 from frugality.runtime.device import resolve_device
 from frugality.runtime.host_memory import keep_freed_memory
-from frugality.runtime.optim import apply_fused_choice
 from frugality.runtime.plan import check_fits
 from frugality.runtime.state import TrainState, build_state, check_recipe
+from frugality.tasks import get_task
 from frugality.training import rng
 from frugality.training import run_dir as rundir
 from frugality.training.callbacks import Callbacks
@@ -46,7 +46,7 @@ from frugality.training.callbacks.summary import Summary
 from frugality.training.callbacks.throughput import Throughput
 from frugality.training.callbacks.watchdog import Watchdog
 from frugality.training.loop import fit
-from frugality.training.restore import restore
+from frugality.training.restore import load_weights_and_moments, restore
 
 
 @dataclass
@@ -88,7 +88,7 @@ def train(
     check_recipe(recipe, device)
     world = distributed.init(device, recipe.parallel.timeout_s)  # world size 1 without torchrun
     device = distributed.local_device(device, world)
-    recipe, batch_note = recipe.for_data_parallel(world.world_size)
+    recipe, batch_note = recipe.for_data_parallel(world.world_size, get_task(recipe.train.task).min_micro_batch)
     check_fits(recipe, resolve_policy(recipe.train.precision, device)[0], world.world_size, device)
     passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
     with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
@@ -154,21 +154,21 @@ def train(
             )
         )
         start = state.step
-        # the blocks compiled (or fetched) once any checkpoint is loaded; published and cleaned up however it ends
-        with state.compiled.active(state.model):
-            try:
+        try:
+            # the blocks compiled (or fetched) once any checkpoint is loaded; published and cleaned up however it ends
+            with state.compiled.active(state.model):
                 fit(state, callbacks, stop_at)
-            except (torch.OutOfMemoryError, RuntimeError) as e:
-                if not _out_of_memory(e):
-                    raise
-                raise UserError(
-                    f"out of memory on {device} in step {state.step + 1} "
-                    f"({str(e).splitlines()[0][:160]}); lower data.micro_batch_size "
-                    f"({recipe.data.micro_batch_size}; the global batch is kept, by accumulation); "
-                    "checkpoints already written are kept"
-                ) from None
-            finally:
-                callbacks.on_exit(state)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not _out_of_memory(e):
+                raise
+            raise UserError(
+                f"out of memory on {device} in step {state.step + 1} "
+                f"({str(e).splitlines()[0][:160]}); lower data.micro_batch_size "
+                f"({recipe.data.micro_batch_size}; the global batch is kept, by accumulation); "
+                "checkpoints already written are kept"
+            ) from None
+        finally:
+            callbacks.on_exit(state)
         return TrainResult(
             run_path,
             start,
@@ -193,8 +193,7 @@ def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: boo
     if source is not None:
         if resume_optimizer:
             check_compatible(source, state.model)
-            CheckpointManager(source.path.parent).load(source.path, state.model, state.optimizer)
-            apply_fused_choice(state.optimizer, state.recipe.train.fused_optimizer)
+            load_weights_and_moments(state, CheckpointManager(source.path.parent), source.path)
         else:
             fresh = load_weights(source, state.model)
             if fresh:
@@ -255,14 +254,7 @@ def _header(state: TrainState, plan, source, init_from, resume_optimizer: bool) 
     n_params = sum(p.numel() for p in state.model.parameters())
     lines.append(
         f"{recipe.name}: {recipe.model.family} {n_params / 1e6:.1f}M parameters, {state.policy.label} on "
-        f"{state.device}, {recipe.train.steps} steps of {_batch_shape(recipe)}, {data.description} -> {plan.path}"
+        f"{state.device}, {recipe.train.steps} steps of {state.task.batch_shape(recipe)}, {data.description} "
+        f"-> {plan.path}"
     )
     return lines
-
-
-def _batch_shape(recipe: Recipe) -> str:
-    d = recipe.data
-    if recipe.train.task == "contrastive":
-        buckets = "/".join(str(b) for b in sorted({*d.buckets, d.seq_len}))
-        return f"{d.global_batch_size} pairs ({len(d.fields)} texts each, padded to {buckets} tokens)"
-    return f"{d.global_batch_size} x {d.seq_len} tokens"

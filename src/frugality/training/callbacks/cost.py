@@ -152,6 +152,8 @@ class Cost(Callback):
             result.record.update({k: v for k, v in point.items() if k not in ("step", "loss")}, tokens=self.tokens_seen)
 
     def on_train_end(self, state, end) -> None:
+        # the session's cost up to its last step and evaluation (a final asynchronous
+        # checkpoint's wait comes after, and is in the summary's wall time only)
         self._gather(state)
         if self.main:
             end.summary["cost"] = self.figures(state.tokens_seen, state.recipe.cost.target_loss)

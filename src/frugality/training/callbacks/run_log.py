@@ -35,7 +35,7 @@ class RunLog(Callback):
     def on_eval(self, state, result) -> None:
         loss = result.loss
         record = {"loss": loss}
-        if state.recipe.train.task != "contrastive":  # a language model's (masked LM: pseudo-) perplexity
+        if state.task.perplexity:  # a language model's (masked LM: pseudo-) perplexity
             record["perplexity"] = math.exp(loss) if loss < 700 else math.inf
         self.logger.log("eval", state.step, {**record, **result.record})
 

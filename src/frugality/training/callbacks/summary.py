@@ -38,7 +38,7 @@ class Summary(Callback):
 
     def on_step_end(self, state, result) -> None:
         self.train_loss = result.loss
-        self.steps.append(result.record)
+        self.steps.append({k: result.record.get(k) for k in ("step_time_s", "tokens_per_s", "mfu")})
 
     def on_eval(self, state, result) -> None:
         self.evals[state.step] = result.loss
