@@ -8,6 +8,7 @@ import torch
 
 from frugality.config.recipe import Recipe
 from frugality.distributed import World
+from frugality.tasks import TASKS
 from frugality.training.loop import StepResult
 
 
@@ -26,6 +27,7 @@ def state():
     stats = SimpleNamespace(as_dict=lambda: {"graphs": 2, "level": "O1"})
     return SimpleNamespace(
         recipe=recipe,
+        task=TASKS["causal_lm"],
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         device=torch.device("cpu"),
