@@ -18,6 +18,7 @@ LAYERS = (
     ("kernels",),
     ("config", "checkpoint", "data"),
     ("models", "hardware"),
+    ("xla",),
     ("errors", "paths", ""),  # "": the root package (frugality.__version__)
 )
 ROOT = Path(frugality.__file__).parent

@@ -432,4 +432,5 @@ def single_process_ok():
     """DCP warns on every call without a process group that it assumes one process; we mean that."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # DCP's own call, torch 2.9
         yield

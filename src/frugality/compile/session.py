@@ -157,8 +157,13 @@ class CompileSession:
 
     @classmethod
     def for_recipe(cls, recipe, device: torch.device, policy) -> "CompileSession":
-        """The session `recipe` asks for, under the resolved precision `policy`."""
+        """The session `recipe` asks for, under the resolved precision `policy` (on an XLA
+        device, the guard of XLA's own compilations: `frugality.compile.xla`)."""
         c = recipe.compile
+        if device.type == "xla":
+            from frugality.compile.xla import XlaCompileSession
+
+            return XlaCompileSession(on_recompile=c.on_recompile)
         return cls(
             c.level,
             cache=c.cache,

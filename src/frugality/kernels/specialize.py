@@ -37,7 +37,7 @@ def specialize(model: nn.Module, device: torch.device, policy, training: bool = 
 
     for module in model.modules():
         kind = type(module)
-        if kind is OutputLayer and training:
+        if kind is OutputLayer and training and device.type != "xla":  # XLA fuses the plain loss itself
             swap(module, FusedOutputLayer, "fused output-layer loss")
             module.compute_dtype = torch.float32 if policy.fp32_products else None
         elif kind is nn.Linear and policy.fp32_products:  # any device without native bf16 products

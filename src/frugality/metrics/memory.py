@@ -26,6 +26,9 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         tensors += [_local(t) for t in state.values() if isinstance(t, torch.Tensor)]
     seen: dict[tuple, int] = {}
     for t in tensors:
+        if t.device.type == "xla":  # XLA tensors have no storage pointer: each counts alone
+            seen[(t.device, id(t))] = t.numel() * t.element_size()
+            continue
         storage = t.untyped_storage()
         seen[(t.device, storage.data_ptr())] = storage.nbytes()
     return sum(seen.values()) + missing_grads

@@ -19,6 +19,12 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def fused_update(recipe, device: torch.device) -> bool:
+    """Whether the optimizer runs its one fused pass (`train.fused_optimizer`): not on XLA,
+    where the update is traced into the step's graph and XLA fuses it there."""
+    return recipe.train.fused_optimizer and device.type != "xla"
+
+
 def apply_fused_choice(optimizer: torch.optim.Optimizer, fused: bool) -> None:
     """Put the recipe's fused/foreach choice back after loading a checkpoint: torch's AdamW
     keeps the saved param groups' flags, so a run saved before (or with another setting)

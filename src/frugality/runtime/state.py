@@ -30,7 +30,7 @@ from frugality.metrics.prices import check_cost
 from frugality.models import build_model
 from frugality.precision import PrecisionPolicy, resolve_policy
 from frugality.runtime.data import TrainingData
-from frugality.runtime.optim import build_optimizer
+from frugality.runtime.optim import build_optimizer, fused_update
 from frugality.tasks import Task, freeze_unused, task_for
 
 
@@ -84,8 +84,11 @@ def build_state(
     )
     policy, note = resolve_policy(recipe.train.precision, device)
     torch.manual_seed(recipe.seed)
-    with device:
-        model = policy.prepare_model(build_model(recipe.model))
+    if device.type == "xla":  # initialised on the host, as on a CPU, so a seed gives the same weights
+        model = policy.prepare_model(build_model(recipe.model)).to(device)
+    else:
+        with device:
+            model = policy.prepare_model(build_model(recipe.model))
     frozen = freeze_unused(task, model)  # before any wrapping: DDP must not wait for their gradients
     choices = specialize(model, device, policy)
     wrapped = task.training_module(model)
@@ -95,7 +98,7 @@ def build_state(
     if world.distributed:
         wrapped = wrap(wrapped, getattr(model, "layers", []), recipe.parallel, world, device)
         choices.append(describe(recipe.parallel, world))
-    optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed, fused=recipe.train.fused_optimizer)
+    optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed, fused=fused_update(recipe, device))
     compiled = CompileSession.for_recipe(recipe, device, policy)
     notes = [note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")]
     if recipe.parallel.gather_negatives:

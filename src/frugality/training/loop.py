@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from frugality import xla
 from frugality.distributed import all_gather_rows, all_mean, all_sum, no_sync
 from frugality.runtime.state import TrainState
 from frugality.training.schedule import learning_rate
@@ -65,7 +66,10 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
             group["lr"] = lr
         batches = state.data.stream.next_step()
         phase = "train" + state.task.shape_key(batches[0])  # a length bucket's first step is its warm-up
-        loss, norm, rejected = _run(state, callbacks, phase, state.step + 1, lambda: train_step(state, batches))
+        read = (state.step + 1) % recipe.train.log_interval == 0 or state.step + 1 == stop_at  # XLA: host reads
+        loss, norm, rejected = _run(
+            state, callbacks, phase, state.step + 1, lambda: train_step(state, batches, read=read)
+        )
         state.step += 1
         tokens = step_tokens(state, batches)
         state.tokens_seen += tokens
@@ -94,13 +98,23 @@ def step_tokens(state: TrainState, batches: list) -> int:
     return int(all_sum([mine], state.device)[0])
 
 
-def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[float, float, str | None]:
+def train_step(
+    state: TrainState, micro_batches: list[torch.Tensor], read: bool = True
+) -> tuple[float | None, float | None, str | None]:
     """One optimizer step over micro-batches of the task's batches: forward and backward
     each through the task's training module (loss divided by their count), clip the global
     gradient norm, update — unless the loss or the gradients are not finite, or the loss
     spikes (`train.loss_spike`): then nothing is applied (every rank decides alike: the loss
     is the ranks' mean, the norm global). Returns (mean loss, gradient norm before
-    clipping, why the update was not applied or None)."""
+    clipping, why the update was not applied or None).
+
+    On an XLA device the step is traced into graphs that never wait for the host: a cut
+    after each micro-batch's backward and after the update, the update always applied, and
+    the loss and norm read (for the log and the bad-step policy, which then rolls back) only
+    where `read` says: at logging steps (`train.log_interval`) and the last one. Elsewhere
+    (None, None, None) comes back."""
+    if state.device.type == "xla":
+        return _train_step_xla(state, micro_batches, read)
     model, optimizer, wrapped = state.model, state.optimizer, state.wrapped
     wrapped.train()
     total = torch.zeros((), device=state.device)
@@ -128,6 +142,39 @@ def train_step(state: TrainState, micro_batches: list[torch.Tensor]) -> tuple[fl
         optimizer.step()
         state.recent_losses.append(loss)
     optimizer.zero_grad(set_to_none=True)  # (BF16AdamW: drops a pending clip scale too)
+    return loss, norm, rejected
+
+
+def _train_step_xla(
+    state: TrainState, micro_batches: list, read: bool
+) -> tuple[float | None, float | None, str | None]:
+    model, optimizer, wrapped = state.model, state.optimizer, state.wrapped
+    wrapped.train()
+    total = torch.zeros((), device=state.device)
+    for batch in micro_batches:
+        with state.autocast:
+            loss = wrapped(batch.to(state.device))
+        (loss / len(micro_batches)).backward()
+        total += loss.detach()
+        xla.sync()  # one graph per micro-batch: forward and backward
+    max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
+    if hasattr(optimizer, "clip_grad_norm_"):  # BF16AdamW: clipping folded into its update
+        norm = optimizer.clip_grad_norm_(max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mean = total / len(micro_batches)
+    xla.sync()  # the update's graph; the loss and norm are its outputs
+    if not read:
+        return None, None, None
+    loss, norm = mean.item(), norm.item()
+    rejected = None
+    if not (math.isfinite(loss) and math.isfinite(norm)):
+        rejected = f"the loss ({loss}) or the gradient norm ({norm}) is not finite (XLA: already applied)"
+    else:
+        state.recent_losses.append(loss)
     return loss, norm, rejected
 
 
@@ -169,10 +216,17 @@ def validation_loss(state: TrainState) -> tuple[float, dict]:
     held-out pairs)."""
     state.wrapped.eval()
     done = []
+    on_xla = state.device.type == "xla"
     for batch in state.data.val_batches:
         with state.autocast:
             done.append(state.wrapped(batch.to(state.device), evaluate=True))
+        if on_xla:
+            xla.sync()  # a graph per batch; the losses are read once, below
     n = state.data.val_counted
+    if on_xla:  # one transfer of every batch's loss, not one per batch
+        losses = torch.stack([d.loss.float() for d in done[:n]]).cpu().tolist() if n else []
+        for d, value in zip(done, losses):
+            d.loss = torch.tensor(value)
     metrics = state.task.metrics([d.outputs for d in done], n, all_gather_rows)
     counted = done[:n]
     total, count = all_sum(

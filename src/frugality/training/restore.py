@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from frugality.checkpoint import CheckpointManager, step_of
-from frugality.runtime.optim import apply_fused_choice
+from frugality.runtime.optim import apply_fused_choice, fused_update
 from frugality.runtime.state import TrainState
 from frugality.training import rng
 
@@ -31,7 +31,7 @@ def load_weights_and_moments(state: TrainState, checkpoints: CheckpointManager, 
     """Model and optimizer from checkpoint `path` (torch keeps the saved groups'
     fused/foreach flags: the recipe's choice is applied again); its training state."""
     extra = checkpoints.load(path, state.model, state.optimizer)
-    apply_fused_choice(state.optimizer, state.recipe.train.fused_optimizer)
+    apply_fused_choice(state.optimizer, fused_update(state.recipe, state.device))
     return extra
 
 

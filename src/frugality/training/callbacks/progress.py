@@ -26,9 +26,10 @@ class Progress(Callback):
 
     def on_step_end(self, state, result) -> None:
         # the figures first, then the count that redraws the bar: the loss shown is the step's named
-        self.bar.set_postfix(
-            loss=f"{result.loss:.3f}", tok_s=f"{result.record.get('tokens_per_s', 0):,.0f}", refresh=False
-        )
+        if result.loss is not None:  # (XLA reads it at logging steps only)
+            self.bar.set_postfix(
+                loss=f"{result.loss:.3f}", tok_s=f"{result.record.get('tokens_per_s', 0):,.0f}", refresh=False
+            )
         self.bar.update(1)
 
     def on_eval(self, state, result) -> None:

@@ -37,7 +37,8 @@ class Summary(Callback):
         self.wall_start = time.perf_counter()
 
     def on_step_end(self, state, result) -> None:
-        self.train_loss = result.loss
+        if result.loss is not None:
+            self.train_loss = result.loss
         self.steps.append({k: result.record.get(k) for k in ("step_time_s", "tokens_per_s", "mfu")})
 
     def on_eval(self, state, result) -> None:

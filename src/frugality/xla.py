@@ -1,0 +1,98 @@
+"""PyTorch/XLA: the stack of AWS Trainium and Inferentia (torch-neuronx is PyTorch/XLA with a
+Neuron plugin) and of TPUs; XLA's CPU client (`PJRT_DEVICE=CPU`) runs the same code on any
+machine, which is how frugality's XLA path is tested.
+
+What frugality asks of it, and nothing more: the device, the cut that ends a step's graph
+(`sync`, XLA's `mark_step`), the count of graphs compiled (for the recompilation guard),
+and what the PJRT client is. torch_xla is imported only when a run names an XLA device, and
+only from here; it pairs with one torch version (torch-xla 2.9.0 with torch 2.9.0:
+`./scripts/setup.sh --xla` makes that environment, `.venv-xla`). A bad set-up is one line.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+from frugality.errors import UserError
+
+ENV = "PJRT_DEVICE"  # which PJRT client torch_xla opens: CPU, TPU, NEURON, CUDA
+SETUP = "./scripts/setup.sh --xla (a .venv-xla with torch 2.9.0 and torch-xla 2.9.0)"
+
+
+def requested() -> bool:
+    """Whether this process was started for XLA: `PJRT_DEVICE` is set."""
+    return bool(os.environ.get(ENV))
+
+
+def installed() -> bool:
+    """Whether torch_xla can be imported here (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+@lru_cache(maxsize=None)
+def load():
+    """torch_xla, imported; a missing or mismatched installation, or a `PJRT_DEVICE` naming a
+    device that is not there, is one UserError."""
+    if not installed():
+        raise UserError(f"an xla device needs torch_xla, which this environment lacks; {SETUP}")
+    try:
+        import torch_xla
+        import torch_xla.debug.metrics  # noqa: F401 - the compile counters
+        import torch_xla.runtime  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as e:
+        raise UserError(
+            f"torch_xla does not import with torch {torch.__version__} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160]}); torch_xla pairs with one torch version: {SETUP}"
+        ) from None
+    if not requested():
+        os.environ[ENV] = "CPU"  # torch_xla would guess, and warn; the CPU client is what runs anywhere
+    try:
+        torch_xla.device()
+    except Exception as e:  # noqa: BLE001 - any PJRT client failure is the user's device set-up
+        raise UserError(
+            f"{ENV}={os.environ.get(ENV)!r}: torch_xla cannot open that device here ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160]}); PJRT_DEVICE=CPU runs XLA's CPU client on any machine"
+        ) from None
+    return torch_xla
+
+
+def device() -> torch.device:
+    """The process's XLA device (`xla:0`)."""
+    return torch.device(load().device())
+
+
+def is_xla(device: torch.device) -> bool:
+    return device.type == "xla"
+
+
+def sync() -> None:
+    """End the graph traced so far: XLA compiles it (once per distinct graph) and runs it."""
+    load().sync()
+
+
+def wait() -> None:
+    """Block until the device has run everything dispatched (for timing)."""
+    import torch_xla.core.xla_model as xm
+
+    load()
+    xm.wait_device_ops()
+
+
+def compilations() -> int:
+    """Graphs XLA has compiled in this process so far (its CompileTime metric's count)."""
+    data = load().debug.metrics.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+def client() -> str:
+    """The PJRT device kind: CPU, TPU, NEURON, CUDA."""
+    return str(load().runtime.device_type())
+
+
+def version() -> str:
+    return str(load().__version__)
