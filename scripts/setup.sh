@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Set up .venv with PyTorch and frugality; `--test` adds what the test suite needs, `--peers`
-# the peers `frugality bench train --baseline` races (both: the tests cover the peers' rows).
+# the peers `frugality bench train --baseline` races (both: the tests cover the peers' rows);
+# `--xla` makes .venv-xla, the XLA environment (torch 2.9.0 and torch-xla 2.9.0, the only pair
+# PyPI has; ~7 GB with torch's CUDA libraries), which `--test` makes too (its tests are part
+# of the suite).
 #
 # PyTorch is installed first and on its own, so that pip never swaps an installed CPU
 # build for a multi-GB CUDA build to satisfy a dependency. Choose the build with
@@ -30,4 +33,14 @@ if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--peers" ]; then
     # litgpt without its pins: its huggingface-hub < 1.4 would downgrade what transformers needs;
     # its model and training step need only torch and lightning (installed above).
     "${pip[@]}" install --no-deps "litgpt==0.5.13"
+fi
+
+if [ "${1:-}" = "--xla" ] || [ "${1:-}" = "--test" ]; then
+    # torch_xla pairs with one torch version: its own venv, with frugality (editable) and pytest.
+    [ -x .venv-xla/bin/python ] || "$python" -m venv .venv-xla
+    xpip=(.venv-xla/bin/python -m pip --disable-pip-version-check -q)
+    if ! .venv-xla/bin/python -c "import torch_xla" 2>/dev/null; then
+        "${xpip[@]}" install "torch==2.9.0" "torch-xla==2.9.0"
+    fi
+    "${xpip[@]}" install -e . "pytest>=8"
 fi

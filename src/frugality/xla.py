@@ -40,6 +40,9 @@ def load():
     device that is not there, is one UserError."""
     if not installed():
         raise UserError(f"an xla device needs torch_xla, which this environment lacks; {SETUP}")
+    # Python scalars equal to 0 or 1 (a clip scale of exactly 1) would otherwise be baked into
+    # the graph as constants: a new graph, compiled mid-run, the first time a value reaches one.
+    os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
     try:
         import torch_xla
         import torch_xla.debug.metrics  # noqa: F401 - the compile counters
@@ -96,3 +99,21 @@ def client() -> str:
 
 def version() -> str:
     return str(load().__version__)
+
+
+_XLA_TYPES = {torch.int32: "S32", torch.float32: "F32", torch.int16: "S16", torch.bfloat16: "BF16"}
+
+
+@lru_cache(maxsize=None)
+def _bitcast_op():
+    import torch_xla.core.xla_builder as xb
+    import torch_xla.core.xla_op_registry as registry
+
+    return registry.register("frugality_bitcast", lambda x, to: x.bitcast(getattr(xb.Type, to)))
+
+
+def bitcast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x`'s bits read as `dtype` (of the same width), traced into the graph: torch's
+    `view(dtype)` of a tensor not yet computed would run the graph so far, splitting a step."""
+    load()
+    return _bitcast_op()(x, to=_XLA_TYPES[dtype])

@@ -27,11 +27,13 @@ T = TypeVar("T")
 
 class XlaCompileSession:
     """The same interface as `CompileSession` (start, run, check, close, cleanup, active,
-    outside, stats, warmed), for XLA devices. A training phase warms up over two calls: the
-    first optimizer step creates the moments, so the second step's graph is another."""
+    outside, stats, warmed), for XLA devices. Each phase warms up over two calls: the first
+    optimizer step creates the moments, so the second step's graph is another; and an
+    evaluation before any update reads the weights as they were made, one after (bf16
+    weights as views of the optimizer's flat buffers) as the update left them."""
 
     enabled = True
-    WARM_UP = {"train": 2, "eval": 1}  # calls per phase (a bucket's "train@48" counts as "train")
+    WARM_UP = 2  # calls per phase (each length bucket's "train@48" its own)
 
     def __init__(self, *, on_recompile: str) -> None:
         self.on_recompile = on_recompile
@@ -49,15 +51,19 @@ class XlaCompileSession:
         yield self
 
     def run(self, phase: str, step: int, fn: Callable[[], T], reset: Callable[[], None]) -> T:
-        """A phase's first call compiles its graphs; a later call that compiles is reported."""
+        """A phase's first calls compile its graphs; a later call that compiles is reported.
+        Only what the call itself compiles counts: reading tensors to the host elsewhere (a
+        checkpoint's save) compiles small graphs of its own."""
         if phase in self.warmed:
+            before = xla.compilations()
             out = fn()
+            self._seen = before
             self.check(step)
             return out
         t0 = time.perf_counter()
         out = fn()
         self._calls[phase] = self._calls.get(phase, 0) + 1
-        if self._calls[phase] >= self.WARM_UP["train" if phase.startswith("train") else "eval"]:
+        if self._calls[phase] >= self.WARM_UP:
             self.warmed.add(phase)
         self.stats.warm_up_s = round(self.stats.warm_up_s + time.perf_counter() - t0, 3)
         self._seen = xla.compilations()

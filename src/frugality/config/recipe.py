@@ -179,7 +179,7 @@ class TrainConfig(_Section):
         "elsewhere), float32 ones' torch AdamW(fused=True); false runs the same formula as eager torch ops "
         "(bf16) or torch's foreach AdamW (float32)",
     )
-    device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
+    device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', 'xla' (docs/xla.md), ...")
     runs_dir: str = Field(default="runs", description="parent of the run directory")
 
 

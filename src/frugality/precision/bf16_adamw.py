@@ -127,8 +127,12 @@ class BF16AdamW(torch.optim.Optimizer):
             sharded = [isinstance(p, DTensor) for p in group["params"]]
             if any(sharded) and not all(sharded):
                 raise ValueError("BF16AdamW needs a group's parameters all sharded (DTensor) or none")
-            self._flat.append({} if any(sharded) else self._flatten(group))
-            if any(sharded):
+            # XLA: no flat buffers; each parameter its own tensors (reading a view of a buffer
+            # to the host, as a checkpoint does, changes the next step's graph), and XLA fuses
+            # the per-parameter updates of a step into one graph anyway
+            apart = any(sharded) or any(p.device.type == "xla" for p in group["params"])
+            self._flat.append({} if apart else self._flatten(group))
+            if apart:
                 self._shard_state(group)
 
     def _flatten(self, group: dict) -> dict[str, torch.Tensor]:
@@ -158,16 +162,16 @@ class BF16AdamW(torch.optim.Optimizer):
         return flat
 
     def _shard_state(self, group: dict) -> None:
-        """Moments of a sharded group: DTensors placed like their parameters."""
+        """Moments of a group kept apart per parameter: DTensors placed like their sharded
+        parameters, or plain tensors like theirs (XLA)."""
         step = torch.zeros((), dtype=torch.float32)
         offset = 0
         for p in group["params"]:
             if p.dtype != torch.bfloat16:
                 raise ValueError("BF16AdamW needs bfloat16 parameters")
-            self._shard_starts[p] = offset + _shard_offset(p)
-            self.state[p] = {
-                "step": step,
-                **{
+            if isinstance(p, DTensor):
+                self._shard_starts[p] = offset + _shard_offset(p)
+                moments = {
                     name: DTensor.from_local(
                         torch.zeros_like(p.to_local()),
                         p.device_mesh,
@@ -177,8 +181,11 @@ class BF16AdamW(torch.optim.Optimizer):
                         run_check=False,
                     )
                     for name in ("exp_avg", "exp_avg_sq")
-                },
-            }
+                }
+            else:
+                self._shard_starts[p] = offset
+                moments = {name: torch.zeros_like(p) for name in ("exp_avg", "exp_avg_sq")}
+            self.state[p] = {"step": step, **moments}
             offset += p.numel()
 
     @torch.no_grad()
@@ -230,6 +237,9 @@ class BF16AdamW(torch.optim.Optimizer):
             )
         if isinstance(grads[0], DTensor):  # each rank summed its shards: add the other shards' sums
             total = _sum_over_shards(total.square(), grads[0]).sqrt()
+        if total.device.type == "xla":  # the scale stays on the device: no host read inside the step
+            self._grad_scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # (a NaN norm stays NaN)
+            return total
         value = float(total)
         # torch's formula, clamped to 1; a non-finite norm poisons the step, as it does there
         self._grad_scale = min(max_norm / (value + 1e-6), 1.0) if math.isfinite(value) else math.nan
@@ -252,7 +262,7 @@ class BF16AdamW(torch.optim.Optimizer):
             decay=f32(1) - lr * wd,
             bc1=f32(1 - beta1**step),
             bc2_sqrt=f32((1 - beta2**step) ** 0.5),
-            grad_scale=f32(grad_scale),
+            grad_scale=grad_scale if isinstance(grad_scale, torch.Tensor) else f32(grad_scale),
             key=mix_key(group["seed"], index, step),
         )
 
@@ -300,9 +310,10 @@ class BF16AdamW(torch.optim.Optimizer):
                     "using eager torch ops for the rest of this run"
                 )
                 self._fused = False
-        for chunk in range(0, n, _EAGER_CHUNK):
+        size = n if device.type == "xla" else _EAGER_CHUNK  # XLA traces one pass and fuses it: no chunks
+        for chunk in range(0, n, size):
             _update(
-                *(b[chunk : chunk + _EAGER_CHUNK] for b in buffers),
+                *(b[chunk : chunk + size] for b in buffers),
                 torch.tensor(start + chunk, dtype=torch.int64, device=device),
                 **tensors,
                 stochastic=stochastic,
@@ -312,14 +323,14 @@ class BF16AdamW(torch.optim.Optimizer):
         """The update of a sharded group, each rank on its local shards in place (one pass per
         parameter, the noise indexed from the shard's place in the unsharded group)."""
         for p in group["params"]:
-            if p.grad is None or p.to_local().numel() == 0:  # FSDP2 may leave a rank no rows
+            if p.grad is None or _local(p).numel() == 0:  # FSDP2 may leave a rank no rows
                 continue
             state = self.state[p]
             local = [
-                p.to_local(),
-                _bf16_contiguous(p.grad.to_local()),
-                state["exp_avg"].to_local(),
-                state["exp_avg_sq"].to_local(),
+                _local(p),
+                _bf16_contiguous(_local(p.grad)),
+                _local(state["exp_avg"]),
+                _local(state["exp_avg_sq"]),
             ]
             if not all(t.is_contiguous() for t in local):
                 raise ValueError("BF16AdamW needs contiguous local shards (FSDP2 sharding on dim 0)")
@@ -357,8 +368,14 @@ def _bf16_contiguous(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _scalar_tensors(scalars: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    """The update's scalars as 0-dim tensors on `device` (so a changing value never recompiles)."""
-    tensors = {k: torch.tensor(scalars[k], dtype=torch.float32, device=device) for k in _FLOAT_SCALARS}
+    """The update's scalars as 0-dim tensors on `device` (so a changing value never
+    recompiles), copied there as one tensor: one transfer, and one graph input whatever the
+    values (XLA shares the device data of equal scalars, which would change its graph's
+    inputs the step two of them happened to be equal)."""
+    names = [k for k in _FLOAT_SCALARS if not isinstance(scalars[k], torch.Tensor)]
+    packed = torch.tensor([float(scalars[k]) for k in names], dtype=torch.float32).to(device)
+    tensors = {k: packed[i] for i, k in enumerate(names)}
+    tensors.update({k: v.to(device, torch.float32) for k, v in scalars.items() if isinstance(v, torch.Tensor)})
     tensors["key"] = torch.tensor(scalars["key"], dtype=torch.int64, device=device)
     return tensors
 

@@ -1,0 +1,69 @@
+"""XLA from the main environment: the XLA tests (tests/xla) run in .venv-xla, the only place
+torch_xla can be (torch 2.9.0 + torch-xla 2.9.0), started from here so that the README's test
+command covers them; and a bad XLA set-up is one line, exit 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
+
+
+def test_the_xla_tests_pass_in_their_environment():
+    if importlib.util.find_spec("torch_xla") is not None:
+        pytest.skip("this is the XLA environment: tests/xla run here directly")
+    assert XLA_PYTHON.exists(), "no .venv-xla here: ./scripts/setup.sh --test (or --xla) makes it"
+    done = subprocess.run(
+        [str(XLA_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/xla"],
+        cwd=ROOT,
+        env={**os.environ, "PJRT_DEVICE": "CPU"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def _train_on_xla(micro_recipe_file, tmp_path, **env):
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "frugality",
+            "train",
+            str(micro_recipe_file),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            "train.device=xla",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is installed here")
+def test_an_xla_device_without_torch_xla_or_with_a_mismatched_one_is_one_line(micro_recipe_file, tmp_path):
+    missing = _train_on_xla(micro_recipe_file, tmp_path)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        "error: an xla device needs torch_xla, which this environment lacks; ./scripts/setup.sh --xla "
+        "(a .venv-xla with torch 2.9.0 and torch-xla 2.9.0)"
+    ]
+    fake = tmp_path / "fake" / "torch_xla"  # what a torch_xla built for another torch does on import
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("_XLAC.so: undefined symbol: _ZN5torch8autograd")\n')
+    mismatched = _train_on_xla(micro_recipe_file, tmp_path, PYTHONPATH=str(fake.parent))
+    [line] = mismatched.stderr.strip().splitlines()
+    assert mismatched.returncode == 2 and line.startswith("error: torch_xla does not import with torch ")
+    assert "undefined symbol" in line and "pairs with one torch version" in line
+    assert not (tmp_path / "run").exists()

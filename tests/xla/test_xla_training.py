@@ -1,0 +1,95 @@
+"""Training on an XLA device (XLA's CPU client): the CPU backend's losses, bf16-sr within 1%,
+no compilation after warm-up (and one caught when it happens), checkpoints that move
+between XLA and the CPU backend."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from frugality import xla
+from frugality.compile.session import RecompileError
+from frugality.config.recipe import load_recipe
+from frugality.runtime.state import build_state
+from frugality.training import trainer
+from frugality.training.loop import train_step
+
+
+def _losses(run, kind="train") -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == kind}
+
+
+def _train(recipe, run, **kw):
+    return trainer.train(recipe, run_dir=run, progress=False, tensorboard=False, **kw)
+
+
+def test_tiny_on_xla_gives_the_cpu_backends_losses_and_compiles_nothing_after_warm_up(tmp_path):
+    sets = ["train.precision=fp32", "train.steps=10", "optim.warmup_steps=2", "train.eval_interval=5"]
+    on_xla = _train(load_recipe("tiny", [*sets, "train.device=xla"]), tmp_path / "xla")
+    on_cpu = _train(load_recipe("tiny", [*sets, "train.device=cpu"]), tmp_path / "cpu")
+    assert on_xla.summary["device"] == "xla:0" and on_xla.summary["compile"]["recompiles"] == 0
+    xla_losses, cpu_losses = _losses(tmp_path / "xla"), _losses(tmp_path / "cpu")
+    assert sorted(xla_losses) == list(range(1, 11))
+    for step, loss in cpu_losses.items():
+        assert xla_losses[step] == pytest.approx(loss, rel=1e-4), step
+    assert on_xla.evals == pytest.approx(on_cpu.evals, rel=1e-4)
+
+
+def test_bf16_sr_on_xla_ends_within_one_percent_of_the_cpu_backend(micro_recipe_file, tmp_path):
+    sets = ["train.precision=bf16-sr", "train.steps=8"]
+    on_xla = _train(load_recipe(str(micro_recipe_file), [*sets, "train.device=xla"]), tmp_path / "xla")
+    on_cpu = _train(load_recipe(str(micro_recipe_file), [*sets, "train.device=cpu"]), tmp_path / "cpu")
+    assert on_xla.summary["precision"].startswith("bf16-sr")
+    assert on_xla.evals[8] == pytest.approx(on_cpu.evals[8], rel=0.01)
+    assert on_xla.evals[8] < on_xla.evals[0] - 0.5
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-sr"])
+def test_the_loss_comes_to_the_host_at_logging_steps_only(micro_recipe_file, precision):
+    """A step's graphs never wait for the host: between logging steps nothing is read (the
+    bf16 optimizer's clip scale stays on the device too)."""
+    import torch_xla.debug.metrics as metrics
+
+    recipe = load_recipe(
+        str(micro_recipe_file), ["train.device=xla", "train.log_interval=4", f"train.precision={precision}"]
+    )
+    state = build_state(recipe, xla.device())
+    batch = torch.randint(0, 50000, (2, recipe.data.seq_len + 1))
+    train_step(state, [batch], read=True)  # warm-up: graphs compiled, the moments made
+    train_step(state, [batch], read=True)
+    before = metrics.metric_data("TransferFromDeviceTime")[0]
+    for _ in range(3):
+        assert train_step(state, [batch], read=False) == (None, None, None)
+    assert metrics.metric_data("TransferFromDeviceTime")[0] == before  # no read in three steps
+    loss, norm, rejected = train_step(state, [batch], read=True)
+    assert metrics.metric_data("TransferFromDeviceTime")[0] > before and loss > 0 and norm > 0 and not rejected
+
+
+def test_the_guard_catches_a_compilation_after_warm_up(micro_recipe_file):
+    recipe = load_recipe(str(micro_recipe_file), ["train.device=xla", "compile.on_recompile=error"])
+    state = build_state(recipe, xla.device())
+    session = state.compiled
+    session.start(state.model)
+
+    def step(number, rows):
+        batch = torch.randint(0, 50000, (rows, recipe.data.seq_len + 1))
+        return session.run("train", number, lambda: train_step(state, [batch]), lambda: None)
+
+    for number in (1, 2, 3):  # two calls of warm-up, then the same graphs
+        step(number, 2)
+    assert session.stats.recompiles == 0
+    with pytest.raises(RecompileError, match="recompiled after warm-up at step 4"):
+        step(4, 3)  # another batch shape: new graphs
+
+
+@pytest.mark.parametrize("first, then", [("xla", "cpu"), ("cpu", "xla")])
+def test_a_checkpoint_moves_between_xla_and_the_cpu_backend(micro_recipe_file, tmp_path, first, then):
+    straight = _train(load_recipe(str(micro_recipe_file)), tmp_path / "straight")
+    _train(load_recipe(str(micro_recipe_file), [f"train.device={first}"]), tmp_path / "moved", until_step=4)
+    moved = _train(load_recipe(str(micro_recipe_file), [f"train.device={then}"]), tmp_path / "moved")
+    assert moved.start_step == 4 and moved.final_step == 8
+    assert _losses(tmp_path / "moved") == pytest.approx(_losses(tmp_path / "straight"), rel=1e-4)
+    assert moved.evals[8] == pytest.approx(straight.evals[8], rel=1e-4)
