@@ -54,6 +54,11 @@ def load():
         ) from None
     if not requested():
         os.environ[ENV] = "CPU"  # torch_xla would guess, and warn; the CPU client is what runs anywhere
+    if hasattr(torch_xla._XLAC, "_set_xla_enable_device_data_cache"):
+        # XLA shares one device buffer among equal scalars: two inputs of a step that happen to
+        # be equal (AdamW's bias correction reaching 1.0 beside a clamp's 1.0, at step 325)
+        # would become one, and the step's graph another, compiled mid-run
+        torch_xla._XLAC._set_xla_enable_device_data_cache(False)
     try:
         torch_xla.device()
     except Exception as e:  # noqa: BLE001 - any PJRT client failure is the user's device set-up

@@ -210,10 +210,10 @@ import os, sys
 from frugality.config.recipe import load_recipe
 from frugality.training import loop, trainer
 real = loop.train_step
-def step(state, batches):
+def step(state, batches, **kw):
     if state.step == 2 and state.world.rank == 1:
         os._exit(9)  # the process dies mid-run, as on a lost node
-    return real(state, batches)
+    return real(state, batches, **kw)
 loop.train_step = step
 trainer.train(load_recipe(sys.argv[1]), run_dir=sys.argv[2], progress=False, tensorboard=False)
 """

@@ -28,10 +28,10 @@ def test_a_nan_in_one_gradient_skips_that_step_and_names_the_parameter(micro_rec
             hook = p.register_hook(lambda g: (hook.remove(), torch.full_like(g, float("nan")))[1])
         return out
 
-    def step(state, batches):
+    def step(state, batches, **kw):
         seen["step"] = state.step + 1
         before = {n: p.detach().clone() for n, p in state.model.named_parameters()}
-        out = real_step(state, batches)
+        out = real_step(state, batches, **kw)
         unchanged = all(torch.equal(before[n], p) for n, p in state.model.named_parameters())
         seen[state.step + 1] = unchanged
         return out
@@ -80,10 +80,10 @@ def _bad_step(monkeypatch, at: int, times: int, spoil):
             return spoil(self.model, out)
         return out
 
-    def step(state, batches):
+    def step(state, batches, **kw):
         runs["now"] = state.step + 1
         runs["batches"].append((runs["now"], batches[0].clone()))
-        return real_step(state, batches)
+        return real_step(state, batches, **kw)
 
     monkeypatch.setattr(CausalLMModule, "forward", loss)
     monkeypatch.setattr(loop, "train_step", step)

@@ -24,7 +24,7 @@ def test_a_second_train_on_a_directory_in_use_exits_2_naming_the_first(micro_rec
     second = []
     real = loop.train_step
 
-    def step(state, batches):
+    def step(state, batches, **kw):
         if state.step == 5:  # the first run is mid-way, with a checkpoint at step 4: start a second
             second.append(
                 subprocess.run(
@@ -43,7 +43,7 @@ def test_a_second_train_on_a_directory_in_use_exits_2_naming_the_first(micro_rec
                     timeout=300,
                 )
             )
-        return real(state, batches)
+        return real(state, batches, **kw)
 
     monkeypatch.setattr(loop, "train_step", step)
     trainer.train(recipe, run_dir=tmp_path / "shared", progress=False, tensorboard=False)

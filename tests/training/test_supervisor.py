@@ -23,11 +23,11 @@ from frugality.config.recipe import load_recipe
 from frugality.training import loop, trainer
 recipe_file, run_dir, at_step, marker = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 real = loop.train_step
-def step(state, batches):
+def step(state, batches, **kw):
     if state.step + 1 == at_step and (marker.name == "always" or not marker.exists()):
         marker.touch()
         os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost node would
-    return real(state, batches)
+    return real(state, batches, **kw)
 loop.train_step = step
 trainer.train(load_recipe(recipe_file), run_dir=run_dir, progress=False, tensorboard=False)
 """

@@ -5,7 +5,7 @@ torch_xla is not installed (the main environment) they are not collected."""
 import importlib.util
 import os
 
-os.environ.setdefault("PJRT_DEVICE", "CPU")  # before torch_xla opens a client
-
 if importlib.util.find_spec("torch_xla") is None:
     collect_ignore_glob = ["test_*.py"]
+else:
+    os.environ.setdefault("PJRT_DEVICE", "CPU")  # before torch_xla opens a client

@@ -42,7 +42,7 @@ def test_bf16_sr_on_xla_ends_within_one_percent_of_the_cpu_backend(micro_recipe_
     sets = ["train.precision=bf16-sr", "train.steps=8"]
     on_xla = _train(load_recipe(str(micro_recipe_file), [*sets, "train.device=xla"]), tmp_path / "xla")
     on_cpu = _train(load_recipe(str(micro_recipe_file), [*sets, "train.device=cpu"]), tmp_path / "cpu")
-    assert on_xla.summary["precision"].startswith("bf16-sr")
+    assert on_xla.summary["precision"].startswith("bf16-sr") and on_xla.summary["compile"]["recompiles"] == 0
     assert on_xla.evals[8] == pytest.approx(on_cpu.evals[8], rel=0.01)
     assert on_xla.evals[8] < on_xla.evals[0] - 0.5
 
@@ -85,11 +85,57 @@ def test_the_guard_catches_a_compilation_after_warm_up(micro_recipe_file):
         step(4, 3)  # another batch shape: new graphs
 
 
-@pytest.mark.parametrize("first, then", [("xla", "cpu"), ("cpu", "xla")])
-def test_a_checkpoint_moves_between_xla_and_the_cpu_backend(micro_recipe_file, tmp_path, first, then):
-    straight = _train(load_recipe(str(micro_recipe_file)), tmp_path / "straight")
-    _train(load_recipe(str(micro_recipe_file), [f"train.device={first}"]), tmp_path / "moved", until_step=4)
-    moved = _train(load_recipe(str(micro_recipe_file), [f"train.device={then}"]), tmp_path / "moved")
+@pytest.mark.parametrize(
+    "first, then, precision", [("xla", "cpu", "fp32"), ("cpu", "xla", "fp32"), ("xla", "cpu", "bf16-sr")]
+)
+def test_a_checkpoint_moves_between_xla_and_the_cpu_backend(micro_recipe_file, tmp_path, first, then, precision):
+    sets = [f"train.precision={precision}"]
+    straight = _train(load_recipe(str(micro_recipe_file), sets), tmp_path / "straight")
+    before = _train(
+        load_recipe(str(micro_recipe_file), [*sets, f"train.device={first}"]), tmp_path / "moved", until_step=4
+    )
+    moved = _train(load_recipe(str(micro_recipe_file), [*sets, f"train.device={then}"]), tmp_path / "moved")
     assert moved.start_step == 4 and moved.final_step == 8
+    xla_run = before if first == "xla" else moved
+    assert xla_run.summary["compile"]["recompiles"] == 0  # a save mid-run changes no graph
     assert _losses(tmp_path / "moved") == pytest.approx(_losses(tmp_path / "straight"), rel=1e-4)
     assert moved.evals[8] == pytest.approx(straight.evals[8], rel=1e-4)
+
+
+def test_logging_every_third_step_reads_those_and_the_last_and_compiles_nothing_more(micro_recipe_file, tmp_path):
+    recipe = load_recipe(str(micro_recipe_file), ["train.device=xla", "train.log_interval=3", "train.save_interval=8"])
+    result = _train(recipe, tmp_path / "run")
+    assert sorted(_losses(tmp_path / "run")) == [3, 6, 8]
+    assert result.summary["final_train_loss"] == _losses(tmp_path / "run")[8]
+    assert result.summary["compile"]["recompiles"] == 0 and result.summary["median_tokens_per_s"] > 0
+
+
+def test_adams_bias_correction_reaching_one_compiles_nothing(micro_recipe_file):
+    """At step 325, (1 - 0.95^325) rounds to 1.0f, the value of the clip's clamp: XLA would
+    share one buffer between the two inputs, and the step's graph would be another."""
+    import torch_xla.debug.metrics as metrics
+
+    recipe = load_recipe(str(micro_recipe_file), ["train.device=xla"])
+    state = build_state(recipe, xla.device())
+    batch = torch.randint(0, 50000, (2, recipe.data.seq_len + 1))
+    for _ in range(2):
+        train_step(state, [batch])
+    for group in state.optimizer.param_groups:
+        for p in group["params"]:
+            state.optimizer.state[p]["step"].fill_(320)
+    before = metrics.metric_data("CompileTime")[0]
+    for _ in range(10):  # through step 325
+        train_step(state, [batch])
+    assert metrics.metric_data("CompileTime")[0] == before
+
+
+def test_tasks_and_layouts_xla_does_not_run_yet_are_one_line(micro_pairs_recipe, tmp_path):
+    from frugality.errors import UserError
+
+    with pytest.raises(UserError, match="train.task contrastive: does not run on an xla device yet"):
+        _train(load_recipe(str(micro_pairs_recipe), ["train.device=xla"]), tmp_path / "pairs")
+    with pytest.raises(UserError, match="frugality compile does not run on an xla device yet"):
+        from frugality.training.ahead import compile_ahead
+
+        compile_ahead(load_recipe("tiny", ["train.device=xla", "compile.level=O1"]), progress=False)
+    assert not (tmp_path / "pairs").exists()

@@ -50,7 +50,7 @@ def doctor(recipe, nproc, max_mib, quick, overrides_thresholds, run_dir, overrid
     from frugality.runtime.device import resolve_device
 
     resolved = load_recipe(recipe, list(overrides))
-    device = resolve_device(resolved.train.device)
+    device = resolve_device(resolved.train.device, what="frugality doctor")
     limits = thresholds(device.type, list(overrides_thresholds))
     if worker_out:
         _collectives_worker(device, resolved.parallel.timeout_s, limits, max_mib, Path(worker_out))

@@ -113,7 +113,7 @@ def generate(
         stop_strings=tuple(stop_strings),
     )
     Sampling(**settings)  # bad values are refused before the model loads
-    decoder, why = load_decoder(model, resolve_device(device), precision)
+    decoder, why = load_decoder(model, resolve_device(device, key="--device", what="frugality generate"), precision)
     sampling = Sampling(**settings, stop_ids=_stop_ids(decoder, stop_tokens))
     compile_backend = "inductor" if compile_ else None
     if prompt is not None:

@@ -139,7 +139,7 @@ def _check_ranks(recipe, nproc: int) -> None:
     from frugality.runtime.device import resolve_device
     from frugality.tasks import get_task
 
-    device = resolve_device(recipe.train.device)
+    device = resolve_device(recipe.train.device, xla_ok=True)
     if device.type == "cuda" and nproc > torch.cuda.device_count():
         raise UserError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} CUDA device(s), one per rank")
     cores = len(os.sched_getaffinity(0))

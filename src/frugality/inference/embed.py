@@ -353,7 +353,7 @@ def run_job(settings: EmbedSettings, inputs: Inputs, nproc: int | str = "auto", 
     from frugality.inference.encoder import load_encoder
     from frugality.runtime.device import resolve_device
 
-    device = resolve_device(settings.device)
+    device = resolve_device(settings.device, key="--device", what="frugality embed")
     encoder, why = load_encoder(settings.model, device, settings.precision, settings.normalize, settings.max_length)
     job = prepare(
         settings,

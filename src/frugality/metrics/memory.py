@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
@@ -46,6 +47,8 @@ def peak_memory_bytes(device: torch.device) -> int:
     big parent would report the parent's peak)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    if device.type == "xla" and os.environ.get("PJRT_DEVICE", "CPU") != "CPU":
+        return None  # a TPU's or Trainium's memory is not the host's (XLA's CPU client's is)
     try:
         with open("/proc/self/status") as f:
             for line in f:

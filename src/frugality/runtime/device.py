@@ -8,15 +8,22 @@ from frugality import xla
 from frugality.errors import UserError
 
 
-def resolve_device(name: str, key: str = "train.device") -> torch.device:
-    """'auto' (XLA where `PJRT_DEVICE` is set and torch_xla is installed, else a CUDA GPU
-    where torch sees one, else the CPU), 'cpu', 'cuda', 'cuda:1', 'xla'...; checked, with no
-    other effect than opening an XLA client. `key` names the setting in messages."""
+def resolve_device(
+    name: str, key: str = "train.device", xla_ok: bool = False, what: str = "this command"
+) -> torch.device:
+    """'auto', 'cpu', 'cuda', 'cuda:1', 'xla'...; checked, with no other effect than opening an
+    XLA client. `auto` is XLA where the caller runs there (`xla_ok`: training) and
+    `PJRT_DEVICE` is set with torch_xla installed, else a CUDA GPU where torch sees one, else
+    the CPU. `key` names the setting in messages, `what` the command."""
     if name == "auto":
-        if xla.requested() and xla.installed():
+        if xla_ok and xla.requested() and xla.installed():
             return xla.device()
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.split(":")[0] == "xla":
+        if not xla_ok:
+            raise UserError(f"{key}: {name!r}: {what} does not run on an xla device yet (train does; docs/xla.md)")
+        if name not in ("xla", "xla:0"):
+            raise UserError(f"{key}: {name!r}: a process trains on its own XLA device, xla (or xla:0)")
         return xla.device()
     try:
         device = torch.device(name)

@@ -55,6 +55,7 @@ class Task(ABC):
     min_micro_batch: ClassVar[int] = 1  # the smallest micro-batch its loss is defined on
     needs_mask_token: ClassVar[bool] = False  # the tokenizer must have [MASK]
     perplexity: ClassVar[bool] = True  # its evaluations log exp(loss)
+    runs_on_xla: ClassVar[bool] = False  # static shapes, no host reads in its step (docs/xla.md)
 
     def __init__(self, setup: RunSetup = RunSetup()) -> None:
         self.setup = setup

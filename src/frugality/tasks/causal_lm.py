@@ -29,6 +29,7 @@ class CausalLM(Task):
     name = "causal_lm"
     families = ("gpt-neox", "llama")
     trains = "decoders"
+    runs_on_xla = True
 
     blocks = PackedBlocks()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from frugality.config.recipe import Recipe
 from frugality.distributed import world_from_env
 from frugality.errors import UserError
+from frugality.runtime.device import resolve_device
 from frugality.tasks import get_task
 from frugality.training.trainer import train
 
@@ -28,6 +29,11 @@ def compile_ahead(recipe: Recipe, progress: bool = True, ranks: int = 1) -> dict
 
     Each trial step is one micro-batch per rank: accumulating more would run the same
     graphs again (a Pythia recipe's step is 32 of them)."""
+    if resolve_device(recipe.train.device, xla_ok=True).type == "xla":
+        raise UserError(
+            "frugality compile does not run on an xla device yet: XLA compiles a run's graphs in its "
+            "first steps (docs/xla.md)"
+        )
     if recipe.compile.level == "O0":
         raise UserError(
             "compile.level is O0 (eager): nothing to compile; choose a level with --level O1 or --set compile.level=O1"

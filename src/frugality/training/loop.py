@@ -66,7 +66,9 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
             group["lr"] = lr
         batches = state.data.stream.next_step()
         phase = "train" + state.task.shape_key(batches[0])  # a length bucket's first step is its warm-up
-        read = (state.step + 1) % recipe.train.log_interval == 0 or state.step + 1 == stop_at  # XLA: host reads
+        # XLA: the steps whose loss comes to the host (and is judged): logged ones, saved ones, the last
+        number = state.step + 1
+        read = number % recipe.train.log_interval == 0 or number % recipe.train.save_interval == 0 or number == stop_at
         loss, norm, rejected = _run(
             state, callbacks, phase, state.step + 1, lambda: train_step(state, batches, read=read)
         )
@@ -172,9 +174,11 @@ def _train_step_xla(
     loss, norm = mean.item(), norm.item()
     rejected = None
     if not (math.isfinite(loss) and math.isfinite(norm)):
-        rejected = f"the loss ({loss}) or the gradient norm ({norm}) is not finite (XLA: already applied)"
+        rejected = f"the loss ({loss}) or the gradient norm ({norm}) is not finite"
     else:
-        state.recent_losses.append(loss)
+        rejected = _spike(state, loss)
+        if rejected is None:
+            state.recent_losses.append(loss)
     return loss, norm, rejected
 
 

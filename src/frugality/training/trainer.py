@@ -84,8 +84,10 @@ def train(
     stop_at = until_step or total
 
     # Everything that can fail on bad input fails here, before the run directory is touched.
-    device = resolve_device(recipe.train.device)
+    device = resolve_device(recipe.train.device, xla_ok=True)
     check_recipe(recipe, device)
+    if device.type == "xla":
+        _check_xla(recipe)
     world = distributed.init(device, recipe.parallel.timeout_s)  # world size 1 without torchrun
     device = distributed.local_device(device, world)
     recipe, batch_note = recipe.for_data_parallel(world.world_size, get_task(recipe.train.task).min_micro_batch)
@@ -176,6 +178,17 @@ def train(
             state.stop_requested,
             summary.evals if summary else {},
             summary.summary if summary else {},
+        )
+
+
+def _check_xla(recipe: Recipe) -> None:
+    """What an XLA device does not run yet, in one line, before anything is written."""
+    task = get_task(recipe.train.task)
+    if not task.runs_on_xla:
+        raise UserError(f"train.task {task.name}: does not run on an xla device yet (causal_lm does; docs/xla.md)")
+    if distributed.world_from_env().distributed:
+        raise UserError(
+            "an xla device trains in one process: data parallel over XLA devices is not built yet (docs/xla.md)"
         )
 
 

@@ -41,3 +41,17 @@ def test_stop_policy_stops_at_the_first(state, step):
     _with(state, on_nonfinite="stop")
     with pytest.raises(RunDiverged, match="step 1: the loss \\(inf\\) is not finite; stopping before applying it"):
         DivergenceGuard().on_step_end(state, step(state, loss=float("inf"), rejected="the loss (inf) is not finite"))
+
+
+def test_on_xla_a_bad_step_was_applied_so_it_rolls_back_and_stop_says_so(state, step):
+    import torch
+
+    state.device = torch.device("xla")  # every update applied; bad steps are seen at the steps read
+    with pytest.raises(
+        RunDiverged,
+        match="step 1: the loss \\(nan\\) is not finite \\(XLA: already applied\\); stopping: no checkpoint to roll",
+    ):
+        DivergenceGuard().on_step_end(state, step(state, loss=float("nan"), rejected="the loss (nan) is not finite"))
+    _with(state, on_nonfinite="stop")
+    with pytest.raises(RunDiverged, match="is not finite; applied \\(XLA\\); stopping"):
+        DivergenceGuard().on_step_end(state, step(state, loss=float("nan"), rejected="the loss (nan) is not finite"))

@@ -12,10 +12,10 @@ import sys, threading
 from frugality.config.recipe import load_recipe
 from frugality.training import loop, trainer
 real = loop.train_step
-def step(state, batches):
+def step(state, batches, **kw):
     if state.step == 2 and state.world.rank == 1:
         threading.Event().wait()  # stuck: rank 0 waits in the step's all-reduce for good
-    return real(state, batches)
+    return real(state, batches, **kw)
 loop.train_step = step
 trainer.train(load_recipe(sys.argv[1], ["train.step_timeout_s=2"]), run_dir=sys.argv[2], progress=False,
               tensorboard=False)

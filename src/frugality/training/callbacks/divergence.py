@@ -46,11 +46,14 @@ class DivergenceGuard(Callback):
         result.record["skipped"] = result.rejected
         train = state.recipe.train
         what = f"step {result.step}: {result.rejected}"
-        if train.on_nonfinite == "stop":
-            self._stop(f'{what}; stopping before applying it (train.on_nonfinite = "stop")')
         applied = state.device.type == "xla"  # XLA applies every update; a bad one is undone by rolling back
+        if train.on_nonfinite == "stop":
+            done = "applied (XLA); stopping" if applied else "stopping before applying it"
+            self._stop(f'{what}; {done} (train.on_nonfinite = "stop")')
         if train.on_nonfinite == "rollback" or self.in_a_row >= train.max_skipped or applied:
-            if train.on_nonfinite == "skip":
+            if applied:
+                what += " (XLA: already applied)"
+            elif train.on_nonfinite == "skip":
                 what += f", {self.in_a_row} steps in a row"
             result.rolled_back_to = result.record["rolled_back_to"] = self._roll_back(state, what)
             return

@@ -27,6 +27,7 @@ class Summary(Callback):
         self.run_dir = run_dir
         self.start_step = 0
         self.steps: list[dict] = []  # this session's step records
+        self.train_time_s = 0.0
         self.evals: dict[int, float] = {}
         self.eval_metrics: dict[int, dict] = {}  # what an evaluation measured besides the loss
         self.train_loss: float | None = None
@@ -37,9 +38,11 @@ class Summary(Callback):
         self.wall_start = time.perf_counter()
 
     def on_step_end(self, state, result) -> None:
+        self.train_time_s += result.seconds
         if result.loss is not None:
             self.train_loss = result.loss
-        self.steps.append({k: result.record.get(k) for k in ("step_time_s", "tokens_per_s", "mfu")})
+        if "step_time_s" in result.record:  # (XLA: steps measured together, at the steps read)
+            self.steps.append({k: result.record.get(k) for k in ("step_time_s", "tokens_per_s", "mfu")})
 
     def on_eval(self, state, result) -> None:
         self.evals[state.step] = result.loss
@@ -76,9 +79,7 @@ class Summary(Callback):
             "tokens_seen": state.tokens_seen,
             "sessions": previous.get("sessions", 1) + 1 if previous else 1,
             "wall_time_s": round(previous.get("wall_time_s", 0) + time.perf_counter() - self.wall_start, 2),
-            "train_time_s": round(
-                previous.get("train_time_s", 0) + sum(r.get("step_time_s", 0) for r in self.steps), 2
-            ),
+            "train_time_s": round(previous.get("train_time_s", 0) + self.train_time_s, 2),
             "median_step_time_s": _median(times, 4),
             "median_tokens_per_s": _median(rates, 1),
             "median_mfu": _median(mfus, 4),

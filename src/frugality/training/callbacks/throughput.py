@@ -13,6 +13,7 @@ class Throughput(Callback):
     def __init__(self) -> None:
         self.peak: float | None = None
         self.flops_per_token = 0.0
+        self._pending = (0, 0.0, 0)  # XLA: tokens, seconds and steps since the last step read
 
     def on_train_start(self, state) -> None:
         r = state.recipe
@@ -27,11 +28,22 @@ class Throughput(Callback):
         self.peak *= state.world.world_size  # tokens/s are global: against every rank's device
 
     def on_step_end(self, state, result) -> None:
-        tokens_per_s = result.tokens / result.seconds
+        if state.device.type == "xla" and result.loss is None:
+            # XLA runs a step's graphs while the host traces the next: a step not read is only
+            # its tracing; the time of the steps since the last read is measured at the next
+            self._pending = (self._pending[0] + result.tokens, self._pending[1] + result.seconds, self._pending[2] + 1)
+            return
+        tokens, seconds, steps = (
+            self._pending[0] + result.tokens,
+            self._pending[1] + result.seconds,
+            self._pending[2] + 1,
+        )
+        self._pending = (0, 0.0, 0)
+        tokens_per_s = tokens / seconds
         result.record.update(
             tokens_per_s=tokens_per_s,
             mfu=mfu(self.flops_per_token * tokens_per_s, self.peak),
-            step_time_s=result.seconds,
+            step_time_s=seconds / steps,
             tokens=state.tokens_seen,
         )
 
