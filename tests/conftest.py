@@ -3,6 +3,7 @@ small enough that a training step takes milliseconds on a CPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -23,6 +24,48 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
+XLA_BRIDGE = "test_the_xla_tests_pass_in_their_environment"
+_xla_tests: dict = {}
+
+
+def start_xla_tests() -> dict | None:
+    """tests/xla in .venv-xla (tests/test_xla_environment.py checks the result), started once:
+    at the start of the session, at a low priority, they take the cores the main suite leaves
+    idle between its processes instead of two minutes of their own at the end."""
+    if not _xla_tests and XLA_PYTHON.exists():
+        import tempfile
+
+        log = tempfile.NamedTemporaryFile("w+", prefix="xla-tests-", suffix=".log", delete=False)
+        _xla_tests["log"] = Path(log.name)
+        _xla_tests["process"] = subprocess.Popen(
+            [str(XLA_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/xla"],
+            cwd=ROOT,
+            env={**os.environ, "PJRT_DEVICE": "CPU"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=lambda: os.nice(10),
+        )
+    return _xla_tests or None
+
+
+def pytest_collection_finish(session):
+    if importlib.util.find_spec("torch_xla") is None and any(item.name == XLA_BRIDGE for item in session.items):
+        start_xla_tests()
+
+
+def pytest_sessionfinish(session):
+    if _xla_tests and _xla_tests["process"].poll() is None:  # the suite stopped before the bridge test
+        _xla_tests["process"].kill()
+
+
+@pytest.fixture
+def xla_tests():
+    return start_xla_tests()
 
 
 @pytest.fixture(scope="session", autouse=True)

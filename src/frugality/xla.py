@@ -97,6 +97,12 @@ def compilations() -> int:
     return int(data[0]) if data else 0
 
 
+def compile_seconds() -> float:
+    """Seconds XLA has spent compiling graphs in this process so far."""
+    data = load().debug.metrics.metric_data("CompileTime")
+    return data[1] / 1e9 if data else 0.0  # its accumulator counts nanoseconds
+
+
 def client() -> str:
     """The PJRT device kind: CPU, TPU, NEURON, CUDA."""
     return str(load().runtime.device_type())

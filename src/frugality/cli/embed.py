@@ -25,7 +25,7 @@ import click
     show_default=True,
     help="auto: bf16 where this machine's bf16 products are native, else fp32.",
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, xla (.venv-xla), ...")
 @click.option(
     "--nproc",
     default="auto",

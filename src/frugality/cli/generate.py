@@ -57,7 +57,7 @@ import click
     show_default=True,
     help="auto: bf16 where this machine's bf16 products are native, else fp32.",
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, xla (.venv-xla), ...")
 @click.option(
     "--compile",
     "compile_",
@@ -113,7 +113,9 @@ def generate(
         stop_strings=tuple(stop_strings),
     )
     Sampling(**settings)  # bad values are refused before the model loads
-    decoder, why = load_decoder(model, resolve_device(device, key="--device", what="frugality generate"), precision)
+    decoder, why = load_decoder(
+        model, resolve_device(device, key="--device", what="frugality generate", xla_ok=True), precision
+    )
     sampling = Sampling(**settings, stop_ids=_stop_ids(decoder, stop_tokens))
     compile_backend = "inductor" if compile_ else None
     if prompt is not None:

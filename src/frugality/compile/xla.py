@@ -44,6 +44,7 @@ class XlaCompileSession:
 
     def start(self, model: torch.nn.Module) -> None:
         self._seen = self._base = xla.compilations()
+        self._base_s = xla.compile_seconds()
 
     @contextlib.contextmanager
     def active(self, model: torch.nn.Module):
@@ -91,6 +92,7 @@ class XlaCompileSession:
 
     def _account(self) -> None:
         self.stats.graphs = self.stats.cache_misses = xla.compilations() - self._base
+        self.stats.compile_s = round(xla.compile_seconds() - self._base_s, 3)
 
     def close(self) -> None:
         if getattr(self, "_base", None) is not None:

@@ -89,6 +89,10 @@ def is_complete(out: Path, k: int, fmt: str, rows: int) -> bool:
 
 def resolve_processes(nproc: int | str, count: int, device) -> int:
     """`nproc` as a number of processes for `count` texts on `device` ('auto': see above)."""
+    if device.type == "xla":
+        if nproc not in ("auto", 1, "1"):
+            raise UserError(f"--nproc {nproc}: an xla device embeds in one process (its own device)")
+        return 1
     if nproc != "auto":
         return int(nproc)
     if device.type == "cuda":
@@ -223,17 +227,23 @@ def _finish(encoder, settings, k, ids, texts, report, written_before) -> int:
 
 
 def embed_texts(encoder, texts: list[str], batch_tokens: int, max_batch: int, report=lambda n: None) -> np.ndarray:
-    """Embeddings of `texts` in their order, computed longest first in token-budget batches."""
+    """Embeddings of `texts` in their order, computed longest first in token-budget batches.
+    On XLA, whose graphs are compiled per shape, a batch is padded to a length bucket (16,
+    32, 64, ... tokens) and filled to that bucket's fixed number of rows: one graph each."""
+    from frugality.inference.generate import bucket
+
     rows = encoder.tokenize(texts)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]), reverse=True)
     result = np.empty((len(rows), encoder.dim), dtype=np.float32)
+    static = encoder.device.type == "xla"
     start = 0
     while start < len(order):
         longest = len(rows[order[start]])
-        pad_to = min(longest, encoder.max_length)
-        n = max(1, min(max_batch, batch_tokens // pad_to, len(order) - start))
+        pad_to = bucket(longest, encoder.max_length) if static else min(longest, encoder.max_length)
+        fill = max(1, min(max_batch, batch_tokens // pad_to))
+        n = min(fill, len(order) - start)
         chosen = order[start : start + n]
-        result[chosen] = encoder.embed_tokens([rows[i] for i in chosen], pad_to)
+        result[chosen] = encoder.embed_tokens([rows[i] for i in chosen], pad_to, fill if static else n)
         report(n)
         start += n
     return result
@@ -353,7 +363,7 @@ def run_job(settings: EmbedSettings, inputs: Inputs, nproc: int | str = "auto", 
     from frugality.inference.encoder import load_encoder
     from frugality.runtime.device import resolve_device
 
-    device = resolve_device(settings.device, key="--device", what="frugality embed")
+    device = resolve_device(settings.device, key="--device", what="frugality embed", xla_ok=True)
     encoder, why = load_encoder(settings.model, device, settings.precision, settings.normalize, settings.max_length)
     job = prepare(
         settings,

@@ -86,9 +86,16 @@ class Encoder:
         """Token ids with the model's special tokens ([CLS] ... [SEP]), cut to max_length."""
         return [e.ids for e in self.tokenizer.encode_batch(texts)]
 
-    @torch.inference_mode()
-    def embed_tokens(self, rows: list[list[int]], pad_to: int) -> np.ndarray:
-        """Embeddings of token rows padded to `pad_to`: (len(rows), dim) float32."""
+    def embed_tokens(self, rows: list[list[int]], pad_to: int, fill: int | None = None) -> np.ndarray:
+        """Embeddings of token rows padded to `pad_to`: (len(rows), dim) float32. `fill`
+        pads the batch to that many rows (one-token rows, dropped), for a fixed shape."""
+        # XLA's linear layers set version counters, which inference tensors refuse
+        with torch.no_grad() if self.device.type == "xla" else torch.inference_mode():
+            return self._embed(rows, pad_to, fill)
+
+    def _embed(self, rows: list[list[int]], pad_to: int, fill: int | None) -> np.ndarray:
+        count = len(rows)
+        rows = rows + [rows[0][:1]] * max(0, (fill or count) - count)
         ids = torch.zeros(len(rows), pad_to, dtype=torch.long)
         mask = torch.zeros(len(rows), pad_to, dtype=torch.long)
         for i, row in enumerate(rows):
@@ -96,7 +103,7 @@ class Encoder:
             mask[i, : len(row)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pooled = pool(self.model(ids, mask), mask, self.pooling.mode)
-        return self.model.project(pooled, self.pooling.normalize).float().cpu().numpy()  # through any head
+        return self.model.project(pooled, self.pooling.normalize).float().cpu().numpy()[:count]  # through any head
 
 
 def resolve_precision(name: str, device: torch.device) -> tuple[torch.dtype, str]:

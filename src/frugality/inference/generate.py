@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from frugality import xla
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 from frugality.inference.encoder import load_model, resolve_precision
@@ -228,7 +229,7 @@ class Engine:
                 f"cache's {length} positions"
             )
         if generator is None:
-            generator = torch.Generator(device).manual_seed(sampling.seed)
+            generator = new_generator(device, sampling.seed)
         width = bucket(longest, self.decoder.max_seq_len)
         rows = prompts + [[self.pad_id]] * (self.batch - count)  # filler rows: one token, output dropped
         ids = torch.full((self.batch, width), self.pad_id, dtype=torch.long)
@@ -238,10 +239,10 @@ class Engine:
             positions[i, width - len(row) :] = torch.arange(len(row))
         model = self.decoder.model
         t0 = time.perf_counter()
-        logits = self.prefill(model, ids.to(device), positions.to(device), self.cache)
-        tokens = pick(logits, sampling, generator)
-        t1 = time.perf_counter()
         following = torch.tensor([len(row) for row in rows], device=device)[:, None]  # the next token's position
+        logits = self.prefill(model, ids.to(device), positions.to(device), self.cache)
+        tokens, following = self._pick(logits, following, sampling, generator)
+        t1 = time.perf_counter()
         out = [Completion() for _ in range(count)]
         rows_text = _RowText(self.decoder, sampling, on_text)
         done = [False] * count
@@ -252,13 +253,27 @@ class Engine:
             if all(done) or step == sampling.max_new_tokens - 1:
                 break
             logits = self.decode(model, tokens[:, None], following, self.cache)
-            tokens = pick(logits, sampling, generator)
-            following = following + 1
+            tokens, following = self._pick(logits, following + 1, sampling, generator)
         t2 = time.perf_counter()
         for i, completion in enumerate(out):
             rows_text.finish(i, completion)
         self.timing = Timing(t1 - t0, t2 - t1, sum(map(len, prompts)), sum(len(c.tokens) for c in out) - count)
         return out
+
+    def _pick(self, logits, following, sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next tokens, and the positions they will take. On XLA the step's graph ends
+        here (the cache written, the positions advanced: one graph per prefill bucket and
+        one for every decoding step) and tokens are picked on the host, whose generator
+        draws what it draws on a CPU."""
+        if self.decoder.device.type != "xla":
+            return pick(logits, sampling, generator), following
+        xla.sync()
+        return pick(logits.cpu(), sampling, generator).to(self.decoder.device), following
+
+
+def new_generator(device: torch.device, seed: int) -> torch.Generator:
+    """The sampling generator: on the device, or the host's for XLA (which samples there)."""
+    return torch.Generator("cpu" if device.type == "xla" else device).manual_seed(seed)
 
 
 class _RowText:
@@ -337,8 +352,10 @@ def generate_all(
         raise UserError(f"prompt {empty}: no tokens (an empty prompt)")
     encoded, cut = fit_prompts(decoder, encoded, sampling.max_new_tokens)
     length = cache_length(max(map(len, encoded)), sampling.max_new_tokens, decoder.max_seq_len)
+    if compile and decoder.device.type == "xla":
+        raise UserError("--compile: on an xla device XLA compiles the graphs itself; leave --compile out")
     engine = Engine(decoder, min(batch, len(items)), length, compile)
-    generator = torch.Generator(decoder.device).manual_seed(sampling.seed)
+    generator = new_generator(decoder.device, sampling.seed)
     totals = Timing()
     for start in range(0, len(items), engine.batch):
         prompts = encoded[start : start + engine.batch]

@@ -21,9 +21,11 @@ def resolve_device(
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.split(":")[0] == "xla":
         if not xla_ok:
-            raise UserError(f"{key}: {name!r}: {what} does not run on an xla device yet (train does; docs/xla.md)")
+            raise UserError(
+                f"{key}: {name!r}: {what} does not run on an xla device yet (train, embed and generate do; docs/xla.md)"
+            )
         if name not in ("xla", "xla:0"):
-            raise UserError(f"{key}: {name!r}: a process trains on its own XLA device, xla (or xla:0)")
+            raise UserError(f"{key}: {name!r}: a process runs on its own XLA device, xla (or xla:0)")
         return xla.device()
     try:
         device = torch.device(name)
