@@ -34,6 +34,21 @@ def installed() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
 
+_SPMD: list[bool] = []  # asked for before the client opened: one process, every device
+
+
+def use_spmd() -> None:
+    """Run this process's XLA work as SPMD over every device of the client: to be asked for
+    before the client opens (torch_xla cannot switch an opened client: it crashes)."""
+    if load.cache_info().currsize and not _SPMD:
+        raise UserError("parallel.spmd: this process opened its XLA device without SPMD; start a new process")
+    _SPMD[:] = [True]
+
+
+def spmd() -> bool:
+    return bool(_SPMD)
+
+
 @lru_cache(maxsize=None)
 def load():
     """torch_xla, imported; a missing or mismatched installation, or a `PJRT_DEVICE` naming a
@@ -60,6 +75,8 @@ def load():
         # would become one, and the step's graph another, compiled mid-run
         torch_xla._XLAC._set_xla_enable_device_data_cache(False)
     try:
+        if _SPMD:
+            torch_xla.runtime.use_spmd()
         torch_xla.device()
     except Exception as e:  # noqa: BLE001 - any PJRT client failure is the user's device set-up
         raise UserError(
@@ -110,6 +127,31 @@ def client() -> str:
 
 def version() -> str:
     return str(load().__version__)
+
+
+def device_count() -> int:
+    """The devices of the PJRT client (with SPMD, the one `device()` stands for all of them)."""
+    return int(load().runtime.global_runtime_device_count())
+
+
+@lru_cache(maxsize=None)
+def mesh():
+    """SPMD's mesh: every device of the client along one axis, "data"."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    load()
+    count = device_count()
+    return xs.Mesh(np.arange(count), (count,), ("data",))
+
+
+def shard(tensor: torch.Tensor, first: bool = True) -> torch.Tensor:
+    """Annotate an XLA tensor (SPMD): its first dimension split over the mesh's devices, or,
+    with `first=False`, whole on each (replicated)."""
+    import torch_xla.distributed.spmd as xs
+
+    spec = (("data" if first else None),) + (None,) * (tensor.dim() - 1)
+    return xs.mark_sharding(tensor, mesh(), spec)
 
 
 _XLA_TYPES = {torch.int32: "S32", torch.float32: "F32", torch.int16: "S16", torch.bfloat16: "BF16"}

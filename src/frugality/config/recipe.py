@@ -229,6 +229,12 @@ class ParallelConfig(_Section):
         "(gathered again for backward); false keeps them, trading memory for one all-gather less",
     )
     timeout_s: PositiveInt = Field(default=600, description="a collective waiting longer fails the run")
+    spmd: bool = Field(
+        default=False,
+        description="an xla device: one process drives every device of the PJRT client (a TPU host's chips; "
+        "CPU_NUM_DEVICES on XLA's CPU client) through SPMD; ddp shards each micro-batch over them, fsdp the "
+        "parameters (and the optimizer state with them) too; data.micro_batch_size is per device",
+    )
     gather_negatives: bool = Field(
         default=False,
         description="contrastive training: each query is scored against every rank's documents "

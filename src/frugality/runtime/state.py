@@ -24,6 +24,7 @@ from torch import nn
 from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
 from frugality.distributed import World, describe, gather_with_grad, wrap
+from frugality.distributed.spmd import wrap_spmd
 from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.kernels.specialize import specialize
 from frugality.metrics.prices import check_cost
@@ -98,6 +99,9 @@ def build_state(
     if world.distributed:
         wrapped = wrap(wrapped, getattr(model, "layers", []), recipe.parallel, world, device)
         choices.append(describe(recipe.parallel, world))
+    elif device.type == "xla" and recipe.parallel.spmd:
+        wrapped, line = wrap_spmd(wrapped, model, recipe.parallel)
+        choices.append(line)
     optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed, fused=fused_update(recipe, device))
     compiled = CompileSession.for_recipe(recipe, device, policy)
     notes = [note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")]

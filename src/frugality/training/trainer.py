@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from frugality import distributed
+from frugality import distributed, xla
 from frugality.checkpoint import CheckpointManager, step_of
 from frugality.config.recipe import Recipe
 from frugality.errors import UserError
@@ -84,19 +84,27 @@ def train(
     stop_at = until_step or total
 
     # Everything that can fail on bad input fails here, before the run directory is touched.
+    if recipe.parallel.spmd:
+        _use_spmd(recipe)  # before the XLA client opens
     device = resolve_device(recipe.train.device, xla_ok=True)
     check_recipe(recipe, device)
     if device.type == "xla":
         _check_xla(recipe)
     world = distributed.init(device, recipe.parallel.timeout_s)  # world size 1 without torchrun
     device = distributed.local_device(device, world)
-    recipe, batch_note = recipe.for_data_parallel(world.world_size, get_task(recipe.train.task).min_micro_batch)
+    min_micro = get_task(recipe.train.task).min_micro_batch
+    ranks = xla.device_count() if recipe.parallel.spmd else world.world_size
+    recipe, batch_note = recipe.for_data_parallel(ranks, min_micro)
+    loads = recipe  # what this process's data stream loads
+    if recipe.parallel.spmd:
+        loads, line = _spmd_batches(recipe, ranks)
+        batch_note = f"{batch_note}; {line}" if batch_note else line
     check_fits(recipe, resolve_policy(recipe.train.precision, device)[0], world.world_size, device)
     passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
     with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
         if device.type == "cpu":
             keep_freed_memory()  # see frugality.runtime.host_memory
-        data = open_training_data(recipe, progress, world.rank, world.world_size)
+        data = open_training_data(loads, progress, world.rank, world.world_size)
         plan = rundir.plan_run(recipe, run_path, fresh)
         done = step_of(plan.resume_from) if plan.resume_from is not None else 0
         if done > stop_at:
@@ -188,8 +196,30 @@ def _check_xla(recipe: Recipe) -> None:
         raise UserError(f"train.task {task.name}: does not run on an xla device yet (causal_lm does; docs/xla.md)")
     if distributed.world_from_env().distributed:
         raise UserError(
-            "an xla device trains in one process: data parallel over XLA devices is not built yet (docs/xla.md)"
+            "an xla device trains in one process (torchrun over XLA devices is not built); parallel.spmd = true "
+            "trains over all of one process's devices (docs/xla.md)"
         )
+
+
+def _use_spmd(recipe: Recipe) -> None:
+    name = recipe.train.device
+    if not (name.split(":")[0] == "xla" or (name == "auto" and xla.requested() and xla.installed())):
+        raise UserError(f"parallel.spmd: for an xla device (train.device = xla), not {name!r}")
+    if recipe.parallel.data == "hsdp":
+        raise UserError('parallel.spmd: parallel.data "hsdp" is not built on XLA; choose ddp or fsdp')
+    xla.use_spmd()
+
+
+def _spmd_batches(recipe: Recipe, count: int) -> tuple[Recipe, str]:
+    """One process loads the micro-batches of all `count` devices, which SPMD splits by rows:
+    the recipe its data stream loads, and a line for the header. (The run's own recipe keeps
+    the per-device micro-batch, so that a resume reads what the user wrote.)"""
+    micro = recipe.data.micro_batch_size
+    line = (
+        f"data.micro_batch_size {micro} per XLA device x {count} devices (SPMD): micro-batches of "
+        f"{micro * count} rows, split by rows"
+    )
+    return recipe.model_copy(update={"data": recipe.data.model_copy(update={"micro_batch_size": micro * count})}), line
 
 
 def _out_of_memory(error: BaseException) -> bool:

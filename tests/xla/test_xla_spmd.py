@@ -1,0 +1,78 @@
+"""Data parallel over two XLA devices in one process (`parallel.spmd`, XLA's CPU client with
+CPU_NUM_DEVICES=2): the losses of one device, and checkpoints that move between SPMD and
+the CPU backend. SPMD is chosen before XLA opens its client, so each SPMD run is a process
+of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from frugality.config.recipe import load_recipe
+from frugality.errors import UserError
+from frugality.training import trainer
+
+
+def _losses(run) -> dict[tuple[str, int], float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {(r["kind"], r["step"]): r["loss"] for r in records if r["kind"] in ("train", "eval")}
+
+
+def _on_cpu(recipe_file, run, until_step=None):
+    recipe = load_recipe(str(recipe_file), ["train.device=cpu"])
+    return trainer.train(recipe, run_dir=run, progress=False, tensorboard=False, until_step=until_step)
+
+
+def _spmd(recipe_file, run, strategy, *extra) -> str:
+    sets = ["train.device=xla", "parallel.spmd=true", f"parallel.data={strategy}"]
+    command = [sys.executable, "-m", "frugality", "train", str(recipe_file), "--run-dir", str(run), "--no-progress"]
+    done = subprocess.run(
+        [*command, *(a for s in sets for a in ("--set", s)), *extra],
+        env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_fsdp_over_two_devices_trains_as_one_and_its_checkpoint_resumes_on_the_cpu_backend(micro_recipe_file, tmp_path):
+    _on_cpu(micro_recipe_file, tmp_path / "straight")
+    header = _spmd(micro_recipe_file, tmp_path / "moved", "fsdp", "--until-step", "4")
+    assert "SPMD over 2 XLA devices (fsdp): parameters split (28 of 28)" in header
+    assert "micro-batches of 4 rows" in header  # 2 per device, as the recipe says
+    moved = _on_cpu(micro_recipe_file, tmp_path / "moved")
+    assert moved.start_step == 4 and moved.final_step == 8
+    assert _losses(tmp_path / "moved") == pytest.approx(_losses(tmp_path / "straight"), rel=1e-4)
+    run_recipe = (tmp_path / "moved" / "recipe.toml").read_text()
+    assert "micro_batch_size = 2" in run_recipe  # the run keeps the per-device micro-batch
+
+
+def test_ddp_over_two_devices_resumes_a_cpu_checkpoint_and_trains_as_one(micro_recipe_file, tmp_path):
+    straight = _on_cpu(micro_recipe_file, tmp_path / "straight")
+    _on_cpu(micro_recipe_file, tmp_path / "moved", until_step=4)
+    header = _spmd(micro_recipe_file, tmp_path / "moved", "ddp")
+    assert "SPMD over 2 XLA devices (ddp): each micro-batch split by rows" in header
+    assert _losses(tmp_path / "moved") == pytest.approx(_losses(tmp_path / "straight"), rel=1e-4)
+    summary = json.loads((tmp_path / "moved" / "summary.json").read_text())
+    assert summary["compile"]["recompiles"] == 0 and summary["final_step"] == straight.final_step
+
+
+def test_spmd_asked_for_where_it_cannot_be_is_one_line(micro_recipe_file, tmp_path):
+    from frugality import xla
+
+    xla.device()  # this process's client is open, without SPMD
+    for sets, message in [
+        (["train.device=cpu"], "parallel.spmd: for an xla device"),
+        (["train.device=xla", "parallel.data=hsdp"], 'parallel.data "hsdp" is not built on XLA'),
+        (["train.device=xla"], "opened its XLA device without SPMD; start a new process"),
+    ]:
+        recipe = load_recipe(str(micro_recipe_file), [*sets, "parallel.spmd=true"])
+        with pytest.raises(UserError, match=message):
+            trainer.train(recipe, run_dir=tmp_path / "run", progress=False)
+        assert not (tmp_path / "run").exists()
