@@ -45,6 +45,7 @@ def run(recipe: str, backend: str, work: Path) -> dict:
         *shape,
         *BACKENDS[backend],
         "train.precision=fp32",
+        "optim.warmup_steps=2",
         f"train.steps={steps}",
         f"train.log_interval={log_interval}",
         f"train.eval_interval={steps}",

@@ -41,6 +41,7 @@ def start_xla_tests() -> dict | None:
 
         log = tempfile.NamedTemporaryFile("w+", prefix="xla-tests-", suffix=".log", delete=False)
         _xla_tests["log"] = Path(log.name)
+        _xla_tests["stop"] = stop_xla_tests
         _xla_tests["process"] = subprocess.Popen(
             [str(XLA_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/xla"],
             cwd=ROOT,
@@ -49,18 +50,32 @@ def start_xla_tests() -> dict | None:
             stderr=subprocess.STDOUT,
             text=True,
             preexec_fn=lambda: os.nice(10),
+            start_new_session=True,  # its own process group: stopped with the processes it starts
         )
     return _xla_tests or None
 
 
+def stop_xla_tests() -> None:
+    """Stop the XLA tests and the processes they started (a suite that ends before the
+    bridge test, or a bridge test that times out)."""
+    import signal
+
+    if _xla_tests and _xla_tests["process"].poll() is None:
+        os.killpg(_xla_tests["process"].pid, signal.SIGKILL)
+        _xla_tests["process"].wait()
+
+
 def pytest_collection_finish(session):
-    if importlib.util.find_spec("torch_xla") is None and any(item.name == XLA_BRIDGE for item in session.items):
+    if session.config.option.collectonly or importlib.util.find_spec("torch_xla") is not None:
+        return
+    if any(item.name == XLA_BRIDGE for item in session.items):
         start_xla_tests()
 
 
 def pytest_sessionfinish(session):
-    if _xla_tests and _xla_tests["process"].poll() is None:  # the suite stopped before the bridge test
-        _xla_tests["process"].kill()
+    stop_xla_tests()
+    if _xla_tests:
+        _xla_tests["log"].unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -48,6 +48,27 @@ def test_cost_train_and_serve_print_the_documented_keys(capsys):
     assert f["kwh_per_million_inferences"] == 0.072 and f["energy"].startswith("estimated: 1 x 72 W")
 
 
+def test_cost_train_with_a_recipe_gives_mfu_against_the_catalogues_bf16_peak(capsys):
+    import torch
+
+    from frugality.config.recipe import load_recipe
+    from frugality.metrics.flops import non_embedding_params
+    from frugality.models import build_model
+
+    argv = ["cost", "train", "--seq-per-s", "12", "--seq-len", "2048", "--recipe", "pythia-410m", "--json"]
+    f = _json(capsys, [*argv, "--instance", "trn1.32xlarge"])
+    cfg = load_recipe("pythia-410m").model
+    with torch.device("meta"):
+        n = non_embedding_params(build_model(cfg))
+    flops = (6 * n + 12 * cfg.num_layers * cfg.hidden_size * 2048) * 12 * 2048  # 6N + 12LHT per token
+    assert f["model_tflops_per_s"] == pytest.approx(flops / 1e12, abs=1e-3)
+    assert f["mfu"] == pytest.approx(flops / (16 * 190e12), abs=1e-4)  # 16 Trainium chips, 190 bf16 TFLOP/s each
+    trn2 = _json(capsys, [*argv, "--instance", "trn2.48xlarge"])
+    assert trn2["mfu"] == pytest.approx(f["mfu"] * 190 / 667, abs=1e-4)
+    assert main(argv[:-1] + ["--instance", "c7a.xlarge"]) == 2
+    assert "c7a.xlarge has no accelerators" in capsys.readouterr().err
+
+
 def test_cost_compare_reads_two_json_lines(tmp_path, capsys):
     for name, rate, instance in (("a", "12", "trn1.32xlarge"), ("b", "20", "p4d.24xlarge")):
         assert main(["cost", "train", "--seq-per-s", rate, "--seq-len", "2048", "--instance", instance, "--json"]) == 0

@@ -175,3 +175,21 @@ def test_compile_failure_is_fatal_without_fallback(micro_recipe_file, tmp_path, 
 def test_compile_refuses_eager_recipes(micro_recipe_file):
     with pytest.raises(UserError, match="nothing to compile"):
         compile_ahead(load_recipe(str(micro_recipe_file)), progress=False)
+
+
+def test_another_backend_compiles_the_blocks_without_the_shared_cache(micro_recipe_file, tmp_path):
+    """compile.backend names any registered torch.compile backend (here aot_eager: dynamo and
+    AOTAutograd, no code generation); the shared cache, which holds Inductor's graphs, is
+    left out, and the guard still reads dynamo's compilations."""
+    recipe = _recipe(micro_recipe_file, tmp_path / "cache", "compile.backend=aot_eager", "train.steps=3")
+    eager = load_recipe(str(micro_recipe_file), ["train.device=cpu", "train.steps=3"])
+    result = train(recipe, run_dir=tmp_path / "run", progress=False, tensorboard=False)
+    plain = train(eager, run_dir=tmp_path / "eager", progress=False, tensorboard=False)
+    stats = result.summary["compile"]
+    assert stats["level"] == "O1 (aot_eager)" and stats["cache"].startswith("none: the shared cache holds Inductor")
+    assert stats["graphs"] >= 2 and stats["recompiles"] == 0 and not stats["published"]
+    assert not (tmp_path / "cache").exists()
+    assert result.summary["final_train_loss"] == pytest.approx(plain.summary["final_train_loss"], rel=1e-5)
+    with pytest.raises(UserError, match=r"compile.backend 'neuron': not a torch.compile backend here \(these are: "):
+        train(_recipe(micro_recipe_file, tmp_path / "cache", "compile.backend=neuron"), run_dir=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()

@@ -17,7 +17,7 @@ from frugality.cli.main import main
 from frugality.config.recipe import load_recipe
 from frugality.inference.embed import embed_texts, read_embeddings
 from frugality.inference.encoder import load_encoder
-from frugality.inference.generate import Decoder, Sampling, bucket, generate_all, load_decoder
+from frugality.inference.generate import Decoder, Sampling, generate_all, load_decoder
 from frugality.training import trainer
 
 needs_minilm = pytest.mark.skipif(
@@ -45,17 +45,19 @@ def test_embed_on_xla_gives_the_cpu_backends_vectors_and_compiles_each_bucket_on
     on_cpu, _ = load_encoder(model, torch.device("cpu"), "fp32")
     on_xla, _ = load_encoder(model, xla.device(), "fp32")
     theirs = embed_texts(on_cpu, texts, 512, 8)
+    shapes = []
+    real = on_xla.embed_tokens
+    on_xla.embed_tokens = lambda rows, pad_to, fill=None: shapes.append((pad_to, fill)) or real(rows, pad_to, fill)
     before = xla.compilations()
     ours = embed_texts(on_xla, texts, 512, 8)
-    graphs = xla.compilations() - before
     cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
     assert ours.shape == theirs.shape and cosine.min() >= 0.9999
-    buckets = {bucket(len(row), on_xla.max_length) for row in on_xla.tokenize(texts)}
-    # a graph for each bucket a batch's longest text falls in, whatever the rows of its last batch
-    assert 3 <= graphs <= len(buckets)
-    again = metrics.metric_data("CompileTime")[0]
-    embed_texts(on_xla, list(reversed(texts)), 512, 8)  # other batches, the same shapes
-    assert metrics.metric_data("CompileTime")[0] == again
+    # one graph a bucket (16, 32, ... tokens) with its fixed rows, whatever a batch's real rows
+    assert len(set(shapes)) >= 3 and xla.compilations() - before == len(set(shapes))
+    assert all(fill == min(8, 512 // pad_to) and pad_to in (16, 32, 64, 128, 256) for pad_to, fill in shapes)
+    first, again, shapes[:] = set(shapes), metrics.metric_data("CompileTime")[0], []
+    embed_texts(on_xla, texts[5:17], 512, 8)  # other texts: other batches, short ones among them
+    assert set(shapes) <= first and metrics.metric_data("CompileTime")[0] == again
 
 
 @needs_minilm

@@ -1,4 +1,4 @@
-"""A PJRT_DEVICE naming a device that is not here is one line, exit 2."""
+"""A PJRT_DEVICE naming a device that is not here is one line, exit 2; `ls` lists the client's devices."""
 
 import os
 import subprocess
@@ -34,3 +34,16 @@ def test_a_pjrt_device_that_is_not_here_is_one_line(micro_recipe_file, tmp_path,
         and says in line
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_ls_lists_the_pjrt_clients_devices(capsys):
+    import json
+
+    from frugality.cli.main import main
+
+    assert main(["ls", "--json"]) == 0
+    devices = json.loads(capsys.readouterr().out)
+    [xla_device] = [d for d in devices if d["kind"] == "xla"]  # PJRT_DEVICE=CPU: one device
+    assert xla_device["client"] == "CPU" and xla_device["torch_xla"] == "2.9.0"
+    assert main(["ls"]) == 0
+    assert "xla0   XLA CPU client, torch-xla 2.9.0" in capsys.readouterr().out

@@ -23,44 +23,82 @@ def _losses(run) -> dict[tuple[str, int], float]:
 
 
 def _on_cpu(recipe_file, run, until_step=None):
-    recipe = load_recipe(str(recipe_file), ["train.device=cpu"])
+    recipe = load_recipe(str(recipe_file), ["train.device=cpu", "train.eval_samples=3"])
     return trainer.train(recipe, run_dir=run, progress=False, tensorboard=False, until_step=until_step)
 
 
-def _spmd(recipe_file, run, strategy, *extra) -> str:
-    sets = ["train.device=xla", "parallel.spmd=true", f"parallel.data={strategy}"]
-    command = [sys.executable, "-m", "frugality", "train", str(recipe_file), "--run-dir", str(run), "--no-progress"]
+def _two_devices(command: list[str]) -> subprocess.CompletedProcess:
     done = subprocess.run(
-        [*command, *(a for s in sets for a in ("--set", s)), *extra],
+        command,
         env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return done
 
 
-def test_fsdp_over_two_devices_trains_as_one_and_its_checkpoint_resumes_on_the_cpu_backend(micro_recipe_file, tmp_path):
-    _on_cpu(micro_recipe_file, tmp_path / "straight")
-    header = _spmd(micro_recipe_file, tmp_path / "moved", "fsdp", "--until-step", "4")
+def _spmd(recipe_file, run, strategy, *extra) -> str:
+    sets = ["train.device=xla", "parallel.spmd=true", f"parallel.data={strategy}", "train.eval_samples=3"]
+    command = [sys.executable, "-m", "frugality", "train", str(recipe_file), "--run-dir", str(run), "--no-progress"]
+    return _two_devices([*command, *(a for s in sets for a in ("--set", s)), *extra]).stdout
+
+
+def test_fsdp_over_two_devices_resumes_a_cpu_checkpoint_and_trains_as_one(micro_recipe_file, tmp_path):
+    """The sharded direction of a load: DCP into parameters split over the devices, and the
+    optimizer's moments made for them; evaluation batches of 3 rows split over 2 devices."""
+    straight = _on_cpu(micro_recipe_file, tmp_path / "straight")
+    _on_cpu(micro_recipe_file, tmp_path / "moved", until_step=4)
+    header = _spmd(micro_recipe_file, tmp_path / "moved", "fsdp")
     assert "SPMD over 2 XLA devices (fsdp): parameters split (28 of 28)" in header
     assert "micro-batches of 4 rows" in header  # 2 per device, as the recipe says
-    moved = _on_cpu(micro_recipe_file, tmp_path / "moved")
-    assert moved.start_step == 4 and moved.final_step == 8
     assert _losses(tmp_path / "moved") == pytest.approx(_losses(tmp_path / "straight"), rel=1e-4)
+    summary = json.loads((tmp_path / "moved" / "summary.json").read_text())
+    assert summary["compile"]["recompiles"] == 0 and summary["final_step"] == straight.final_step
     run_recipe = (tmp_path / "moved" / "recipe.toml").read_text()
     assert "micro_batch_size = 2" in run_recipe  # the run keeps the per-device micro-batch
 
 
-def test_ddp_over_two_devices_resumes_a_cpu_checkpoint_and_trains_as_one(micro_recipe_file, tmp_path):
-    straight = _on_cpu(micro_recipe_file, tmp_path / "straight")
-    _on_cpu(micro_recipe_file, tmp_path / "moved", until_step=4)
-    header = _spmd(micro_recipe_file, tmp_path / "moved", "ddp")
+def test_ddp_over_two_devices_trains_as_one_and_its_checkpoint_resumes_on_the_cpu_backend(micro_recipe_file, tmp_path):
+    _on_cpu(micro_recipe_file, tmp_path / "straight")
+    header = _spmd(micro_recipe_file, tmp_path / "moved", "ddp", "--until-step", "4")
     assert "SPMD over 2 XLA devices (ddp): each micro-batch split by rows" in header
+    moved = _on_cpu(micro_recipe_file, tmp_path / "moved")
+    assert moved.start_step == 4 and moved.final_step == 8
     assert _losses(tmp_path / "moved") == pytest.approx(_losses(tmp_path / "straight"), rel=1e-4)
-    summary = json.loads((tmp_path / "moved" / "summary.json").read_text())
-    assert summary["compile"]["recompiles"] == 0 and summary["final_step"] == straight.final_step
+
+
+SHARDINGS = """
+import json, sys, torch
+from frugality import xla
+xla.use_spmd()
+import torch_xla
+from frugality.config.recipe import load_recipe
+from frugality.runtime.state import build_state
+from frugality.training.loop import train_step
+
+spec = torch_xla._XLAC._get_xla_sharding_spec
+out = {}
+for strategy in ("ddp", "fsdp"):
+    recipe = load_recipe(sys.argv[1], ["train.device=xla", "parallel.spmd=true", f"parallel.data={strategy}"])
+    state = build_state(recipe, xla.device())
+    seen = []  # a hook after SPMD's own: the batch as the module gets it
+    state.wrapped.register_forward_pre_hook(lambda module, args: seen.append(spec(args[0])))
+    train_step(state, [torch.randint(0, 1000, (4, recipe.data.seq_len + 1))])
+    weight = state.model.embed.weight
+    out[strategy] = [seen[0], spec(weight), spec(state.optimizer.state[weight]["exp_avg"])]
+print(json.dumps(out))
+"""
+
+
+def test_the_batch_the_parameters_and_the_moments_carry_the_shardings_asked_for(micro_recipe_file):
+    done = _two_devices([sys.executable, "-c", SHARDINGS, str(micro_recipe_file)])
+    split, whole = "{devices=[2,1]0,1}", "{replicated}"
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "ddp": [split, whole, whole],  # rows split; parameters and moments whole on each device
+        "fsdp": [split, split, split],  # the moments follow their parameters
+    }
 
 
 def test_spmd_asked_for_where_it_cannot_be_is_one_line(micro_recipe_file, tmp_path):
@@ -76,3 +114,13 @@ def test_spmd_asked_for_where_it_cannot_be_is_one_line(micro_recipe_file, tmp_pa
         with pytest.raises(UserError, match=message):
             trainer.train(recipe, run_dir=tmp_path / "run", progress=False)
         assert not (tmp_path / "run").exists()
+
+
+def test_compile_runs_an_spmd_recipes_trial_over_its_devices(micro_recipe_file):
+    command = [sys.executable, "-m", "frugality", "compile", str(micro_recipe_file), "--device", "xla"]
+    done = _two_devices([*command, "--set", "parallel.spmd=true", "--set", "parallel.data=fsdp", "--no-progress"])
+    assert "SPMD over 2 XLA devices (fsdp)" in done.stdout
+    assert (
+        "compiled micro on XLA (CPU): " in done.stdout
+        and "the step after the two of warm-up compiled nothing" in done.stdout
+    )

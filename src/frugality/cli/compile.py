@@ -21,8 +21,9 @@ from frugality.compile.levels import LEVELS
     show_default=True,
     help="The data-parallel ranks the run will train on (their micro-batch is compiled).",
 )
+@click.option("--device", help="The device the run trains on [default: the recipe's train.device]; xla: docs/xla.md.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def compile_(recipe, level, cache, overrides, ranks, no_progress) -> None:
+def compile_(recipe, level, cache, overrides, ranks, device, no_progress) -> None:
     """Compile RECIPE's graphs ahead of time and publish them to the compile cache.
 
     Runs the training code path for a few steps on throwaway state (a temporary run
@@ -34,8 +35,28 @@ def compile_(recipe, level, cache, overrides, ranks, no_progress) -> None:
 
     extra = [f"compile.level={level}"] if level else []
     extra += [f'compile.cache="{cache}"'] if cache else []
+    extra += [f'train.device="{device}"'] if device else []
     resolved = load_recipe(recipe, list(overrides) + extra)
     stats = compile_ahead(resolved, progress=not no_progress, ranks=ranks)
+    if "xla_client" in stats:
+        kept = (
+            "not stored: XLA's CPU client cannot serialize executables, so a run compiles these graphs in its "
+            "first steps"
+            if stats["xla_client"] == "CPU"
+            else "kept by the runtime's own cache where it has one (Neuron: NEURON_COMPILE_CACHE_URL); "
+            "frugality's cache holds Inductor's graphs only"
+        )
+        click.echo(
+            f"compiled {resolved.name} on XLA ({stats['xla_client']}): {stats['graphs']} graphs in "
+            f"{stats['compile_s']:.1f} s; "
+            + (
+                "the step after the two of warm-up compiled nothing"
+                if stats["trial_steps"] > 2
+                else f"train.steps ({stats['trial_steps']}) ends within the warm-up"
+            )
+            + f" -> {kept}"
+        )
+        return
     where = stats["cache"] if stats["published"] or stats["fetched"] else f"nothing published to {stats['cache']}"
     click.echo(
         f"compiled {resolved.name} at {stats['level']}: {stats['graphs']} graphs "

@@ -61,8 +61,12 @@ def cost() -> None:
 @cost.command("train")
 @click.option("--seq-per-s", required=True, type=float, help="Training throughput in sequences per second.")
 @click.option("--seq-len", required=True, type=int, help="Tokens per sequence.")
+@click.option(
+    "--recipe",
+    help="The model trained (a recipe name or file): adds MFU against the --instance's accelerators' bf16 peak.",
+)
 @_price_options
-def train_(seq_per_s, seq_len, price_per_hour, instance, catalogue, as_json) -> None:
+def train_(seq_per_s, seq_len, recipe, price_per_hour, instance, catalogue, as_json) -> None:
     """Tokens/s, tokens per dollar and $ per million tokens of a training throughput."""
     from frugality.metrics.cost import train_figures
 
@@ -71,14 +75,45 @@ def train_(seq_per_s, seq_len, price_per_hour, instance, catalogue, as_json) -> 
         "instance": row.instance if row else None,
         "price": source,
     }
-    _emit(
-        f,
-        as_json,
-        [
-            f"{f['tokens_per_s']:,g} tokens/s at ${f['usd_per_hour']:g}/h ({source})",
-            f"{f['tokens_per_dollar']:,} tokens per dollar, ${f['usd_per_million_tokens']:.4f} per million tokens",
-        ],
-    )
+    lines = [
+        f"{f['tokens_per_s']:,g} tokens/s at ${f['usd_per_hour']:g}/h ({source})",
+        f"{f['tokens_per_dollar']:,} tokens per dollar, ${f['usd_per_million_tokens']:.4f} per million tokens",
+    ]
+    if recipe is not None:
+        mfu = _catalogue_mfu(recipe, seq_len, f["tokens_per_s"], row)
+        lines.append(mfu.pop("line"))
+        f |= mfu
+    _emit(f, as_json, lines)
+
+
+def _catalogue_mfu(recipe_name: str, seq_len: int, tokens_per_s: float, row) -> dict:
+    """The model FLOPs of a throughput (6N + 12·L·H·T per token), and its MFU against the
+    instance's accelerators at their catalogue bf16 peak."""
+    import torch
+
+    from frugality.config.recipe import load_recipe
+    from frugality.errors import UserError
+    from frugality.metrics.flops import training_flops_per_token
+    from frugality.models import build_model
+
+    if row is None:
+        raise UserError("--recipe: MFU needs an --instance of the catalogue with its accelerators' bf16 peak")
+    if not row.accelerator_count:
+        raise UserError(f"--recipe: {row.instance} has no accelerators; MFU is against an accelerator's bf16 peak")
+    if not row.accelerator_bf16_tflops:
+        raise UserError(f"--recipe: the catalogue has no bf16 peak for {row.instance}'s {row.accelerator}")
+    recipe = load_recipe(recipe_name)
+    with torch.device("meta"):  # counted, never allocated
+        model = build_model(recipe.model)
+    flops = training_flops_per_token(model, recipe.model.num_layers, recipe.model.hidden_size, seq_len) * tokens_per_s
+    peak = row.accelerator_bf16_tflops * 1e12 * row.accelerator_count
+    mfu = flops / peak
+    return {
+        "model_tflops_per_s": round(flops / 1e12, 3),
+        "mfu": round(mfu, 4),
+        "line": f"{recipe.name}: {flops / 1e12:,.1f} model TFLOP/s, MFU {mfu:.1%} of {row.accelerator_count} x "
+        f"{row.accelerator_bf16_tflops:g} bf16 TFLOP/s ({row.accelerator}, dense, the vendor's figure)",
+    }
 
 
 @cost.command()
@@ -160,8 +195,10 @@ def instances(catalogue) -> None:
 
     for row in load_catalogue(catalogue).values():
         accel = f"{row.accelerator_count} x {row.accelerator}" if row.accelerator_count else f"{row.vcpus} vCPUs"
+        peak = f"{row.accelerator_bf16_tflops:g} bf16 TFLOP/s each" if row.accelerator_bf16_tflops else ""
         click.echo(
-            f"{row.provider:6} {row.instance:26} {accel:24} ${row.usd_per_hour:>10.4f}/h  {row.region:12} {row.date}"
+            f"{row.provider:6} {row.instance:26} {accel:24} ${row.usd_per_hour:>10.4f}/h  {row.region:12} "
+            f"{row.date.split(' (')[0]:10}  {peak}".rstrip()
         )
 
 

@@ -15,7 +15,8 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="One JSON list of the devices.")
 def ls(as_json) -> None:
     """The devices of this machine: CPUs with their cores, instruction sets and memory;
-    GPUs with their memory, driver, compute capability and power limit."""
+    GPUs with their memory, driver, compute capability and power limit; XLA devices (with
+    PJRT_DEVICE set, in .venv-xla) with their client."""
     from frugality.metrics.devices import inventory
 
     devices = inventory()
@@ -29,6 +30,9 @@ def ls(as_json) -> None:
                 f"{', '.join(d['instruction_sets']) or 'no vector extensions found'}; "
                 f"bf16 {'native' if d['native_bf16'] else 'not native'}; {_gib(d['memory_gib'])} memory"
             )
+        elif d["kind"] == "xla":
+            version = f", torch-xla {d['torch_xla']}" if d["torch_xla"] else ""
+            click.echo(f"xla{d['index']}   {d['name']}{version}")
         else:
             limit = f", power limit {d['power_limit_w']:.0f} W" if d["power_limit_w"] else ""
             click.echo(

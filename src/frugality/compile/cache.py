@@ -85,7 +85,12 @@ def device_fingerprint(device: torch.device) -> dict:
         # The instruction sets Inductor's C++ may be built for (AMX, AVX-512, ...), and the
         # thread count, which Inductor writes into its OpenMP pragmas. Probing the ISA the way
         # Inductor does builds test programs (seconds each); the CPU's flags say the same.
-        info["isa"] = sorted(k for k, v in torch.cpu.get_capabilities().items() if v is True)
+        if hasattr(torch.cpu, "get_capabilities"):
+            info["isa"] = sorted(k for k, v in torch.cpu.get_capabilities().items() if v is True)
+        else:  # torch before 2.10 (the XLA environment's 2.9): the usable flags, as frugality reads them
+            from frugality.hardware import probe
+
+            info["isa"] = sorted(probe(device).features)
         info["threads"] = torch.get_num_threads()
     return info
 

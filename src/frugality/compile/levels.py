@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from frugality.config.recipe import COMPILE_LEVELS as LEVELS  # noqa: F401 - the levels, named once there
+from frugality.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,26 @@ def graph_name(model: nn.Module) -> str:
     return f"{type(model).__name__} block ({type(block).__module__}.{type(block).__qualname__})"
 
 
-def apply_level(model: nn.Module, level: CompileLevel, options: dict) -> None:
-    """Compile the blocks in place with `nn.Module.compile` (lazily: on their first call)."""
+def check_backend(name: str) -> None:
+    """A torch.compile backend registered here, or one UserError line."""
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise UserError(
+            f"compile.backend {name!r}: not a torch.compile backend here (these are: {', '.join(sorted(known))}); "
+            "a vendor's backend comes with its own package (TorchNeuron's neuron: docs/xla.md)"
+        )
+
+
+def apply_level(model: nn.Module, level: CompileLevel, options: dict, backend: str = "inductor") -> None:
+    """Compile the blocks in place with `nn.Module.compile` (lazily: on their first call);
+    a backend other than Inductor takes neither Inductor's modes nor its options."""
     if level.mode is None:
+        return
+    if backend != "inductor":
+        for block in compile_targets(model):
+            block.compile(dynamic=False, backend=backend)
         return
     mode = None if level.mode == "default" else level.mode
     for block in compile_targets(model):

@@ -34,7 +34,14 @@ from typing import Callable, TypeVar
 import torch
 
 from frugality.compile.cache import KEY_ENV_VAR, CompileCache, cache_url, fingerprint, fresh_inductor_dir
-from frugality.compile.levels import apply_level, get_level, graph_name, inductor_options, revert_to_eager
+from frugality.compile.levels import (
+    apply_level,
+    check_backend,
+    get_level,
+    graph_name,
+    inductor_options,
+    revert_to_eager,
+)
 from frugality.errors import FrugalityWarning, UserError
 
 T = TypeVar("T")
@@ -125,14 +132,20 @@ class CompileSession:
         compute_dtype: torch.dtype,
         device: torch.device,
         cache_key_env: str = KEY_ENV_VAR,
+        backend: str = "inductor",
     ) -> None:
         self.level = get_level(level)
         self.enabled = self.level.mode is not None
         self.on_recompile = on_recompile
         self.fallback = fallback
-        self.stats = CompileStats(level=level)
+        self.backend = backend
+        self.stats = CompileStats(level=level if backend == "inductor" else f"{level} ({backend})")
         self.cache: CompileCache | None = None
-        if self.enabled:
+        self.options: dict = {}
+        if self.enabled and backend != "inductor":
+            check_backend(backend)
+            self.stats.cache = f"none: the shared cache holds Inductor's graphs, not {backend}'s"
+        elif self.enabled:
             self.options = inductor_options(device, compute_dtype)
             fp = fingerprint(
                 model=model_config,
@@ -170,6 +183,7 @@ class CompileSession:
             on_recompile=c.on_recompile,
             fallback=c.fallback,
             cache_key_env=c.cache_key_env,
+            backend=c.backend,
             model_config=recipe.model.model_dump(mode="json"),
             micro_batch_size=recipe.data.micro_batch_size,
             seq_len=recipe.data.seq_len,
@@ -185,15 +199,16 @@ class CompileSession:
         import torch._dynamo
         from torch._inductor.utils import clear_caches
 
-        self._local = fresh_inductor_dir()
-        self._previous_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self._local)
-        clear_caches()  # in-memory caches remember the previous directory's modules
+        if self.cache is not None:  # Inductor's: a fresh directory, published at the end
+            self._local = fresh_inductor_dir()
+            self._previous_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self._local)
+            clear_caches()  # in-memory caches remember the previous directory's modules
         torch._dynamo.reset()  # code compiled for an earlier model in this process
-        self.stats.fetched = self.cache.fetch(self._local).found
+        self.stats.fetched = self.cache.fetch(self._local).found if self.cache else False
         self._base = _counters()
         self._start_metrics = self._seen_metrics = list(_metrics())
-        apply_level(model, self.level, self.options)
+        apply_level(model, self.level, self.options, self.backend)
         self.model = model
 
     @contextlib.contextmanager
@@ -302,7 +317,7 @@ class CompileSession:
     def publish(self) -> None:
         """Publish the local directory when it holds graphs the cache lacks (not after a
         failed compile: the next run would only fail the same way)."""
-        if self.enabled and self.stats.cache_misses > self._published_misses and not self.stats.fallbacks:
+        if self.cache and self.stats.cache_misses > self._published_misses and not self.stats.fallbacks:
             if self.cache.publish(self._local) is not None:
                 self.stats.published = True
                 self._published_misses = self.stats.cache_misses
@@ -328,6 +343,11 @@ class CompileSession:
         self.stats.cache_hits = hits - self._base[0]
         self.stats.cache_misses = misses - self._base[1]
         self.stats.graphs = self.stats.cache_hits + self.stats.cache_misses
+        if self.backend != "inductor":  # no Inductor counters: dynamo's own frames
+            # (a backward's record, co_name None, belongs to its forward's graph)
+            self.stats.graphs = sum(
+                1 for m in _metrics() if m.co_name is not None and not any(m is s for s in self._start_metrics)
+            )
         self.stats.compile_s = round(
             sum(
                 (m.entire_frame_compile_time_s or 0.0) + (m.backward_cumulative_compile_time_us or 0) / 1e6

@@ -207,6 +207,12 @@ class CompileConfig(_Section):
         default="warn", description="what a compilation after warm-up does: warn, or stop the run"
     )
     fallback: bool = Field(default=True, description="a graph that fails to compile runs eagerly (false: stop)")
+    backend: str = Field(
+        default="inductor",
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the torch.compile backend of O1 and O2: inductor (whose graphs the shared cache holds), or "
+        "another registered one (TorchNeuron's neuron where its wheels are installed), compiled without the cache",
+    )
 
 
 class ParallelConfig(_Section):

@@ -35,6 +35,7 @@ class World:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    devices: int = 1  # the devices each process drives: SPMD's, all of its XLA client's
 
     @property
     def is_main(self) -> bool:

@@ -31,7 +31,8 @@ def wrap_spmd(module: nn.Module, model: nn.Module, parallel: ParallelConfig) -> 
                 xla.shard(p)
                 split.append(name)
     module.register_forward_pre_hook(_shard_batch)
-    what = f"parameters split ({len(split)} of {len(list(model.parameters()))}), " if split else ""
+    total = len(list(model.parameters()))
+    what = f"parameters split ({len(split)} of {total}), " if parallel.data == "fsdp" else ""
     return module, f"SPMD over {count} XLA devices ({parallel.data}): {what}each micro-batch split by rows"
 
 

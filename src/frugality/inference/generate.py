@@ -241,34 +241,36 @@ class Engine:
         t0 = time.perf_counter()
         following = torch.tensor([len(row) for row in rows], device=device)[:, None]  # the next token's position
         logits = self.prefill(model, ids.to(device), positions.to(device), self.cache)
-        tokens, following = self._pick(logits, following, sampling, generator)
+        tokens, picked, following = self._pick(logits, following, sampling, generator)
         t1 = time.perf_counter()
         out = [Completion() for _ in range(count)]
         rows_text = _RowText(self.decoder, sampling, on_text)
         done = [False] * count
         for step in range(sampling.max_new_tokens):
-            for i, token in enumerate(tokens.tolist()[:count]):
+            for i, token in enumerate(picked.tolist()[:count]):
                 if not done[i]:
                     done[i] = rows_text.add(i, out[i], token)
             if all(done) or step == sampling.max_new_tokens - 1:
                 break
             logits = self.decode(model, tokens[:, None], following, self.cache)
-            tokens, following = self._pick(logits, following + 1, sampling, generator)
+            tokens, picked, following = self._pick(logits, following + 1, sampling, generator)
         t2 = time.perf_counter()
         for i, completion in enumerate(out):
             rows_text.finish(i, completion)
         self.timing = Timing(t1 - t0, t2 - t1, sum(map(len, prompts)), sum(len(c.tokens) for c in out) - count)
         return out
 
-    def _pick(self, logits, following, sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next tokens, and the positions they will take. On XLA the step's graph ends
-        here (the cache written, the positions advanced: one graph per prefill bucket and
-        one for every decoding step) and tokens are picked on the host, whose generator
-        draws what it draws on a CPU."""
+    def _pick(self, logits, following, sampling, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next tokens (on the device, and as the host reads them), and the positions
+        they will take. On XLA the step's graph ends here (the cache written, the positions
+        advanced: one graph per prefill bucket, and one that every decoding step shares)
+        and tokens are picked on the host, whose generator draws what it draws on a CPU."""
         if self.decoder.device.type != "xla":
-            return pick(logits, sampling, generator), following
+            tokens = pick(logits, sampling, generator)
+            return tokens, tokens, following
         xla.sync()
-        return pick(logits.cpu(), sampling, generator).to(self.decoder.device), following
+        picked = pick(logits.cpu(), sampling, generator)
+        return picked.to(self.decoder.device), picked, following
 
 
 def new_generator(device: torch.device, seed: int) -> torch.Generator:

@@ -1,8 +1,9 @@
 """The devices of this machine for `frugality ls` (what they are) and `frugality top`
 (what they are doing): CPUs from Linux's /proc and torch's probe, NVIDIA GPUs from NVML
-(`nvidia-ml-py`), each figure absent rather than guessed where it cannot be read. GPUs are
-numbered as NVML numbers them (all of the machine's, as nvidia-smi shows them), which is
-not torch's numbering under CUDA_VISIBLE_DEVICES."""
+(`nvidia-ml-py`), XLA devices from their PJRT client (where `PJRT_DEVICE` is set), each
+figure absent rather than guessed where it cannot be read. GPUs are numbered as NVML
+numbers them (all of the machine's, as nvidia-smi shows them), which is not torch's
+numbering under CUDA_VISIBLE_DEVICES."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from frugality import xla
+from frugality.errors import UserError
 from frugality.hardware import device_memory, probe
 from frugality.metrics.energy import POWERCAP, RaplMeter, vcpus
 
@@ -30,7 +33,22 @@ def inventory() -> list[dict]:
         "native_bf16": hw.native_bf16,
         "memory_gib": _memory_gib()[1],
     }
-    return [cpu, *_nvml_inventory()]
+    return [cpu, *_nvml_inventory(), *_xla_inventory()]
+
+
+def _xla_inventory() -> list[dict]:
+    """The PJRT client's devices, where this process is started for XLA (`PJRT_DEVICE`) and
+    torch_xla is installed: opening the client is the only way to know them."""
+    if not (xla.requested() and xla.installed()):
+        return []
+    try:
+        client, count, version = xla.client(), xla.device_count(), xla.version()
+    except UserError as e:  # a mismatched torch_xla, a device not here: said, not raised
+        return [{"kind": "xla", "index": 0, "name": f"not opened: {e}", "client": None, "torch_xla": None}]
+    return [
+        {"kind": "xla", "index": i, "name": f"XLA {client} client", "client": client, "torch_xla": version}
+        for i in range(count)
+    ]
 
 
 def _nvml():

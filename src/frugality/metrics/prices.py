@@ -2,6 +2,12 @@
 region and board power, each row with its public source and date (`prices.csv`, shipped
 with frugality). A user's CSV of the same columns merges over it, row by instance name.
 
+`accelerator_bf16_tflops` is one accelerator's dense bf16 peak as its vendor states it, for
+MFU against an instance (`frugality cost train --recipe`): Trainium 190 and Inferentia2 190
+(two NeuronCore-v2 each), Trainium2 667 (eight NeuronCore-v3), from the AWS Neuron
+architecture pages (awsdocs-neuron.readthedocs-hosted.com, general/arch/neuron-hardware:
+trainium, inferentia2, trainium2; read 2026-11-24).
+
 A run is priced by `cost.price_per_hour` (declared), `cost.instance` (a catalogue row), or
 else an estimate: this machine's share of the catalogue instance that holds the same
 accelerator, or, on a CPU, the same vendor's cheapest CPU instance, per vCPU.
@@ -29,6 +35,7 @@ COLUMNS = (
     "usd_per_hour",
     "region",
     "accelerator_tdp_w",
+    "accelerator_bf16_tflops",
     "source",
     "date",
 )
@@ -39,6 +46,7 @@ _NUMBERS = {
     "memory_gib": float,
     "usd_per_hour": float,
     "accelerator_tdp_w": float,
+    "accelerator_bf16_tflops": float,
 }
 _REQUIRED = ("provider", "instance", "usd_per_hour", "source")
 
@@ -59,6 +67,7 @@ class Instance:
     usd_per_hour: float
     region: str
     accelerator_tdp_w: float | None
+    accelerator_bf16_tflops: float | None  # dense, per accelerator, as the vendor states it
     source: str
     date: str
 

@@ -8,11 +8,17 @@ from frugality import xla
 from frugality.errors import UserError
 
 
+def names_xla(name: str) -> bool:
+    """Whether `name` resolves to an XLA device, without opening its client (SPMD must be
+    chosen before it opens)."""
+    return name.split(":")[0] == "xla" or (name == "auto" and xla.requested() and xla.installed())
+
+
 def resolve_device(
     name: str, key: str = "train.device", xla_ok: bool = False, what: str = "this command"
 ) -> torch.device:
     """'auto', 'cpu', 'cuda', 'cuda:1', 'xla'...; checked, with no other effect than opening an
-    XLA client. `auto` is XLA where the caller runs there (`xla_ok`: training) and
+    XLA client. `auto` is XLA where the caller runs there (`xla_ok`) and
     `PJRT_DEVICE` is set with torch_xla installed, else a CUDA GPU where torch sees one, else
     the CPU. `key` names the setting in messages, `what` the command."""
     if name == "auto":
@@ -22,7 +28,8 @@ def resolve_device(
     if name.split(":")[0] == "xla":
         if not xla_ok:
             raise UserError(
-                f"{key}: {name!r}: {what} does not run on an xla device yet (train, embed and generate do; docs/xla.md)"
+                f"{key}: {name!r}: {what} does not run on an xla device yet "
+                "(train, compile, embed and generate do; docs/xla.md)"
             )
         if name not in ("xla", "xla:0"):
             raise UserError(f"{key}: {name!r}: a process runs on its own XLA device, xla (or xla:0)")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from frugality.compile.levels import check_backend
 from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
 from frugality.distributed import World, describe, gather_with_grad, wrap
@@ -67,6 +68,8 @@ def check_recipe(recipe: Recipe, device: torch.device) -> None:
     resolve_policy(recipe.train.precision, device)
     disabled_kernels()  # a misspelt FRUGALITY_DISABLE_KERNELS fails now, not mid-run
     check_cost(recipe.cost.instance, recipe.cost.catalogue)  # an unknown instance or a bad catalogue too
+    if recipe.compile.level != "O0" and recipe.compile.backend != "inductor" and device.type != "xla":
+        check_backend(recipe.compile.backend)
 
 
 def build_state(

@@ -12,14 +12,16 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from frugality import xla
 from frugality.config.recipe import Recipe
 from frugality.distributed import world_from_env
 from frugality.errors import UserError
-from frugality.runtime.device import resolve_device
+from frugality.runtime.device import names_xla
 from frugality.tasks import get_task
 from frugality.training.trainer import train
 
 TRIAL_STEPS = 2
+XLA_TRIAL_STEPS = 3  # two of warm-up, one that must compile nothing
 
 
 def compile_ahead(recipe: Recipe, progress: bool = True, ranks: int = 1) -> dict:
@@ -29,10 +31,14 @@ def compile_ahead(recipe: Recipe, progress: bool = True, ranks: int = 1) -> dict
 
     Each trial step is one micro-batch per rank: accumulating more would run the same
     graphs again (a Pythia recipe's step is 32 of them)."""
-    if resolve_device(recipe.train.device, xla_ok=True).type == "xla":
+    if names_xla(recipe.train.device):  # not opened here: an SPMD run must choose SPMD first
+        if ranks != 1:
+            raise UserError("--ranks: an xla device trains in one process (parallel.spmd shares out its devices)")
+        return _trial_on_xla(recipe, progress)
+    if recipe.compile.backend != "inductor":
         raise UserError(
-            "frugality compile does not run on an xla device yet: XLA compiles a run's graphs in its "
-            "first steps (docs/xla.md)"
+            f"compile.backend {recipe.compile.backend!r}: frugality compile fills the shared cache with "
+            "Inductor's graphs; a run with another backend compiles in its first steps"
         )
     if recipe.compile.level == "O0":
         raise UserError(
@@ -53,3 +59,38 @@ def compile_ahead(recipe: Recipe, progress: bool = True, ranks: int = 1) -> dict
     with tempfile.TemporaryDirectory(prefix="frugality-compile-") as scratch:
         result = train(trial, run_dir=Path(scratch) / "run", until_step=steps, progress=progress, tensorboard=False)
     return result.summary["compile"]
+
+
+def _trial_on_xla(recipe: Recipe, progress: bool) -> dict:
+    """XLA compiles a run's graphs in its first steps, and frugality's cache does not hold
+    them (the CPU client cannot serialize an executable; Neuron's compiler keeps its own
+    cache, `NEURON_COMPILE_CACHE_URL`). The trial is the run's own first steps: every
+    micro-batch of a step (the first makes the gradients, the next add to them: two graphs),
+    an evaluation at each, a checkpoint's save, through the warm-up (two calls a phase) and
+    one step more, which must compile nothing (`compile.on_recompile = "error"`): the proof
+    that the run after the warm-up compiles nothing new. Two micro-batches a step make both
+    graphs (the count is no constant of the graph: XLA_NO_SPECIAL_SCALARS; with SPMD, whose
+    micro-batches hold every device's rows, the recipe's own batch). The statistics,
+    with the client. compile.level and compile.cache do not apply on XLA."""
+    steps = min(XLA_TRIAL_STEPS, recipe.train.steps)
+    accumulated = recipe.data.global_batch_size // recipe.data.micro_batch_size > 1
+    micro_batches = recipe.data.micro_batch_size * (2 if accumulated else 1)
+    if recipe.parallel.spmd:  # its micro-batches hold every device's rows: the recipe's own batch
+        micro_batches = recipe.data.global_batch_size
+    trial = recipe.model_copy(
+        update={
+            "train": recipe.train.model_copy(
+                update={
+                    "eval_interval": 1,
+                    "eval_samples": recipe.data.micro_batch_size,
+                    "save_interval": 2,
+                    "keep_checkpoints": 1,
+                }
+            ),
+            "compile": recipe.compile.model_copy(update={"on_recompile": "error"}),
+            "data": recipe.data.model_copy(update={"global_batch_size": micro_batches}),
+        }
+    )
+    with tempfile.TemporaryDirectory(prefix="frugality-compile-") as scratch:
+        result = train(trial, run_dir=Path(scratch) / "run", until_step=steps, progress=progress, tensorboard=False)
+    return result.summary["compile"] | {"xla_client": xla.client(), "trial_steps": steps}

@@ -11,7 +11,7 @@ position and RNG states all live in the checkpoint.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from frugality.health.preflight import preflight
 from frugality.interop.weights import WeightsSource, check_compatible, load_weights, resolve_source, stored_dtype
 from frugality.precision import resolve_policy
 from frugality.runtime.data import open_training_data
-from frugality.runtime.device import resolve_device
+from frugality.runtime.device import names_xla, resolve_device
 from frugality.runtime.host_memory import keep_freed_memory
 from frugality.runtime.plan import check_fits
 from frugality.runtime.state import TrainState, build_state, check_recipe
@@ -93,7 +93,9 @@ def train(
     world = distributed.init(device, recipe.parallel.timeout_s)  # world size 1 without torchrun
     device = distributed.local_device(device, world)
     min_micro = get_task(recipe.train.task).min_micro_batch
-    ranks = xla.device_count() if recipe.parallel.spmd else world.world_size
+    if recipe.parallel.spmd:
+        world = replace(world, devices=xla.device_count())
+    ranks = world.devices if recipe.parallel.spmd else world.world_size
     recipe, batch_note = recipe.for_data_parallel(ranks, min_micro)
     loads = recipe  # what this process's data stream loads
     if recipe.parallel.spmd:
@@ -203,8 +205,12 @@ def _check_xla(recipe: Recipe) -> None:
 
 def _use_spmd(recipe: Recipe) -> None:
     name = recipe.train.device
-    if not (name.split(":")[0] == "xla" or (name == "auto" and xla.requested() and xla.installed())):
-        raise UserError(f"parallel.spmd: for an xla device (train.device = xla), not {name!r}")
+    if not names_xla(name):
+        where = "PJRT_DEVICE unset or torch_xla missing" if name == "auto" else name
+        raise UserError(
+            f"parallel.spmd: for an xla device (train.device = xla), not {where!r}; "
+            "--set parallel.spmd=false trains without it"
+        )
     if recipe.parallel.data == "hsdp":
         raise UserError('parallel.spmd: parallel.data "hsdp" is not built on XLA; choose ddp or fsdp')
     xla.use_spmd()

@@ -25,7 +25,7 @@ class Throughput(Callback):
             if r.metrics.peak_tflops
             else peak_flops(state.device, state.policy.compute_dtype)
         )
-        self.peak *= state.world.world_size  # tokens/s are global: against every rank's device
+        self.peak *= state.world.world_size * state.world.devices  # tokens/s are global: every device's peak
 
     def on_step_end(self, state, result) -> None:
         if state.device.type == "xla" and result.loss is None:
