@@ -49,10 +49,18 @@ def start_xla_tests() -> dict | None:
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
-            preexec_fn=lambda: os.nice(10),
+            preexec_fn=_background,
             start_new_session=True,  # its own process group: stopped with the processes it starts
         )
     return _xla_tests or None
+
+
+def _background() -> None:
+    """Low priority, on one core where there are more: the main suite keeps the rest."""
+    os.nice(10)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 1:
+        os.sched_setaffinity(0, {cores[-1]})
 
 
 def stop_xla_tests() -> None:

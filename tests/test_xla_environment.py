@@ -76,13 +76,26 @@ def test_an_xla_device_without_torch_xla_or_with_a_mismatched_one_is_one_line(mi
 
 def test_commands_that_do_not_run_on_xla_yet_say_so_in_one_line(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "frugality", "doctor", "--set", "train.device=xla"],
+        [sys.executable, "-m", "frugality", "bench", "train", "tiny", "--set", "train.device=xla"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     [line] = done.stderr.strip().splitlines()
     assert done.returncode == 2 and line == (
-        "error: train.device: 'xla': frugality doctor does not run on an xla device yet "
-        "(train, compile, embed and generate do; docs/xla.md)"
+        "error: train.device: 'xla': frugality bench does not run on an xla device yet "
+        "(train, compile, embed, generate and doctor do; docs/xla.md)"
     )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is installed here")
+def test_bench_train_on_xla_outside_its_environment_is_one_line():
+    done = subprocess.run(
+        [sys.executable, "-m", "frugality", "bench", "train", "tiny", "--device", "xla"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: bench train --device xla runs in the XLA environment: .venv-xla/bin/frugality (docs/xla.md)"
+    ]

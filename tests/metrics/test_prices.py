@@ -32,20 +32,29 @@ def test_a_users_catalogue_overrides_and_adds_rows(tmp_path):
     mine = tmp_path / "mine.csv"
     mine.write_text(
         ",".join(COLUMNS) + "\n"
-        "aws,trn1.32xlarge,Trainium,16,32,128,512,12.00,us-east-1,,my contract,2026-11\n"
-        "onprem,lab-a100,A100-SXM4-80GB,8,80,128,1024,9.5,lab,400,amortised over 3 years,2026-11\n"
+        "aws,trn1.32xlarge,Trainium,16,32,128,512,12.00,us-east-1,,190,my contract,2026-11\n"
+        "onprem,lab-a100,A100-SXM4-80GB,8,80,128,1024,9.5,lab,400,312,amortised over 3 years,2026-11\n"
     )
     rows = load_catalogue(mine)
     assert rows["trn1.32xlarge"].usd_per_hour == 12.0 and rows["trn1.32xlarge"].source == "my contract"
     assert rows["lab-a100"].accelerator_tdp_w == 400.0 and "p5.48xlarge" in rows
+    assert rows["lab-a100"].accelerator_bf16_tflops == 312.0
+    # a catalogue written before the bf16 peak column still reads, without peaks
+    older = tmp_path / "older.csv"
+    older.write_text(
+        ",".join(c for c in COLUMNS if c != "accelerator_bf16_tflops") + "\n"
+        "onprem,lab-h100,H100,8,80,128,1024,20,lab,700,amortised,2026-11\n"
+    )
+    assert load_catalogue(older)["lab-h100"].accelerator_bf16_tflops is None
 
 
 @pytest.mark.parametrize(
     "row, message",
     [
-        ("aws,x,,0,,2,4,cheap,r,,s,d", "line 2: usd_per_hour 'cheap' is not a number"),
-        ("aws,x,,0,,2,4,-1,r,,s,d", "line 2: usd_per_hour -1 is negative"),
-        ("aws,x,,0,,2,4,1.0,r,,,d", "line 2: source is empty"),
+        ("aws,x,,0,,2,4,cheap,r,,,s,d", "line 2: usd_per_hour 'cheap' is not a number"),
+        ("aws,x,,0,,2,4,-1,r,,,s,d", "line 2: usd_per_hour -1 is negative"),
+        ("aws,x,,0,,2,4,1.0,r,,,,d", "line 2: source is empty"),
+        ("aws,x,,1,,2,4,1.0,r,,fast,s,d", "line 2: accelerator_bf16_tflops 'fast' is not a number"),
     ],
 )
 def test_a_bad_row_is_named_by_file_and_line(tmp_path, row, message):

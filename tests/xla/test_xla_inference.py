@@ -73,12 +73,12 @@ def test_the_embed_command_runs_on_xla(tmp_path, capsys):
     assert len(ids) == 12 and vectors.shape == (12, 384) and np.isfinite(vectors).all()
 
 
-def _decoder_pair(tmp_path) -> tuple[Decoder, Decoder]:
-    """tiny after two steps on the CPU, its weights spread wider (greedy choices by clear
+def _decoder_pair(tmp_path, recipe_file) -> tuple[Decoder, Decoder]:
+    """micro after two steps on the CPU, its weights spread wider (greedy choices by clear
     margins, not float rounding), on the CPU and on XLA."""
     run = tmp_path / "run"
     trainer.train(
-        load_recipe("tiny", ["train.steps=2", "optim.warmup_steps=1", "train.device=cpu", "train.precision=fp32"]),
+        load_recipe(str(recipe_file), ["train.steps=2", "optim.warmup_steps=1", "train.device=cpu"]),
         run_dir=run,
         progress=False,
         tensorboard=False,
@@ -94,10 +94,10 @@ def _decoder_pair(tmp_path) -> tuple[Decoder, Decoder]:
     return cpu, on_xla
 
 
-def test_generate_on_xla_gives_the_cpu_backends_tokens_and_one_decoding_graph(tmp_path, capsys):
+def test_generate_on_xla_gives_the_cpu_backends_tokens_and_one_decoding_graph(micro_recipe_file, tmp_path, capsys):
     import torch_xla.debug.metrics as metrics
 
-    cpu, on_xla = _decoder_pair(tmp_path)
+    cpu, on_xla = _decoder_pair(tmp_path, micro_recipe_file)
     items = [(str(i), t) for i, t in enumerate(["The old man", "It was a dark and stormy night, and", "Call me"])]
 
     def completions(decoder, sampling):

@@ -1,4 +1,5 @@
-"""A PJRT_DEVICE naming a device that is not here is one line, exit 2; `ls` lists the client's devices."""
+"""A PJRT_DEVICE naming a device that is not here is one line, exit 2; `ls` lists the
+client's devices; `doctor` checks one."""
 
 import os
 import subprocess
@@ -47,3 +48,15 @@ def test_ls_lists_the_pjrt_clients_devices(capsys):
     assert xla_device["client"] == "CPU" and xla_device["torch_xla"] == "2.9.0"
     assert main(["ls"]) == 0
     assert "xla0   XLA CPU client, torch-xla 2.9.0" in capsys.readouterr().out
+
+
+def test_doctor_checks_the_xla_devices_products_and_stochastic_rounding(tmp_path, capsys):
+    from frugality.cli.main import main
+
+    code = main(["doctor", "--quick", "--set", "train.device=xla", "--run-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "doctor: all" in out, out
+    for row in ("float32 product", "bfloat16 product", "stochastic rounding bias"):
+        assert row in out
+    assert main(["doctor", "--set", "train.device=xla", "--nproc", "2"]) == 2
+    assert "--nproc: an xla device's collectives" in capsys.readouterr().err

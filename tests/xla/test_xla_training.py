@@ -36,13 +36,30 @@ def test_tiny_on_xla_gives_the_cpu_backends_losses_and_compiles_nothing_after_wa
     for step, loss in cpu_losses.items():
         assert xla_losses[step] == pytest.approx(loss, rel=1e-4), step
     assert on_xla.evals == pytest.approx(on_cpu.evals, rel=1e-4)
+    # the run exports to Hugging Face as a CPU run does: the same weights
+    from safetensors.torch import load_file
+
+    from frugality.cli.main import main
+
+    for run in ("xla", "cpu"):
+        assert main(["export", "hf", str(tmp_path / run), "--out", str(tmp_path / f"hf-{run}")]) == 0
+    ours, theirs = (load_file(tmp_path / f"hf-{run}" / "model.safetensors") for run in ("xla", "cpu"))
+    assert ours.keys() == theirs.keys()
+    # over all weights (Adam moves a weight whose gradient is ~0 by ~lr either way: single ones differ by 1e-3)
+    difference = sum((ours[n] - theirs[n]).square().sum() for n in ours) ** 0.5
+    assert difference / sum(theirs[n].square().sum() for n in ours) ** 0.5 < 1e-4
 
 
-def test_bf16_sr_on_xla_ends_within_one_percent_of_the_cpu_backend(micro_recipe_file, tmp_path):
-    sets = ["train.precision=bf16-sr", "train.steps=8"]
+@pytest.mark.parametrize("precision", ["bf16-sr", "amp-bf16"])
+def test_a_bf16_policy_on_xla_ends_within_one_percent_of_the_cpu_backend(micro_recipe_file, tmp_path, precision):
+    """Judged as a user would, by `frugality compare` (the final validation loss)."""
+    from frugality.cli.main import main
+
+    sets = [f"train.precision={precision}", "train.steps=8"]
     on_xla = _train(load_recipe(str(micro_recipe_file), [*sets, "train.device=xla"]), tmp_path / "xla")
     on_cpu = _train(load_recipe(str(micro_recipe_file), [*sets, "train.device=cpu"]), tmp_path / "cpu")
-    assert on_xla.summary["precision"].startswith("bf16-sr") and on_xla.summary["compile"]["recompiles"] == 0
+    assert on_xla.summary["precision"].startswith(precision) and on_xla.summary["compile"]["recompiles"] == 0
+    assert main(["compare", str(tmp_path / "cpu"), str(tmp_path / "xla"), "--tolerance", "1%"]) == 0
     assert on_xla.evals[8] == pytest.approx(on_cpu.evals[8], rel=0.01)
     assert on_xla.evals[8] < on_xla.evals[0] - 0.5
 
@@ -85,9 +102,7 @@ def test_the_guard_catches_a_compilation_after_warm_up(micro_recipe_file):
         step(4, 3)  # another batch shape: new graphs
 
 
-@pytest.mark.parametrize(
-    "first, then, precision", [("xla", "cpu", "fp32"), ("cpu", "xla", "fp32"), ("xla", "cpu", "bf16-sr")]
-)
+@pytest.mark.parametrize("first, then, precision", [("xla", "cpu", "fp32"), ("cpu", "xla", "fp32")])
 def test_a_checkpoint_moves_between_xla_and_the_cpu_backend(micro_recipe_file, tmp_path, first, then, precision):
     sets = [f"train.precision={precision}"]
     straight = _train(load_recipe(str(micro_recipe_file), sets), tmp_path / "straight")

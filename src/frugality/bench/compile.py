@@ -180,7 +180,7 @@ def _worker() -> None:
     batch, seq = spec["batch"], spec["seq"]
     recipe = for_shape(Recipe.model_validate(spec["recipe"]), spec["precision"], batch, seq)
     recipe = recipe.model_copy(update={"compile": CompileConfig(level=spec["level"], cache=spec["cache"])})
-    device = resolve_device(recipe.train.device)
+    device = resolve_device(recipe.train.device, what="frugality bench")
     if device.type == "cpu":
         keep_freed_memory()  # as in training
     state = build_state(recipe, device)

@@ -115,7 +115,7 @@ def profile_steps(
 ) -> StepProfile:
     """Profile `steps` steps of `impl` (frugality or a peer) after `warmup` steps; a peer that
     cannot run here, or fails in its warm-up, is a row saying why."""
-    device = resolve_device(recipe.train.device)
+    device = resolve_device(recipe.train.device, what="frugality bench")
     if device.type != "cpu":
         raise UserError(
             f"bench profile reads CPU time; {device} runs its work in kernels this version does not "

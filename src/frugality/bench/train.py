@@ -118,7 +118,7 @@ def bench_train(
     """One pass per precision, the implementations alternating within it. A peer runs at
     `peer_precisions[peer]`, else at `baseline` when given (e.g. frugality's bf16-sr against
     amp-bf16, the usual way to train the peers), else at the pass's precision."""
-    device = resolve_device(recipe.train.device)
+    device = resolve_device(recipe.train.device, what="frugality bench")
     if device.type == "cpu":
         keep_freed_memory()  # as in training, for every implementation
     rows = []
@@ -350,7 +350,7 @@ def _memory_probe() -> None:
     """Child process: train two steps of one implementation, print the peak as JSON."""
     impl, precision, batch, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     recipe = Recipe.model_validate_json(sys.stdin.read())
-    device = resolve_device(recipe.train.device)
+    device = resolve_device(recipe.train.device, what="frugality bench")
     if device.type == "cpu":
         keep_freed_memory()
     with contextlib.ExitStack() as stack:

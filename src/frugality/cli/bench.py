@@ -62,20 +62,41 @@ def _write(table: str, rows_json: str, markdown_path, json_path) -> None:
     "transformers at the pass's precision].",
 )
 @click.option("--no-memory", is_flag=True, help="Skip the peak-memory subprocesses.")
+@click.option(
+    "--device",
+    type=click.Choice(["xla"]),
+    help="xla: XLA beside the CPU backend, eager and compiled, each a fresh training run (.venv-xla; docs/xla.md).",
+)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
 def bench_train(
-    recipe, precisions, batch, seq, steps, warmup, only, baseline, no_memory, overrides, json_path, markdown_path
+    recipe,
+    precisions,
+    batch,
+    seq,
+    steps,
+    warmup,
+    only,
+    baseline,
+    no_memory,
+    device,
+    overrides,
+    json_path,
+    markdown_path,
 ) -> None:
     """Training throughput of frugality against its peers (transformers' GPTNeoXForCausalLM +
     AdamW eager or compiled, litgpt, ...) on RECIPE's architecture, alternating steps in one
-    process; medians of --steps. A peer that cannot run here is a row saying why."""
+    process; medians of --steps. A peer that cannot run here is a row saying why. With
+    --device xla: frugality on XLA, on the CPU eager and on the CPU compiled (O1)."""
     from frugality.bench.peers import PEERS, parse_baselines
     from frugality.bench.train import bench_train as run
     from frugality.bench.train import markdown_table, rows_json
     from frugality.errors import UserError
 
+    if device == "xla":
+        _bench_xla(recipe, precisions, batch, seq, steps, warmup, overrides, json_path, markdown_path)
+        return
     resolved, names, batch, seq = _resolve(recipe, overrides, precisions, batch, seq)
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be positive, --warmup not negative")
@@ -113,6 +134,24 @@ def bench_train(
         log=lambda line: click.echo(line, err=True),
     )
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
+
+
+def _bench_xla(recipe, precisions, batch, seq, steps, warmup, overrides, json_path, markdown_path) -> None:
+    import json
+
+    from frugality.bench.xla import bench_xla, markdown_table
+    from frugality.errors import UserError
+
+    if click.get_current_context().get_parameter_source("precisions").name == "DEFAULT":
+        precisions = "fp32"  # not every policy by default: auto's on XLA's CPU client
+    _, names, batch, seq = _resolve(recipe, overrides, precisions, batch, seq)
+    shape = [f"data.micro_batch_size={batch}", f"data.global_batch_size={batch}", f"data.seq_len={seq}"]
+    if steps < 1:
+        raise UserError("--steps must be positive")
+    total = warmup + steps  # XLA warms up over two steps; the loss is read (and timed) every step after
+    log = lambda line: click.echo(line, err=True)
+    rows = [row for name in names for row in bench_xla(recipe or "tiny", [*overrides, *shape], total, 1, name, log)]
+    _write(markdown_table(rows), json.dumps(rows), markdown_path, json_path)
 
 
 @bench.command("compile")

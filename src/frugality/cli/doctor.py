@@ -50,8 +50,15 @@ def doctor(recipe, nproc, max_mib, quick, overrides_thresholds, run_dir, overrid
     from frugality.runtime.device import resolve_device
 
     resolved = load_recipe(recipe, list(overrides))
-    device = resolve_device(resolved.train.device, what="frugality doctor")
-    limits = thresholds(device.type, list(overrides_thresholds))
+    device = resolve_device(resolved.train.device, what="frugality doctor", xla_ok=True)
+    kind = device.type
+    if kind == "xla":
+        from frugality import xla
+
+        if nproc > 1:
+            raise UserError("--nproc: an xla device's collectives are its SPMD partitioner's; doctor checks one device")
+        kind = "cpu" if xla.client() == "CPU" else "xla"
+    limits = thresholds(kind, list(overrides_thresholds))
     if worker_out:
         _collectives_worker(device, resolved.parallel.timeout_s, limits, max_mib, Path(worker_out))
         return

@@ -24,6 +24,15 @@ THRESHOLDS = {
         "min_bus_bandwidth_gb_s": 0.05,
         "max_small_latency_ms": 50.0,
     },
+    "xla": {  # TPU, Trainium: fp32 products run as bf16 passes by default there
+        "fp32_product_rel_error": 1e-2,
+        "bf16_product_rel_error": 1e-2,
+        "sr_mean_bias_steps": 0.01,
+        "min_free_disk_gib": 10.0,
+        "min_disk_write_mb_s": 100.0,
+        "min_bus_bandwidth_gb_s": 5.0,
+        "max_small_latency_ms": 5.0,
+    },
     "cuda": {
         "fp32_product_rel_error": 1e-2,  # TF32 products where enabled
         "bf16_product_rel_error": 1e-2,
@@ -50,8 +59,9 @@ class Check:
 
 
 def thresholds(device_type: str, overrides: list[str] = ()) -> dict[str, float]:
-    """The device kind's thresholds with `NAME=VALUE` overrides applied."""
-    values = dict(THRESHOLDS["cuda" if device_type == "cuda" else "cpu"])
+    """The device kind's thresholds with `NAME=VALUE` overrides applied (an XLA device: its
+    client's kind; XLA's CPU client is held to the CPU's)."""
+    values = dict(THRESHOLDS[device_type if device_type in ("cuda", "xla") else "cpu"])
     for item in overrides:
         name, sep, value = item.partition("=")
         if not sep or name not in values:

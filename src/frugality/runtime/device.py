@@ -29,7 +29,7 @@ def resolve_device(
         if not xla_ok:
             raise UserError(
                 f"{key}: {name!r}: {what} does not run on an xla device yet "
-                "(train, compile, embed and generate do; docs/xla.md)"
+                "(train, compile, embed, generate and doctor do; docs/xla.md)"
             )
         if name not in ("xla", "xla:0"):
             raise UserError(f"{key}: {name!r}: a process runs on its own XLA device, xla (or xla:0)")
