@@ -58,7 +58,10 @@ def test_bench_profile_splits_the_step_of_frugality_and_a_peer(micro_recipe_file
         # self times in one category each, plus the time outside ops: the step, no more
         assert abs(sum(r["seconds"].values()) - r["step_s"]) <= 0.02 * r["step_s"] + 1e-3
         assert r["seconds"]["matrix products: output layer"] > 0 and r["seconds"]["matrix products: blocks"] > 0
-        assert r["seconds"]["optimizer step"] > 0 and r["matmul_gflops"] > 0
+        assert r["seconds"]["optimizer step"] > 0
+    # the rate where every product's FLOPs are known (transformers: aten's alone); frugality's
+    # C products carry none, so its rate is given only while they take under 10% of the time
+    assert rows[1]["matmul_gflops"] > 0 and (rows[0]["matmul_gflops"] is None or rows[0]["matmul_gflops"] > 0)
     assert rows[0]["seconds"]["loss (softmax, cross-entropy)"] > 0  # the C kernel's named range
     assert "needs CUDA" in rows[2]["skipped"]
     table = capsys.readouterr().out
