@@ -21,7 +21,7 @@ from pathlib import Path
 from frugality.bench.results import machine_line, write_results
 from frugality.bench.xla import bench_xla, markdown_table
 
-SHAPES = {  # steps, log interval (XLA reads the loss there), overrides
+SHAPES = {  # timed steps (after two of warm-up), log interval (XLA reads the loss there), overrides
     "tiny": (24, 4, []),
     "pythia-70m": (12, 3, ["data.micro_batch_size=4", "data.global_batch_size=4", "data.seq_len=512"]),
 }
@@ -31,8 +31,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", default="tiny,pythia-70m")
     args = parser.parse_args()
+    import os
+
     import torch_xla
 
+    os.environ["PJRT_DEVICE"] = "CPU"  # this table is the CPU client's
     rows = []
     for recipe in args.recipes.split(","):
         steps, log_interval, shape = SHAPES[recipe]
@@ -41,9 +44,10 @@ def main() -> int:
         f"# XLA's CPU client against the CPU backend, training, fp32\n\n"
         f"{machine_line()} torch-xla {torch_xla.__version__}.\n"
         f"Each row: a fresh `frugality train` process with an empty compile cache. tiny at its "
-        f"recipe's shape ({SHAPES['tiny'][0]} steps), Pythia-70m at batch 4 x 512 "
-        f"({SHAPES['pythia-70m'][0]} steps). tokens/s: the median over the run's logged steps (on "
-        f"XLA, over the steps between two reads of the loss, every log interval). compile s: "
+        f"recipe's shape ({SHAPES['tiny'][0]} steps after 2 of warm-up), Pythia-70m at batch 4 x 512 "
+        f"({SHAPES['pythia-70m'][0]} after 2). tokens/s: the median over the logged records after the "
+        f"warm-up (on XLA a record times the steps since the previous read of the loss, every log "
+        f"interval; one holding a warm-up step is left out). compile s: "
         f"Inductor's compile time, or XLA's (CompileTime). warm-up s: each phase's first calls, "
         f"compiling and computing. What it does not say: anything about Trainium or TPU speed. "
         f"XLA's CPU client is a test bed for the XLA path (graph cuts, static shapes, no "

@@ -95,6 +95,11 @@ def bench_train(
     from frugality.errors import UserError
 
     if device == "xla":
+        if only or baseline or no_memory:
+            raise UserError(
+                "--device xla: frugality on XLA and on the CPU backend; --only, --baseline and "
+                "--no-memory are for the race against peers"
+            )
         _bench_xla(recipe, precisions, batch, seq, steps, warmup, overrides, json_path, markdown_path)
         return
     resolved, names, batch, seq = _resolve(recipe, overrides, precisions, batch, seq)
@@ -148,9 +153,15 @@ def _bench_xla(recipe, precisions, batch, seq, steps, warmup, overrides, json_pa
     shape = [f"data.micro_batch_size={batch}", f"data.global_batch_size={batch}", f"data.seq_len={seq}"]
     if steps < 1:
         raise UserError("--steps must be positive")
-    total = warmup + steps  # XLA warms up over two steps; the loss is read (and timed) every step after
+    if warmup < 2:
+        raise UserError(f"--warmup {warmup}: XLA compiles over its first two steps; 2 or more")
     log = lambda line: click.echo(line, err=True)
-    rows = [row for name in names for row in bench_xla(recipe or "tiny", [*overrides, *shape], total, 1, name, log)]
+    # the loss read every --warmup steps: XLA runs that many steps between two reads, timed together
+    rows = [
+        row
+        for name in names
+        for row in bench_xla(recipe or "tiny", [*overrides, *shape], steps, warmup, name, log, warmup=warmup)
+    ]
     _write(markdown_table(rows), json.dumps(rows), markdown_path, json_path)
 
 

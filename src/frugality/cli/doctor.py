@@ -46,19 +46,14 @@ def doctor(recipe, nproc, max_mib, quick, overrides_thresholds, run_dir, overrid
     collectives (values, latency, bus bandwidth). Exit status 1 when a check fails."""
     from frugality.config.recipe import load_recipe
     from frugality.errors import UserError
-    from frugality.health import failed, markdown_table, thresholds
+    from frugality.health import failed, markdown_table, threshold_kind, thresholds
     from frugality.runtime.device import resolve_device
 
     resolved = load_recipe(recipe, list(overrides))
     device = resolve_device(resolved.train.device, what="frugality doctor", xla_ok=True)
-    kind = device.type
-    if kind == "xla":
-        from frugality import xla
-
-        if nproc > 1:
-            raise UserError("--nproc: an xla device's collectives are its SPMD partitioner's; doctor checks one device")
-        kind = "cpu" if xla.client() == "CPU" else "xla"
-    limits = thresholds(kind, list(overrides_thresholds))
+    if device.type == "xla" and nproc > 1:
+        raise UserError("--nproc: doctor on an xla device checks that one device; drop --nproc")
+    limits = thresholds(threshold_kind(device), list(overrides_thresholds))
     if worker_out:
         _collectives_worker(device, resolved.parallel.timeout_s, limits, max_mib, Path(worker_out))
         return

@@ -58,9 +58,18 @@ class Check:
         return asdict(self)
 
 
+def threshold_kind(device) -> str:
+    """Which thresholds a device is held to: its type, and for an XLA device its client's
+    kind (XLA's CPU client: the CPU's)."""
+    if device.type != "xla":
+        return device.type
+    from frugality import xla
+
+    return "cpu" if xla.client() == "CPU" else "xla"
+
+
 def thresholds(device_type: str, overrides: list[str] = ()) -> dict[str, float]:
-    """The device kind's thresholds with `NAME=VALUE` overrides applied (an XLA device: its
-    client's kind; XLA's CPU client is held to the CPU's)."""
+    """The device kind's thresholds (`threshold_kind`) with `NAME=VALUE` overrides applied."""
     values = dict(THRESHOLDS[device_type if device_type in ("cuda", "xla") else "cpu"])
     for item in overrides:
         name, sep, value = item.partition("=")

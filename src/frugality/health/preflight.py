@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from frugality.errors import UserError
-from frugality.health import FAIL, thresholds
+from frugality.health import FAIL, threshold_kind, thresholds
 from frugality.health.device import product_checks, stochastic_rounding_check
 from frugality.health.machine import free_disk_check
 
@@ -19,7 +19,7 @@ from frugality.health.machine import free_disk_check
 def preflight(device: torch.device, run_root: Path) -> int:
     """Run the checks; raise UserError naming what failed (here or on another rank).
     Returns how many checks passed on this rank."""
-    limits = thresholds(device.type)
+    limits = thresholds(threshold_kind(device))
     checks = product_checks(device, limits) + [
         stochastic_rounding_check(device, limits),
         free_disk_check(run_root, limits),
