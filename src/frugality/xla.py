@@ -170,3 +170,22 @@ def bitcast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     `view(dtype)` of a tensor not yet computed would run the graph so far, splitting a step."""
     load()
     return _bitcast_op()(x, to=_XLA_TYPES[dtype])
+
+
+def parallel_loader(steps, prefetch: int):
+    """torch_xla's `ParallelLoader` over an iterable of steps (each a list of CPU tensors):
+    a thread reads up to `prefetch` steps ahead and another copies them to the device
+    (split by rows over the mesh with SPMD), while the device runs the step before.
+    Returns (an iterator of the steps on the device, a function that stops both threads)."""
+    import torch_xla.distributed.parallel_loader as pl
+
+    load()
+    sharding = None
+    if spmd():
+        import torch_xla.distributed.spmd as xs
+
+        sharding = xs.ShardingSpec(mesh(), ("data", None))  # the rows of each micro-batch
+    loader = pl.ParallelLoader(
+        steps, [device()], loader_prefetch_size=prefetch, device_prefetch_size=prefetch, input_sharding=sharding
+    )
+    return iter(loader.per_device_loader(device())), loader.close

@@ -20,7 +20,7 @@ from frugality.tasks import get_task
 @dataclass
 class TrainingData:
     samples: PackedSamples | PairSamples
-    stream: TrainStream  # the training batches, in a resumable order
+    stream: TrainStream  # the training batches, in a resumable order (on XLA, a DevicePrefetchStream around it)
     val_batches: list  # this rank's forwards at each evaluation (tensors, or TextBatches of pairs)
     val_counted: int  # how many of them count (the rest keep the ranks in step)
     description: str  # for the run header: samples and tokens

@@ -24,6 +24,7 @@ from frugality.hardware import probe
 from frugality.health.preflight import preflight
 from frugality.interop.weights import WeightsSource, check_compatible, load_weights, resolve_source, stored_dtype
 from frugality.precision import resolve_policy
+from frugality.data.device_loader import DevicePrefetchStream
 from frugality.runtime.data import open_training_data
 from frugality.runtime.device import names_xla, resolve_device
 from frugality.runtime.host_memory import keep_freed_memory
@@ -107,6 +108,8 @@ def train(
         if device.type == "cpu":
             keep_freed_memory()  # see frugality.runtime.host_memory
         data = open_training_data(loads, progress, world.rank, world.world_size)
+        if device.type == "xla":  # the next steps copied to the device while it runs this one
+            data.stream = DevicePrefetchStream(data.stream)
         plan = rundir.plan_run(recipe, run_path, fresh)
         done = step_of(plan.resume_from) if plan.resume_from is not None else 0
         if done > stop_at:
@@ -181,6 +184,8 @@ def train(
             ) from None
         finally:
             callbacks.on_exit(state)
+            if isinstance(data.stream, DevicePrefetchStream):
+                data.stream.close()
         return TrainResult(
             run_path,
             start,
