@@ -19,12 +19,12 @@ import torch
 from frugality import distributed, xla
 from frugality.checkpoint import CheckpointManager, step_of
 from frugality.config.recipe import Recipe
+from frugality.data.device_loader import DevicePrefetchStream
 from frugality.errors import UserError
 from frugality.hardware import probe
 from frugality.health.preflight import preflight
 from frugality.interop.weights import WeightsSource, check_compatible, load_weights, resolve_source, stored_dtype
 from frugality.precision import resolve_policy
-from frugality.data.device_loader import DevicePrefetchStream
 from frugality.runtime.data import open_training_data
 from frugality.runtime.device import names_xla, resolve_device
 from frugality.runtime.host_memory import keep_freed_memory
