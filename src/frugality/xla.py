@@ -129,6 +129,53 @@ def version() -> str:
     return str(load().__version__)
 
 
+# PJRT clients whose executables torch_xla's persistent cache loads again. XLA's CPU client
+# writes them but cannot read them back ("Deserializing serialized executable not
+# supported"); Neuron's compiler keeps its own cache (NEURON_COMPILE_CACHE_URL).
+SERIALIZES = ("TPU", "CUDA")
+
+
+def requested_client() -> str:
+    """The PJRT client `PJRT_DEVICE` asks for (CPU when unset), without opening it."""
+    return (os.environ.get(ENV) or "CPU").upper()
+
+
+def kind() -> str:
+    """The device's generation where the client tells it (a TPU's version), else the client."""
+    name = client()
+    if name == "TPU":
+        import torch_xla.tpu
+
+        return f"TPU v{torch_xla.tpu.version()}"
+    return name
+
+
+def open_executable_cache(path: str) -> bool:
+    """Have XLA keep the executables it compiles under `path`, and look there before
+    compiling (torch_xla's persistent cache). Only before this process compiles its first
+    graph: False (nothing changed) after."""
+    torch_xla = load()
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():
+        return False
+    torch_xla.runtime.initialize_cache(path, readonly=False)
+    return True
+
+
+def persistent_cache_hits() -> int:
+    """Graphs loaded from the persistent cache instead of compiled, in this process."""
+    return int(load().debug.metrics.counter_value("PersistentCacheHit") or 0)
+
+
+def persistent_cache_misses() -> int:
+    """Graphs compiled and written to the persistent cache, in this process."""
+    return int(load().debug.metrics.counter_value("PersistentCacheMiss") or 0)
+
+
+def persistent_cache_unloadable() -> int:
+    """Graphs found in the persistent cache that this client could not load (the CPU client)."""
+    return int(load().debug.metrics.counter_value("PersistentCacheDeserializeFailure") or 0)
+
+
 def device_count() -> int:
     """The devices of the PJRT client (with SPMD, the one `device()` stands for all of them)."""
     return int(load().runtime.global_runtime_device_count())

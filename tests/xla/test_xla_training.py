@@ -160,4 +160,33 @@ def test_compile_on_xla_runs_the_runs_first_steps_and_sees_nothing_compiled_afte
     assert main(["compile", str(micro_recipe_file), "--device", "xla", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "compiled micro on XLA (CPU): " in out and "the step after the two of warm-up compiled nothing" in out
-    assert "not stored: XLA's CPU client cannot serialize executables" in out
+    assert "executables not stored (XLA's CPU client cannot load executables back" in out
+
+
+def test_the_trials_executables_are_the_runs_fetched_from_the_shared_cache(micro_recipe_file, tmp_path):
+    """compile.xla_executables = on, as on a TPU: the trial publishes its executables to the
+    shared cache, and a new process training the recipe fetches them and finds in them the
+    graph of every phase it runs (XLA's CPU client then fails to load them, as it says, and
+    compiles them again: on a TPU they load)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "FRUGALITY_CACHE": str(tmp_path / "local")}
+    sets = ["--set", "compile.xla_executables=on", "--set", f"compile.cache={tmp_path / 'shared'}"]
+
+    def cli(*args):
+        done = subprocess.run([sys.executable, "-m", "frugality", *args], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    out = cli("compile", str(micro_recipe_file), "--device", "xla", "--no-progress", *sets)
+    assert "0 loaded from the cache" in out and f"published to {tmp_path / 'shared'}" in out
+    entries = list((tmp_path / "shared").iterdir())
+    assert len(entries) == 1 and (entries[0] / "manifest.json").exists()
+    run = tmp_path / "run"
+    cli("train", str(micro_recipe_file), "--run-dir", str(run), "--no-progress", "--set", "train.device=xla", *sets)
+    stats = json.loads((run / "summary.json").read_text())["compile"]
+    assert stats["fetched"] and stats["cache"].endswith(entries[0].name)
+    assert stats["unloadable"] == stats["graphs"] > 0  # every graph the run asked for was there
+    assert not stats["published"]  # and nothing new to add

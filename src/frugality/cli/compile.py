@@ -39,13 +39,14 @@ def compile_(recipe, level, cache, overrides, ranks, device, no_progress) -> Non
     resolved = load_recipe(recipe, list(overrides) + extra)
     stats = compile_ahead(resolved, progress=not no_progress, ranks=ranks)
     if "xla_client" in stats:
-        kept = (
-            "not stored: XLA's CPU client cannot serialize executables, so a run compiles these graphs in its "
-            "first steps"
-            if stats["xla_client"] == "CPU"
-            else "kept by the runtime's own cache where it has one (Neuron: NEURON_COMPILE_CACHE_URL); "
-            "frugality's cache holds Inductor's graphs only"
-        )
+        if stats["cache"].startswith("none: "):
+            kept = f"executables not stored ({stats['cache'][6:]})"
+        else:
+            stored = "published to" if stats["published"] else "nothing new for"
+            kept = (
+                f"executables ({stats['cache_hits']} loaded from the cache, {stats['cache_misses']} compiled) "
+                f"{stored} {stats['cache']}"
+            )
         click.echo(
             f"compiled {resolved.name} on XLA ({stats['xla_client']}): {stats['graphs']} graphs in "
             f"{stats['compile_s']:.1f} s; "

@@ -76,6 +76,7 @@ class CompileStats:
     compile_s: float = 0.0  # time in dynamo + AOTAutograd + Inductor, cache loads included
     warm_up_s: float = 0.0  # wall time of each phase's first call (compiling and computing)
     recompiles: int = 0
+    unloadable: int = 0  # XLA: executables found in the cache that this PJRT client cannot load (the CPU client)
     fallbacks: list[str] = field(default_factory=list)
     recompile_reasons: list[str] = field(default_factory=list)
 
@@ -176,7 +177,7 @@ class CompileSession:
         if device.type == "xla":
             from frugality.compile.xla import XlaCompileSession
 
-            return XlaCompileSession(on_recompile=c.on_recompile)
+            return XlaCompileSession.for_recipe(recipe, policy.key)
         return cls(
             c.level,
             cache=c.cache,

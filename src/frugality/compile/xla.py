@@ -5,9 +5,14 @@ recompilation, counted from XLA's own metrics and warned about or stopped, as
 `compile.on_recompile` says. The shapes are static (packed blocks, length buckets), so one
 means a new code path or a changed shape.
 
-XLA's executables are not published to frugality's cache: the CPU client cannot serialize
-them, and on Trainium the Neuron compiler keeps its own cache of compiled graphs
-(`NEURON_COMPILE_CACHE_URL`, a directory or S3; docs/xla.md).
+XLA's executables go into frugality's shared cache (a directory or S3, signed with the
+fleet key) where the PJRT client can load them back (TPU, CUDA): torch_xla's persistent
+cache is opened in a local folder, filled from the cache entry before the first graph, and
+published when the session compiled something new. The entry's fingerprint is the
+Inductor cache's (model, batch shape, precision) with the torch_xla version, the device
+kind and count, and the data layout. XLA's CPU client writes executables but cannot read
+them back, and Neuron's compiler keeps its own cache (`NEURON_COMPILE_CACHE_URL`, a
+directory or S3; docs/xla.md): there `compile.xla_executables = "auto"` stores none.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from typing import Callable, TypeVar
 import torch
 
 from frugality import xla
-from frugality.compile.session import CompileStats, RecompileError, RecompileWarning
+from frugality.compile.cache import CompileCache, cache_url, fingerprint
+from frugality.compile.session import CompileStats, RecompileError, RecompileWarning, _fleet_key
+from frugality.paths import cache_dir
 
 T = TypeVar("T")
 
@@ -35,16 +42,61 @@ class XlaCompileSession:
     enabled = True
     WARM_UP = 2  # calls per phase (each length bucket's "train@48" its own)
 
-    def __init__(self, *, on_recompile: str) -> None:
+    def __init__(self, *, on_recompile: str, cache: CompileCache | None = None, why_none: str = "") -> None:
+        """`cache`: the entry of this run's executables (None: XLA keeps them with the
+        process; `why_none` says why). It is opened here: before the process compiles a graph."""
         self.on_recompile = on_recompile
-        self.stats = CompileStats(level=f"xla ({xla.client()})", cache="none: XLA executables stay with the runtime")
+        self.stats = CompileStats(level=f"xla ({xla.client()})", cache=f"none: {why_none}")
         self.warmed: set[str] = set()
         self._calls: dict[str, int] = {}
         self._seen = 0
+        self.cache, self._local = cache, None
+        if cache is not None:
+            self._local = cache_dir() / "xla-executables" / cache.name
+            self._local.mkdir(parents=True, exist_ok=True)
+            self.stats.fetched = cache.fetch(self._local).found
+            if xla.open_executable_cache(str(self._local)):
+                self.stats.cache, self.stats.signed = repr(cache), cache.signed
+            else:
+                self.cache = None
+                self.stats.cache = "none: this process compiled a graph before its cache could be opened"
+        self._misses = xla.persistent_cache_misses()
+
+    @classmethod
+    def for_recipe(cls, recipe, policy_key: str) -> "XlaCompileSession":
+        c = recipe.compile
+        client = xla.requested_client()
+        if c.xla_executables == "off":
+            return cls(on_recompile=c.on_recompile, why_none="compile.xla_executables is off")
+        if c.xla_executables == "auto" and client not in xla.SERIALIZES:
+            why = (
+                "Neuron's compiler keeps its own cache (NEURON_COMPILE_CACHE_URL)"
+                if client == "NEURON"
+                else f"XLA's {client} client cannot load executables back; each run compiles in its warm-up"
+            )
+            return cls(on_recompile=c.on_recompile, why_none=why)
+        fp = fingerprint(
+            model=recipe.model.model_dump(mode="json"),
+            micro_batch_size=recipe.data.micro_batch_size,
+            seq_len=recipe.data.seq_len,
+            precision=policy_key,
+            level="xla",
+            device=xla.device(),
+            options={
+                "torch_xla": xla.version(),
+                "kind": xla.kind(),
+                "devices": xla.device_count(),
+                "spmd": recipe.parallel.data if recipe.parallel.spmd else None,
+            },
+        )
+        cache = CompileCache(cache_url(c.cache), fp, _fleet_key(c.cache_key_env))
+        return cls(on_recompile=c.on_recompile, cache=cache)
 
     def start(self, model: torch.nn.Module) -> None:
         self._seen = self._base = xla.compilations()
         self._base_s = xla.compile_seconds()
+        self._hits = xla.persistent_cache_hits()
+        self._unloadable = xla.persistent_cache_unloadable()
 
     @contextlib.contextmanager
     def active(self, model: torch.nn.Module):
@@ -91,12 +143,18 @@ class XlaCompileSession:
         yield
 
     def _account(self) -> None:
-        self.stats.graphs = self.stats.cache_misses = xla.compilations() - self._base
+        self.stats.graphs = xla.compilations() - self._base
+        self.stats.cache_hits = xla.persistent_cache_hits() - self._hits
+        self.stats.cache_misses = self.stats.graphs - self.stats.cache_hits
+        self.stats.unloadable = xla.persistent_cache_unloadable() - self._unloadable
         self.stats.compile_s = round(xla.compile_seconds() - self._base_s, 3)
 
     def close(self) -> None:
         if getattr(self, "_base", None) is not None:
             self._account()
+        # what this process compiled and stored beside what it fetched: the entry grows
+        if self.cache is not None and xla.persistent_cache_misses() > self._misses and not self.stats.published:
+            self.stats.published = self.cache.publish(self._local) is not None
 
     def cleanup(self) -> None:
         pass

@@ -213,6 +213,12 @@ class CompileConfig(_Section):
         description="the torch.compile backend of O1 and O2: inductor (whose graphs the shared cache holds), or "
         "another registered one (TorchNeuron's neuron where its wheels are installed), compiled without the cache",
     )
+    xla_executables: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="on an xla device, XLA's executables kept in the shared cache beside Inductor's graphs: "
+        "auto where the PJRT client loads them back (TPU, CUDA; not XLA's CPU client, nor Neuron, whose "
+        "compiler keeps its own cache), on for any client, off for none",
+    )
 
 
 class ParallelConfig(_Section):
@@ -233,6 +239,17 @@ class ParallelConfig(_Section):
         default=True,
         description="fsdp/hsdp: free each block's gathered parameters after its forward "
         "(gathered again for backward); false keeps them, trading memory for one all-gather less",
+    )
+    tensor: PositiveInt = Field(
+        default=1,
+        description="tensor-parallel degree: each block's attention heads and MLP columns, the embedding's and "
+        "output layer's vocabulary split over this many ranks (consecutive ones: within a node); data parallel "
+        "takes the ranks left over",
+    )
+    sequence: bool = Field(
+        default=False,
+        description="with tensor > 1: sequence parallel, the norms and the residual stream split along the "
+        "sequence between the tensor-parallel layers (activations 1/tensor each)",
     )
     timeout_s: PositiveInt = Field(default=600, description="a collective waiting longer fails the run")
     spmd: bool = Field(

@@ -36,10 +36,21 @@ class World:
     world_size: int = 1
     local_rank: int = 0
     devices: int = 1  # the devices each process drives: SPMD's, all of its XLA client's
+    tensor: int = 1  # tensor-parallel degree: groups of this many consecutive ranks share each batch
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (those that read different batches)."""
+        return self.rank // self.tensor
+
+    @property
+    def data_size(self) -> int:
+        """The data-parallel ranks: the processes over the tensor-parallel degree."""
+        return self.world_size // self.tensor
 
     @property
     def distributed(self) -> bool:
@@ -153,9 +164,9 @@ def wrap(module: nn.Module, blocks, parallel: ParallelConfig, world: World, devi
       just before the block runs;
     - hsdp: the same within groups of `parallel.shard_size` ranks, the groups replicas of
       each other (gradients reduce-scattered in the group, then all-reduced across groups)."""
-    if not world.distributed:
+    if not world.distributed or world.data_size == 1:  # tensor parallel alone: nothing more to wrap
         return module
-    if parallel.data == "ddp":
+    if parallel.data == "ddp" and world.tensor == 1:
         ids = [device.index] if device.type == "cuda" else None
         # the models' buffers are constant tables (rotary): no broadcast of them every forward
         return DistributedDataParallel(module, device_ids=ids, forward_sync_buffers=False)
@@ -170,13 +181,44 @@ def wrap(module: nn.Module, blocks, parallel: ParallelConfig, world: World, devi
 def data_parallel_mesh(parallel: ParallelConfig, world: World, device: torch.device) -> DeviceMesh:
     """fsdp: one dimension over every rank; hsdp: (replicas, shard group) with groups of
     `parallel.shard_size` consecutive ranks (by default a node's processes, so that the
-    frequent all-gathers stay inside a node)."""
+    frequent all-gathers stay inside a node). With tensor parallel, the data-parallel part
+    of the world's mesh (`world_mesh`): ddp there is FSDP2's replication (shard groups of one)."""
+    if world.tensor > 1:
+        return world_mesh(parallel, world, device)["replicate", "shard"]
     if parallel.data == "fsdp":
         return init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("shard",))
     shard = shard_group_size(parallel, world)
     if world.world_size % shard:
         raise UserError(f"parallel.shard_size {shard}: must divide the number of processes ({world.world_size})")
     return init_device_mesh(device.type, (world.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def world_mesh(parallel: ParallelConfig, world: World, device: torch.device) -> DeviceMesh:
+    """The mesh of a run with tensor parallel: ("replicate", "shard", "tensor"), tensor
+    innermost (consecutive ranks: within a node), data parallel over the rest as
+    `parallel.data` says (ddp: all replicas; fsdp: all one shard group; hsdp: both)."""
+    dp = world.data_size
+    if parallel.data == "ddp":
+        shape = (dp, 1)
+    elif parallel.data == "fsdp":
+        shape = (1, dp)
+    else:
+        shard = parallel.shard_size or max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)) // world.tensor)
+        if dp % shard:
+            raise UserError(f"parallel.shard_size {shard}: must divide the data-parallel ranks ({dp})")
+        shape = (dp // shard, shard)
+    return _mesh(device.type, (*shape, world.tensor), ("replicate", "shard", "tensor"))
+
+
+_MESHES: dict = {}
+
+
+def _mesh(device_type: str, shape: tuple, names: tuple) -> DeviceMesh:
+    """One mesh (and one set of process groups) per shape in a process."""
+    key = (device_type, shape, names)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return _MESHES[key]
 
 
 def shard_group_size(parallel: ParallelConfig, world: World) -> int:
@@ -186,6 +228,10 @@ def shard_group_size(parallel: ParallelConfig, world: World) -> int:
 
 def describe(parallel: ParallelConfig, world: World) -> str:
     """The strategy as the run header states it."""
+    if world.tensor > 1:
+        if world.data_size == 1:
+            return f"tensor parallel {world.tensor} over {world.world_size} processes"
+        return f"{parallel.data} {world.data_size} x tensor parallel {world.tensor} over {world.world_size} processes"
     text = f"{parallel.data} over {world.world_size} processes"
     if parallel.data == "hsdp":
         shard = shard_group_size(parallel, world)

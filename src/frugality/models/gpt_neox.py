@@ -74,12 +74,13 @@ class Attention(nn.Module):
         self.attend = CausalAttention()
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        batch, seq, hidden = x.shape
-        qkv = self.qkv(x).view(batch, seq, self.num_heads, 3, self.head_size)
+        batch, seq, _ = x.shape
+        # heads from the projection's width: a tensor-parallel rank holds a share of them
+        qkv = self.qkv(x).view(batch, seq, -1, 3, self.head_size)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # (B, heads, T, head_size)
         rotary = self.rotary if self.rotary.dim else None
         y = self.attend(q, k, v, rotary) if cache is None else cache.attend(q, k, v, rotary)
-        return self.out(y.transpose(1, 2).reshape(batch, seq, hidden))
+        return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):

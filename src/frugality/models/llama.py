@@ -83,9 +83,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q(x).view(b, t, self.heads, self.head_size).transpose(1, 2)
-        k = self.k(x).view(b, t, self.kv_heads, self.head_size).transpose(1, 2)
-        v = self.v(x).view(b, t, self.kv_heads, self.head_size).transpose(1, 2)
+        # heads from the projections' widths: a tensor-parallel rank holds a share of them
+        q = self.q(x).view(b, t, -1, self.head_size).transpose(1, 2)
+        k = self.k(x).view(b, t, -1, self.head_size).transpose(1, 2)
+        v = self.v(x).view(b, t, -1, self.head_size).transpose(1, 2)
         y = self.attend(q, k, v, self.rotary) if cache is None else cache.attend(q, k, v, self.rotary)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 

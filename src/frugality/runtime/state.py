@@ -24,8 +24,9 @@ from torch import nn
 from frugality.compile.levels import check_backend
 from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
-from frugality.distributed import World, describe, gather_with_grad, wrap
+from frugality.distributed import World, describe, gather_with_grad, world_mesh, wrap
 from frugality.distributed.spmd import wrap_spmd
+from frugality.distributed.tensor_parallel import apply_tensor_parallel, loss_context
 from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.kernels.specialize import specialize
 from frugality.metrics.prices import check_cost
@@ -60,6 +61,10 @@ class TrainState:
     def autocast(self):
         return self.policy.autocast_context(self.device)
 
+    def loss_context(self):
+        """Around a forward and its backward: the loss over vocabulary shards under tensor parallel."""
+        return loss_context(self.world.tensor > 1)
+
 
 def check_recipe(recipe: Recipe, device: torch.device) -> None:
     """The checks `build_state` makes first (task and model family, precision on this
@@ -87,6 +92,7 @@ def build_state(
         unpad=recipe.compile.level == "O0",
     )
     policy, note = resolve_policy(recipe.train.precision, device)
+    compiled = CompileSession.for_recipe(recipe, device, policy)  # on XLA, its executable cache opens before any graph
     torch.manual_seed(recipe.seed)
     if device.type == "xla":  # initialised on the host, as on a CPU, so a seed gives the same weights
         model = policy.prepare_model(build_model(recipe.model)).to(device)
@@ -94,7 +100,11 @@ def build_state(
         with device:
             model = policy.prepare_model(build_model(recipe.model))
     frozen = freeze_unused(task, model)  # before any wrapping: DDP must not wait for their gradients
-    choices = specialize(model, device, policy)
+    if world.tensor > 1:  # the layers become DTensor layers: the kernels, written for whole tensors, step aside
+        mesh = world_mesh(recipe.parallel, world, device)["tensor"]
+        choices = [apply_tensor_parallel(model, mesh, recipe.parallel.sequence), "kernels: none under tensor parallel"]
+    else:
+        choices = specialize(model, device, policy)
     wrapped = task.training_module(model)
     own = {id(p) for p in wrapped.parameters()} - {id(p) for p in model.parameters()}
     if own:  # the optimizer and the checkpoints see the model's parameters only
@@ -106,7 +116,6 @@ def build_state(
         wrapped, line = wrap_spmd(wrapped, model, recipe.parallel)
         choices.append(line)
     optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed, fused=fused_update(recipe, device))
-    compiled = CompileSession.for_recipe(recipe, device, policy)
     notes = [note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")]
     if recipe.parallel.gather_negatives:
         notes.append(

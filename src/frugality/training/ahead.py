@@ -62,9 +62,9 @@ def compile_ahead(recipe: Recipe, progress: bool = True, ranks: int = 1) -> dict
 
 
 def _trial_on_xla(recipe: Recipe, progress: bool) -> dict:
-    """XLA compiles a run's graphs in its first steps, and frugality's cache does not hold
-    them (the CPU client cannot serialize an executable; Neuron's compiler keeps its own
-    cache, `NEURON_COMPILE_CACHE_URL`). The trial is the run's own first steps: every
+    """XLA compiles a run's graphs in its first steps; where the PJRT client loads
+    executables back (TPU, CUDA: `compile.xla_executables`), the trial's go into the shared
+    cache for the run to fetch (frugality.compile.xla). The trial is the run's own first steps: every
     micro-batch of a step (the first makes the gradients, the next add to them: two graphs),
     an evaluation at each, a checkpoint's save, through the warm-up (two calls a phase) and
     one step more, which must compile nothing (`compile.on_recompile = "error"`): the proof
@@ -81,8 +81,7 @@ def _trial_on_xla(recipe: Recipe, progress: bool) -> dict:
         update={
             "train": recipe.train.model_copy(
                 update={
-                    "eval_interval": 1,
-                    "eval_samples": recipe.data.micro_batch_size,
+                    "eval_interval": 1,  # the run's own validation set: one graph reads all its batches' losses
                     "save_interval": 2,
                     "keep_checkpoints": 1,
                 }

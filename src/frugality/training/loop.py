@@ -96,8 +96,8 @@ def step_tokens(state: TrainState, batches: list) -> int:
     if not state.world.distributed:
         return mine
     if not state.task.shape_key(batches[0]):
-        return mine * state.world.world_size
-    return int(all_sum([mine], state.device)[0])
+        return mine * state.world.data_size
+    return int(all_sum([mine], state.device)[0]) // state.world.tensor  # tensor-parallel ranks share batches
 
 
 def train_step(
@@ -123,11 +123,11 @@ def train_step(
     for i, batch in enumerate(micro_batches):
         # several ranks: gradients are reduced with the last micro-batch's backward only
         last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else no_sync(wrapped):
+        with contextlib.nullcontext() if last else no_sync(wrapped), state.loss_context():
             with state.autocast:
                 loss = wrapped(batch.to(state.device, non_blocking=True))
             (loss / len(micro_batches)).backward()
-        total += loss.detach()
+        total += _plain(loss.detach())
     max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
     clip = None
     if hasattr(optimizer, "clip_grad_norm_"):  # BF16AdamW: clipping folded into its update
@@ -182,6 +182,11 @@ def _train_step_xla(
     return loss, norm, rejected
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under tensor parallel, a replicated DTensor)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _first_nonfinite(model: torch.nn.Module, loss: float, norm: float) -> str | None:
     """None when the step may be applied; else the loss, or the first parameter (in the
     model's order) whose gradient holds a NaN or infinity on this rank."""
@@ -222,7 +227,7 @@ def validation_loss(state: TrainState) -> tuple[float, dict]:
     done = []
     on_xla = state.device.type == "xla"
     for batch in state.data.val_batches:
-        with state.autocast:
+        with state.autocast, state.loss_context():
             done.append(state.wrapped(batch.to(state.device), evaluate=True))
         if on_xla:
             xla.sync()  # a graph per batch; the losses are read once, below

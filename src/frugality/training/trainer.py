@@ -20,6 +20,7 @@ from frugality import distributed, xla
 from frugality.checkpoint import CheckpointManager, step_of
 from frugality.config.recipe import Recipe
 from frugality.data.device_loader import DevicePrefetchStream
+from frugality.distributed.tensor_parallel import check_tensor_parallel
 from frugality.errors import UserError
 from frugality.hardware import probe
 from frugality.health.preflight import preflight
@@ -96,7 +97,12 @@ def train(
     min_micro = get_task(recipe.train.task).min_micro_batch
     if recipe.parallel.spmd:
         world = replace(world, devices=xla.device_count())
-    ranks = world.devices if recipe.parallel.spmd else world.world_size
+    p = recipe.parallel
+    check_tensor_parallel(recipe.model, p.tensor, p.sequence, world.world_size, recipe.data.seq_len)
+    if p.tensor > 1:
+        _check_tensor_parallel_run(recipe, device)
+        world = replace(world, tensor=p.tensor)
+    ranks = world.devices if recipe.parallel.spmd else world.data_size
     recipe, batch_note = recipe.for_data_parallel(ranks, min_micro)
     loads = recipe  # what this process's data stream loads
     if recipe.parallel.spmd:
@@ -107,7 +113,7 @@ def train(
     with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
         if device.type == "cpu":
             keep_freed_memory()  # see frugality.runtime.host_memory
-        data = open_training_data(loads, progress, world.rank, world.world_size)
+        data = open_training_data(loads, progress, world.data_rank, world.data_size)
         if device.type == "xla":  # the next steps copied to the device while it runs this one
             data.stream = DevicePrefetchStream(data.stream)
         plan = rundir.plan_run(recipe, run_path, fresh)
@@ -193,6 +199,16 @@ def train(
             state.stop_requested,
             summary.evals if summary else {},
             summary.summary if summary else {},
+        )
+
+
+def _check_tensor_parallel_run(recipe: Recipe, device) -> None:
+    """What tensor parallel does not run with yet, one line each."""
+    if device.type == "xla":
+        raise UserError("parallel.tensor: on an xla device, tensor parallel is not built (parallel.spmd shares data)")
+    if recipe.train.task != "causal_lm":
+        raise UserError(
+            f"parallel.tensor: train.task {recipe.train.task} does not run tensor parallel yet (causal_lm does)"
         )
 
 
