@@ -108,12 +108,23 @@ def load_weights(source: WeightsSource, model: nn.Module) -> list[str]:
         _check_shapes({k: v.shape for k, v in state.items()}, ours, source.path, _optional(model))
         for name, tensor in ours.items():
             if name in state:
-                tensor.copy_(state[name])
+                tensor.copy_(_placed_like(state[name], tensor))
         return [name for name in ours if name not in state]
     theirs = _their_shapes(source)
     _check_shapes(theirs, ours, source.path, _optional(model))
     safe_load({"model": {k: v for k, v in ours.items() if k in theirs}}, source.path, no_dist=True)
     return [name for name in ours if name not in theirs]
+
+
+def _placed_like(full: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """`full`, split as `tensor` is where it is a DTensor (FSDP2, tensor parallel): this
+    rank's share of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(tensor, DTensor):
+        return full
+    full = full.to(tensor.device_mesh.device_type, tensor.dtype)
+    return distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
 
 
 def save_weights(

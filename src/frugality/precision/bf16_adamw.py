@@ -122,7 +122,8 @@ class BF16AdamW(torch.optim.Optimizer):
         self._fused = fused
         self._grad_scale = 1.0  # set by clip_grad_norm_, applied and reset by the next step
         self._flat: list[dict[str, torch.Tensor]] = []  # per group; empty for sharded groups
-        self._shard_starts: dict[torch.Tensor, int] = {}  # a shard's first element's index in its group
+        # each contiguous run of a rank's shard: (its first element's index in the group, in the shard, its length)
+        self._shard_runs: dict[torch.Tensor, list[tuple[int, int, int]]] = {}
         for group in self.param_groups:
             sharded = [isinstance(p, DTensor) for p in group["params"]]
             if any(sharded) and not all(sharded):
@@ -170,7 +171,7 @@ class BF16AdamW(torch.optim.Optimizer):
             if p.dtype != torch.bfloat16:
                 raise ValueError("BF16AdamW needs bfloat16 parameters")
             if isinstance(p, DTensor):
-                self._shard_starts[p] = offset + _shard_offset(p)
+                self._shard_runs[p] = [(offset + start, local, n) for start, local, n in _shard_runs(p)]
                 moments = {
                     name: DTensor.from_local(
                         torch.zeros_like(p.to_local()),
@@ -183,7 +184,7 @@ class BF16AdamW(torch.optim.Optimizer):
                     for name in ("exp_avg", "exp_avg_sq")
                 }
             else:
-                self._shard_starts[p] = offset
+                self._shard_runs[p] = [(offset, 0, p.numel())]
                 moments = {name: torch.zeros_like(p) for name in ("exp_avg", "exp_avg_sq")}
             self.state[p] = {"step": step, **moments}
             offset += p.numel()
@@ -194,6 +195,7 @@ class BF16AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._place_grads()
         for k, (group, flat) in enumerate(zip(self.param_groups, self._flat)):
             if not group["params"]:
                 continue
@@ -219,24 +221,23 @@ class BF16AdamW(torch.optim.Optimizer):
         """The global gradient norm (as torch.nn.utils.clip_grad_norm_ returns it), and
         clipping to `max_norm` folded into the next step: each gradient is scaled in float32
         as the update reads it, instead of in a separate bf16 pass over all of them."""
+        self._place_grads()
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             self._grad_scale = 1.0
             return torch.zeros((), dtype=torch.float32)
-        # On CPUs a C kernel (whatever `fused` says: every update path then clips by the
-        # same scale): one read of each gradient, where torch's bf16 norm ran at ~4 GB/s.
-        kernel = kernels.bf16_sum_squares() if grads[0].device.type == "cpu" else None
-        if kernel is not None:
-            threads = torch.get_num_threads()
-            local = map(_bf16_contiguous, map(_local, grads))
-            squares = sum(kernel(g.data_ptr(), g.numel(), threads) for g in local)
-            total = torch.tensor(math.sqrt(squares), dtype=torch.float32)
-        else:
-            total = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(_local(g), dtype=torch.float32) for g in grads])
+        if isinstance(grads[0], DTensor):
+            # each rank sums the squares of its shards, by the mesh dimensions they are split
+            # along (FSDP2's all alike; tensor parallel's differ), then with the ranks of those
+            by_split: dict[tuple, list] = {}
+            for g in grads:
+                by_split.setdefault(tuple(i for i, pl in enumerate(g.placements) if pl.is_shard()), []).append(g)
+            squares = sum(
+                _sum_over_shards(self._norm(gs).square(), gs[0]) for _, gs in sorted(by_split.items())
             )
-        if isinstance(grads[0], DTensor):  # each rank summed its shards: add the other shards' sums
-            total = _sum_over_shards(total.square(), grads[0]).sqrt()
+            total = squares.sqrt()
+        else:
+            total = self._norm(grads)
         if total.device.type == "xla":  # the scale stays on the device: no host read inside the step
             self._grad_scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # (a NaN norm stays NaN)
             return total
@@ -244,6 +245,30 @@ class BF16AdamW(torch.optim.Optimizer):
         # torch's formula, clamped to 1; a non-finite norm poisons the step, as it does there
         self._grad_scale = min(max_norm / (value + 1e-6), 1.0) if math.isfinite(value) else math.nan
         return total
+
+    @staticmethod
+    def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+        """The float32 norm of this rank's part of `grads`. On CPUs a C kernel (whatever
+        `fused` says: every update path then clips by the same scale): one read of each
+        gradient, where torch's bf16 norm ran at ~4 GB/s."""
+        kernel = kernels.bf16_sum_squares() if grads[0].device.type == "cpu" else None
+        if kernel is not None:
+            threads = torch.get_num_threads()
+            local = map(_bf16_contiguous, map(_local, grads))
+            squares = sum(kernel(g.data_ptr(), g.numel(), threads) for g in local)
+            return torch.tensor(math.sqrt(squares), dtype=torch.float32)
+        return torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(_local(g), dtype=torch.float32) for g in grads])
+        )
+
+    def _place_grads(self) -> None:
+        """Gradients placed as their parameters: a replicated parameter that saw a split
+        input (sequence parallel's norms) gets a partial sum from each rank, reduced here."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+                    p.grad = g.redistribute(p.device_mesh, p.placements)
 
     @staticmethod
     def _scalars(group: dict, index: int, step: int, grad_scale: float = 1.0) -> dict[str, float]:
@@ -333,9 +358,10 @@ class BF16AdamW(torch.optim.Optimizer):
                 _local(state["exp_avg_sq"]),
             ]
             if not all(t.is_contiguous() for t in local):
-                raise ValueError("BF16AdamW needs contiguous local shards (FSDP2 sharding on dim 0)")
+                raise ValueError("BF16AdamW needs contiguous local shards")
             flat = [t.view(-1) for t in local]
-            self._update_buffers(flat, self._shard_starts[p], scalars, stochastic)
+            for start, at, n in self._shard_runs[p]:  # one run for FSDP2's dim-0 shards, one per row for dim-1 ones
+                self._update_buffers([t[at : at + n] for t in flat], start, scalars, stochastic)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load, then move the loaded moments back into the flat buffers (the base class
@@ -385,13 +411,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _shard_offset(p: DTensor) -> int:
-    """The flat index, in the unsharded parameter, of this rank's shard's first element. FSDP2
-    shards dim 0, so a shard is a contiguous run of the flattened parameter."""
-    if any(pl.is_shard() and pl.dim != 0 for pl in p.placements):
-        raise ValueError(f"BF16AdamW shards along dim 0 only, not {p.placements}")
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return offset[0] * (p.numel() // p.shape[0] if p.shape[0] else 0)
+def _shard_runs(p: DTensor) -> list[tuple[int, int, int]]:
+    """This rank's shard of `p` as contiguous runs of the flattened unsharded parameter:
+    (the run's first flat index there, its first index in the local shard, its length).
+    FSDP2 shards dim 0 (and tensor parallel's column-wise layers too): one run; tensor
+    parallel's row-wise layers shard dim 1: a run per row."""
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    n = math.prod(shape)
+    if n == 0:
+        return []
+    if len(shape) == 1 or tuple(shape[1:]) == tuple(p.shape[1:]):
+        return [(offset[0] * math.prod(p.shape[1:]), 0, n)]
+    if len(shape) == 2:
+        rows, cols = shape
+        return [((offset[0] + r) * p.shape[1] + offset[1], r * cols, cols) for r in range(rows)]
+    raise ValueError(f"BF16AdamW shards 1-D and 2-D parameters only, not {tuple(p.shape)} as {p.placements}")
 
 
 def _sum_over_shards(value: torch.Tensor, like: DTensor) -> torch.Tensor:

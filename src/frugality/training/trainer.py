@@ -206,6 +206,11 @@ def _check_tensor_parallel_run(recipe: Recipe, device) -> None:
     """What tensor parallel does not run with yet, one line each."""
     if device.type == "xla":
         raise UserError("parallel.tensor: on an xla device, tensor parallel is not built (parallel.spmd shares data)")
+    if recipe.compile.level != "O0":
+        raise UserError(
+            f"parallel.tensor: compile.level {recipe.compile.level} does not run with tensor parallel yet "
+            "(Inductor fails on its DTensor blocks here); use compile.level O0"
+        )
     if recipe.train.task != "causal_lm":
         raise UserError(
             f"parallel.tensor: train.task {recipe.train.task} does not run tensor parallel yet (causal_lm does)"

@@ -1,0 +1,187 @@
+"""Tensor and sequence parallel on torchrun (gloo on CPU): the same losses as one process
+(GPT-NeoX, and Llama with grouped-query heads and tied embeddings), composed with FSDP2,
+under bf16-sr; a run that moves between layouts; export and --init-from at a layout; each
+bad combination one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from torchrun import losses, train
+
+from frugality.cli.main import main
+from frugality.config.recipe import load_recipe
+from frugality.distributed.tensor_parallel import check_tensor_parallel
+from frugality.errors import UserError
+
+LLAMA = {
+    'family = "gpt-neox"': 'family = "llama"\nnum_kv_heads = 2\nintermediate_size = 64\ntie_embeddings = true',
+    'name = "micro"': 'name = "micro-llama"',
+}
+
+
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory, micro_recipe_text):
+    folder = tmp_path_factory.mktemp("recipes")
+    llama = micro_recipe_text
+    for old, new in LLAMA.items():
+        llama = llama.replace(old, new)
+    (folder / "micro.toml").write_text(micro_recipe_text)
+    (folder / "micro-llama.toml").write_text(llama)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, recipes):
+    """One-process runs to compare with, each trained once: (recipe, precision) -> run dir."""
+    runs = {}
+
+    def run(name, precision="fp32"):
+        if (name, precision) not in runs:
+            runs[name, precision] = tmp_path_factory.mktemp("one-process")
+            train(recipes / f"{name}.toml", runs[name, precision], 1, "train.steps=10", f"train.precision={precision}")
+        return runs[name, precision]
+
+    return run
+
+
+def _close(ours, theirs, rel):
+    assert sorted(ours) == sorted(theirs)
+    for step in theirs:
+        assert ours[step] == pytest.approx(theirs[step], rel=rel), step
+
+
+@pytest.mark.parametrize(
+    "name, nproc, layout, precision, rel",
+    [
+        ("micro-llama", 2, ["parallel.tensor=2", "parallel.sequence=true"], "fp32", 1e-5),
+        ("micro", 2, ["parallel.tensor=2", "parallel.sequence=true"], "bf16-sr", 1e-3),
+        ("micro", 4, ["parallel.tensor=2", "parallel.data=fsdp"], "fp32", 1e-5),
+    ],
+    ids=["llama-tp2-sp", "neox-tp2-sp-bf16sr", "neox-tp2-fsdp2"],
+)
+def test_tensor_parallel_trains_as_one_process(recipes, one_process, tmp_path, name, nproc, layout, precision, rel):
+    straight = one_process(name, precision)
+    done = train(
+        recipes / f"{name}.toml", tmp_path / "run", nproc, "train.steps=10", f"train.precision={precision}", *layout
+    )
+    assert "tensor parallel over 2 ranks" in done.stdout and "kernels: none under tensor parallel" in done.stdout
+    _close(losses(tmp_path / "run"), losses(straight), rel)
+    _close(losses(tmp_path / "run", "eval"), losses(straight, "eval"), rel)
+
+
+def test_a_run_moves_between_layouts_and_exports_and_starts_from_hugging_face(recipes, one_process, tmp_path):
+    """TP 2, then FSDP2 on 2 ranks, then one process, each resuming the last's checkpoint
+    (DCP reshards): the straight run's losses, every sample consumed once; the TP run's
+    Hugging Face export holds the one-process run's weights; a TP 2 run starts from it."""
+    straight = one_process("micro")
+    moved = tmp_path / "moved"
+    recipe = recipes / "micro.toml"
+    for layout, nproc, until in [
+        ("parallel.tensor=2", 2, 3),
+        ("parallel.data=fsdp", 2, 6),
+        ("parallel.tensor=1", 1, 10),
+    ]:
+        train(
+            recipe, moved, nproc, "train.steps=10", "train.save_interval=3", layout, extra=["--until-step", str(until)]
+        )
+    _close(losses(moved), losses(straight), 1e-4)
+    summary = json.loads((moved / "summary.json").read_text())
+    assert summary["tokens_seen"] == 10 * 4 * 32  # 10 steps of the global batch, each sample once
+    tp = tmp_path / "tp"  # GPT-NeoX at TP 2 alone: the one-process losses too
+    train(recipe, tp, 2, "train.steps=10", "parallel.tensor=2")
+    _close(losses(tp), losses(straight), 1e-5)
+    for run in (tp, straight):
+        assert main(["export", "hf", str(run), "--out", str(tmp_path / f"hf-{run.name}")]) == 0
+    from safetensors.torch import load_file
+
+    ours, theirs = (
+        load_file(tmp_path / "hf-tp" / "model.safetensors"),
+        load_file(tmp_path / f"hf-{straight.name}" / "model.safetensors"),
+    )
+    assert ours.keys() == theirs.keys()
+    difference = sum((ours[n] - theirs[n]).square().sum() for n in ours) ** 0.5
+    assert difference / sum(theirs[n].square().sum() for n in ours) ** 0.5 < 1e-4
+    started = tmp_path / "started"
+    train(recipe, started, 2, "train.steps=2", "parallel.tensor=2", extra=["--init-from", str(tmp_path / "hf-tp")])
+    alone = tmp_path / "alone"
+    train(recipe, alone, 1, "train.steps=2", extra=["--init-from", str(tmp_path / "hf-tp")])
+    _close(losses(started), losses(alone), 1e-5)
+
+
+NOISE_RUNS = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from frugality.precision.bf16_adamw import _shard_runs
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tensor"))
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Linear(12, 8), torch.nn.Embedding(16, 8))
+parallelize_module(m, mesh["tensor"], {"0": ColwiseParallel(), "1": RowwiseParallel(), "2": RowwiseParallel()})
+fully_shard(m, mesh=mesh["replicate", "shard"])
+for name, p in m.named_parameters():
+    full, local = p.full_tensor().reshape(-1), p.to_local().reshape(-1)
+    runs = _shard_runs(p)
+    assert sum(n for _, _, n in runs) == local.numel(), name
+    for start, at, n in runs:
+        assert torch.equal(full[start : start + n], local[at : at + n]), (name, p.placements)
+print("ok", dist.get_rank())
+"""
+
+
+def test_bf16_sr_rounds_each_shard_with_the_noise_of_its_place_in_the_whole(tmp_path):
+    """Under TP 2 x FSDP2 2 (strided shards, row-wise shards of dim 1): each run of a rank's
+    shard names the elements of the unsharded parameter it holds, so the rounding noise,
+    hashed from that index, is the one-process run's."""
+    script = tmp_path / "runs.py"
+    script.write_text(NOISE_RUNS)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(done.stdout.split()) == sorted("ok 0 ok 1 ok 2 ok 3".split())
+
+
+def _config(**changes):
+    recipe = load_recipe("pythia-70m")
+    return recipe.model.model_copy(update=changes)
+
+
+@pytest.mark.parametrize(
+    "config, tensor, sequence, world, message",
+    [
+        ({}, 3, False, 8, "parallel.tensor 3: must divide the number of processes (8)"),
+        ({}, 16, False, 16, "the model's 8 heads do not divide among 16 ranks"),
+        ({"vocab_size": 50277}, 2, False, 4, "model.vocab_size (50277) is not a multiple of it"),
+        ({}, 1, True, 4, "parallel.sequence: needs parallel.tensor > 1"),
+    ],
+)
+def test_bad_combinations_are_one_line(config, tensor, sequence, world, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_tensor_parallel(_config(**config), tensor, sequence, world, seq_len=2048)
+
+
+def test_grouped_query_heads_and_other_families_are_checked():
+    llama = load_recipe("llama-135m").model  # 9 heads sharing 3 key-value heads
+    with pytest.raises(UserError, match="the model's 9 heads do not divide among 2 ranks"):
+        check_tensor_parallel(llama, 2, False, 2, seq_len=2048)
+    with pytest.raises(UserError, match="the model's 3 key-value heads do not divide among 9 ranks"):
+        check_tensor_parallel(llama.model_copy(update={"num_heads": 18, "hidden_size": 576 * 2}), 9, False, 9, 2048)
+    with pytest.raises(UserError, match="model family 'bert' has no tensor-parallel plan"):
+        check_tensor_parallel(load_recipe("bert-mlm").model, 2, False, 2, seq_len=128)
+
+
+def test_tensor_parallel_in_one_process_is_refused_before_anything_is_written(micro_recipe_file, tmp_path, capsys):
+    run = tmp_path / "run"
+    status = main(["train", str(micro_recipe_file), "--run-dir", str(run), "--set", "parallel.tensor=2"])
+    assert status == 2 and not run.exists()
+    assert "parallel.tensor 2: must divide the number of processes (1)" in capsys.readouterr().err

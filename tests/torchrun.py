@@ -1,0 +1,37 @@
+"""Runs of `frugality train` for the multi-process tests: in one process, or in several
+started by torchrun (gloo on CPU), and the losses a run logged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def train(recipe_file, run_dir, nproc: int, *overrides: str, extra=()) -> subprocess.CompletedProcess:
+    frugality = [
+        "-m",
+        "frugality",
+        "train",
+        str(recipe_file),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *(a for o in overrides for a in ("--set", o)),
+        *extra,
+    ]
+    launch = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc > 1
+        else [sys.executable]
+    )
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(launch + frugality, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def losses(run_dir, kind="train") -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == kind}
