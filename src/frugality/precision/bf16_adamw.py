@@ -232,9 +232,7 @@ class BF16AdamW(torch.optim.Optimizer):
             by_split: dict[tuple, list] = {}
             for g in grads:
                 by_split.setdefault(tuple(i for i, pl in enumerate(g.placements) if pl.is_shard()), []).append(g)
-            squares = sum(
-                _sum_over_shards(self._norm(gs).square(), gs[0]) for _, gs in sorted(by_split.items())
-            )
+            squares = sum(_sum_over_shards(self._norm(gs).square(), gs[0]) for _, gs in sorted(by_split.items()))
             total = squares.sqrt()
         else:
             total = self._norm(grads)
