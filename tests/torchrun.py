@@ -35,3 +35,18 @@ def train(recipe_file, run_dir, nproc: int, *overrides: str, extra=()) -> subpro
 def losses(run_dir, kind="train") -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if r["kind"] == kind}
+
+
+# A training script whose rank 1 dies in its third step, as on a lost node (argv: recipe, run dir).
+KILLED = """
+import os, sys
+from frugality.config.recipe import load_recipe
+from frugality.training import loop, trainer
+real = loop.train_step
+def step(state, batches, **kw):
+    if state.step == 2 and state.world.rank == 1:
+        os._exit(9)  # the process dies mid-run, as on a lost node
+    return real(state, batches, **kw)
+loop.train_step = step
+trainer.train(load_recipe(sys.argv[1]), run_dir=sys.argv[2], progress=False, tensorboard=False)
+"""

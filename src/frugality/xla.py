@@ -129,10 +129,11 @@ def version() -> str:
     return str(load().__version__)
 
 
-# PJRT clients whose executables torch_xla's persistent cache loads again. XLA's CPU client
-# writes them but cannot read them back ("Deserializing serialized executable not
-# supported"); Neuron's compiler keeps its own cache (NEURON_COMPILE_CACHE_URL).
-SERIALIZES = ("TPU", "CUDA")
+# PJRT clients whose executables torch_xla's persistent cache loads back. None with
+# torch_xla 2.9: the CPU client cannot deserialize them, nor can TPU (pytorch/xla #9094,
+# still open at 2.9.0; the fix, #9759, unmerged) or CUDA (#8930); Neuron's compiler keeps its
+# own cache (NEURON_COMPILE_CACHE_URL). `compile.xla_executables = "on"` stores them anyway.
+SERIALIZES: tuple[str, ...] = ()
 
 
 def requested_client() -> str:
@@ -144,9 +145,15 @@ def kind() -> str:
     """The device's generation where the client tells it (a TPU's version), else the client."""
     name = client()
     if name == "TPU":
-        import torch_xla.tpu
+        try:
+            from torch_xla._internal import tpu
 
-        return f"TPU v{torch_xla.tpu.version()}"
+            return f"TPU v{tpu.version()}"  # from the metadata server
+        except Exception:  # noqa: BLE001 - the client kind alone then keys the entry
+            return name
+    if name == "CUDA":
+        props = torch.cuda.get_device_properties(0)
+        return f"CUDA {props.name} {props.major}.{props.minor}"
     return name
 
 
@@ -221,8 +228,9 @@ def bitcast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def parallel_loader(steps, prefetch: int):
     """torch_xla's `ParallelLoader` over an iterable of steps (each a list of CPU tensors):
-    a thread reads up to `prefetch` steps ahead and another copies them to the device
-    (split by rows over the mesh with SPMD), while the device runs the step before.
+    a thread reads steps ahead and another copies them to the device (split by rows over
+    the mesh with SPMD), while the device runs the step before. Its queues hold `prefetch`
+    steps each: up to about 3 x `prefetch` + 1 steps are read ahead.
     Returns (an iterator of the steps on the device, a function that stops both threads)."""
     import torch_xla.distributed.parallel_loader as pl
 

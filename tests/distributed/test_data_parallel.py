@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun import losses, train
+from torchrun import KILLED, losses, train
 
 _train, _losses = train, losses
 
@@ -178,20 +178,6 @@ def test_frugality_train_nproc_starts_the_processes_itself(micro_recipe_file, tm
     # both ranks' energy, summed where they met (the evaluation at step 4 and the end)
     cost = json.loads((tmp_path / "run" / "summary.json").read_text())["cost"]
     assert cost["device_energy_j"] > 0 and "summed over 2 ranks" in cost["labels"]["energy"]
-
-
-KILLED = """
-import os, sys
-from frugality.config.recipe import load_recipe
-from frugality.training import loop, trainer
-real = loop.train_step
-def step(state, batches, **kw):
-    if state.step == 2 and state.world.rank == 1:
-        os._exit(9)  # the process dies mid-run, as on a lost node
-    return real(state, batches, **kw)
-loop.train_step = step
-trainer.train(load_recipe(sys.argv[1]), run_dir=sys.argv[2], progress=False, tensorboard=False)
-"""
 
 
 def test_a_rank_that_dies_ends_the_run_naming_it(micro_recipe_file, tmp_path):

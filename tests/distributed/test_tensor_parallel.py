@@ -74,42 +74,35 @@ def test_tensor_parallel_trains_as_one_process(recipes, one_process, tmp_path, n
 
 
 def test_a_run_moves_between_layouts_and_exports_and_starts_from_hugging_face(recipes, one_process, tmp_path):
-    """TP 2, then FSDP2 on 2 ranks, then one process, each resuming the last's checkpoint
-    (DCP reshards): the straight run's losses, every sample consumed once; the TP run's
-    Hugging Face export holds the one-process run's weights; a TP 2 run starts from it."""
+    """TP 2, then FSDP2 on 2 ranks, then one process, then pipeline parallel 2, each
+    resuming the last's checkpoint (DCP reshards; a stage holds the whole model's names for
+    its blocks): the straight run's losses, every sample consumed once. Its Hugging Face
+    export (from the pipeline's stages) holds the straight run's weights, and a TP 2 run
+    started from that export evaluates them as the straight run did."""
     straight = one_process("micro")
     moved = tmp_path / "moved"
     recipe = recipes / "micro.toml"
     for layout, nproc, until in [
         ("parallel.tensor=2", 2, 3),
-        ("parallel.data=fsdp", 2, 6),
-        ("parallel.tensor=1", 1, 10),
+        ("parallel.data=fsdp", 2, 5),
+        ("parallel.tensor=1", 1, 7),
+        ("parallel.pipeline=2", 2, 10),
     ]:
-        train(
-            recipe, moved, nproc, "train.steps=10", "train.save_interval=3", layout, extra=["--until-step", str(until)]
-        )
+        train(recipe, moved, nproc, "train.steps=10", layout, extra=["--until-step", str(until)])
     _close(losses(moved), losses(straight), 1e-4)
     summary = json.loads((moved / "summary.json").read_text())
     assert summary["tokens_seen"] == 10 * 4 * 32  # 10 steps of the global batch, each sample once
-    tp = tmp_path / "tp"  # GPT-NeoX at TP 2 alone: the one-process losses too
-    train(recipe, tp, 2, "train.steps=10", "parallel.tensor=2")
-    _close(losses(tp), losses(straight), 1e-5)
-    for run in (tp, straight):
+    for run in (moved, straight):
         assert main(["export", "hf", str(run), "--out", str(tmp_path / f"hf-{run.name}")]) == 0
     from safetensors.torch import load_file
 
-    ours, theirs = (
-        load_file(tmp_path / "hf-tp" / "model.safetensors"),
-        load_file(tmp_path / f"hf-{straight.name}" / "model.safetensors"),
-    )
+    ours, theirs = (load_file(tmp_path / f"hf-{run.name}" / "model.safetensors") for run in (moved, straight))
     assert ours.keys() == theirs.keys()
     difference = sum((ours[n] - theirs[n]).square().sum() for n in ours) ** 0.5
     assert difference / sum(theirs[n].square().sum() for n in ours) ** 0.5 < 1e-4
     started = tmp_path / "started"
-    train(recipe, started, 2, "train.steps=2", "parallel.tensor=2", extra=["--init-from", str(tmp_path / "hf-tp")])
-    alone = tmp_path / "alone"
-    train(recipe, alone, 1, "train.steps=2", extra=["--init-from", str(tmp_path / "hf-tp")])
-    _close(losses(started), losses(alone), 1e-5)
+    train(recipe, started, 2, "train.steps=2", "parallel.tensor=2", extra=["--init-from", str(tmp_path / "hf-moved")])
+    assert losses(started, "eval")[0] == pytest.approx(losses(straight, "eval")[10], rel=1e-4)
 
 
 NOISE_RUNS = """
@@ -148,7 +141,7 @@ def test_bf16_sr_rounds_each_shard_with_the_noise_of_its_place_in_the_whole(tmp_
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(done.stdout.split()) == sorted("ok 0 ok 1 ok 2 ok 3".split())
+    assert done.stdout.count("ok") == 4  # every rank (their lines may interleave)
 
 
 def _config(**changes):
@@ -180,8 +173,21 @@ def test_grouped_query_heads_and_other_families_are_checked():
         check_tensor_parallel(load_recipe("bert-mlm").model, 2, False, 2, seq_len=128)
 
 
-def test_tensor_parallel_in_one_process_is_refused_before_anything_is_written(micro_recipe_file, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (
+            ["parallel.tensor=2"],
+            "parallel.tensor 2: must divide the number of processes (1); tensor parallel runs on torchrun",
+        ),
+        (["parallel.tensor=2", "compile.level=O1"], "compile.level O1 does not run with tensor parallel yet"),
+        (["parallel.pipeline=2"], "parallel.pipeline 2 x parallel.tensor 1: must divide the number of processes (1)"),
+    ],
+)
+def test_model_parallel_layouts_it_cannot_run_are_refused_before_anything_is_written(
+    micro_recipe_file, tmp_path, capsys, sets, message
+):
     run = tmp_path / "run"
-    status = main(["train", str(micro_recipe_file), "--run-dir", str(run), "--set", "parallel.tensor=2"])
+    status = main(["train", str(micro_recipe_file), "--run-dir", str(run), *(a for s in sets for a in ("--set", s))])
     assert status == 2 and not run.exists()
-    assert "parallel.tensor 2: must divide the number of processes (1)" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

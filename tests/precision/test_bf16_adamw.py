@@ -187,3 +187,27 @@ def test_the_norm_kernel_matches_a_double_reference(n):
     assert kernel(x.data_ptr(), n, 2) == pytest.approx(expected, rel=1e-6)
     x[n // 2] = float("inf")
     assert kernel(x.data_ptr(), n, 2) == float("inf")  # a non-finite gradient poisons the step
+
+
+def test_a_shard_of_rows_rounds_each_element_with_the_noise_of_its_place_in_the_whole():
+    """Tensor parallel's row-wise layers shard dim 1: a rank's (8, 3) shard at column 5 of an
+    (8, 12) parameter updates in one pass, each element rounded as the one-process update
+    of the whole parameter rounds it."""
+    from frugality.precision.bf16_adamw import _update
+    from frugality.precision.stochastic_rounding import mix_key
+
+    torch.manual_seed(0)
+    whole = [torch.randn(8, 12).to(torch.bfloat16) for _ in range(2)] + [
+        (torch.rand(8, 12) * 0.1).to(torch.bfloat16) for _ in range(2)
+    ]
+    shard = [t[:, 5:8].contiguous() for t in whole]
+    f32 = {"lr": 1e-2, "beta1": 0.9, "one_minus_beta1": 0.1, "beta2": 0.99, "one_minus_beta2": 0.01}
+    f32 |= {"eps": 1e-8, "decay": 0.999, "bc1": 0.1, "bc2_sqrt": 0.1, "grad_scale": 1.0}
+    scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in f32.items()}
+    scalars["key"] = torch.tensor(mix_key(3, 0, 1), dtype=torch.int64)
+    start = torch.tensor(100 + 5, dtype=torch.int64)  # the parameter at 100 in its group, the shard at column 5
+    rows = (torch.tensor(3), torch.tensor(12))
+    _update(*(t.view(-1) for t in shard), start, **scalars, stochastic=True, rows=rows)
+    _update(*(t.view(-1) for t in whole), torch.tensor(100), **scalars, stochastic=True)
+    for a, b in zip(shard, whole):
+        assert torch.equal(a, b[:, 5:8])

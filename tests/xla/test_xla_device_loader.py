@@ -53,13 +53,24 @@ def test_steps_come_on_the_device_and_the_saved_position_is_the_last_handed_out(
 
 
 def test_an_error_reading_the_data_is_raised_in_training_not_lost_as_an_end(micro_recipe_file, monkeypatch):
+    """The reader thread fails at its fifth step's gather; training gets the four steps
+    read before it, then the error (not an end of the data)."""
     _, ahead = _streams(micro_recipe_file)
-    ahead.next_step()
+    gather, calls = ahead.stream.samples.gather, []
 
-    def broken(ids):
-        raise OSError("the dataset's .bin went away")
+    def failing(ids):
+        calls.append(ids)
+        if len(calls) > 8:  # two micro-batches a step: the fifth step
+            raise OSError("the dataset's .bin went away")
+        return gather(ids)
 
-    monkeypatch.setattr(ahead.stream.samples, "gather", broken)
-    with pytest.raises(OSError, match="went away"):
-        for _ in range(5):
-            ahead.next_step()
+    monkeypatch.setattr(ahead.stream.samples, "gather", failing)
+    delivered = 0
+    try:
+        with pytest.raises(OSError, match="went away"):
+            for _ in range(20):  # more than the loader can hold ahead
+                ahead.next_step()
+                delivered += 1
+    finally:
+        ahead.close()
+    assert delivered == 4

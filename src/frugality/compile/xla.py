@@ -5,21 +5,25 @@ recompilation, counted from XLA's own metrics and warned about or stopped, as
 `compile.on_recompile` says. The shapes are static (packed blocks, length buckets), so one
 means a new code path or a changed shape.
 
-XLA's executables go into frugality's shared cache (a directory or S3, signed with the
-fleet key) where the PJRT client can load them back (TPU, CUDA): torch_xla's persistent
-cache is opened in a local folder, filled from the cache entry before the first graph, and
-published when the session compiled something new. The entry's fingerprint is the
-Inductor cache's (model, batch shape, precision) with the torch_xla version, the device
-kind and count, and the data layout. XLA's CPU client writes executables but cannot read
-them back, and Neuron's compiler keeps its own cache (`NEURON_COMPILE_CACHE_URL`, a
-directory or S3; docs/xla.md): there `compile.xla_executables = "auto"` stores none.
+XLA's executables can go into frugality's shared cache (a directory or S3, signed with the
+fleet key): torch_xla's persistent cache is opened in a fresh local folder before the first
+graph, filled from the cache entry, and the entry is published again when the session
+compiled something new. The entry's fingerprint is the Inductor cache's (model, batch
+shape, precision) with the torch_xla version, the device kind (a TPU's generation, a GPU's
+name and capability), the device count and the SPMD layout. With torch_xla 2.9 no PJRT
+client loads executables back (the CPU client, TPU: pytorch/xla #9094, CUDA: #8930), and
+Neuron's compiler keeps its own cache (`NEURON_COMPILE_CACHE_URL`; docs/xla.md), so
+`compile.xla_executables = "auto"` stores none; "on" stores them anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
@@ -52,14 +56,17 @@ class XlaCompileSession:
         self._seen = 0
         self.cache, self._local = cache, None
         if cache is not None:
-            self._local = cache_dir() / "xla-executables" / cache.name
-            self._local.mkdir(parents=True, exist_ok=True)
+            # a fresh folder: only what the (verified) entry holds is loaded, and published again
+            root = cache_dir() / "xla-executables"
+            root.mkdir(parents=True, exist_ok=True)
+            self._local = Path(tempfile.mkdtemp(prefix=f"{cache.name}-", dir=root))
             self.stats.fetched = cache.fetch(self._local).found
             if xla.open_executable_cache(str(self._local)):
                 self.stats.cache, self.stats.signed = repr(cache), cache.signed
             else:
                 self.cache = None
                 self.stats.cache = "none: this process compiled a graph before its cache could be opened"
+                self.cleanup()
         self._misses = xla.persistent_cache_misses()
 
     @classmethod
@@ -72,7 +79,8 @@ class XlaCompileSession:
             why = (
                 "Neuron's compiler keeps its own cache (NEURON_COMPILE_CACHE_URL)"
                 if client == "NEURON"
-                else f"XLA's {client} client cannot load executables back; each run compiles in its warm-up"
+                else f"XLA's {client} client cannot load executables back with torch_xla {_xla_version()}; "
+                "each run compiles in its warm-up"
             )
             return cls(on_recompile=c.on_recompile, why_none=why)
         fp = fingerprint(
@@ -93,22 +101,27 @@ class XlaCompileSession:
         return cls(on_recompile=c.on_recompile, cache=cache)
 
     def start(self, model: torch.nn.Module) -> None:
-        self._seen = self._base = xla.compilations()
+        self._base = xla.compilations()
+        self._seen = _graphs_now()
         self._base_s = xla.compile_seconds()
         self._hits = xla.persistent_cache_hits()
         self._unloadable = xla.persistent_cache_unloadable()
 
     @contextlib.contextmanager
     def active(self, model: torch.nn.Module):
-        self.start(model)
-        yield self
+        try:
+            self.start(model)
+            yield self
+        finally:
+            self.close()
+            self.cleanup()
 
     def run(self, phase: str, step: int, fn: Callable[[], T], reset: Callable[[], None]) -> T:
         """A phase's first calls compile its graphs; a later call that compiles is reported.
         Only what the call itself compiles counts: reading tensors to the host elsewhere (a
         checkpoint's save) compiles small graphs of its own."""
         if phase in self.warmed:
-            before = xla.compilations()
+            before = _graphs_now()
             out = fn()
             self._seen = before
             self.check(step)
@@ -119,12 +132,12 @@ class XlaCompileSession:
         if self._calls[phase] >= self.WARM_UP:
             self.warmed.add(phase)
         self.stats.warm_up_s = round(self.stats.warm_up_s + time.perf_counter() - t0, 3)
-        self._seen = xla.compilations()
+        self._seen = _graphs_now()
         self._account()
         return out
 
     def check(self, step: int) -> list[str]:
-        now = xla.compilations()
+        now = _graphs_now()
         new, self._seen = now - self._seen, now
         if not new:
             return []
@@ -143,9 +156,10 @@ class XlaCompileSession:
         yield
 
     def _account(self) -> None:
-        self.stats.graphs = xla.compilations() - self._base
+        # a graph loaded from the persistent cache is not compiled: graphs are both kinds
         self.stats.cache_hits = xla.persistent_cache_hits() - self._hits
-        self.stats.cache_misses = self.stats.graphs - self.stats.cache_hits
+        self.stats.cache_misses = xla.compilations() - self._base
+        self.stats.graphs = self.stats.cache_misses + self.stats.cache_hits
         self.stats.unloadable = xla.persistent_cache_unloadable() - self._unloadable
         self.stats.compile_s = round(xla.compile_seconds() - self._base_s, 3)
 
@@ -157,4 +171,18 @@ class XlaCompileSession:
             self.stats.published = self.cache.publish(self._local) is not None
 
     def cleanup(self) -> None:
-        pass
+        if self._local is not None:
+            shutil.rmtree(self._local, ignore_errors=True)
+            self._local = None
+
+
+def _xla_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch_xla")
+
+
+def _graphs_now() -> int:
+    """Graphs this process has compiled or loaded from the persistent cache: a new one of
+    either kind after warm-up is a new shape or code path."""
+    return xla.compilations() + xla.persistent_cache_hits()

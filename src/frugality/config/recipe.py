@@ -216,8 +216,8 @@ class CompileConfig(_Section):
     xla_executables: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="on an xla device, XLA's executables kept in the shared cache beside Inductor's graphs: "
-        "auto where the PJRT client loads them back (TPU, CUDA; not XLA's CPU client, nor Neuron, whose "
-        "compiler keeps its own cache), on for any client, off for none",
+        "auto where the PJRT client loads them back (none with torch_xla 2.9; Neuron's compiler keeps its own "
+        "cache), on for any client, off for none",
     )
 
 
@@ -250,6 +250,22 @@ class ParallelConfig(_Section):
         default=False,
         description="with tensor > 1: sequence parallel, the norms and the residual stream split along the "
         "sequence between the tensor-parallel layers (activations 1/tensor each)",
+    )
+    pipeline: PositiveInt = Field(
+        default=1,
+        description="pipeline-parallel degree: the decoder cut into this many stages by blocks (the embedding "
+        "with the first, the final norm and output layer with the last), one a rank; data parallel takes the "
+        "ranks left over",
+    )
+    pipeline_schedule: Literal["auto", "gpipe", "1f1b", "interleaved-1f1b"] = Field(
+        default="auto",
+        description="gpipe: all forwards, then all backwards; 1f1b: at most `pipeline` micro-batches' "
+        "activations at once; interleaved-1f1b: two stages a rank, a smaller bubble; auto: 1f1b",
+    )
+    pipeline_microbatches: PositiveInt | None = Field(
+        default=None,
+        description="micro-batches a step drives through the stages, per data-parallel rank (it sets "
+        "data.micro_batch_size); default: the step's micro-batches as data.micro_batch_size makes them",
     )
     timeout_s: PositiveInt = Field(default=600, description="a collective waiting longer fails the run")
     spmd: bool = Field(

@@ -37,6 +37,7 @@ class World:
     local_rank: int = 0
     devices: int = 1  # the devices each process drives: SPMD's, all of its XLA client's
     tensor: int = 1  # tensor-parallel degree: groups of this many consecutive ranks share each batch
+    pipeline: int = 1  # pipeline-parallel degree: the stages, each on its own rank, share each batch too
 
     @property
     def is_main(self) -> bool:
@@ -45,12 +46,12 @@ class World:
     @property
     def data_rank(self) -> int:
         """This rank's place among the data-parallel ranks (those that read different batches)."""
-        return self.rank // self.tensor
+        return self.rank // (self.tensor * self.pipeline)
 
     @property
     def data_size(self) -> int:
-        """The data-parallel ranks: the processes over the tensor-parallel degree."""
-        return self.world_size // self.tensor
+        """The data-parallel ranks: the processes over the tensor- and pipeline-parallel degrees."""
+        return self.world_size // (self.tensor * self.pipeline)
 
     @property
     def distributed(self) -> bool:
@@ -183,7 +184,7 @@ def data_parallel_mesh(parallel: ParallelConfig, world: World, device: torch.dev
     `parallel.shard_size` consecutive ranks (by default a node's processes, so that the
     frequent all-gathers stay inside a node). With tensor parallel, the data-parallel part
     of the world's mesh (`world_mesh`): ddp there is FSDP2's replication (shard groups of one)."""
-    if world.tensor > 1:
+    if world.tensor > 1 or world.pipeline > 1:
         return world_mesh(parallel, world, device)["replicate", "shard"]
     if parallel.data == "fsdp":
         return init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("shard",))
@@ -194,20 +195,22 @@ def data_parallel_mesh(parallel: ParallelConfig, world: World, device: torch.dev
 
 
 def world_mesh(parallel: ParallelConfig, world: World, device: torch.device) -> DeviceMesh:
-    """The mesh of a run with tensor parallel: ("replicate", "shard", "tensor"), tensor
-    innermost (consecutive ranks: within a node), data parallel over the rest as
-    `parallel.data` says (ddp: all replicas; fsdp: all one shard group; hsdp: both)."""
+    """The mesh of a run with tensor or pipeline parallel: ("replicate", "shard",
+    "pipeline", "tensor"), tensor innermost (consecutive ranks: within a node), then the
+    pipeline stages, data parallel over the rest as `parallel.data` says (ddp: all
+    replicas; fsdp: all one shard group; hsdp: both)."""
     dp = world.data_size
     if parallel.data == "ddp":
         shape = (dp, 1)
     elif parallel.data == "fsdp":
         shape = (1, dp)
     else:
-        shard = parallel.shard_size or max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)) // world.tensor)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
+        shard = parallel.shard_size or max(1, local // (world.tensor * world.pipeline))
         if dp % shard:
             raise UserError(f"parallel.shard_size {shard}: must divide the data-parallel ranks ({dp})")
         shape = (dp // shard, shard)
-    return _mesh(device.type, (*shape, world.tensor), ("replicate", "shard", "tensor"))
+    return _mesh(device.type, (*shape, world.pipeline, world.tensor), ("replicate", "shard", "pipeline", "tensor"))
 
 
 _MESHES: dict = {}
@@ -228,6 +231,9 @@ def shard_group_size(parallel: ParallelConfig, world: World) -> int:
 
 def describe(parallel: ParallelConfig, world: World) -> str:
     """The strategy as the run header states it."""
+    if world.pipeline > 1:
+        rest = f" x {parallel.data} {world.data_size}" if world.data_size > 1 else ""
+        return f"pipeline parallel {world.pipeline}{rest} over {world.world_size} processes"
     if world.tensor > 1:
         if world.data_size == 1:
             return f"tensor parallel {world.tensor} over {world.world_size} processes"
@@ -318,5 +324,6 @@ def barrier() -> None:
 
 def shutdown() -> None:
     """Leave the process group, where one was joined (at the end of a command)."""
+    _MESHES.clear()  # their process groups go with it
     if dist.is_initialized():
         dist.destroy_process_group()

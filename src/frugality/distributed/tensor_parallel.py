@@ -45,7 +45,10 @@ def check_tensor_parallel(model_config, tensor: int, sequence: bool, world_size:
             raise UserError("parallel.sequence: needs parallel.tensor > 1 (it splits what tensor parallel replicates)")
         return
     if world_size % tensor:
-        raise UserError(f"parallel.tensor {tensor}: must divide the number of processes ({world_size})")
+        raise UserError(
+            f"parallel.tensor {tensor}: must divide the number of processes ({world_size}); tensor parallel "
+            "runs on torchrun (frugality train --nproc N, a multiple of it)"
+        )
     family = model_config.family
     if family not in PLANS:
         raise UserError(

@@ -22,5 +22,10 @@ def non_embedding_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) not in lookup)
 
 
-def training_flops_per_token(model: nn.Module, num_layers: int, hidden_size: int, seq_len: int) -> float:
-    return 6.0 * non_embedding_params(model) + 12.0 * num_layers * hidden_size * seq_len
+def training_flops_per_token(
+    model: nn.Module, num_layers: int, hidden_size: int, seq_len: int, params: int | None = None
+) -> float:
+    """`params`: the count of `non_embedding_params` where `model` is a part of the model (a
+    pipeline stage's: the count over every stage)."""
+    params = non_embedding_params(model) if params is None else params
+    return 6.0 * params + 12.0 * num_layers * hidden_size * seq_len

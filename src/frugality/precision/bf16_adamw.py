@@ -18,11 +18,15 @@ noise (element i of the group's flat buffer draws the same noise on every path);
 kernel and eager ops give identical bits. Parameters without a gradient are skipped, as
 torch's AdamW skips them.
 
-Sharded parameters (FSDP2's DTensors) are not moved into flat buffers: FSDP2 owns their
-storage. Each rank updates its local shard in place, its moments are DTensors of the same
-placement (so DCP saves and reshards them), and element i of a shard draws the noise of its
-index in the unsharded group, the index it has in one process: the rounding does not depend
-on the world size.
+Sharded parameters (DTensors: FSDP2's, tensor parallel's) are not moved into flat buffers:
+their owner keeps their storage. Each rank updates its local shard in place, its moments
+are DTensors of the same placement (so DCP saves and reshards them), and element i of a
+shard draws the noise of its index in the unsharded group, the index it has in one process:
+the rounding does not depend on the layout. A shard of dim 1 (tensor parallel's row-wise
+layers) is rows lying apart in the unsharded parameter: one pass still, its indices
+computed from (row length, row stride). Gradients are first placed as their parameters (a
+replicated norm under sequence parallel gets partial sums from each rank), and clipping
+sums each gradient's squares over the mesh dimensions it is split along.
 
 Memory: 2 + 2 + 2 + 2 = 8 bytes per parameter, against 16 for fp32 master weights,
 gradients and moments (the `fp32` and `amp-bf16` policies).
@@ -77,18 +81,24 @@ def _update(
     grad_scale: torch.Tensor,
     key: torch.Tensor,
     stochastic: bool,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """One AdamW step on flat bf16 buffers, in place. Scalars are 0-dim float32 tensors
     computed once by the caller (so a changing learning rate never recompiles), and the
-    operations and their order are exactly those of adamw_bf16_cpu.c."""
+    operations and their order are exactly those of adamw_bf16_cpu.c. Element j rounds with
+    the noise of index `start + j` in its group, or, given `rows` (cols, stride: 0-dim
+    int64), of `start + (j // cols) * stride + j % cols`."""
     g32 = g.float() * grad_scale
     m32 = m.float() * beta1 + g32 * one_minus_beta1
     v32 = v.float() * beta2 + (g32 * g32) * one_minus_beta2
     update = (m32 / bc1) / (v32.sqrt() / bc2_sqrt + eps)
     p32 = p.float() * decay - lr * update
     if stochastic:
-        index = start + torch.arange(p.numel(), device=p.device, dtype=torch.int64)
-        noise = noise16x3(index, key)
+        index = torch.arange(p.numel(), device=p.device, dtype=torch.int64)
+        if rows is not None:  # rows of `cols` elements, `stride` apart in the group (a shard of dim 1)
+            cols, stride = rows
+            index = (index // cols) * stride + index % cols
+        noise = noise16x3(start + index, key)
     else:
         noise = (None, None, None)
     p.copy_(round_to_bf16(p32, noise[0]))
@@ -217,10 +227,11 @@ class BF16AdamW(torch.optim.Optimizer):
         self._grad_scale = 1.0
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, sum_squares=None) -> torch.Tensor:
         """The global gradient norm (as torch.nn.utils.clip_grad_norm_ returns it), and
         clipping to `max_norm` folded into the next step: each gradient is scaled in float32
-        as the update reads it, instead of in a separate bf16 pass over all of them."""
+        as the update reads it, instead of in a separate bf16 pass over all of them.
+        `sum_squares`: adds the squared norms of the other pipeline stages' parameters."""
         self._place_grads()
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
@@ -236,6 +247,8 @@ class BF16AdamW(torch.optim.Optimizer):
             total = squares.sqrt()
         else:
             total = self._norm(grads)
+        if sum_squares is not None:
+            total = sum_squares(total.square()).sqrt()
         if total.device.type == "xla":  # the scale stays on the device: no host read inside the step
             self._grad_scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # (a NaN norm stays NaN)
             return total
@@ -306,16 +319,37 @@ class BF16AdamW(torch.optim.Optimizer):
     def _cpu_kernel(self, device: torch.device):
         return kernels.adamw_bf16_step() if self._fused and device.type == "cpu" else None
 
-    def _update_buffers(self, buffers: list[torch.Tensor], start: int, scalars: dict, stochastic: bool) -> None:
+    def _update_buffers(
+        self, buffers: list[torch.Tensor], start: int, scalars: dict, stochastic: bool, rows=None
+    ) -> None:
         """One pass over 1-D contiguous (weight, gradient, first and second moment) buffers
-        whose first element is element `start` of the group."""
+        whose first element is element `start` of the group; `rows` (cols, stride): they
+        hold rows of `cols` elements that lie `stride` apart in the group."""
         device, n = buffers[0].device, buffers[0].numel()
         if (kernel := self._cpu_kernel(device)) is not None:
             if "_floats" not in scalars:  # once per group and step: this runs per parameter
                 scalars["_floats"] = [float(scalars[k]) for k in _FLOAT_SCALARS]
-            p, g, m, v = (b.data_ptr() for b in buffers)
-            kernel(p, g, m, v, n, start, *scalars["_floats"], scalars["key"], int(stochastic), torch.get_num_threads())
+            cols, stride = rows if rows is not None and stochastic else (n, n)
+            for r in range(n // cols):  # the C kernel numbers contiguous runs: a call per row
+                p, g, m, v = (b[r * cols : (r + 1) * cols].data_ptr() for b in buffers)
+                first = start + r * stride
+                kernel(
+                    p,
+                    g,
+                    m,
+                    v,
+                    cols,
+                    first,
+                    *scalars["_floats"],
+                    scalars["key"],
+                    int(stochastic),
+                    torch.get_num_threads(),
+                )
             return
+        if rows is not None and stochastic:
+            rows = tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in rows)
+        else:
+            rows = None
         if "_tensors" not in scalars:  # once per group and step: on a GPU each is a host-to-device copy
             scalars["_tensors"] = _scalar_tensors(scalars, device)
         tensors = scalars["_tensors"]
@@ -324,7 +358,11 @@ class BF16AdamW(torch.optim.Optimizer):
                 self._compiled = torch.compile(_update, dynamic=True, fullgraph=True)
             try:
                 self._compiled(
-                    *buffers, torch.tensor(start, dtype=torch.int64, device=device), **tensors, stochastic=stochastic
+                    *buffers,
+                    torch.tensor(start, dtype=torch.int64, device=device),
+                    **tensors,
+                    stochastic=stochastic,
+                    rows=rows,
                 )
                 return
             except Exception as e:  # e.g. an Inductor C++ build failure on this machine
@@ -334,12 +372,17 @@ class BF16AdamW(torch.optim.Optimizer):
                 )
                 self._fused = False
         size = n if device.type == "xla" else _EAGER_CHUNK  # XLA traces one pass and fuses it: no chunks
+        if rows is not None:  # chunks of whole rows
+            cols, stride = (int(x) for x in rows)
+            size = max(cols, size // cols * cols)
         for chunk in range(0, n, size):
+            first = start + chunk if rows is None else start + chunk // cols * stride
             _update(
                 *(b[chunk : chunk + size] for b in buffers),
-                torch.tensor(start + chunk, dtype=torch.int64, device=device),
+                torch.tensor(first, dtype=torch.int64, device=device),
                 **tensors,
                 stochastic=stochastic,
+                rows=rows,
             )
 
     def _run_shards(self, group: dict, scalars: dict, stochastic: bool) -> None:
@@ -358,8 +401,11 @@ class BF16AdamW(torch.optim.Optimizer):
             if not all(t.is_contiguous() for t in local):
                 raise ValueError("BF16AdamW needs contiguous local shards")
             flat = [t.view(-1) for t in local]
-            for start, at, n in self._shard_runs[p]:  # one run for FSDP2's dim-0 shards, one per row for dim-1 ones
-                self._update_buffers([t[at : at + n] for t in flat], start, scalars, stochastic)
+            runs = self._shard_runs[p]
+            rows = None
+            if len(runs) > 1:  # a shard of dim 1: rows of equal length, equally far apart
+                rows = (runs[0][2], runs[1][0] - runs[0][0])
+            self._update_buffers(flat, runs[0][0], scalars, stochastic, rows)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load, then move the loaded moments back into the flat buffers (the base class

@@ -25,6 +25,7 @@ from frugality.compile.levels import check_backend
 from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
 from frugality.distributed import World, describe, gather_with_grad, world_mesh, wrap
+from frugality.distributed.pipeline import Pipeline, build_pipeline
 from frugality.distributed.spmd import wrap_spmd
 from frugality.distributed.tensor_parallel import apply_tensor_parallel, loss_context
 from frugality.kernels.dispatch import disabled as disabled_kernels
@@ -56,6 +57,7 @@ class TrainState:
     stop_requested: bool = False  # set by a signal or a policy: stop after this step, saved
     recent_losses: deque = field(default_factory=deque)  # applied steps' losses, for spike detection
     tokens_seen: int = 0  # every rank's tokens of every step so far (checkpointed: buckets make steps differ)
+    pipeline: Pipeline | None = None  # pipeline parallel: the schedule that runs the steps and evaluations
 
     @property
     def autocast(self):
@@ -105,11 +107,18 @@ def build_state(
         choices = [apply_tensor_parallel(model, mesh, recipe.parallel.sequence), "kernels: none under tensor parallel"]
     else:
         choices = specialize(model, device, policy)
-    wrapped = task.training_module(model)
+    pipeline = None
+    if world.pipeline > 1:  # the model becomes this rank's stages, driven by the schedule
+        accumulated = recipe.data.global_batch_size // (recipe.data.micro_batch_size * world.data_size)
+        pipeline, model = build_pipeline(model, recipe.parallel, world, device, accumulated)
+        wrapped = model
+        choices += [pipeline.describe(), describe(recipe.parallel, world)]
+    else:
+        wrapped = task.training_module(model)
     own = {id(p) for p in wrapped.parameters()} - {id(p) for p in model.parameters()}
     if own:  # the optimizer and the checkpoints see the model's parameters only
         raise RuntimeError(f"task {task.name}: its training module holds {len(own)} parameters of its own")
-    if world.distributed:
+    if world.distributed and pipeline is None:
         wrapped = wrap(wrapped, getattr(model, "layers", []), recipe.parallel, world, device)
         choices.append(describe(recipe.parallel, world))
     elif device.type == "xla" and recipe.parallel.spmd:
@@ -139,6 +148,7 @@ def build_state(
         data,
         world,
         recent_losses=deque(maxlen=recipe.train.loss_spike_window),
+        pipeline=pipeline,
     )
 
 

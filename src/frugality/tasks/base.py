@@ -56,6 +56,8 @@ class Task(ABC):
     needs_mask_token: ClassVar[bool] = False  # the tokenizer must have [MASK]
     perplexity: ClassVar[bool] = True  # its evaluations log exp(loss)
     runs_on_xla: ClassVar[bool] = False  # static shapes, no host reads in its step (docs/xla.md)
+    # its loss from the model's output layer alone: split by vocabulary (tensor parallel) or on the last stage
+    runs_model_parallel: ClassVar[bool] = False
 
     def __init__(self, setup: RunSetup = RunSetup()) -> None:
         self.setup = setup

@@ -30,6 +30,7 @@ class CausalLM(Task):
     families = ("gpt-neox", "llama")
     trains = "decoders"
     runs_on_xla = True
+    runs_model_parallel = True
 
     blocks = PackedBlocks()
 

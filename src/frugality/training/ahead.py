@@ -71,7 +71,8 @@ def _trial_on_xla(recipe: Recipe, progress: bool) -> dict:
     that the run after the warm-up compiles nothing new. Two micro-batches a step make both
     graphs (the count is no constant of the graph: XLA_NO_SPECIAL_SCALARS; with SPMD, whose
     micro-batches hold every device's rows, the recipe's own batch). The statistics,
-    with the client. compile.level and compile.cache do not apply on XLA."""
+    with the client. compile.level does not apply on XLA; compile.cache holds the executables where
+    compile.xla_executables stores them."""
     steps = min(XLA_TRIAL_STEPS, recipe.train.steps)
     accumulated = recipe.data.global_batch_size // recipe.data.micro_batch_size > 1
     micro_batches = recipe.data.micro_batch_size * (2 if accumulated else 1)

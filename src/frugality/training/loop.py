@@ -97,7 +97,8 @@ def step_tokens(state: TrainState, batches: list) -> int:
         return mine
     if not state.task.shape_key(batches[0]):
         return mine * state.world.data_size
-    return int(all_sum([mine], state.device)[0]) // state.world.tensor  # tensor-parallel ranks share batches
+    # the tensor- and pipeline-parallel ranks of a data-parallel rank share its batches
+    return int(all_sum([mine], state.device)[0]) // (state.world.world_size // state.world.data_size)
 
 
 def train_step(
@@ -117,6 +118,8 @@ def train_step(
     (None, None, None) comes back."""
     if state.device.type == "xla":
         return _train_step_xla(state, micro_batches, read)
+    if state.pipeline is not None:
+        return _train_step_pipeline(state, micro_batches)
     model, optimizer, wrapped = state.model, state.optimizer, state.wrapped
     wrapped.train()
     total = torch.zeros((), device=state.device)
@@ -144,6 +147,34 @@ def train_step(
         optimizer.step()
         state.recent_losses.append(loss)
     optimizer.zero_grad(set_to_none=True)  # (BF16AdamW: drops a pending clip scale too)
+    return loss, norm, rejected
+
+
+def _train_step_pipeline(state: TrainState, micro_batches: list) -> tuple[float, float, str | None]:
+    """A step through the pipeline's stages: its micro-batches are the schedule's; the loss
+    comes from the last stage, the gradient norm is summed over every stage's parameters."""
+    model, optimizer = state.model, state.optimizer
+    model.train()
+    batch = torch.cat([b.to(state.device) for b in micro_batches])
+    mean = state.pipeline.step(batch)
+    max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
+    over_stages = state.pipeline.sum_over_stages
+    clip = None
+    if hasattr(optimizer, "clip_grad_norm_"):  # BF16AdamW: clipping folded into its update
+        norm = optimizer.clip_grad_norm_(max_norm, sum_squares=over_stages)
+    else:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads, foreach=True)
+        local = local.full_tensor() if hasattr(local, "full_tensor") else local
+        norm = clip = over_stages(local.float().square()).sqrt()
+    loss, norm = all_mean(mean.item(), state.device), norm.item()
+    rejected = _first_nonfinite(model, loss, norm) or _spike(state, loss)
+    if rejected is None:
+        if clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, clip, foreach=True)
+        optimizer.step()
+        state.recent_losses.append(loss)
+    optimizer.zero_grad(set_to_none=True)
     return loss, norm, rejected
 
 
@@ -224,6 +255,8 @@ def validation_loss(state: TrainState) -> tuple[float, dict]:
     figures from the same forwards (contrastive: recall@k and MRR over every rank's
     held-out pairs)."""
     state.wrapped.eval()
+    if state.pipeline is not None:
+        return _validation_loss_pipeline(state)
     done = []
     on_xla = state.device.type == "xla"
     for batch in state.data.val_batches:
@@ -242,6 +275,19 @@ def validation_loss(state: TrainState) -> tuple[float, dict]:
         [sum(d.loss.item() * d.weight for d in counted if d.weight), sum(d.weight for d in counted)], state.device
     )
     return total / count, metrics
+
+
+def _validation_loss_pipeline(state: TrainState) -> tuple[float, dict]:
+    """The validation batches through the stages, forward only; each batch's mean loss
+    weighted by its rows (every rank holds it after the pipeline's broadcast)."""
+    n = state.data.val_counted
+    total = count = 0.0
+    for i, batch in enumerate(state.data.val_batches):
+        loss = state.pipeline.evaluate(batch.to(state.device)).item()
+        if i < n:
+            total, count = total + loss * batch.shape[0], count + batch.shape[0]
+    total, count = all_sum([total, count], state.device)
+    return total / count, {}
 
 
 def evaluate(state: TrainState, callbacks) -> float:

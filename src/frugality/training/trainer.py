@@ -20,6 +20,7 @@ from frugality import distributed, xla
 from frugality.checkpoint import CheckpointManager, step_of
 from frugality.config.recipe import Recipe
 from frugality.data.device_loader import DevicePrefetchStream
+from frugality.distributed.pipeline import check_pipeline
 from frugality.distributed.tensor_parallel import check_tensor_parallel
 from frugality.errors import UserError
 from frugality.hardware import probe
@@ -98,17 +99,24 @@ def train(
     if recipe.parallel.spmd:
         world = replace(world, devices=xla.device_count())
     p = recipe.parallel
-    check_tensor_parallel(recipe.model, p.tensor, p.sequence, world.world_size, recipe.data.seq_len)
     if p.tensor > 1:
         _check_tensor_parallel_run(recipe, device)
+    check_tensor_parallel(recipe.model, p.tensor, p.sequence, world.world_size, recipe.data.seq_len)
+    if p.tensor > 1:
         world = replace(world, tensor=p.tensor)
+    if p.pipeline > 1 or p.pipeline_microbatches:
+        recipe, world = _pipeline_layout(recipe, world, device)
     ranks = world.devices if recipe.parallel.spmd else world.data_size
     recipe, batch_note = recipe.for_data_parallel(ranks, min_micro)
+    if p.pipeline > 1:
+        accumulated = recipe.data.global_batch_size // (recipe.data.micro_batch_size * world.data_size)
+        check_pipeline(recipe.model, p, world.world_size, accumulated)
     loads = recipe  # what this process's data stream loads
     if recipe.parallel.spmd:
         loads, line = _spmd_batches(recipe, ranks)
         batch_note = f"{batch_note}; {line}" if batch_note else line
-    check_fits(recipe, resolve_policy(recipe.train.precision, device)[0], world.world_size, device)
+    if world.tensor == 1 and world.pipeline == 1:  # the plan does not model model-parallel layouts yet
+        check_fits(recipe, resolve_policy(recipe.train.precision, device)[0], world.world_size, device)
     passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
     with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
         if device.type == "cpu":
@@ -189,9 +197,9 @@ def train(
                 "checkpoints already written are kept"
             ) from None
         finally:
-            callbacks.on_exit(state)
-            if isinstance(data.stream, DevicePrefetchStream):
+            if isinstance(data.stream, DevicePrefetchStream):  # its threads first: on_exit may raise
                 data.stream.close()
+            callbacks.on_exit(state)
         return TrainResult(
             run_path,
             start,
@@ -202,16 +210,48 @@ def train(
         )
 
 
+def _pipeline_layout(recipe: Recipe, world, device) -> tuple[Recipe, object]:
+    """The world with its pipeline degree, and the recipe with the micro-batch that
+    `parallel.pipeline_microbatches` asks for; what pipeline parallel does not run with
+    yet, one line each."""
+    p = recipe.parallel
+    if p.pipeline > 1:
+        if world.world_size % (p.pipeline * p.tensor):
+            raise UserError(
+                f"parallel.pipeline {p.pipeline} x parallel.tensor {p.tensor}: must divide the number of "
+                f"processes ({world.world_size})"
+            )
+        if device.type == "xla":
+            raise UserError("parallel.pipeline: on an xla device, pipeline parallel is not built")
+        if not get_task(recipe.train.task).runs_model_parallel:
+            raise UserError(f"parallel.pipeline: train.task {recipe.train.task} is not pipelined yet (causal_lm is)")
+        world = replace(world, pipeline=p.pipeline)
+    if p.pipeline_microbatches:
+        per_rank = recipe.data.global_batch_size // max(1, world.data_size)
+        if per_rank % p.pipeline_microbatches:
+            raise UserError(
+                f"parallel.pipeline_microbatches {p.pipeline_microbatches}: must divide the {per_rank} samples "
+                "each data-parallel rank takes a step"
+            )
+        micro = per_rank // p.pipeline_microbatches
+        recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"micro_batch_size": micro})})
+    return recipe, world
+
+
 def _check_tensor_parallel_run(recipe: Recipe, device) -> None:
     """What tensor parallel does not run with yet, one line each."""
     if device.type == "xla":
         raise UserError("parallel.tensor: on an xla device, tensor parallel is not built (parallel.spmd shares data)")
+    if recipe.train.precision == "fp8":
+        raise UserError(
+            "parallel.tensor: train.precision fp8 does not run with tensor parallel yet (its linears are torchao's)"
+        )
     if recipe.compile.level != "O0":
         raise UserError(
             f"parallel.tensor: compile.level {recipe.compile.level} does not run with tensor parallel yet "
             "(Inductor fails on its DTensor blocks here); use compile.level O0"
         )
-    if recipe.train.task != "causal_lm":
+    if not get_task(recipe.train.task).runs_model_parallel:
         raise UserError(
             f"parallel.tensor: train.task {recipe.train.task} does not run tensor parallel yet (causal_lm does)"
         )

@@ -4,7 +4,9 @@ log's, and the summary's medians); the peak, in the summary's section."""
 
 from __future__ import annotations
 
-from frugality.metrics.flops import training_flops_per_token
+import torch
+
+from frugality.metrics.flops import non_embedding_params, training_flops_per_token
 from frugality.metrics.peak import mfu, peak_flops
 from frugality.training.callbacks import Callback
 
@@ -17,8 +19,12 @@ class Throughput(Callback):
 
     def on_train_start(self, state) -> None:
         r = state.recipe
+        params = None
+        if state.pipeline is not None:  # each rank holds its stages: the count over all of them
+            mine = torch.tensor([float(non_embedding_params(state.model))], device=state.device)
+            params = int(state.pipeline.sum_over_stages(mine).item())
         self.flops_per_token = training_flops_per_token(
-            state.model, r.model.num_layers, r.model.hidden_size, r.data.seq_len
+            state.model, r.model.num_layers, r.model.hidden_size, r.data.seq_len, params
         )
         self.peak = (
             r.metrics.peak_tflops * 1e12

@@ -1,0 +1,247 @@
+"""Pipeline parallel with `torch.distributed.pipelining`: the decoder cut into stages by
+blocks (the embedding with the first, the final norm and the output layer with the last),
+each stage on its own rank of the mesh's "pipeline" dimension, the step's micro-batches
+driven through them by a schedule (GPipe: all forwards, then all backwards; 1F1B: one
+forward, one backward in the steady state, so at most `stages` micro-batches' activations
+live at once; interleaved 1F1B: two stages a rank, a smaller bubble).
+
+Every rank builds the whole model from the recipe's seed and keeps its stage's parts, so
+every layout starts from the same weights; a stage module's parameter names are the whole
+model's ("layers.5.attn.qkv.weight"), so checkpoints (DCP: each rank writes its stage's
+keys) load at any layout and `export hf` consolidates them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from frugality.errors import UserError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def stages_per_rank(schedule: str) -> int:
+    return 2 if schedule == "interleaved-1f1b" else 1
+
+
+def resolve_schedule(schedule: str) -> str:
+    """`auto`: 1F1B, which holds the fewest micro-batches' activations of the schedules
+    that run every compile level (blocks are compiled inside the stages)."""
+    return "1f1b" if schedule == "auto" else schedule
+
+
+def check_pipeline(model_config, parallel, world_size: int, micro_batches: int) -> None:
+    """Bad combinations, one line each, before anything starts. `micro_batches`: those of
+    a step on each data-parallel rank."""
+    pipeline = parallel.pipeline
+    if pipeline == 1:
+        return
+    if world_size % (pipeline * parallel.tensor):
+        raise UserError(
+            f"parallel.pipeline {pipeline} x parallel.tensor {parallel.tensor}: must divide the number of "
+            f"processes ({world_size})"
+        )
+    if parallel.tensor > 1:
+        raise UserError("parallel.pipeline with parallel.tensor > 1: not built yet (each runs alone, or with data)")
+    if model_config.family not in ("gpt-neox", "llama"):
+        raise UserError(
+            f"parallel.pipeline: model family {model_config.family!r} is not cut into stages yet (the decoders are)"
+        )
+    if getattr(model_config, "tie_embeddings", False):
+        raise UserError(
+            "parallel.pipeline: tied embeddings would live on the first and the last stage; untie them "
+            "(model.tie_embeddings = false) to pipeline this model"
+        )
+    schedule = resolve_schedule(parallel.pipeline_schedule)
+    stages = pipeline * stages_per_rank(schedule)
+    if model_config.num_layers % stages:
+        raise UserError(
+            f"parallel.pipeline {pipeline}: the model's {model_config.num_layers} layers do not divide into "
+            f"{stages} stages" + (" (2 a rank: interleaved-1f1b)" if stages != pipeline else "")
+        )
+    if micro_batches < pipeline:
+        raise UserError(
+            f"parallel.pipeline {pipeline}: a step has {micro_batches} micro-batch(es) per data-parallel rank, "
+            f"fewer than the stages; lower data.micro_batch_size or set parallel.pipeline_microbatches"
+        )
+    if schedule == "interleaved-1f1b" and micro_batches % pipeline:
+        raise UserError(
+            f"parallel.pipeline_schedule interleaved-1f1b: the step's {micro_batches} micro-batches must be a "
+            f"multiple of parallel.pipeline ({pipeline})"
+        )
+
+
+class Stage(nn.Module):
+    """Blocks [start, stop) of a decoder, with the embedding on the first stage and the
+    final norm and output layer on the last; the whole model's parameter names."""
+
+    def __init__(self, model: nn.Module, start: int, stop: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.config = model.config
+        self.embed = model.embed if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, stop)})
+        self.final_norm = model.final_norm if last else None
+        self.output = model.output if last else None  # the loss function's: the logits never leave the stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.final_norm(h) if self.final_norm is not None else h
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.output.loss(hidden, targets)
+
+
+class StageGroup(nn.Module):
+    """A rank's stages (two under interleaved 1F1B), as one module for the optimizer and
+    the checkpoints: the parameter names are still the whole model's."""
+
+    def __init__(self, stages: list[Stage]) -> None:
+        super().__init__()
+        self.config = stages[0].config
+        self.embed = next((s.embed for s in stages if s.embed is not None), None)
+        self.layers = nn.ModuleDict({k: v for s in stages for k, v in s.layers.items()})
+        self.final_norm = next((s.final_norm for s in stages if s.final_norm is not None), None)
+        self.output = next((s.output for s in stages if s.output is not None), None)
+
+
+def cut(model: nn.Module, rank: int, size: int, schedule: str) -> list[Stage]:
+    """This pipeline rank's stages of `model`: stage s holds an equal share of the blocks;
+    rank r holds stages r, r + size, ... (the looped order interleaved schedules use)."""
+    per = stages_per_rank(schedule)
+    total = size * per
+    n = len(model.layers) // total
+    return [
+        Stage(model, s * n, (s + 1) * n, first=s == 0, last=s == total - 1)
+        for s in (rank + k * size for k in range(per))
+    ]
+
+
+class Pipeline:
+    """The schedule that drives a rank's stages through each step's micro-batches, and the
+    same stages' forward-only schedule for evaluation."""
+
+    def __init__(self, stages: list, modules: list[Stage], mesh: DeviceMesh, schedule: str, micro_batches: int) -> None:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        self.group = mesh.get_group()
+        self.size = mesh.size()
+        self.modules = modules
+        per = stages_per_rank(schedule)
+        total = self.size * per
+        rank = mesh.get_local_rank()
+        self.stages = [
+            PipelineStage(m, rank + k * self.size, total, _device(m), group=self.group) for k, m in enumerate(stages)
+        ]
+        self.first = any(s.is_first for s in self.stages)
+        self.last = any(s.is_last for s in self.stages)
+        loss = next((m.loss for m in modules if m.output is not None), _no_loss)
+        if schedule == "interleaved-1f1b":
+            self.train = ScheduleInterleaved1F1B(self.stages, micro_batches, loss_fn=loss)
+        else:
+            kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            self.train = kind(self.stages[0], micro_batches, loss_fn=loss)
+        self.schedule = schedule
+        self.micro_batches = micro_batches
+        self._runs, self._loss, self._rank, self._total = stages, loss, rank, total
+        self._evaluations: dict[tuple, object] = {}
+
+    def step(self, batch: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of a step's micro-batches (rows of `batch`, inputs and next
+        tokens); the gradients are those of the mean loss over them. Returns the mean loss,
+        on every stage (the last stage's, sent to the others)."""
+        losses: list[torch.Tensor] = []
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        args = (inputs,) if self.first else ()
+        self.train.step(*args, target=targets if self.last else None, losses=losses)
+        mean = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=batch.device)
+        return self._from_last(mean)
+
+    def evaluate(self, batch: torch.Tensor) -> torch.Tensor:
+        """The mean loss of `batch`'s rows, forward only, on every stage."""
+        losses: list[torch.Tensor] = []
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        args = (inputs,) if self.first else ()
+        self._evaluation(tuple(batch.shape)).eval(*args, target=targets if self.last else None, losses=losses)
+        mean = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=batch.device)
+        return self._from_last(mean)
+
+    def _evaluation(self, shape: tuple):
+        """A forward-only schedule of the same stage modules for batches of `shape`, each
+        one micro-batch (a validation batch need not split as a step's batch does; a stage
+        learns its shapes at its first use, so each shape has its own)."""
+        if shape not in self._evaluations:
+            from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
+
+            stages = [
+                PipelineStage(m, self._rank + k * self.size, self._total, _device(m), group=self.group)
+                for k, m in enumerate(self._runs)
+            ]
+            if len(stages) > 1:
+                self._evaluations[shape] = ScheduleLoopedBFS(stages, 1, loss_fn=self._loss)
+            else:
+                self._evaluations[shape] = ScheduleGPipe(stages[0], 1, loss_fn=self._loss)
+        return self._evaluations[shape]
+
+    def _from_last(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.float().clone()
+        dist.all_reduce(value, group=self.group)  # the other stages contribute zero
+        return value
+
+    def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the pipeline ranks (the squares of a gradient norm)."""
+        dist.all_reduce(value, group=self.group)
+        return value
+
+    def describe(self) -> str:
+        per = stages_per_rank(self.schedule)
+        blocks = sum(len(m.layers) for m in self.modules)
+        return (
+            f"pipeline parallel over {self.size} ranks ({self.schedule}, {self.size * per} stages of "
+            f"{blocks // per} blocks, {self.micro_batches} micro-batches a step)"
+        )
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _no_loss(hidden, targets):  # a rank without the last stage never calls it
+    raise RuntimeError("only the last stage computes the loss")
+
+
+def build_pipeline(model: nn.Module, parallel, world, device: torch.device, micro_batches: int):
+    """This rank's stages of `model` (whole, built from the seed), each wrapped for data
+    parallel over the ranks left over (DDP, or FSDP2 per block), and the schedule over
+    them; returns (the Pipeline, the stages as one module for the optimizer and the
+    checkpoints)."""
+    from frugality.distributed import world_mesh
+
+    mesh = world_mesh(parallel, world, device)
+    schedule = resolve_schedule(parallel.pipeline_schedule)
+    stages = cut(model, mesh["pipeline"].get_local_rank(), world.pipeline, schedule)
+    runs = [_data_parallel(s, parallel, world, mesh) for s in stages]
+    return Pipeline(runs, stages, mesh["pipeline"], schedule, micro_batches), StageGroup(stages)
+
+
+def _data_parallel(stage: Stage, parallel, world, mesh) -> nn.Module:
+    """A stage for data parallel over the ranks left over: FSDP2 per block and at the
+    stage's root on the mesh's data-parallel part (ddp there is FSDP2's replication, shard
+    groups of one: DDP's reducer does not follow a schedule's interleaved backwards)."""
+    if world.data_size == 1:
+        return stage
+    from torch.distributed.fsdp import fully_shard
+
+    dp = mesh["replicate", "shard"]
+    for block in stage.layers.values():
+        fully_shard(block, mesh=dp, reshard_after_forward=parallel.reshard_after_forward)
+    return fully_shard(stage, mesh=dp)

@@ -1,0 +1,121 @@
+"""Pipeline parallel on torchrun (gloo on CPU): each schedule gives one process's losses,
+alone and with data parallel; bf16-sr within 1e-3; a dead stage ends every rank, named;
+each bad combination one line. (A run moving through a pipeline layout:
+test_tensor_parallel.py.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from torchrun import KILLED, losses, train
+
+from frugality.config.recipe import load_recipe
+from frugality.distributed.pipeline import check_pipeline
+from frugality.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory, micro_recipe_text):
+    """The micro recipe, and one of 4 layers (two stages a rank for interleaved 1F1B)."""
+    folder = tmp_path_factory.mktemp("recipes")
+    (folder / "micro.toml").write_text(micro_recipe_text)
+    deeper = micro_recipe_text.replace("num_layers = 2", "num_layers = 4").replace('name = "micro"', 'name = "micro4"')
+    (folder / "micro4.toml").write_text(deeper)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, recipes):
+    runs = {}
+
+    def run(name, precision="fp32"):
+        if (name, precision) not in runs:
+            runs[name, precision] = tmp_path_factory.mktemp("one-process")
+            train(recipes / f"{name}.toml", runs[name, precision], 1, f"train.precision={precision}")
+        return runs[name, precision]
+
+    return run
+
+
+def _close(ours, theirs, rel):
+    assert sorted(ours) == sorted(theirs)
+    for step in theirs:
+        assert ours[step] == pytest.approx(theirs[step], rel=rel), step
+
+
+@pytest.mark.parametrize(
+    "name, nproc, layout, precision, rel",
+    [
+        ("micro4", 2, ["parallel.pipeline_schedule=gpipe"], "fp32", 1e-5),
+        ("micro4", 2, ["parallel.pipeline_schedule=interleaved-1f1b"], "fp32", 1e-5),
+        ("micro", 4, ["parallel.data=fsdp", "data.micro_batch_size=1"], "fp32", 1e-5),
+        ("micro", 2, [], "bf16-sr", 1e-3),
+    ],
+    ids=["gpipe", "interleaved-1f1b", "1f1b-fsdp2", "1f1b-bf16sr"],
+)
+def test_pipeline_trains_as_one_process(recipes, one_process, tmp_path, name, nproc, layout, precision, rel):
+    straight = one_process(name, precision)
+    done = train(
+        recipes / f"{name}.toml",
+        tmp_path / "run",
+        nproc,
+        "parallel.pipeline=2",
+        f"train.precision={precision}",
+        *layout,
+    )
+    assert "pipeline parallel over 2 ranks" in done.stdout
+    _close(losses(tmp_path / "run"), losses(straight), rel)
+    _close(losses(tmp_path / "run", "eval"), losses(straight, "eval"), rel)
+
+
+def test_a_stage_that_dies_ends_every_rank_naming_it(recipes, tmp_path):
+    """Rank 1, the last stage, dies before its third step; rank 0 waits for it inside the
+    schedule's first send, and torchrun ends it: a non-zero exit naming rank 1."""
+    recipe = tmp_path / "pipelined.toml"
+    recipe.write_text((recipes / "micro.toml").read_text() + "\n[parallel]\npipeline = 2\n")
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + [str(script), str(recipe), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "rank      : 1" in done.stderr and "exitcode  : 9" in done.stderr
+
+
+def _parallel(**keys):
+    return load_recipe("pythia-70m").parallel.model_copy(update=keys)
+
+
+@pytest.mark.parametrize(
+    "parallel, world, micro_batches, message",
+    [
+        (
+            _parallel(pipeline=3),
+            4,
+            8,
+            "parallel.pipeline 3 x parallel.tensor 1: must divide the number of processes (4)",
+        ),
+        (_parallel(pipeline=4), 4, 8, "the model's 6 layers do not divide into 4 stages"),
+        (_parallel(pipeline=2, pipeline_schedule="interleaved-1f1b"), 2, 8, "do not divide into 4 stages (2 a rank"),
+        (_parallel(pipeline=2), 2, 1, "a step has 1 micro-batch(es) per data-parallel rank, fewer than the stages"),
+        (_parallel(pipeline=2, tensor=2), 4, 8, "parallel.pipeline with parallel.tensor > 1: not built yet"),
+    ],
+)
+def test_bad_combinations_are_one_line(parallel, world, micro_batches, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_pipeline(load_recipe("pythia-70m").model, parallel, world, micro_batches)
+
+
+def test_tied_embeddings_and_encoders_are_not_pipelined():
+    with pytest.raises(UserError, match="tied embeddings would live on the first and the last stage"):
+        check_pipeline(load_recipe("llama-135m").model, _parallel(pipeline=2), 2, 8)
+    with pytest.raises(UserError, match="model family 'bert' is not cut into stages yet"):
+        check_pipeline(load_recipe("bert-mlm").model, _parallel(pipeline=2), 2, 8)
