@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+STEPS = "train.steps=10"  # a model-parallel test's runs, and the one-process run each is compared with
+
 
 def train(recipe_file, run_dir, nproc: int, *overrides: str, extra=()) -> subprocess.CompletedProcess:
     frugality = [
@@ -50,3 +52,12 @@ def step(state, batches, **kw):
 loop.train_step = step
 trainer.train(load_recipe(sys.argv[1]), run_dir=sys.argv[2], progress=False, tensorboard=False)
 """
+
+
+def assert_close(ours: dict, theirs: dict, rel: float) -> None:
+    """Two runs' losses step by step, within `rel`."""
+    import pytest
+
+    assert sorted(ours) == sorted(theirs)
+    for step in theirs:
+        assert ours[step] == pytest.approx(theirs[step], rel=rel), step

@@ -120,29 +120,6 @@ def _export_and_init_from_a_sharded_run(recipe_file, tmp_path, one, sharded):
     assert _losses(tmp_path / "from-sharded", "eval")[0] == pytest.approx(_losses(sharded, "eval")[8], rel=1e-6)
 
 
-def test_a_run_moves_between_strategies_and_world_sizes(micro_recipe_file, tmp_path, one_process):
-    """DDP at 2 ranks, then FSDP2 at 2 and one process, resuming each other's checkpoints:
-    the data position is global, and the losses are the straight run's. (HSDP's 4 processes
-    train in test_ranks_train_as_one_process_with_all_their_shares; on 2 cores a fourth leg
-    here cost 15 s.)"""
-    straight = one_process(micro_recipe_file, "fp32", 1)
-    moved = tmp_path / "moved"
-    for strategy, nproc, until in [("ddp", 2, 3), ("fsdp", 2, 6), ("ddp", 1, 8)]:
-        _train(
-            micro_recipe_file,
-            moved,
-            nproc,
-            f"parallel.data={strategy}",
-            "data.micro_batch_size=1",
-            "parallel.shard_size=2",
-            extra=["--until-step", str(until)],
-        )
-    losses, expected = _losses(moved), _losses(straight)
-    assert sorted(losses) == list(range(1, 9))
-    for step in range(1, 9):
-        assert losses[step] == pytest.approx(expected[step], rel=1e-4), step
-
-
 def test_frugality_train_nproc_starts_the_processes_itself(micro_recipe_file, tmp_path, one_process):
     """... and trains as one process would (the compiled variant, O1 inside the DDP wrapper, was
     checked by hand: about 90 s of compiling on one thread per rank, too slow for this suite)."""

@@ -10,48 +10,12 @@ import subprocess
 import sys
 
 import pytest
-from torchrun import losses, train
+from torchrun import STEPS, assert_close, losses, train
 
 from frugality.cli.main import main
 from frugality.config.recipe import load_recipe
 from frugality.distributed.tensor_parallel import check_tensor_parallel
 from frugality.errors import UserError
-
-LLAMA = {
-    'family = "gpt-neox"': 'family = "llama"\nnum_kv_heads = 2\nintermediate_size = 64\ntie_embeddings = true',
-    'name = "micro"': 'name = "micro-llama"',
-}
-
-
-@pytest.fixture(scope="module")
-def recipes(tmp_path_factory, micro_recipe_text):
-    folder = tmp_path_factory.mktemp("recipes")
-    llama = micro_recipe_text
-    for old, new in LLAMA.items():
-        llama = llama.replace(old, new)
-    (folder / "micro.toml").write_text(micro_recipe_text)
-    (folder / "micro-llama.toml").write_text(llama)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory, recipes):
-    """One-process runs to compare with, each trained once: (recipe, precision) -> run dir."""
-    runs = {}
-
-    def run(name, precision="fp32"):
-        if (name, precision) not in runs:
-            runs[name, precision] = tmp_path_factory.mktemp("one-process")
-            train(recipes / f"{name}.toml", runs[name, precision], 1, "train.steps=10", f"train.precision={precision}")
-        return runs[name, precision]
-
-    return run
-
-
-def _close(ours, theirs, rel):
-    assert sorted(ours) == sorted(theirs)
-    for step in theirs:
-        assert ours[step] == pytest.approx(theirs[step], rel=rel), step
 
 
 @pytest.mark.parametrize(
@@ -63,33 +27,39 @@ def _close(ours, theirs, rel):
     ],
     ids=["llama-tp2-sp", "neox-tp2-sp-bf16sr", "neox-tp2-fsdp2"],
 )
-def test_tensor_parallel_trains_as_one_process(recipes, one_process, tmp_path, name, nproc, layout, precision, rel):
-    straight = one_process(name, precision)
+def test_tensor_parallel_trains_as_one_process(
+    layout_recipes, one_process_run, tmp_path, name, nproc, layout, precision, rel
+):
+    straight = one_process_run(name, precision)
     done = train(
-        recipes / f"{name}.toml", tmp_path / "run", nproc, "train.steps=10", f"train.precision={precision}", *layout
+        layout_recipes / f"{name}.toml", tmp_path / "run", nproc, STEPS, f"train.precision={precision}", *layout
     )
     assert "tensor parallel over 2 ranks" in done.stdout and "kernels: none under tensor parallel" in done.stdout
-    _close(losses(tmp_path / "run"), losses(straight), rel)
-    _close(losses(tmp_path / "run", "eval"), losses(straight, "eval"), rel)
+    assert_close(losses(tmp_path / "run"), losses(straight), rel)
+    assert_close(losses(tmp_path / "run", "eval"), losses(straight, "eval"), rel)
 
 
-def test_a_run_moves_between_layouts_and_exports_and_starts_from_hugging_face(recipes, one_process, tmp_path):
-    """TP 2, then FSDP2 on 2 ranks, then one process, then pipeline parallel 2, each
-    resuming the last's checkpoint (DCP reshards; a stage holds the whole model's names for
-    its blocks): the straight run's losses, every sample consumed once. Its Hugging Face
-    export (from the pipeline's stages) holds the straight run's weights, and a TP 2 run
-    started from that export evaluates them as the straight run did."""
-    straight = one_process("micro")
+def test_a_run_moves_between_layouts_and_exports_and_starts_from_hugging_face(
+    layout_recipes, one_process_run, tmp_path
+):
+    """TP 2, then DDP on 2 ranks, then one process, then pipeline parallel 2, then TP 2 x
+    PP 2, each resuming the last's checkpoint (DCP reshards; a stage holds the whole model's
+    names for its blocks): the straight run's losses, every sample consumed once. Its
+    Hugging Face export (from TP 2 x PP 2's shards) holds the straight run's weights, and a
+    TP 2 run started from that export evaluates them as the straight run did."""
+    straight = one_process_run("micro")
     moved = tmp_path / "moved"
-    recipe = recipes / "micro.toml"
+    recipe = layout_recipes / "micro.toml"
     for layout, nproc, until in [
         ("parallel.tensor=2", 2, 3),
-        ("parallel.data=fsdp", 2, 5),
+        ("parallel.data=ddp", 2, 5),
         ("parallel.tensor=1", 1, 7),
-        ("parallel.pipeline=2", 2, 10),
+        ("parallel.pipeline=2", 2, 9),
+        ("parallel.pipeline=2 parallel.tensor=2", 4, 10),
     ]:
-        train(recipe, moved, nproc, "train.steps=10", layout, extra=["--until-step", str(until)])
-    _close(losses(moved), losses(straight), 1e-4)
+        sets = layout.split()
+        train(recipe, moved, nproc, "train.steps=10", *sets, extra=["--until-step", str(until)])
+    assert_close(losses(moved), losses(straight), 1e-4)
     summary = json.loads((moved / "summary.json").read_text())
     assert summary["tokens_seen"] == 10 * 4 * 32  # 10 steps of the global batch, each sample once
     for run in (moved, straight):

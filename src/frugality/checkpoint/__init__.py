@@ -275,7 +275,14 @@ class CheckpointManager:
         model_state, optim_state = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state, "extra": b""}
         safe_load(state, path)
+        hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # DCP keeps one rank's copy of the param groups' list: under pipeline parallel that
+        # rank's stage names only, so the other stages' groups come back without their
+        # hyperparameters; they are this run's own (the recipe's) again
+        for group, before in zip(optimizer.param_groups, hyper):
+            for key, value in before.items():
+                group.setdefault(key, value)
         extra = state["extra"]
         if not isinstance(extra, bytes):
             raise UserError(f"checkpoint {path}: its training state is a {type(extra).__name__}, not JSON")

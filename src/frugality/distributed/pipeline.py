@@ -44,8 +44,6 @@ def check_pipeline(model_config, parallel, world_size: int, micro_batches: int) 
             f"parallel.pipeline {pipeline} x parallel.tensor {parallel.tensor}: must divide the number of "
             f"processes ({world_size})"
         )
-    if parallel.tensor > 1:
-        raise UserError("parallel.pipeline with parallel.tensor > 1: not built yet (each runs alone, or with data)")
     if model_config.family not in ("gpt-neox", "llama"):
         raise UserError(
             f"parallel.pipeline: model family {model_config.family!r} is not cut into stages yet (the decoders are)"
@@ -163,7 +161,11 @@ class Pipeline:
         inputs, targets = batch[:, :-1], batch[:, 1:]
         args = (inputs,) if self.first else ()
         self.train.step(*args, target=targets if self.last else None, losses=losses)
-        mean = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=batch.device)
+        mean = (
+            torch.stack([_plain(x) for x in losses]).mean().detach()
+            if self.last
+            else torch.zeros((), device=batch.device)
+        )
         return self._from_last(mean)
 
     def evaluate(self, batch: torch.Tensor) -> torch.Tensor:
@@ -172,7 +174,11 @@ class Pipeline:
         inputs, targets = batch[:, :-1], batch[:, 1:]
         args = (inputs,) if self.first else ()
         self._evaluation(tuple(batch.shape)).eval(*args, target=targets if self.last else None, losses=losses)
-        mean = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=batch.device)
+        mean = (
+            torch.stack([_plain(x) for x in losses]).mean().detach()
+            if self.last
+            else torch.zeros((), device=batch.device)
+        )
         return self._from_last(mean)
 
     def _evaluation(self, shape: tuple):
@@ -211,8 +217,14 @@ class Pipeline:
         )
 
 
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under tensor parallel, a replicated DTensor)."""
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+
+
 def _device(module: nn.Module) -> torch.device:
-    return next(module.parameters()).device
+    p = next(module.parameters())
+    return p.to_local().device if hasattr(p, "to_local") else p.device
 
 
 def _no_loss(hidden, targets):  # a rank without the last stage never calls it

@@ -125,9 +125,14 @@ class BF16AdamW(torch.optim.Optimizer):
         rounding: Rounding = "stochastic",
         seed: int = 0,
         fused: bool = True,
+        index_of=None,
     ) -> None:
+        """`index_of`: a parameter's first element's index in its group of the whole model,
+        where the optimizer holds a part of it (a pipeline stage's): the noise then is that
+        of the whole model's update. Default: its place in this optimizer's group."""
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rounding=rounding, seed=seed)
         super().__init__(params, defaults)
+        self._index_of = index_of
         self._compiled: Callable | None = None
         self._fused = fused
         self._grad_scale = 1.0  # set by clip_grad_norm_, applied and reset by the next step
@@ -181,7 +186,8 @@ class BF16AdamW(torch.optim.Optimizer):
             if p.dtype != torch.bfloat16:
                 raise ValueError("BF16AdamW needs bfloat16 parameters")
             if isinstance(p, DTensor):
-                self._shard_runs[p] = [(offset + start, local, n) for start, local, n in _shard_runs(p)]
+                base = offset if self._index_of is None else self._index_of(p)
+                self._shard_runs[p] = [(base + start, local, n) for start, local, n in _shard_runs(p)]
                 moments = {
                     name: DTensor.from_local(
                         torch.zeros_like(p.to_local()),
@@ -194,7 +200,7 @@ class BF16AdamW(torch.optim.Optimizer):
                     for name in ("exp_avg", "exp_avg_sq")
                 }
             else:
-                self._shard_runs[p] = [(offset, 0, p.numel())]
+                self._shard_runs[p] = [(offset if self._index_of is None else self._index_of(p), 0, p.numel())]
                 moments = {name: torch.zeros_like(p) for name in ("exp_avg", "exp_avg_sq")}
             self.state[p] = {"step": step, **moments}
             offset += p.numel()
@@ -304,10 +310,12 @@ class BF16AdamW(torch.optim.Optimizer):
 
     def _run(self, group: dict, flat: dict, scalars: dict, stochastic: bool) -> None:
         names = ("param", "exp_avg", "exp_avg_sq")
-        if self._cpu_kernel(flat["param"].device) is not None:  # a call per parameter, no gathering
-            for start, n, grad in _segments(group["params"]):
+        if self._cpu_kernel(flat["param"].device) is not None or self._index_of is not None:
+            # a call per parameter, no gathering (a stage's parameters lie apart in the whole model)
+            for (start, n, grad), param in zip(_segments(group["params"]), _with_grads(group["params"])):
                 p, m, v = (flat[name][start : start + n] for name in names)
-                self._update_buffers([p, _bf16_contiguous(grad).view(-1), m, v], start, scalars, stochastic)
+                index = start if self._index_of is None else self._index_of(param)
+                self._update_buffers([p, _bf16_contiguous(grad).view(-1), m, v], index, scalars, stochastic)
             return
         # Runs of consecutive parameters that have gradients (usually the whole group), each
         # gradient run gathered into one buffer for one pass.
@@ -480,6 +488,11 @@ def _sum_over_shards(value: torch.Tensor, like: DTensor) -> torch.Tensor:
         if placement.is_shard():
             dist.all_reduce(value, group=like.device_mesh.get_group(dim))
     return value.cpu()
+
+
+def _with_grads(params: list[torch.Tensor]):
+    """The parameters `_segments` yields, in its order."""
+    return (p for p in params if p.grad is not None)
 
 
 def _segments(params: list[torch.Tensor]):

@@ -107,9 +107,10 @@ def build_state(
         choices = [apply_tensor_parallel(model, mesh, recipe.parallel.sequence), "kernels: none under tensor parallel"]
     else:
         choices = specialize(model, device, policy)
-    pipeline = None
+    pipeline, whole = None, None
     if world.pipeline > 1:  # the model becomes this rank's stages, driven by the schedule
         accumulated = recipe.data.global_batch_size // (recipe.data.micro_batch_size * world.data_size)
+        whole = model
         pipeline, model = build_pipeline(model, recipe.parallel, world, device, accumulated)
         wrapped = model
         choices += [pipeline.describe(), describe(recipe.parallel, world)]
@@ -124,7 +125,9 @@ def build_state(
     elif device.type == "xla" and recipe.parallel.spmd:
         wrapped, line = wrap_spmd(wrapped, model, recipe.parallel)
         choices.append(line)
-    optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed, fused=fused_update(recipe, device))
+    optimizer = build_optimizer(
+        model, recipe.optim, policy, seed=recipe.seed, fused=fused_update(recipe, device), whole=whole
+    )
     notes = [note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")]
     if recipe.parallel.gather_negatives:
         notes.append(

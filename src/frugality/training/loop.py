@@ -156,7 +156,8 @@ def _train_step_pipeline(state: TrainState, micro_batches: list) -> tuple[float,
     model, optimizer = state.model, state.optimizer
     model.train()
     batch = torch.cat([b.to(state.device) for b in micro_batches])
-    mean = state.pipeline.step(batch)
+    with state.loss_context():  # the schedule runs the forwards and the backwards
+        mean = state.pipeline.step(batch)
     max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
     over_stages = state.pipeline.sum_over_stages
     clip = None
@@ -283,7 +284,8 @@ def _validation_loss_pipeline(state: TrainState) -> tuple[float, dict]:
     n = state.data.val_counted
     total = count = 0.0
     for i, batch in enumerate(state.data.val_batches):
-        loss = state.pipeline.evaluate(batch.to(state.device)).item()
+        with state.loss_context():
+            loss = state.pipeline.evaluate(batch.to(state.device)).item()
         if i < n:
             total, count = total + loss * batch.shape[0], count + batch.shape[0]
     total, count = all_sum([total, count], state.device)

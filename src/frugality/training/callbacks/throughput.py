@@ -20,7 +20,7 @@ class Throughput(Callback):
     def on_train_start(self, state) -> None:
         r = state.recipe
         params = None
-        if state.pipeline is not None:  # each rank holds its stages: the count over all of them
+        if getattr(state, "pipeline", None) is not None:  # each rank holds its stages: the count over all of them
             mine = torch.tensor([float(non_embedding_params(state.model))], device=state.device)
             params = int(state.pipeline.sum_over_stages(mine).item())
         self.flops_per_token = training_flops_per_token(
