@@ -101,3 +101,26 @@ def test_plan_command_prints_rows_and_refuses_bad_input(micro_recipe_file, tmp_p
     assert main(["plan", str(micro_recipe_file), "--json", str(out)]) == 2  # never overwritten
     assert main(["plan", str(micro_recipe_file), "--strategy", "zero"]) == 2
     assert "--strategy zero: choose from ddp, fsdp, hsdp" in capsys.readouterr().err
+
+
+def test_the_model_parallel_plans_in_the_docs_are_the_commands_rows(capsys):
+    """docs/distributed.md's tables under `--tensor T --pipeline P`: each is what its command
+    prints now (the issue's GPT-NeoX-20B at TP 8 x PP 4 on 32 devices of 32 and 80 GB)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from frugality.cli.main import main
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text()
+    section = text[text.index("### Tensor and pipeline parallel: `--tensor T --pipeline P`") :]
+    section = section[: section.index("\n## ")]
+    blocks = re.findall(r"`(frugality plan [^`]+)`\n\n\|[^\n]+\n\|[^\n]+\n((?:\|[^\n]+\n)+)", section)
+    assert len(blocks) == 6 and any("--tensor 8 --pipeline 4 --memory 32" in c for c, _ in blocks)
+    for command, rows in blocks:
+        assert main(shlex.split(command)[1:]) == 0
+        printed = [
+            line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "recipe |" not in line
+        ]
+        assert printed == rows.strip().splitlines(), command
+    assert "| yes (32.0) |" in section and "| no (32.0) |" in section  # a verdict either way

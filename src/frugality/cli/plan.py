@@ -20,16 +20,20 @@ import click
     type=click.FloatRange(min=0, min_open=True),
     help="Device memory per rank in GiB [default: this machine's GPU, or its RAM shared by the ranks].",
 )
+@click.option("--tensor", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel degree.")
+@click.option("--pipeline", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the plans as JSON (a new file).")
-def plan(recipe, nprocs, strategies, memory_gib, overrides, json_path) -> None:
+def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, overrides, json_path) -> None:
     """Memory per rank for RECIPE at each process count and strategy: weights, gradients,
     optimizer state, what is gathered in flight and one micro-batch's activations, and
-    whether it fits the device (see frugality.runtime.plan for what is counted)."""
+    whether it fits the device (see frugality.runtime.plan for what is counted). With
+    --tensor and --pipeline: the heaviest rank of that layout, data parallel over the
+    ranks left over, activations for the micro-batches its schedule keeps in flight."""
     from frugality.cli.options import comma_ints, comma_names
     from frugality.config.recipe import DATA_PARALLEL, load_recipe
     from frugality.errors import UserError
-    from frugality.runtime.plan import HEADROOM, markdown_rows, plan_memory
+    from frugality.runtime.plan import HEADROOM, markdown_rows, plan_memory, plan_model_parallel
 
     resolved = load_recipe(recipe, list(overrides))
     counts = comma_ints(nprocs, "--nproc")
@@ -38,9 +42,13 @@ def plan(recipe, nprocs, strategies, memory_gib, overrides, json_path) -> None:
         raise UserError(f"--json {json_path}: exists; choose another path or remove it")
     plans = []
     for n in counts:
-        for strategy in names if n > 1 else names[:1]:  # one process: no strategy applies
+        data_ranks = n // (tensor * pipeline) if n % (tensor * pipeline) == 0 else n
+        for strategy in names if data_ranks > 1 else names[:1]:  # one data-parallel rank: no strategy applies
             memory = int(memory_gib * 2**30) if memory_gib else _device_memory(n)
-            plans.append(plan_memory(resolved, n, strategy, memory))
+            if tensor > 1 or pipeline > 1:
+                plans.append(plan_model_parallel(resolved, n, strategy, tensor, pipeline, memory))
+            else:
+                plans.append(plan_memory(resolved, n, strategy, memory))
     click.echo(markdown_rows(plans))
     if resolved.train.precision == "auto":
         click.echo(

@@ -58,6 +58,9 @@ class MemoryPlan:
     in_flight: int
     activations: int
     device_memory: int | None = None
+    tensor: int = 1  # tensor-parallel degree
+    pipeline: int = 1  # pipeline stages
+    micro_batches_in_flight: int = 1  # whose activations a rank holds at once (a pipeline schedule's)
 
     @property
     def total(self) -> int:
@@ -120,6 +123,93 @@ def plan_memory(
         activations,
         device_memory,
     )
+
+
+def plan_model_parallel(
+    recipe: Recipe,
+    nproc: int,
+    strategy: str,
+    tensor: int,
+    pipeline: int,
+    device_memory: int | None = None,
+    policy: PrecisionPolicy | None = None,
+) -> MemoryPlan:
+    """The plan per rank of the heaviest rank under tensor and pipeline parallel, data
+    parallel (`strategy`) over the ranks left over:
+    - parameters: the heaviest stage's (the first holds the embedding, the last the final
+      norm and output layer; blocks shared out equally), split over the tensor ranks (the
+      norms, a fraction of a percent, counted as split too), then over the data-parallel
+      ranks as `strategy` shards them;
+    - activations: a block's, measured as the difference of one- and two-block models, for
+      the micro-batches the schedule keeps in flight on the first stage (1F1B: `pipeline`
+      of them; GPipe: the step's; interleaved: `pipeline`), plus the output layer's on the
+      last; under tensor parallel a block keeps 10 + 24/t of its 34 units of the residual
+      stream without sequence parallel, 34/t with it (Korthikanti et al., 2022, table 2,
+      flash attention's term left out).
+    `parallel.pipeline_schedule` and `parallel.sequence` come from the recipe."""
+    from frugality.distributed.pipeline import resolve_schedule
+
+    if nproc % (tensor * pipeline):
+        raise UserError(f"--tensor {tensor} x --pipeline {pipeline}: must divide --nproc ({nproc})")
+    if recipe.model.num_layers % pipeline:
+        raise UserError(
+            f"--pipeline {pipeline}: the model's {recipe.model.num_layers} layers do not divide into stages"
+        )
+    auto = recipe.train.precision == "auto"
+    policy = policy or get_policy(AUTO_POLICY[True] if auto else recipe.train.precision)
+    dp = nproc // (tensor * pipeline)
+    with torch.device("meta"):
+        model = policy.prepare_model(build_model(recipe.model))
+    item = policy.storage_dtype.itemsize
+    block = _numel(model.layers[0])
+    per_stage = recipe.model.num_layers // pipeline
+    head = _numel(model) - block * recipe.model.num_layers  # embedding, final norm, output layer
+    first = _numel(model.embed) + per_stage * block
+    last = per_stage * block + head - _numel(model.embed)
+    heaviest = max(first, last) if pipeline > 1 else _numel(model)
+    local = math.ceil(heaviest / tensor)
+    if strategy == "ddp" or dp == 1:
+        shard, in_flight = 1, (local * item if dp > 1 else 0)
+    else:
+        shard = min(recipe.parallel.shard_size or dp, dp) if strategy == "hsdp" else dp
+        in_flight = 3 * math.ceil(block / tensor) * item  # a block gathered, one prefetched, one's gradients
+    per_rank = math.ceil(local / shard)
+    moments = policy.state_bytes_per_param - 2 * item
+    one = saved_activation_bytes(_with_layers(recipe, 1, policy), recipe, policy.compute_dtype)
+    two = saved_activation_bytes(_with_layers(recipe, 2, policy), recipe, policy.compute_dtype)
+    per_block, output = two - one, 2 * one - two
+    kept = 34 / tensor if recipe.parallel.sequence else 10 + 24 / tensor
+    per_block = per_block * kept / 34
+    micro_batches = recipe.data.global_batch_size // (recipe.data.micro_batch_size * dp)
+    schedule = resolve_schedule(recipe.parallel.pipeline_schedule)
+    in_flight_mb = 1 if pipeline == 1 else (micro_batches if schedule == "gpipe" else min(pipeline, micro_batches))
+    activations = int(per_stage * per_block * in_flight_mb + output / tensor)
+    layout = strategy if dp > 1 else "none"
+    return MemoryPlan(
+        recipe.name,
+        layout,
+        nproc,
+        shard,
+        policy.name,
+        _numel(model),
+        recipe.data.micro_batch_size,
+        recipe.data.seq_len,
+        per_rank * item,
+        per_rank * item,
+        per_rank * moments,
+        in_flight,
+        activations,
+        device_memory,
+        tensor,
+        pipeline,
+        in_flight_mb,
+    )
+
+
+def _with_layers(recipe: Recipe, layers: int, policy: PrecisionPolicy) -> nn.Module:
+    with torch.device("meta"):
+        model = policy.prepare_model(build_model(recipe.model.model_copy(update={"num_layers": layers})))
+    return model.to(policy.compute_dtype) if policy.autocast else model
 
 
 def saved_activation_bytes(model: nn.Module, recipe: Recipe, fused_output: torch.dtype | None = None) -> int:
@@ -192,10 +282,11 @@ def markdown_rows(plans: list[MemoryPlan]) -> str:
     for p in plans:
         fits = "n/a" if p.fits is None else f"{'yes' if p.fits else 'no'} ({p.device_memory / gib:.1f})"
         lines.append(
-            f"| {p.recipe} | {p.parameters / 1e6:,.0f}M | {p.precision} | {p.strategy} | {p.nproc} | "
+            f"| {p.recipe} | {p.parameters / 1e6:,.0f}M | {p.precision} | {_layout(p)} | {p.nproc} | "
             f"{p.shard_over} | "
             f"{p.weights / gib:.2f} | {p.gradients / gib:.2f} | {p.optimizer / gib:.2f} | "
-            f"{p.in_flight / gib:.2f} | {p.activations / gib:.2f} (b={p.micro_batch}, s={p.seq_len}) | "
+            f"{p.in_flight / gib:.2f} | {p.activations / gib:.2f} (b={p.micro_batch}, s={p.seq_len}"
+            f"{f', x{p.micro_batches_in_flight} in flight' if p.pipeline > 1 else ''}) | "
             f"{p.total / gib:.2f} | {fits} |"
         )
     return "\n".join(lines)
@@ -225,3 +316,10 @@ def check_fits(recipe: Recipe, policy: PrecisionPolicy, world_size: int, device:
         "data.micro_batch_size (the global batch is kept, by accumulation), or set "
         "train.check_memory = false to try anyway"
     )
+
+
+def _layout(p: MemoryPlan) -> str:
+    parts = [p.strategy] if p.strategy != "none" or (p.tensor == 1 and p.pipeline == 1) else []
+    parts += [f"TP {p.tensor}"] if p.tensor > 1 else []
+    parts += [f"PP {p.pipeline}"] if p.pipeline > 1 else []
+    return " x ".join(parts)
