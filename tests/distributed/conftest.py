@@ -13,7 +13,8 @@ LLAMA = {  # grouped-query heads and tied embeddings
 
 @pytest.fixture(scope="session")
 def layout_recipes(tmp_path_factory, micro_recipe_text):
-    """micro (GPT-NeoX, 2 layers), micro-llama, and micro4 (4 layers: two stages a rank)."""
+    """micro (GPT-NeoX, 2 layers), micro-llama, micro4 (4 layers: two stages a rank) and micro8
+    (a batch of 8, a short validation batch)."""
     folder = tmp_path_factory.mktemp("recipes")
     llama = micro_recipe_text
     for old, new in LLAMA.items():
@@ -22,6 +23,10 @@ def layout_recipes(tmp_path_factory, micro_recipe_text):
     (folder / "micro.toml").write_text(micro_recipe_text)
     (folder / "micro-llama.toml").write_text(llama)
     (folder / "micro4.toml").write_text(deeper)
+    # 8 a step (2 micro-batches a rank at 2 data-parallel ranks), 3 validation samples: a short batch on one rank
+    wider = micro_recipe_text.replace("global_batch_size = 4", "global_batch_size = 8")
+    wider = wider.replace("eval_samples = 4", "eval_samples = 3").replace('name = "micro"', 'name = "micro8"')
+    (folder / "micro8.toml").write_text(wider)
     return folder
 
 

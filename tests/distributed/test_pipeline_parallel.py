@@ -23,10 +23,10 @@ from frugality.errors import UserError
     [
         ("micro4", 2, ["parallel.pipeline_schedule=gpipe"], "fp32", 1e-5),
         ("micro4", 2, ["parallel.pipeline_schedule=interleaved-1f1b"], "fp32", 1e-5),
-        ("micro", 4, ["parallel.data=fsdp", "data.micro_batch_size=1"], "fp32", 1e-5),
+        ("micro8", 4, ["parallel.data=fsdp"], "amp-bf16", 1e-3),
         ("micro", 2, [], "bf16-sr", 1e-4),
     ],
-    ids=["gpipe", "interleaved-1f1b", "1f1b-fsdp2", "1f1b-bf16sr"],
+    ids=["gpipe", "interleaved-1f1b", "1f1b-fsdp2-amp-short-validation", "1f1b-bf16sr"],
 )
 def test_pipeline_trains_as_one_process(layout_recipes, one_process_run, tmp_path, name, nproc, layout, precision, rel):
     straight = one_process_run(name, precision)

@@ -152,6 +152,8 @@ def test_grouped_query_heads_and_other_families_are_checked():
         ),
         (["parallel.tensor=2", "compile.level=O1"], "compile.level O1 does not run with tensor parallel yet"),
         (["parallel.pipeline=2"], "parallel.pipeline 2 x parallel.tensor 1: must divide the number of processes (1)"),
+        (["parallel.pipeline=2", "compile.level=O1"], "compile.level O1 does not run with pipeline parallel yet"),
+        (["parallel.pipeline_microbatches=2"], "parallel.pipeline_microbatches: needs parallel.pipeline > 1"),
     ],
 )
 def test_model_parallel_layouts_it_cannot_run_are_refused_before_anything_is_written(
@@ -161,3 +163,12 @@ def test_model_parallel_layouts_it_cannot_run_are_refused_before_anything_is_wri
     status = main(["train", str(micro_recipe_file), "--run-dir", str(run), *(a for s in sets for a in ("--set", s))])
     assert status == 2 and not run.exists()
     assert message in capsys.readouterr().err
+
+
+def test_init_from_under_pipeline_parallel_is_refused_with_the_way_round(micro_recipe_file, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", str(micro_recipe_file), "--run-dir", str(run), "--set", "parallel.pipeline=2"]
+    assert main([*args, "--init-from", str(tmp_path / "hf")]) == 2 and not run.exists()
+    assert (
+        "--init-from with parallel.pipeline: not built yet; start the run in another layout" in capsys.readouterr().err
+    )

@@ -279,8 +279,14 @@ class CheckpointManager:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         # DCP keeps one rank's copy of the param groups' list: under pipeline parallel that
         # rank's stage names only, so the other stages' groups come back without their
-        # hyperparameters; they are this run's own (the recipe's) again
-        for group, before in zip(optimizer.param_groups, hyper):
+        # hyperparameters. They are the checkpoint's groups' (same order on every rank: decay,
+        # no decay), and where it has none, this run's own.
+        saved = state["optim"].get("param_groups") if isinstance(state["optim"], dict) else None
+        saved = saved if isinstance(saved, list) and len(saved) == len(optimizer.param_groups) else [{}] * len(hyper)
+        for group, stored, before in zip(optimizer.param_groups, saved, hyper):
+            for key, value in (stored or {}).items():
+                if key != "params":
+                    group.setdefault(key, value)
             for key, value in before.items():
                 group.setdefault(key, value)
         extra = state["extra"]

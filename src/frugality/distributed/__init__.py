@@ -232,7 +232,8 @@ def shard_group_size(parallel: ParallelConfig, world: World) -> int:
 def describe(parallel: ParallelConfig, world: World) -> str:
     """The strategy as the run header states it."""
     if world.pipeline > 1:
-        rest = f" x {parallel.data} {world.data_size}" if world.data_size > 1 else ""
+        rest = f" x tensor parallel {world.tensor}" if world.tensor > 1 else ""
+        rest += f" x {parallel.data} {world.data_size}" if world.data_size > 1 else ""
         return f"pipeline parallel {world.pipeline}{rest} over {world.world_size} processes"
     if world.tensor > 1:
         if world.data_size == 1:

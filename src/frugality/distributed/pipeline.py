@@ -13,12 +13,15 @@ keys) load at any layout and `export hf` consolidates them.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from frugality.errors import UserError
+from frugality.models.layers import check_length
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -76,22 +79,27 @@ class Stage(nn.Module):
     """Blocks [start, stop) of a decoder, with the embedding on the first stage and the
     final norm and output layer on the last; the whole model's parameter names."""
 
-    def __init__(self, model: nn.Module, start: int, stop: int, first: bool, last: bool) -> None:
+    def __init__(self, model: nn.Module, start: int, stop: int, first: bool, last: bool, autocast=None) -> None:
         super().__init__()
         self.config = model.config
+        self._autocast = autocast or contextlib.nullcontext  # the precision policy's, around forward and loss
         self.embed = model.embed if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, stop)})
         self.final_norm = model.final_norm if last else None
         self.output = model.output if last else None  # the loss function's: the logits never leave the stage
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.embed is not None else x
-        for layer in self.layers.values():
-            h = layer(h)
-        return self.final_norm(h) if self.final_norm is not None else h
+        with self._autocast():
+            if self.embed is not None:
+                check_length(x, self.config.max_seq_len)
+                x = self.embed(x)
+            for layer in self.layers.values():
+                x = layer(x)
+            return self.final_norm(x) if self.final_norm is not None else x
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.output.loss(hidden, targets)
+        with self._autocast():
+            return self.output.loss(hidden, targets)
 
 
 class StageGroup(nn.Module):
@@ -107,14 +115,14 @@ class StageGroup(nn.Module):
         self.output = next((s.output for s in stages if s.output is not None), None)
 
 
-def cut(model: nn.Module, rank: int, size: int, schedule: str) -> list[Stage]:
+def cut(model: nn.Module, rank: int, size: int, schedule: str, autocast=None) -> list[Stage]:
     """This pipeline rank's stages of `model`: stage s holds an equal share of the blocks;
     rank r holds stages r, r + size, ... (the looped order interleaved schedules use)."""
     per = stages_per_rank(schedule)
     total = size * per
     n = len(model.layers) // total
     return [
-        Stage(model, s * n, (s + 1) * n, first=s == 0, last=s == total - 1)
+        Stage(model, s * n, (s + 1) * n, first=s == 0, last=s == total - 1, autocast=autocast)
         for s in (rank + k * size for k in range(per))
     ]
 
@@ -151,6 +159,7 @@ class Pipeline:
         self.schedule = schedule
         self.micro_batches = micro_batches
         self._runs, self._loss, self._rank, self._total = stages, loss, rank, total
+        self.device = _device(modules[0])
         self._evaluations: dict[tuple, object] = {}
 
     def step(self, batch: torch.Tensor) -> torch.Tensor:
@@ -160,7 +169,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         inputs, targets = batch[:, :-1], batch[:, 1:]
         args = (inputs,) if self.first else ()
-        self.train.step(*args, target=targets if self.last else None, losses=losses)
+        self.train.step(*args, target=targets if self.last else None, losses=losses, return_outputs=False)
         mean = (
             torch.stack([_plain(x) for x in losses]).mean().detach()
             if self.last
@@ -173,7 +182,8 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         inputs, targets = batch[:, :-1], batch[:, 1:]
         args = (inputs,) if self.first else ()
-        self._evaluation(tuple(batch.shape)).eval(*args, target=targets if self.last else None, losses=losses)
+        schedule = self._evaluation(tuple(batch.shape))
+        schedule.eval(*args, target=targets if self.last else None, losses=losses, return_outputs=False)
         mean = (
             torch.stack([_plain(x) for x in losses]).mean().detach()
             if self.last
@@ -204,9 +214,14 @@ class Pipeline:
         return value
 
     def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
-        """`value` summed over the pipeline ranks (the squares of a gradient norm)."""
-        dist.all_reduce(value, group=self.group)
-        return value
+        """`value` summed over the pipeline ranks (the squares of a gradient norm), on the
+        stages' device for the collective (NCCL has no CPU tensors), back where it was."""
+        moved = value.to(self.device)
+        dist.all_reduce(moved, group=self.group)
+        return moved.to(value.device)
+
+    def evaluation_shapes(self) -> set:
+        return set(self._evaluations)
 
     def describe(self) -> str:
         per = stages_per_rank(self.schedule)
@@ -231,7 +246,7 @@ def _no_loss(hidden, targets):  # a rank without the last stage never calls it
     raise RuntimeError("only the last stage computes the loss")
 
 
-def build_pipeline(model: nn.Module, parallel, world, device: torch.device, micro_batches: int):
+def build_pipeline(model: nn.Module, parallel, world, device: torch.device, micro_batches: int, autocast=None):
     """This rank's stages of `model` (whole, built from the seed), each wrapped for data
     parallel over the ranks left over (DDP, or FSDP2 per block), and the schedule over
     them; returns (the Pipeline, the stages as one module for the optimizer and the
@@ -240,7 +255,7 @@ def build_pipeline(model: nn.Module, parallel, world, device: torch.device, micr
 
     mesh = world_mesh(parallel, world, device)
     schedule = resolve_schedule(parallel.pipeline_schedule)
-    stages = cut(model, mesh["pipeline"].get_local_rank(), world.pipeline, schedule)
+    stages = cut(model, mesh["pipeline"].get_local_rank(), world.pipeline, schedule, autocast)
     runs = [_data_parallel(s, parallel, world, mesh) for s in stages]
     return Pipeline(runs, stages, mesh["pipeline"], schedule, micro_batches), StageGroup(stages)
 

@@ -30,6 +30,7 @@ from frugality.distributed.spmd import wrap_spmd
 from frugality.distributed.tensor_parallel import apply_tensor_parallel, loss_context
 from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.kernels.specialize import specialize
+from frugality.metrics.flops import non_embedding_params
 from frugality.metrics.prices import check_cost
 from frugality.models import build_model
 from frugality.precision import PrecisionPolicy, resolve_policy
@@ -111,7 +112,10 @@ def build_state(
     if world.pipeline > 1:  # the model becomes this rank's stages, driven by the schedule
         accumulated = recipe.data.global_batch_size // (recipe.data.micro_batch_size * world.data_size)
         whole = model
-        pipeline, model = build_pipeline(model, recipe.parallel, world, device, accumulated)
+        counts = (sum(p.numel() for p in whole.parameters()), non_embedding_params(whole))
+        autocast = lambda: policy.autocast_context(device)  # noqa: E731 - a new context each forward
+        pipeline, model = build_pipeline(model, recipe.parallel, world, device, accumulated, autocast)
+        pipeline.parameters, pipeline.non_embedding_parameters = counts
         wrapped = model
         choices += [pipeline.describe(), describe(recipe.parallel, world)]
     else:

@@ -282,6 +282,8 @@ def _validation_loss_pipeline(state: TrainState) -> tuple[float, dict]:
     """The validation batches through the stages, forward only; each batch's mean loss
     weighted by its rows (every rank holds it after the pipeline's broadcast)."""
     n = state.data.val_counted
+    if state.world.data_size > 1:
+        _align_evaluation_shapes(state)
     total = count = 0.0
     for i, batch in enumerate(state.data.val_batches):
         with state.loss_context():
@@ -290,6 +292,21 @@ def _validation_loss_pipeline(state: TrainState) -> tuple[float, dict]:
             total, count = total + loss * batch.shape[0], count + batch.shape[0]
     total, count = all_sum([total, count], state.device)
     return total / count, {}
+
+
+def _align_evaluation_shapes(state: TrainState) -> None:
+    """A stage learns a batch shape by running it once (FSDP2 gathering parameters in that
+    forward), and the short last validation batch is one rank's: before the first
+    evaluation, every rank runs each shape any rank has, in the same order, uncounted."""
+    mine = sorted({batch.shape[0] for batch in state.data.val_batches})
+    every = [None] * state.world.world_size
+    torch.distributed.all_gather_object(every, mine)
+    rows = sorted({r for ranks in every for r in ranks} - {s[0] for s in state.pipeline.evaluation_shapes()})
+    first = state.data.val_batches[0].to(state.device)
+    for r in rows:  # a batch of r rows from this rank's first (repeated where it is the short one)
+        batch = first.repeat(-(-r // first.shape[0]), 1)[:r]
+        with state.loss_context():
+            state.pipeline.evaluate(batch)
 
 
 def evaluate(state: TrainState, callbacks) -> float:

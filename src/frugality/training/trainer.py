@@ -104,6 +104,11 @@ def train(
     check_tensor_parallel(recipe.model, p.tensor, p.sequence, world.world_size, recipe.data.seq_len)
     if p.tensor > 1:
         world = replace(world, tensor=p.tensor)
+    if init_from is not None and p.pipeline > 1:
+        raise UserError(
+            "--init-from with parallel.pipeline: not built yet; start the run in another layout (--until-step 1) "
+            "and resume it under pipeline parallel"
+        )
     if p.pipeline > 1 or p.pipeline_microbatches:
         recipe, world = _pipeline_layout(recipe, world, device)
     ranks = world.devices if recipe.parallel.spmd else world.data_size
@@ -219,17 +224,31 @@ def _pipeline_layout(recipe: Recipe, world, device) -> tuple[Recipe, object]:
     yet, one line each."""
     p = recipe.parallel
     if p.pipeline > 1:
+        if recipe.compile.level != "O0":
+            raise UserError(
+                f"parallel.pipeline: compile.level {recipe.compile.level} does not run with pipeline parallel yet "
+                "(a block's fallback to eager would desynchronise the stages); use compile.level O0"
+            )
         if world.world_size % (p.pipeline * p.tensor):
             raise UserError(
                 f"parallel.pipeline {p.pipeline} x parallel.tensor {p.tensor}: must divide the number of "
-                f"processes ({world.world_size})"
+                f"processes ({world.world_size}); pipeline parallel runs on torchrun (frugality train --nproc N)"
             )
         if device.type == "xla":
             raise UserError("parallel.pipeline: on an xla device, pipeline parallel is not built")
         if not get_task(recipe.train.task).runs_model_parallel:
             raise UserError(f"parallel.pipeline: train.task {recipe.train.task} is not pipelined yet (causal_lm is)")
         world = replace(world, pipeline=p.pipeline)
+    if p.pipeline_microbatches and p.pipeline == 1:
+        raise UserError(
+            "parallel.pipeline_microbatches: needs parallel.pipeline > 1 (data.micro_batch_size sets the rest)"
+        )
     if p.pipeline_microbatches:
+        if recipe.data.global_batch_size % world.data_size:
+            raise UserError(
+                f"data.global_batch_size ({recipe.data.global_batch_size}) cannot be shared by {world.data_size} "
+                "data-parallel ranks"
+            )
         per_rank = recipe.data.global_batch_size // max(1, world.data_size)
         if per_rank % p.pipeline_microbatches:
             raise UserError(
@@ -369,7 +388,7 @@ def _header(state: TrainState, plan, source, init_from, resume_optimizer: bool) 
             "each step goes over them more than once; for this recipe, prepare a larger corpus "
             "(frugality data prepare FILES --out PREFIX) and --set data.dataset=PREFIX"
         )
-    n_params = sum(p.numel() for p in state.model.parameters())
+    n_params = state.pipeline.parameters if state.pipeline else sum(p.numel() for p in state.model.parameters())
     lines.append(
         f"{recipe.name}: {recipe.model.family} {n_params / 1e6:.1f}M parameters, {state.policy.label} on "
         f"{state.device}, {recipe.train.steps} steps of {state.task.batch_shape(recipe)}, {data.description} "

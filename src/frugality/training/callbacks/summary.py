@@ -70,8 +70,8 @@ class Summary(Callback):
             "device": str(state.device),
             "precision": state.policy.label,
             "precision_requested": recipe.train.precision,
-            "parameters": sum(p.numel() for p in state.model.parameters()),
-            "non_embedding_parameters": non_embedding_params(state.model),
+            "parameters": _counts(state)[0],
+            "non_embedding_parameters": _counts(state)[1],
             "start_step": self.start_step,
             "final_step": state.step,
             "total_steps": recipe.train.steps,
@@ -126,3 +126,12 @@ def _number(value) -> bool:
 
 def _median(values: list[float], digits: int) -> float | None:
     return round(statistics.median(values), digits) if values else None
+
+
+def _counts(state) -> tuple[int, int]:
+    """The model's parameters and non-embedding parameters (under pipeline parallel, the
+    whole model's, not this rank's stages')."""
+    pipeline = getattr(state, "pipeline", None)
+    if pipeline is not None:
+        return pipeline.parameters, pipeline.non_embedding_parameters
+    return sum(p.numel() for p in state.model.parameters()), non_embedding_params(state.model)

@@ -4,9 +4,7 @@ log's, and the summary's medians); the peak, in the summary's section."""
 
 from __future__ import annotations
 
-import torch
-
-from frugality.metrics.flops import non_embedding_params, training_flops_per_token
+from frugality.metrics.flops import training_flops_per_token
 from frugality.metrics.peak import mfu, peak_flops
 from frugality.training.callbacks import Callback
 
@@ -19,10 +17,8 @@ class Throughput(Callback):
 
     def on_train_start(self, state) -> None:
         r = state.recipe
-        params = None
-        if getattr(state, "pipeline", None) is not None:  # each rank holds its stages: the count over all of them
-            mine = torch.tensor([float(non_embedding_params(state.model))], device=state.device)
-            params = int(state.pipeline.sum_over_stages(mine).item())
+        pipeline = getattr(state, "pipeline", None)  # a rank holds its stages: the whole model's count
+        params = pipeline.non_embedding_parameters if pipeline is not None else None
         self.flops_per_token = training_flops_per_token(
             state.model, r.model.num_layers, r.model.hidden_size, r.data.seq_len, params
         )
