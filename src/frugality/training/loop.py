@@ -120,7 +120,7 @@ def train_step(
         return _train_step_xla(state, micro_batches, read)
     if state.pipeline is not None:
         return _train_step_pipeline(state, micro_batches)
-    model, optimizer, wrapped = state.model, state.optimizer, state.wrapped
+    wrapped = state.wrapped
     wrapped.train()
     total = torch.zeros((), device=state.device)
     for i, batch in enumerate(micro_batches):
@@ -131,15 +131,25 @@ def train_step(
                 loss = wrapped(batch.to(state.device, non_blocking=True))
             (loss / len(micro_batches)).backward()
         total += _plain(loss.detach())
+    return _clip_and_update(state, (total / len(micro_batches)).item())
+
+
+def _clip_and_update(state: TrainState, mean: float, over_stages=None) -> tuple[float, float, str | None]:
+    """After a step's backward: the global gradient norm (`over_stages`: summing the other
+    pipeline stages' squares), then the update with clipping unless the loss (every rank's
+    mean of `mean`) or the gradients are bad; returns (loss, norm, why not applied)."""
+    model, optimizer = state.model, state.optimizer
     max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
     clip = None
     if hasattr(optimizer, "clip_grad_norm_"):  # BF16AdamW: clipping folded into its update
-        norm = optimizer.clip_grad_norm_(max_norm)
+        norm = optimizer.clip_grad_norm_(max_norm, sum_squares=over_stages)
     else:  # the norm first, so that non-finite gradients are seen before clipping scales them all
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         clip = torch.nn.utils.get_total_norm(grads, foreach=True)
         norm = clip.full_tensor() if hasattr(clip, "full_tensor") else clip  # FSDP2: a DTensor
-    loss, norm = all_mean((total / len(micro_batches)).item(), state.device), norm.item()
+        if over_stages is not None:
+            norm = clip = over_stages(norm.float().square()).sqrt()
+    loss, norm = all_mean(mean, state.device), norm.item()
     rejected = _first_nonfinite(model, loss, norm) or _spike(state, loss)
     if rejected is None:
         if clip is not None:
@@ -153,30 +163,11 @@ def train_step(
 def _train_step_pipeline(state: TrainState, micro_batches: list) -> tuple[float, float, str | None]:
     """A step through the pipeline's stages: its micro-batches are the schedule's; the loss
     comes from the last stage, the gradient norm is summed over every stage's parameters."""
-    model, optimizer = state.model, state.optimizer
-    model.train()
+    state.model.train()
     batch = torch.cat([b.to(state.device) for b in micro_batches])
     with state.loss_context():  # the schedule runs the forwards and the backwards
         mean = state.pipeline.step(batch)
-    max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
-    over_stages = state.pipeline.sum_over_stages
-    clip = None
-    if hasattr(optimizer, "clip_grad_norm_"):  # BF16AdamW: clipping folded into its update
-        norm = optimizer.clip_grad_norm_(max_norm, sum_squares=over_stages)
-    else:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads, foreach=True)
-        local = local.full_tensor() if hasattr(local, "full_tensor") else local
-        norm = clip = over_stages(local.float().square()).sqrt()
-    loss, norm = all_mean(mean.item(), state.device), norm.item()
-    rejected = _first_nonfinite(model, loss, norm) or _spike(state, loss)
-    if rejected is None:
-        if clip is not None:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, clip, foreach=True)
-        optimizer.step()
-        state.recent_losses.append(loss)
-    optimizer.zero_grad(set_to_none=True)
-    return loss, norm, rejected
+    return _clip_and_update(state, mean.item(), state.pipeline.sum_over_stages)
 
 
 def _train_step_xla(
