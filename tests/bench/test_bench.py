@@ -162,12 +162,18 @@ def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp
         "ddp",
         "--steps",
         "3",
+        "--pipeline",
+        "2",
         "--json",
         str(out),
     ]
     assert main(args) == 0
     rows = json.loads(out.read_text())
-    assert [(r["strategy"], r["nproc"]) for r in rows] == [("none", 1), ("ddp", 2)]
+    assert [(r["strategy"], r["nproc"]) for r in rows] == [("none", 1), ("ddp", 2), ("pp2", 2)]
+    # the pipeline's row: the bubble its run measured, beside the schedule's ideal (2 micro-batches)
+    assert (
+        rows[2]["pipeline"] == 2 and rows[2]["ideal_bubble"] == round(1 / 3, 4) and 0 < rows[2]["pipeline_bubble"] < 1
+    )
     assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] > 0
     assert rows[1]["tokens_per_s_per_rank"] == round(rows[1]["tokens_per_s"] / 2, 1)
     assert rows[1]["threads_per_rank"] == max(1, rows[0]["threads_per_rank"] // 2)
@@ -175,6 +181,7 @@ def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp
     assert rows[0]["exposed_communication_s"] is None and rows[1]["independent_step_time_s"] > 0
     assert rows[1]["exposed_communication_s"] == round(rows[1]["step_time_s"] - rows[1]["independent_step_time_s"], 4)
     assert main(["bench", "scale", str(micro_recipe_file), "--strategy", "zero"]) == 2
+    assert main(["bench", "scale", str(micro_recipe_file), "--nproc", "1,2", "--tensor", "4"]) == 2
 
 
 def test_bench_infer_times_both_and_compares_their_outputs(tmp_path, capsys):

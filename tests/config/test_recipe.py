@@ -41,6 +41,38 @@ def test_gpt_neox_20b():
     assert (m.num_layers, m.hidden_size, m.num_heads, m.rotary_pct) == (44, 6144, 64, 0.25)
 
 
+@pytest.mark.parametrize(
+    "name, tensor, pipeline, world",
+    [("gpt-neox-20b:tp8-pp4", 8, 4, 32), ("gpt-neox-20b:tp2-pp4", 2, 4, 96), ("pythia-6.9b:tp8", 8, 1, 32)],
+)
+def test_layout_variants_apply_over_their_recipe_and_pass_the_layout_checks(name, tensor, pipeline, world):
+    from frugality.distributed.pipeline import check_pipeline
+    from frugality.distributed.tensor_parallel import check_tensor_parallel
+
+    base, variant = name.split(":")
+    r, plain = load_recipe(name), load_recipe(base)
+    assert r.name == f"{base}-{variant}" and (r.parallel.tensor, r.parallel.pipeline) == (tensor, pipeline)
+    assert r.parallel.sequence and r.compile.level == "O0"  # blocks run eagerly under TP and PP
+    assert (r.model, r.data, r.optim) == (plain.model, plain.data, plain.optim)  # the write-up's batch and length
+    check_tensor_parallel(r.model, tensor, True, world, r.data.seq_len)
+    data_ranks = world // (tensor * pipeline)
+    check_pipeline(r.model, r.parallel, world, r.data.global_batch_size // (data_ranks * r.data.micro_batch_size))
+    assert load_recipe(name, ["parallel.tensor=4"]).parallel.tensor == 4  # overrides come after the variant
+
+
+def test_an_unknown_variant_lists_the_recipes_variants(tmp_path):
+    with pytest.raises(UserError, match=r"no variant 'tp4' \(its variants: tp2-pp4, tp8-pp4\)"):
+        load_recipe("gpt-neox-20b:tp4")
+    with pytest.raises(UserError, match=r"no variant 'x' \(its variants: none\)"):
+        load_recipe("tiny:x")
+    path = tmp_path / "mine.toml"
+    path.write_text(
+        "[model]\nhidden_size = 64\nnum_layers = 2\nnum_heads = 2\n[variants.wide]\nmodel = { hidden_size = 65 }\n"
+    )
+    with pytest.raises(UserError, match=r"mine.toml:wide: model: hidden_size \(65\)"):
+        load_recipe(f"{path}:wide")
+
+
 def test_default_is_tiny_and_overrides_apply():
     r = load_recipe(None, ["optim.lr=3e-4", "train.device=cpu", "optim.betas=[0.8, 0.9]"])
     assert r.name == "tiny"

@@ -6,6 +6,7 @@ test_tensor_parallel.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -42,6 +43,11 @@ def test_pipeline_trains_as_one_process(layout_recipes, one_process_run, tmp_pat
     assert "pipeline parallel over 2 ranks" in done.stdout
     assert_close(losses(tmp_path / "run"), losses(straight), rel)
     assert_close(losses(tmp_path / "run", "eval"), losses(straight, "eval"), rel)
+    # the bubble measured (the stages' time not computing), beside the schedule's ideal
+    figures = json.loads((tmp_path / "run" / "summary.json").read_text())["parallel"]
+    v, m = (2 if "interleaved" in str(layout) else 1), figures["micro_batches"]
+    assert figures["pipeline"] == 2 and figures["ideal_bubble"] == round(1 / (v * m + 1), 4)
+    assert 0 < figures["bubble"] < 1
 
 
 def test_a_stage_that_dies_ends_every_rank_naming_it(layout_recipes, tmp_path):

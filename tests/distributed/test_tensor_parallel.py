@@ -37,6 +37,9 @@ def test_tensor_parallel_trains_as_one_process(
     assert "tensor parallel over 2 ranks" in done.stdout and "kernels: none under tensor parallel" in done.stdout
     assert_close(losses(tmp_path / "run"), losses(straight), rel)
     assert_close(losses(tmp_path / "run", "eval"), losses(straight, "eval"), rel)
+    # the time a step's rank spent blocked in the tensor-parallel collectives (profiled steps)
+    figures = json.loads((tmp_path / "run" / "summary.json").read_text())["parallel"]
+    assert figures["tensor"] == 2 and figures["tensor_collectives_s"] > 0
 
 
 def test_a_run_moves_between_layouts_and_exports_and_starts_from_hugging_face(

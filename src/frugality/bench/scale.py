@@ -43,7 +43,11 @@ class ScaleRow:
     peak_memory_bytes_rank0: int | None
     step_time_s: float
     independent_step_time_s: float | None = None  # N one-process runs of a rank's share, at once
-    exposed_communication_s: float | None = None  # step time over the independent runs'
+    exposed_communication_s: float | None = None  # step time over the independent runs', or in TP collectives
+    tensor: int = 1
+    pipeline: int = 1
+    pipeline_bubble: float | None = None  # measured share of the schedule's time
+    ideal_bubble: float | None = None
 
 
 def bench_scale(
@@ -54,7 +58,14 @@ def bench_scale(
     strategies: list[str],
     steps: int,
     log=print,
+    tensors: list[int] = (),
+    pipelines: list[int] = (),
+    pipeline_microbatches: int | None = None,
 ) -> list[ScaleRow]:
+    for flag, degrees in (("--tensor", tensors), ("--pipeline", pipelines)):
+        for d in degrees:
+            if not any(n % d == 0 for n in nprocs):
+                raise UserError(f"{flag} {d}: divides none of the process counts ({', '.join(map(str, nprocs))})")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # one micro-batch size for every configuration: the recipe's, or smaller where the most
     # ranks would not divide the global batch with it (one process then accumulates)
@@ -96,7 +107,53 @@ def bench_scale(
                 )
             )
             log(f"{rows[-1].strategy:5} x{n}: {tps:,.0f} tokens/s")
+    for n in nprocs:
+        for t, p in layouts(n, tensors, pipelines):
+            rows.append(
+                _model_parallel_row(
+                    recipe_arg, overrides, n, t, p, strategies[0], steps, cores, base, pipeline_microbatches
+                )
+            )
+            log(f"{rows[-1].strategy} x{n}: {rows[-1].tokens_per_s:,.0f} tokens/s")
     return rows
+
+
+def layouts(n: int, tensors, pipelines) -> list[tuple[int, int]]:
+    """The (tensor, pipeline) degrees asked for that `n` processes hold: each alone, then
+    each pair; data parallel takes the rest."""
+    pairs = [(t, 1) for t in tensors] + [(1, p) for p in pipelines] + [(t, p) for t in tensors for p in pipelines]
+    return [(t, p) for t, p in pairs if t * p > 1 and n % (t * p) == 0]
+
+
+def layout_name(t: int, p: int, data: int, strategy: str) -> str:
+    parts = [f"tp{t}"] * (t > 1) + [f"pp{p}"] * (p > 1) + [f"{strategy}{data}"] * (data > 1)
+    return " x ".join(parts)
+
+
+def _model_parallel_row(recipe_arg, overrides, n, t, p, strategy, steps, cores, base, microbatches) -> ScaleRow:
+    threads = max(1, cores // n)
+    sets = [*overrides, f"parallel.tensor={t}", f"parallel.pipeline={p}"]
+    if p > 1 and microbatches:
+        sets.append(f"parallel.pipeline_microbatches={microbatches}")
+    summary = _run(recipe_arg, sets, n, strategy, steps, threads)
+    tps, step = summary["median_tokens_per_s"], summary["median_step_time_s"]
+    figures = summary.get("parallel", {})
+    blocked = figures.get("tensor_collectives_s")
+    return ScaleRow(
+        layout_name(t, p, n // (t * p), strategy),
+        n,
+        threads,
+        tps,
+        round(tps / n, 1),
+        round(tps / base, 3) if base else None,
+        summary["memory"].get("peak_memory_bytes"),
+        step,
+        exposed_communication_s=blocked,
+        tensor=t,
+        pipeline=p,
+        pipeline_bubble=figures.get("bubble"),
+        ideal_bubble=figures.get("ideal_bubble"),
+    )
 
 
 def _independent_step_time(recipe_arg, overrides, n, steps, threads) -> float:
@@ -155,8 +212,8 @@ def markdown_table(rows: list[ScaleRow]) -> str:
     lines = [
         "| strategy | processes | threads each | tokens/s | per rank | scaling efficiency | step (s) "
         "| step without collectives (s) | exposed communication (s, share of step) "
-        "| peak memory, rank 0 (GiB) |",
-        "|" + "---|" * 10,
+        "| pipeline bubble (measured / ideal) | peak memory, rank 0 (GiB) |",
+        "|" + "---|" * 11,
     ]
     for r in rows:
         mem = f"{r.peak_memory_bytes_rank0 / 2**30:.2f}" if r.peak_memory_bytes_rank0 else "n/a"
@@ -167,9 +224,10 @@ def markdown_table(rows: list[ScaleRow]) -> str:
             if r.exposed_communication_s is not None
             else "n/a"
         )
+        bubble = f"{r.pipeline_bubble:.0%} / {r.ideal_bubble:.0%}" if r.pipeline_bubble is not None else "n/a"
         lines.append(
             f"| {r.strategy} | {r.nproc} | {r.threads_per_rank} | {r.tokens_per_s:,.0f} | "
-            f"{r.tokens_per_s_per_rank:,.0f} | {eff} | {r.step_time_s:.3f} | {alone} | {exposed} | {mem} |"
+            f"{r.tokens_per_s_per_rank:,.0f} | {eff} | {r.step_time_s:.3f} | {alone} | {exposed} | {bubble} | {mem} |"
         )
     return "\n".join(lines)
 

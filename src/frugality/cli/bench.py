@@ -213,12 +213,19 @@ def bench_compile(recipe, levels, precisions, batch, seq, steps, cache, override
     "--strategy", "strategies", default="ddp,fsdp", show_default=True, help="Comma-separated data-parallel strategies."
 )
 @click.option("--steps", default=10, show_default=True, help="Training steps per configuration.")
+@click.option("--tensor", "tensors", help="Comma-separated tensor-parallel degrees to run too.")
+@click.option("--pipeline", "pipelines", help="Comma-separated pipeline-parallel degrees to run too.")
+@click.option("--pipeline-microbatches", type=int, help="Micro-batches a pipeline step drives [default: the recipe's].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
-def bench_scale(recipe, nprocs, strategies, steps, overrides, json_path, markdown_path) -> None:
+def bench_scale(
+    recipe, nprocs, strategies, steps, tensors, pipelines, pipeline_microbatches, overrides, json_path, markdown_path
+) -> None:
     """Training tokens/s of RECIPE at each process count and strategy on this machine (real
-    `frugality train --nproc N` runs; on CPUs the cores are split between the ranks)."""
+    `frugality train --nproc N` runs; on CPUs the cores are split between the ranks); with
+    --tensor/--pipeline, those layouts too, with the pipeline bubble and the time in
+    tensor-parallel collectives."""
     from frugality.bench.scale import bench_scale as run
     from frugality.bench.scale import markdown_table, rows_json
     from frugality.cli.options import comma_ints, comma_names
@@ -230,7 +237,25 @@ def bench_scale(recipe, nprocs, strategies, steps, overrides, json_path, markdow
     names = comma_names(strategies, DATA_PARALLEL, "--strategy")
     if steps < 2:
         raise UserError("--steps must be at least 2")
-    rows = run(recipe, resolved, list(overrides), counts, names, steps, log=lambda line: click.echo(line, err=True))
+    degrees = {}
+    for flag, value in (("--tensor", tensors), ("--pipeline", pipelines)):
+        degrees[flag] = comma_ints(value, flag) if value else []
+        if any(d < 2 for d in degrees[flag]):
+            raise UserError(f"{flag} {value}: degrees are 2 or more (1 is the data-parallel rows)")
+    if pipeline_microbatches is not None and (pipeline_microbatches < 1 or not degrees["--pipeline"]):
+        raise UserError("--pipeline-microbatches: a positive count, with --pipeline")
+    rows = run(
+        recipe,
+        resolved,
+        list(overrides),
+        counts,
+        names,
+        steps,
+        log=lambda line: click.echo(line, err=True),
+        tensors=degrees["--tensor"],
+        pipelines=degrees["--pipeline"],
+        pipeline_microbatches=pipeline_microbatches,
+    )
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 

@@ -20,8 +20,8 @@ import click
     type=click.FloatRange(min=0, min_open=True),
     help="Device memory per rank in GiB [default: this machine's GPU, or its RAM shared by the ranks].",
 )
-@click.option("--tensor", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel degree.")
-@click.option("--pipeline", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages.")
+@click.option("--tensor", type=click.IntRange(min=1), help="Tensor-parallel degree [default: the recipe's].")
+@click.option("--pipeline", type=click.IntRange(min=1), help="Pipeline stages [default: the recipe's].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the plans as JSON (a new file).")
 def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, overrides, json_path) -> None:
@@ -36,6 +36,8 @@ def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, overrides, js
     from frugality.runtime.plan import HEADROOM, markdown_rows, plan_memory, plan_model_parallel
 
     resolved = load_recipe(recipe, list(overrides))
+    tensor = tensor or resolved.parallel.tensor  # (a layout variant, NAME:tp8-pp4, sets them)
+    pipeline = pipeline or resolved.parallel.pipeline
     counts = comma_ints(nprocs, "--nproc")
     names = comma_names(strategies, DATA_PARALLEL, "--strategy")
     if json_path and Path(json_path).exists():

@@ -8,8 +8,9 @@ import click
 @click.command()
 @click.argument("name", required=False)
 def recipes(name) -> None:
-    """List shipped recipes, or print the resolved TOML of recipe NAME (a name or a file)."""
-    from frugality.config.recipe import load_recipe, shipped_recipes
+    """List shipped recipes (and their layout variants, NAME:VARIANT), or print the resolved
+    TOML of recipe NAME (a name, NAME:VARIANT or a file)."""
+    from frugality.config.recipe import load_recipe, recipe_variants, shipped_recipes
 
     if name:
         click.echo(load_recipe(name).to_toml(), nl=False)
@@ -21,6 +22,8 @@ def recipes(name) -> None:
             f"{recipe_name:14} {m.family:9} layers {m.num_layers:3}  hidden {m.hidden_size:5}  "
             f"heads {m.num_heads:3}  seq {r.data.seq_len:5}  {r.description}"
         )
+        for variant, description in recipe_variants(recipe_name).items():
+            click.echo(f"  {recipe_name}:{variant}  {description}")
     _machine()
 
 

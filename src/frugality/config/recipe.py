@@ -405,12 +405,23 @@ def find_recipe(name_or_path: str | None) -> Path:
 
 
 def load_recipe(name_or_path: str | None = None, overrides: list[str] = ()) -> Recipe:
-    """Read, override and validate a recipe; problems are a UserError, a line each."""
+    """Read, override and validate a recipe; problems are a UserError, a line each.
+    `NAME:VARIANT` applies the recipe's `[variants.VARIANT]` table over it first (a
+    parallel layout, say), then the overrides."""
+    name_or_path, variant = split_variant(name_or_path)
     path = find_recipe(name_or_path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"recipe {path}: not valid TOML: {e}") from None
+    raw = _read(path)
+    variants = raw.pop("variants", {})
+    if variant is not None:
+        if variant not in variants:
+            have = ", ".join(sorted(variants)) or "none"
+            raise UserError(f"recipe {path}: no variant {variant!r} (its variants: {have})")
+        if not isinstance(variants[variant], dict):
+            raise UserError(f"recipe {path}: variants.{variant} is not a table")
+        table = dict(variants[variant])
+        table.pop("description", None)
+        _merge(raw, table)
+        raw["name"] = f"{raw.get('name', path.stem)}-{variant}"
     from_cli: dict[str, str] = {}
     for item in overrides:
         key, value = _parse_override(item)
@@ -420,7 +431,40 @@ def load_recipe(name_or_path: str | None = None, overrides: list[str] = ()) -> R
     try:
         return Recipe.model_validate(raw)
     except ValidationError as e:
-        raise UserError(_describe(e, path, from_cli)) from None
+        raise UserError(_describe(e, path if variant is None else Path(f"{path}:{variant}"), from_cli)) from None
+
+
+def split_variant(name_or_path: str | None) -> tuple[str | None, str | None]:
+    """`gpt-neox-20b:tp8-pp4` -> ("gpt-neox-20b", "tp8-pp4"); a name or path without a
+    variant comes back as it is."""
+    if name_or_path is None or ":" not in name_or_path:
+        return name_or_path, None
+    base, _, variant = name_or_path.rpartition(":")
+    if Path(name_or_path).exists() or not variant:
+        return name_or_path, None
+    return base, variant
+
+
+def recipe_variants(name_or_path: str) -> dict[str, str]:
+    """A recipe's variants, name -> description."""
+    variants = _read(find_recipe(name_or_path)).get("variants", {})
+    return {name: str(table.get("description", "")) for name, table in variants.items() if isinstance(table, dict)}
+
+
+def _read(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"recipe {path}: not valid TOML: {e}") from None
+
+
+def _merge(raw: dict, table: dict) -> None:
+    """`table`'s values over `raw`'s, table by table."""
+    for key, value in table.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            _merge(raw[key], value)
+        else:
+            raw[key] = value
 
 
 def _parse_override(item: str) -> tuple[str, Any]:

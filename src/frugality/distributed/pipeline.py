@@ -14,6 +14,7 @@ keys) load at any layout and `export hf` consolidates them.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -151,11 +152,23 @@ class Pipeline:
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
         loss = next((m.loss for m in modules if m.output is not None), _no_loss)
+        # the seconds a train step's schedule spends computing (the stages' forwards and
+        # backwards, the loss), against its whole time: the rest is the bubble and the
+        # waits for the neighbours' sends. Host clocks time only a host's compute (CPUs).
+        self.compute_s = 0.0
+        self.last_step: tuple[float, float] | None = None  # (schedule seconds, compute seconds)
+        self._timed = _device(modules[0]).type == "cpu"
+        train_loss = loss
+        if self._timed:
+            for s in self.stages:
+                s.forward_one_chunk = self._timing(s.forward_one_chunk)
+                s.backward_one_chunk = self._timing(s.backward_one_chunk)
+            train_loss = self._timing(loss)
         if schedule == "interleaved-1f1b":
-            self.train = ScheduleInterleaved1F1B(self.stages, micro_batches, loss_fn=loss)
+            self.train = ScheduleInterleaved1F1B(self.stages, micro_batches, loss_fn=train_loss)
         else:
             kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-            self.train = kind(self.stages[0], micro_batches, loss_fn=loss)
+            self.train = kind(self.stages[0], micro_batches, loss_fn=train_loss)
         self.schedule = schedule
         self.micro_batches = micro_batches
         self._runs, self._loss, self._rank, self._total = stages, loss, rank, total
@@ -169,7 +182,10 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         inputs, targets = batch[:, :-1], batch[:, 1:]
         args = (inputs,) if self.first else ()
+        start, computed = time.perf_counter(), self.compute_s
         self.train.step(*args, target=targets if self.last else None, losses=losses, return_outputs=False)
+        if self._timed:
+            self.last_step = (time.perf_counter() - start, self.compute_s - computed)
         mean = (
             torch.stack([_plain(x) for x in losses]).mean().detach()
             if self.last
@@ -190,6 +206,22 @@ class Pipeline:
             else torch.zeros((), device=batch.device)
         )
         return self._from_last(mean)
+
+    def _timing(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.compute_s += time.perf_counter() - start
+
+        return timed
+
+    def ideal_bubble(self) -> float:
+        """The schedule's bubble with equal stages and free sends: (p - 1) / (v m + p - 1)
+        of a step, for p ranks of v stages each and m micro-batches (Narayanan et al. 2021)."""
+        p, v, m = self.size, stages_per_rank(self.schedule), self.micro_batches
+        return (p - 1) / (v * m + p - 1)
 
     def _evaluation(self, shape: tuple):
         """A forward-only schedule of the same stage modules for batches of `shape`, each

@@ -42,6 +42,7 @@ from frugality.training.callbacks.divergence import DivergenceGuard
 from frugality.training.callbacks.faults import ENV_VAR as FAULT_ENV_VAR
 from frugality.training.callbacks.faults import FaultInjector
 from frugality.training.callbacks.memory import Memory
+from frugality.training.callbacks.parallelism import ParallelFigures
 from frugality.training.callbacks.progress import Progress
 from frugality.training.callbacks.run_log import CloseCompileSession, RunLog
 from frugality.training.callbacks.signals import StopOnSignal
@@ -179,6 +180,7 @@ def train(
                     Cost(run_path, main),  # elapsed time, dollars and energy into the records; the summary's cost
                     DivergenceGuard(checkpoints),  # marks skipped steps (before the log), rolls back
                     Memory() if main else None,  # the first step's memory, for the log and the summary
+                    ParallelFigures(state) if world.tensor > 1 or world.pipeline > 1 else None,  # bubble, collectives
                     RunLog(run_path, tensorboard) if main else None,
                     Progress(_header(state, plan, source, init_from, resume_optimizer), progress, stop_at)
                     if main

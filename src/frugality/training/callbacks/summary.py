@@ -92,8 +92,9 @@ class Summary(Callback):
             "memory": end.summary.get("memory", {}),
             "compile": state.compiled.stats.as_dict(),
         }
-        if "cost" in end.summary:
-            self.summary["cost"] = end.summary["cost"]
+        for section in ("cost", "parallel"):
+            if section in end.summary:
+                self.summary[section] = end.summary[section]
         rundir.write_summary(self.run_dir, self.summary)
 
 

@@ -1,0 +1,90 @@
+"""What a tensor- or pipeline-parallel step spends besides computing, for the summary's
+`parallel` section (and `bench scale`'s table):
+
+- pipeline parallel: the bubble, the share of the schedule's time a stage is not computing
+  (forwards, backwards, the loss), so idle or waiting for a neighbour's send; the median
+  step's, averaged over the pipeline ranks, beside the schedule's ideal one;
+- tensor parallel: the seconds a step's rank is blocked in collectives (DTensor's
+  all-reduces and gathers, their waits), from the torch profiler over a few single steps
+  away from evaluations and checkpoints; the median, averaged over the ranks.
+
+Measured with host clocks, so on CPUs only: a GPU's work is asynchronous to them.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from frugality.distributed import all_sum
+from frugality.training.callbacks import Callback
+
+PROFILED_STEPS = (3, 5, 7)  # each profiled alone, from after the step before it to its end
+
+
+class ParallelFigures(Callback):
+    def __init__(self, state) -> None:
+        self.on_cpu = state.device.type == "cpu"
+        self.idle: list[float] = []  # per step, the pipeline schedule's share not computing
+        self.blocked: list[float] = []  # per profiled step, seconds in collectives
+        self._profiler = None
+
+    def on_step_end(self, state, result) -> None:
+        pipeline = state.pipeline
+        if pipeline is not None and pipeline.last_step is not None and result.rolled_back_to is None:
+            elapsed, computing = pipeline.last_step
+            self.idle.append(max(0.0, 1 - computing / elapsed) if elapsed > 0 else 0.0)
+        if self._profiler is not None:
+            self._profiler.stop()
+            self.blocked.append(_collective_seconds(self._profiler))
+            self._profiler = None
+
+    def on_step_done(self, state) -> None:
+        # after the step's evaluation and checkpoint: the next step, alone, is profiled
+        if not (self.on_cpu and state.world.tensor > 1 and state.step + 1 in PROFILED_STEPS):
+            return
+        recipe = state.recipe
+        if (state.step + 1) % recipe.train.eval_interval == 0 or (state.step + 1) % recipe.train.save_interval == 0:
+            return
+        import os
+
+        from torch.profiler import ProfilerActivity, profile
+
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no profiler start and stop lines on stderr
+        self._profiler = profile(activities=[ProfilerActivity.CPU])
+        self._profiler.start()
+
+    def on_train_end(self, state, end) -> None:
+        world = state.world
+        if world.pipeline == 1 and world.tensor == 1:
+            return
+        # every rank's figures summed (each rank contributes where it measured); one collective
+        idle = statistics.median(self.idle) if self.idle else 0.0
+        blocked = statistics.median(self.blocked) if self.blocked else 0.0
+        mine = [idle, float(bool(self.idle)), blocked, float(bool(self.blocked))]
+        idle_sum, idle_ranks, blocked_sum, blocked_ranks = all_sum(mine, state.device) if world.distributed else mine
+        section: dict = {"tensor": world.tensor, "pipeline": world.pipeline, "data": world.data_size}
+        if state.pipeline is not None:
+            p = state.pipeline
+            section |= {
+                "schedule": p.schedule,
+                "micro_batches": p.micro_batches,
+                "bubble": round(idle_sum / idle_ranks, 4) if idle_ranks else None,
+                "ideal_bubble": round(p.ideal_bubble(), 4),
+            }
+        if world.tensor > 1:
+            section["tensor_collectives_s"] = round(blocked_sum / blocked_ranks, 5) if blocked_ranks else None
+        end.summary["parallel"] = section
+
+    def on_exit(self, state) -> None:
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
+
+
+def _collective_seconds(profiler) -> float:
+    """The main thread's own time in communication ops: issuing collectives and waiting on
+    their results (a collective's work runs on the backend's threads, not counted)."""
+    total_us = sum(
+        e.self_cpu_time_total for e in profiler.key_averages() if "c10d" in e.key or e.key.startswith("record_param")
+    )
+    return total_us / 1e6
