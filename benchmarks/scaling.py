@@ -1,7 +1,9 @@
-"""Data-parallel scaling on this machine: `frugality bench scale` on a recipe, written to
+"""Scaling on this machine: `frugality bench scale` on a recipe (data parallel, and tensor
+and pipeline parallel layouts when asked), written to
 benchmarks/results/scaling-<recipe>-<machine>-<date>.md and .json.
 
     .venv/bin/python benchmarks/scaling.py [--recipe tiny] [--nproc 1,2] [--strategy ddp,fsdp] [--steps 10]
+        [--tensor 2] [--pipeline 2] [--pipeline-microbatches 4]
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ def main() -> int:
     parser.add_argument("--nproc", default="1,2")
     parser.add_argument("--strategy", default="ddp,fsdp")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tensor", default="", help="comma-separated tensor-parallel degrees")
+    parser.add_argument("--pipeline", default="", help="comma-separated pipeline-parallel degrees")
+    parser.add_argument("--pipeline-microbatches", type=int)
     args = parser.parse_args()
+    degrees = {k: [int(n) for n in v.split(",") if n] for k, v in (("t", args.tensor), ("p", args.pipeline))}
     rows = bench_scale(
         args.recipe,
         load_recipe(args.recipe),
@@ -30,9 +36,13 @@ def main() -> int:
         args.strategy.split(","),
         args.steps,
         log=lambda line: print(line, file=sys.stderr),
+        tensors=degrees["t"],
+        pipelines=degrees["p"],
+        pipeline_microbatches=args.pipeline_microbatches,
     )
+    layouts = f", tensor {args.tensor or '-'}, pipeline {args.pipeline or '-'}" if args.tensor or args.pipeline else ""
     header = (
-        f"# Data-parallel scaling, {args.recipe} recipe (its global batch at every process count)\n\n"
+        f"# Scaling, {args.recipe} recipe (its global batch at every process count{layouts})\n\n"
         f"{machine_line()}\nEach row is a `frugality train --nproc N` run of {args.steps} steps; the "
         f"machine's cores split between the ranks (threads each); median step of the run; "
         f"efficiency = tokens/s over one process's.\n\n"

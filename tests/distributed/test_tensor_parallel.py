@@ -49,7 +49,7 @@ def test_a_run_moves_between_layouts_and_exports_and_starts_from_hugging_face(
     PP 2, each resuming the last's checkpoint (DCP reshards; a stage holds the whole model's
     names for its blocks): the straight run's losses, every sample consumed once. Its
     Hugging Face export (from TP 2 x PP 2's shards) holds the straight run's weights, and a
-    TP 2 run started from that export evaluates them as the straight run did."""
+    TP 2 x PP 2 run started from that export evaluates them as the straight run did."""
     straight = one_process_run("micro")
     moved = tmp_path / "moved"
     recipe = layout_recipes / "micro.toml"
@@ -73,8 +73,16 @@ def test_a_run_moves_between_layouts_and_exports_and_starts_from_hugging_face(
     assert ours.keys() == theirs.keys()
     difference = sum((ours[n] - theirs[n]).square().sum() for n in ours) ** 0.5
     assert difference / sum(theirs[n].square().sum() for n in ours) ** 0.5 < 1e-4
-    started = tmp_path / "started"
-    train(recipe, started, 2, "train.steps=2", "parallel.tensor=2", extra=["--init-from", str(tmp_path / "hf-moved")])
+    started = tmp_path / "started"  # at TP 2 x PP 2: each stage takes its part of the export's weights
+    train(
+        recipe,
+        started,
+        4,
+        "train.steps=2",
+        "parallel.tensor=2",
+        "parallel.pipeline=2",
+        extra=["--init-from", str(tmp_path / "hf-moved")],
+    )
     assert losses(started, "eval")[0] == pytest.approx(losses(straight, "eval")[10], rel=1e-4)
 
 
@@ -168,10 +176,11 @@ def test_model_parallel_layouts_it_cannot_run_are_refused_before_anything_is_wri
     assert message in capsys.readouterr().err
 
 
-def test_init_from_under_pipeline_parallel_is_refused_with_the_way_round(micro_recipe_file, tmp_path, capsys):
+def test_resume_optimizer_under_pipeline_parallel_is_refused_with_the_way_round(micro_recipe_file, tmp_path, capsys):
     run = tmp_path / "run"
     args = ["train", str(micro_recipe_file), "--run-dir", str(run), "--set", "parallel.pipeline=2"]
-    assert main([*args, "--init-from", str(tmp_path / "hf")]) == 2 and not run.exists()
+    assert main([*args, "--init-from", str(tmp_path / "ckpt"), "--resume-optimizer"]) == 2 and not run.exists()
     assert (
-        "--init-from with parallel.pipeline: not built yet; start the run in another layout" in capsys.readouterr().err
+        "--resume-optimizer with parallel.pipeline: not built yet; start the run in another layout"
+        in capsys.readouterr().err
     )

@@ -107,9 +107,10 @@ class StageGroup(nn.Module):
     """A rank's stages (two under interleaved 1F1B), as one module for the optimizer and
     the checkpoints: the parameter names are still the whole model's."""
 
-    def __init__(self, stages: list[Stage]) -> None:
+    def __init__(self, stages: list[Stage], whole_model_shapes: dict[str, tuple] | None = None) -> None:
         super().__init__()
         self.config = stages[0].config
+        self.whole_model_shapes = whole_model_shapes  # every stage's tensors (--init-from checks them all)
         self.embed = next((s.embed for s in stages if s.embed is not None), None)
         self.layers = nn.ModuleDict({k: v for s in stages for k, v in s.layers.items()})
         self.final_norm = next((s.final_norm for s in stages if s.final_norm is not None), None)
@@ -288,8 +289,9 @@ def build_pipeline(model: nn.Module, parallel, world, device: torch.device, micr
     mesh = world_mesh(parallel, world, device)
     schedule = resolve_schedule(parallel.pipeline_schedule)
     stages = cut(model, mesh["pipeline"].get_local_rank(), world.pipeline, schedule, autocast)
+    whole = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # (a DTensor's: its global shape)
     runs = [_data_parallel(s, parallel, world, mesh) for s in stages]
-    return Pipeline(runs, stages, mesh["pipeline"], schedule, micro_batches), StageGroup(stages)
+    return Pipeline(runs, stages, mesh["pipeline"], schedule, micro_batches), StageGroup(stages, whole)
 
 
 def _data_parallel(stage: Stage, parallel, world, mesh) -> nn.Module:

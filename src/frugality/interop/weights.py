@@ -59,15 +59,18 @@ def _top_level_keys(path: Path) -> set[str]:
 def _check_shapes(
     theirs: dict[str, tuple], ours: dict[str, torch.Tensor], where: Path, optional: tuple[str, ...] = ()
 ) -> None:
+    """Every tensor of `ours` (name -> a tensor, or its whole model's shape) in `theirs`
+    at its shape, and nothing of theirs without a place."""
     for name, tensor in ours.items():
+        shape = tuple(tensor.shape) if hasattr(tensor, "shape") else tuple(tensor)
         if name not in theirs and name.startswith(optional):
             continue  # a part the source never had (an embedding head): it starts as initialised
         if name not in theirs:
             raise UserError(f"--init-from {where}: has no tensor {name!r} that the recipe's model needs")
-        if tuple(theirs[name]) != tuple(tensor.shape):
+        if tuple(theirs[name]) != shape:
             raise UserError(
                 f"--init-from {where}: tensor {name!r} has shape {list(theirs[name])} there but "
-                f"{list(tensor.shape)} in the recipe's model (check model.* and vocab_size)"
+                f"{list(shape)} in the recipe's model (check model.* and vocab_size)"
             )
     extra = sorted(set(theirs) - set(ours))
     if extra:
@@ -103,15 +106,18 @@ def load_weights(source: WeightsSource, model: nn.Module) -> list[str]:
     after checking every shape; returns the names the source lacked, left as initialised
     (only parts a model may add to a pretrained one, `optional_in_checkpoints`)."""
     ours = model.state_dict()  # tensors share storage with the parameters
+    # a pipeline stage holds part of the model: every rank checks the whole model's shapes
+    # (one verdict everywhere), and copies its own part
+    whole = getattr(model, "whole_model_shapes", None) or ours
     if source.kind == "hf":
         state = _read_hf(source)  # read once: checked, then copied
-        _check_shapes({k: v.shape for k, v in state.items()}, ours, source.path, _optional(model))
+        _check_shapes({k: v.shape for k, v in state.items()}, whole, source.path, _optional(model))
         for name, tensor in ours.items():
             if name in state:
                 tensor.copy_(_placed_like(state[name], tensor))
         return [name for name in ours if name not in state]
     theirs = _their_shapes(source)
-    _check_shapes(theirs, ours, source.path, _optional(model))
+    _check_shapes(theirs, whole, source.path, _optional(model))
     safe_load({"model": {k: v for k, v in ours.items() if k in theirs}}, source.path, no_dist=True)
     return [name for name in ours if name not in theirs]
 

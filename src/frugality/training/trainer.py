@@ -105,10 +105,10 @@ def train(
     check_tensor_parallel(recipe.model, p.tensor, p.sequence, world.world_size, recipe.data.seq_len)
     if p.tensor > 1:
         world = replace(world, tensor=p.tensor)
-    if init_from is not None and p.pipeline > 1:
+    if resume_optimizer and p.pipeline > 1:
         raise UserError(
-            "--init-from with parallel.pipeline: not built yet; start the run in another layout (--until-step 1) "
-            "and resume it under pipeline parallel"
+            "--resume-optimizer with parallel.pipeline: not built yet; start the run in another layout "
+            "(--until-step 1) and resume it under pipeline parallel"
         )
     if p.pipeline > 1 or p.pipeline_microbatches:
         recipe, world = _pipeline_layout(recipe, world, device)
