@@ -174,6 +174,7 @@ def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp
     assert (
         rows[2]["pipeline"] == 2 and rows[2]["ideal_bubble"] == round(1 / 3, 4) and 0 < rows[2]["pipeline_bubble"] < 1
     )
+    assert rows[2]["pipeline_bubble"] == pytest.approx(sum(rows[2]["bubble_by_rank"]) / 2, abs=1e-4)
     assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] > 0
     assert rows[1]["tokens_per_s_per_rank"] == round(rows[1]["tokens_per_s"] / 2, 1)
     assert rows[1]["threads_per_rank"] == max(1, rows[0]["threads_per_rank"] // 2)

@@ -124,3 +124,19 @@ def test_the_model_parallel_plans_in_the_docs_are_the_commands_rows(capsys):
         ]
         assert printed == rows.strip().splitlines(), command
     assert "| yes (32.0) |" in section and "| no (32.0) |" in section  # a verdict either way
+
+
+@pytest.mark.parametrize("tensor, pipeline", [(2, 1), (1, 2)])
+def test_a_model_parallel_run_that_cannot_fit_is_refused_by_its_heaviest_ranks_plan(
+    micro_recipe_file, tensor, pipeline
+):
+    from frugality.errors import UserError
+    from frugality.precision import get_policy
+    from frugality.runtime.plan import check_fits
+
+    sets = [f"parallel.tensor={tensor}", f"parallel.pipeline={pipeline}"]
+    fits = load_recipe(str(micro_recipe_file), sets)
+    check_fits(fits, get_policy("fp32"), 2, torch.device("cpu"), tensor, pipeline)  # a few MiB: passes
+    huge = load_recipe(str(micro_recipe_file), [*sets, "data.micro_batch_size=65536", "data.global_batch_size=131072"])
+    with pytest.raises(UserError, match=r"needs about [\d.]+ GiB per rank .* GiB free of this machine's RAM per rank"):
+        check_fits(huge, get_policy("fp32"), 2, torch.device("cpu"), tensor, pipeline)

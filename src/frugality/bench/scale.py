@@ -46,7 +46,8 @@ class ScaleRow:
     exposed_communication_s: float | None = None  # step time over the independent runs', or in TP collectives
     tensor: int = 1
     pipeline: int = 1
-    pipeline_bubble: float | None = None  # measured share of the schedule's time
+    pipeline_bubble: float | None = None  # measured share of the schedule's time, the ranks' mean
+    bubble_by_rank: list | None = None  # along the pipeline
     ideal_bubble: float | None = None
 
 
@@ -152,6 +153,7 @@ def _model_parallel_row(recipe_arg, overrides, n, t, p, strategy, steps, cores, 
         tensor=t,
         pipeline=p,
         pipeline_bubble=figures.get("bubble"),
+        bubble_by_rank=figures.get("bubble_by_rank"),
         ideal_bubble=figures.get("ideal_bubble"),
     )
 
@@ -212,7 +214,7 @@ def markdown_table(rows: list[ScaleRow]) -> str:
     lines = [
         "| strategy | processes | threads each | tokens/s | per rank | scaling efficiency | step (s) "
         "| step without collectives (s) | exposed communication (s, share of step) "
-        "| pipeline bubble (measured / ideal) | peak memory, rank 0 (GiB) |",
+        "| pipeline bubble: measured (by rank) / ideal | peak memory, rank 0 (GiB) |",
         "|" + "---|" * 11,
     ]
     for r in rows:
@@ -224,7 +226,10 @@ def markdown_table(rows: list[ScaleRow]) -> str:
             if r.exposed_communication_s is not None
             else "n/a"
         )
-        bubble = f"{r.pipeline_bubble:.0%} / {r.ideal_bubble:.0%}" if r.pipeline_bubble is not None else "n/a"
+        bubble = "n/a"
+        if r.pipeline_bubble is not None:
+            ranks = ", ".join(f"{b:.0%}" if b is not None else "?" for b in r.bubble_by_rank or [])
+            bubble = f"{r.pipeline_bubble:.0%} ({ranks}) / {r.ideal_bubble:.0%}"
         lines.append(
             f"| {r.strategy} | {r.nproc} | {r.threads_per_rank} | {r.tokens_per_s:,.0f} | "
             f"{r.tokens_per_s_per_rank:,.0f} | {eff} | {r.step_time_s:.3f} | {alone} | {exposed} | {bubble} | {mem} |"

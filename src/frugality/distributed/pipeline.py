@@ -146,7 +146,7 @@ class Pipeline:
         self.modules = modules
         per = stages_per_rank(schedule)
         total = self.size * per
-        rank = mesh.get_local_rank()
+        self.rank = rank = mesh.get_local_rank()  # this rank's place along the pipeline
         self.stages = [
             PipelineStage(m, rank + k * self.size, total, _device(m), group=self.group) for k, m in enumerate(stages)
         ]

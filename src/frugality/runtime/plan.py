@@ -292,14 +292,19 @@ def markdown_rows(plans: list[MemoryPlan]) -> str:
     return "\n".join(lines)
 
 
-def check_fits(recipe: Recipe, policy: PrecisionPolicy, world_size: int, device: torch.device) -> None:
+def check_fits(
+    recipe: Recipe, policy: PrecisionPolicy, world_size: int, device: torch.device, tensor: int = 1, pipeline: int = 1
+) -> None:
     """Refuse, in one line, a run whose plan per rank (frugality's fused output loss counted
-    as it runs) exceeds the memory free on its device now (CPU ranks of one machine share
-    its RAM, within any cgroup limit), rather than let it be killed mid-step;
-    `train.check_memory = false` turns this off."""
+    as it runs; under tensor or pipeline parallel, the heaviest rank's) exceeds the memory
+    free on its device now (CPU ranks of one machine share its RAM, within any cgroup
+    limit), rather than let it be killed mid-step; `train.check_memory = false` turns this off."""
     if device.type not in ("cpu", "cuda") or not recipe.train.check_memory:
         return
-    plan = plan_memory(recipe, world_size, recipe.parallel.data, policy=policy, fused_output=True)
+    if tensor > 1 or pipeline > 1:
+        plan = plan_model_parallel(recipe, world_size, recipe.parallel.data, tensor, pipeline, policy=policy)
+    else:
+        plan = plan_memory(recipe, world_size, recipe.parallel.data, policy=policy, fused_output=True)
     free, _ = device_memory(device)
     if device.type == "cpu":
         free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))

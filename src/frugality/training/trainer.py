@@ -121,11 +121,8 @@ def train(
     if recipe.parallel.spmd:
         loads, line = _spmd_batches(recipe, ranks)
         batch_note = f"{batch_note}; {line}" if batch_note else line
-    if world.tensor == 1 and world.pipeline == 1:  # the plan does not model model-parallel layouts yet
-        check_fits(recipe, resolve_policy(recipe.train.precision, device)[0], world.world_size, device)
-    elif recipe.train.check_memory:
-        line = "memory check: skipped (frugality plan does not model tensor or pipeline parallel yet)"
-        batch_note = f"{batch_note}; {line}" if batch_note else line
+    policy = resolve_policy(recipe.train.precision, device)[0]
+    check_fits(recipe, policy, world.world_size, device, world.tensor, world.pipeline)
     passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
     with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
         if device.type == "cpu":

@@ -3,7 +3,8 @@
 
 - pipeline parallel: the bubble, the share of the schedule's time a stage is not computing
   (forwards, backwards, the loss), so idle or waiting for a neighbour's send; the median
-  step's, averaged over the pipeline ranks, beside the schedule's ideal one;
+  step's, per pipeline rank and their mean, beside the schedule's ideal one (which assumes
+  equal stages: a lighter stage also waits for a heavier one);
 - tensor parallel: the seconds a step's rank is blocked in collectives (DTensor's
   all-reduces and gathers, their waits), from the torch profiler over a few single steps
   away from evaluations and checkpoints; the median, averaged over the ranks.
@@ -60,15 +61,23 @@ class ParallelFigures(Callback):
         # every rank's figures summed (each rank contributes where it measured); one collective
         idle = statistics.median(self.idle) if self.idle else 0.0
         blocked = statistics.median(self.blocked) if self.blocked else 0.0
-        mine = [idle, float(bool(self.idle)), blocked, float(bool(self.blocked))]
-        idle_sum, idle_ranks, blocked_sum, blocked_ranks = all_sum(mine, state.device) if world.distributed else mine
+        # per pipeline rank (its slot; the others zero): idle share and how many ranks measured it
+        stages = [0.0] * (2 * world.pipeline)
+        if self.idle:
+            at = state.pipeline.rank
+            stages[2 * at : 2 * at + 2] = [idle, 1.0]
+        mine = [blocked, float(bool(self.blocked)), *stages]
+        blocked_sum, blocked_ranks, *stages = all_sum(mine, state.device) if world.distributed else mine
         section: dict = {"tensor": world.tensor, "pipeline": world.pipeline, "data": world.data_size}
         if state.pipeline is not None:
             p = state.pipeline
+            per_stage = [round(s / n, 4) if n else None for s, n in zip(stages[::2], stages[1::2])]
+            measured = [s for s in per_stage if s is not None]
             section |= {
                 "schedule": p.schedule,
                 "micro_batches": p.micro_batches,
-                "bubble": round(idle_sum / idle_ranks, 4) if idle_ranks else None,
+                "bubble": round(sum(measured) / len(measured), 4) if measured else None,
+                "bubble_by_rank": per_stage,  # unequal stages: the lighter ones wait for the heavier
                 "ideal_bubble": round(p.ideal_bubble(), 4),
             }
         if world.tensor > 1:
