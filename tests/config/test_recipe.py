@@ -71,6 +71,11 @@ def test_an_unknown_variant_lists_the_recipes_variants(tmp_path):
     )
     with pytest.raises(UserError, match=r"mine.toml:wide: model: hidden_size \(65\)"):
         load_recipe(f"{path}:wide")
+    path.write_text("variants = 3\n")
+    with pytest.raises(UserError, match=r"mine.toml: variants: a table of \[variants.NAME\] tables \(got 3\)"):
+        load_recipe(str(path))
+    with pytest.raises(UserError, match=r"recipe file nope:b/r.toml does not exist"):  # a colon in a path is no variant
+        load_recipe("nope:b/r.toml")
 
 
 def test_default_is_tiny_and_overrides_apply():

@@ -127,16 +127,24 @@ def test_the_model_parallel_plans_in_the_docs_are_the_commands_rows(capsys):
 
 
 @pytest.mark.parametrize("tensor, pipeline", [(2, 1), (1, 2)])
-def test_a_model_parallel_run_that_cannot_fit_is_refused_by_its_heaviest_ranks_plan(
-    micro_recipe_file, tensor, pipeline
+def test_a_model_parallel_run_is_checked_against_its_heaviest_ranks_plan(
+    micro_recipe_file, monkeypatch, tensor, pipeline
 ):
+    """Free memory between the layout's plan and the one-process plan of the same ranks:
+    the run passes (its rank holds a part); below the layout's plan: refused in one line."""
     from frugality.errors import UserError
     from frugality.precision import get_policy
-    from frugality.runtime.plan import check_fits
+    from frugality.runtime import plan as planning
 
-    sets = [f"parallel.tensor={tensor}", f"parallel.pipeline={pipeline}"]
-    fits = load_recipe(str(micro_recipe_file), sets)
-    check_fits(fits, get_policy("fp32"), 2, torch.device("cpu"), tensor, pipeline)  # a few MiB: passes
-    huge = load_recipe(str(micro_recipe_file), [*sets, "data.micro_batch_size=65536", "data.global_batch_size=131072"])
-    with pytest.raises(UserError, match=r"needs about [\d.]+ GiB per rank .* GiB free of this machine's RAM per rank"):
-        check_fits(huge, get_policy("fp32"), 2, torch.device("cpu"), tensor, pipeline)
+    sets = [f"parallel.tensor={tensor}", f"parallel.pipeline={pipeline}", "model.vocab_size=4096"]
+    recipe = load_recipe(str(micro_recipe_file), sets)
+    fp32, cpu = get_policy("fp32"), torch.device("cpu")
+    part = planning.plan_model_parallel(recipe, 2, "ddp", tensor, pipeline, policy=fp32).total
+    whole = planning.plan_memory(recipe, 2, "ddp", policy=fp32, fused_output=True).total
+    assert part < whole
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(planning, "device_memory", lambda device: ((part + whole) // 2, whole))
+    planning.check_fits(recipe, fp32, 2, cpu, tensor, pipeline)  # the part fits
+    monkeypatch.setattr(planning, "device_memory", lambda device: (part - 1, whole))
+    with pytest.raises(UserError, match=r"needs about [\d.]+ GiB per rank .* GiB free of this machine's RAM"):
+        planning.check_fits(recipe, fp32, 2, cpu, tensor, pipeline)

@@ -67,6 +67,9 @@ def bench_scale(
         for d in degrees:
             if not any(n % d == 0 for n in nprocs):
                 raise UserError(f"{flag} {d}: divides none of the process counts ({', '.join(map(str, nprocs))})")
+    for n in nprocs:  # a layout the model cannot take fails here, before any run
+        for t, p in layouts(n, tensors, pipelines):
+            _check_layout(recipe, n, t, p)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # one micro-batch size for every configuration: the recipe's, or smaller where the most
     # ranks would not divide the global batch with it (one process then accumulates)
@@ -124,6 +127,16 @@ def layouts(n: int, tensors, pipelines) -> list[tuple[int, int]]:
     each pair; data parallel takes the rest."""
     pairs = [(t, 1) for t in tensors] + [(1, p) for p in pipelines] + [(t, p) for t in tensors for p in pipelines]
     return [(t, p) for t, p in pairs if t * p > 1 and n % (t * p) == 0]
+
+
+def _check_layout(recipe: Recipe, n: int, t: int, p: int) -> None:
+    from frugality.distributed.pipeline import check_pipeline
+    from frugality.distributed.tensor_parallel import check_tensor_parallel
+
+    parallel = recipe.parallel.model_copy(update={"tensor": t, "pipeline": p})
+    check_tensor_parallel(recipe.model, t, parallel.sequence, n, recipe.data.seq_len)
+    if p > 1:
+        check_pipeline(recipe.model, parallel, n, p)  # (the micro-batches are the run's to check)
 
 
 def layout_name(t: int, p: int, data: int, strategy: str) -> str:

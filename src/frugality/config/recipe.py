@@ -411,13 +411,11 @@ def load_recipe(name_or_path: str | None = None, overrides: list[str] = ()) -> R
     name_or_path, variant = split_variant(name_or_path)
     path = find_recipe(name_or_path)
     raw = _read(path)
-    variants = raw.pop("variants", {})
+    variants = _variants(raw.pop("variants", {}), path)
     if variant is not None:
         if variant not in variants:
             have = ", ".join(sorted(variants)) or "none"
             raise UserError(f"recipe {path}: no variant {variant!r} (its variants: {have})")
-        if not isinstance(variants[variant], dict):
-            raise UserError(f"recipe {path}: variants.{variant} is not a table")
         table = dict(variants[variant])
         table.pop("description", None)
         _merge(raw, table)
@@ -440,15 +438,26 @@ def split_variant(name_or_path: str | None) -> tuple[str | None, str | None]:
     if name_or_path is None or ":" not in name_or_path:
         return name_or_path, None
     base, _, variant = name_or_path.rpartition(":")
-    if Path(name_or_path).exists() or not variant:
-        return name_or_path, None
+    if Path(name_or_path).exists() or not re.fullmatch(r"[A-Za-z0-9._-]+", variant):
+        return name_or_path, None  # a path with a colon in it (C:/x.toml, a/b:c/r.toml)
     return base, variant
 
 
 def recipe_variants(name_or_path: str) -> dict[str, str]:
     """A recipe's variants, name -> description."""
-    variants = _read(find_recipe(name_or_path)).get("variants", {})
-    return {name: str(table.get("description", "")) for name, table in variants.items() if isinstance(table, dict)}
+    path = find_recipe(name_or_path)
+    variants = _variants(_read(path).get("variants", {}), path)
+    return {name: str(table.get("description", "")) for name, table in variants.items()}
+
+
+def _variants(variants, path: Path) -> dict[str, dict]:
+    """A recipe's `[variants]`: a table of tables, one a variant."""
+    if not isinstance(variants, dict):
+        raise UserError(f"recipe {path}: variants: a table of [variants.NAME] tables (got {variants!r})")
+    for name, table in variants.items():
+        if not isinstance(table, dict):
+            raise UserError(f"recipe {path}: variants.{name}: a table of keys (got {table!r})")
+    return variants
 
 
 def _read(path: Path) -> dict:

@@ -5,10 +5,12 @@ driven through them by a schedule (GPipe: all forwards, then all backwards; 1F1B
 forward, one backward in the steady state, so at most `stages` micro-batches' activations
 live at once; interleaved 1F1B: two stages a rank, a smaller bubble).
 
-Every rank builds the whole model from the recipe's seed and keeps its stage's parts, so
-every layout starts from the same weights; a stage module's parameter names are the whole
-model's ("layers.5.attn.qkv.weight"), so checkpoints (DCP: each rank writes its stage's
-keys) load at any layout and `export hf` consolidates them.
+Every rank builds the whole model on the meta device and gives its stages the values the
+whole model would have had under the recipe's seed (`frugality.models.materialize`), so
+every layout starts from the same weights and no rank holds the whole model. A stage
+module's parameter names are the whole model's ("layers.5.attn.qkv.weight"), so
+checkpoints (DCP: each rank writes its stage's keys) load at any layout and `export hf`
+consolidates them.
 """
 
 from __future__ import annotations
@@ -156,6 +158,8 @@ class Pipeline:
         # the seconds a train step's schedule spends computing (the stages' forwards and
         # backwards, the loss), against its whole time: the rest is the bubble and the
         # waits for the neighbours' sends. Host clocks time only a host's compute (CPUs).
+        # The data-parallel gradient reduction after the last backward counts as work too,
+        # not as bubble (FSDP2's gathers run inside the forwards and backwards).
         self.compute_s = 0.0
         self.last_step: tuple[float, float] | None = None  # (schedule seconds, compute seconds)
         self._timed = _device(modules[0]).type == "cpu"
@@ -164,6 +168,7 @@ class Pipeline:
             for s in self.stages:
                 s.forward_one_chunk = self._timing(s.forward_one_chunk)
                 s.backward_one_chunk = self._timing(s.backward_one_chunk)
+                s.perform_reduce_grad = self._timing(s.perform_reduce_grad)
             train_loss = self._timing(loss)
         if schedule == "interleaved-1f1b":
             self.train = ScheduleInterleaved1F1B(self.stages, micro_batches, loss_fn=train_loss)
@@ -279,16 +284,20 @@ def _no_loss(hidden, targets):  # a rank without the last stage never calls it
     raise RuntimeError("only the last stage computes the loss")
 
 
-def build_pipeline(model: nn.Module, parallel, world, device: torch.device, micro_batches: int, autocast=None):
-    """This rank's stages of `model` (whole, built from the seed), each wrapped for data
-    parallel over the ranks left over (DDP, or FSDP2 per block), and the schedule over
-    them; returns (the Pipeline, the stages as one module for the optimizer and the
-    checkpoints)."""
+def build_pipeline(
+    model: nn.Module, parallel, world, device: torch.device, micro_batches: int, autocast=None, materialize=None
+):
+    """This rank's stages of `model` (whole: built from the seed, or on the meta device and
+    `materialize(stages)` giving the stages their values), each wrapped for data parallel
+    over the ranks left over (DDP, or FSDP2 per block), and the schedule over them;
+    returns (the Pipeline, the stages as one module for the optimizer and the checkpoints)."""
     from frugality.distributed import world_mesh
 
     mesh = world_mesh(parallel, world, device)
     schedule = resolve_schedule(parallel.pipeline_schedule)
     stages = cut(model, mesh["pipeline"].get_local_rank(), world.pipeline, schedule, autocast)
+    if materialize is not None:
+        materialize(stages)
     whole = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # (a DTensor's: its global shape)
     runs = [_data_parallel(s, parallel, world, mesh) for s in stages]
     return Pipeline(runs, stages, mesh["pipeline"], schedule, micro_batches), StageGroup(stages, whole)

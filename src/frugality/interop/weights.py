@@ -114,7 +114,7 @@ def load_weights(source: WeightsSource, model: nn.Module) -> list[str]:
         _check_shapes({k: v.shape for k, v in state.items()}, whole, source.path, _optional(model))
         for name, tensor in ours.items():
             if name in state:
-                tensor.copy_(_placed_like(state[name], tensor))
+                tensor.copy_(placed_like(state[name], tensor))
         return [name for name in ours if name not in state]
     theirs = _their_shapes(source)
     _check_shapes(theirs, whole, source.path, _optional(model))
@@ -122,7 +122,7 @@ def load_weights(source: WeightsSource, model: nn.Module) -> list[str]:
     return [name for name in ours if name not in theirs]
 
 
-def _placed_like(full: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+def placed_like(full: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """`full`, split as `tensor` is where it is a DTensor (FSDP2, tensor parallel): this
     rank's share of it."""
     from torch.distributed.tensor import DTensor, distribute_tensor

@@ -38,21 +38,11 @@ def build_empty(cfg, device="cpu") -> nn.Module:
     and the buffers no checkpoint holds (rotary tables) computed there."""
     import torch
 
+    from frugality.models.materialize import allocate
+
     with torch.device("meta"):
         model = build_model(cfg)
-    # to_empty gives every parameter storage of its own: tied weights (a tied output layer,
-    # BERT's masked-LM decoder) are tied again after it, as built
-    first: dict[int, str] = {}
-    ties = [(name, first.setdefault(id(p), name)) for name, p in model.named_parameters(remove_duplicate=False)]
-    model = model.to_empty(device=device)
-    for name, source in ties:
-        if name != source:
-            owner, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, model.get_parameter(source))
-    for module in model.modules():
-        if hasattr(module, "reset_tables"):
-            module.reset_tables()
-    return model
+    return allocate(model, device)
 
 
 def build_model(cfg) -> nn.Module:

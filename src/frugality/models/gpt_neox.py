@@ -127,17 +127,23 @@ class GPTNeoX(nn.Module):
         """GPT-NeoX's initialisation as Pythia used it: "small_init" (std sqrt(2 / 5d),
         Nguyen & Salazar 2019) everywhere, "wang_init" (std 2 / (layers * sqrt(d))) for the
         two projections that write into the residual stream; zero biases, unit norms."""
+        for name, p in self.named_parameters():
+            self.init_parameter(name, p)
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, p: torch.Tensor) -> None:
+        """One parameter's share of `reset_parameters`, by its name (`frugality.models.
+        materialize` draws a model's values one parameter at a time through it)."""
         d, layers = self.config.hidden_size, self.config.num_layers
         small, wang = math.sqrt(2.0 / (5.0 * d)), 2.0 / (layers * math.sqrt(d))
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif "norm" in name:
-                p.fill_(1.0)
-            elif name.endswith(("attn.out.weight", "mlp.down.weight")):
-                p.normal_(0.0, wang)
-            else:
-                p.normal_(0.0, small)
+        if name.endswith("bias"):
+            p.zero_()
+        elif "norm" in name:
+            p.fill_(1.0)
+        elif name.endswith(("attn.out.weight", "mlp.down.weight")):
+            p.normal_(0.0, wang)
+        else:
+            p.normal_(0.0, small)
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The final norm's output (B, T, d): what the output layer turns into logits or,

@@ -132,14 +132,20 @@ class Llama(nn.Module):
         """N(0, init_std) for every matrix, as transformers initialises Llama; the two
         residual-stream projections scaled by 1/sqrt(2 * layers) (GPT-2's rule) to keep
         the stream's variance flat with depth."""
-        residual = self.config.init_std / math.sqrt(2 * self.config.num_layers)
         for name, p in self.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif name.endswith(("attn.o.weight", "mlp.down.weight")):
-                p.normal_(0.0, residual)
-            else:
-                p.normal_(0.0, self.config.init_std)
+            self.init_parameter(name, p)
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, p: torch.Tensor) -> None:
+        """One parameter's share of `reset_parameters`, by its name (`frugality.models.
+        materialize` draws a model's values one parameter at a time through it)."""
+        residual = self.config.init_std / math.sqrt(2 * self.config.num_layers)
+        if "norm" in name:
+            p.fill_(1.0)
+        elif name.endswith(("attn.o.weight", "mlp.down.weight")):
+            p.normal_(0.0, residual)
+        else:
+            p.normal_(0.0, self.config.init_std)
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The final norm's output (B, T, d): what the output layer turns into logits or,

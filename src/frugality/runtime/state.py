@@ -28,11 +28,13 @@ from frugality.distributed import World, describe, gather_with_grad, world_mesh,
 from frugality.distributed.pipeline import Pipeline, build_pipeline
 from frugality.distributed.spmd import wrap_spmd
 from frugality.distributed.tensor_parallel import apply_tensor_parallel, loss_context
+from frugality.interop.weights import placed_like
 from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.kernels.specialize import specialize
 from frugality.metrics.flops import non_embedding_params
 from frugality.metrics.prices import check_cost
 from frugality.models import build_model
+from frugality.models.materialize import allocate, draw_parameters
 from frugality.precision import PrecisionPolicy, resolve_policy
 from frugality.runtime.data import TrainingData
 from frugality.runtime.optim import build_optimizer, fused_update
@@ -97,28 +99,37 @@ def build_state(
     policy, note = resolve_policy(recipe.train.precision, device)
     compiled = CompileSession.for_recipe(recipe, device, policy)  # on XLA, its executable cache opens before any graph
     torch.manual_seed(recipe.seed)
+    # tensor and pipeline parallel: the model built on the meta device, split, and only this
+    # rank's part given its values (those the whole model would have had) on the device;
+    # fp8 converts its layers as they are built, so it builds the whole model first
+    in_parts = (world.tensor > 1 or world.pipeline > 1) and policy.name != "fp8" and device.type != "xla"
     if device.type == "xla":  # initialised on the host, as on a CPU, so a seed gives the same weights
         model = policy.prepare_model(build_model(recipe.model)).to(device)
     else:
-        with device:
+        with torch.device("meta") if in_parts else device:
             model = policy.prepare_model(build_model(recipe.model))
     frozen = freeze_unused(task, model)  # before any wrapping: DDP must not wait for their gradients
     if world.tensor > 1:  # the layers become DTensor layers: the kernels, written for whole tensors, step aside
         mesh = world_mesh(recipe.parallel, world, device)["tensor"]
         choices = [apply_tensor_parallel(model, mesh, recipe.parallel.sequence), "kernels: none under tensor parallel"]
     else:
-        choices = specialize(model, device, policy)
+        choices = [] if in_parts else specialize(model, device, policy)
+    materialize = (
+        (lambda parts: choices.extend(_materialize(recipe, device, policy, model, parts))) if in_parts else None
+    )
     pipeline, whole = None, None
     if world.pipeline > 1:  # the model becomes this rank's stages, driven by the schedule
         accumulated = recipe.data.global_batch_size // (recipe.data.micro_batch_size * world.data_size)
         whole = model
         counts = (sum(p.numel() for p in whole.parameters()), non_embedding_params(whole))
         autocast = lambda: policy.autocast_context(device)  # noqa: E731 - a new context each forward
-        pipeline, model = build_pipeline(model, recipe.parallel, world, device, accumulated, autocast)
+        pipeline, model = build_pipeline(model, recipe.parallel, world, device, accumulated, autocast, materialize)
         pipeline.parameters, pipeline.non_embedding_parameters = counts
         wrapped = model
         choices += [pipeline.describe(), describe(recipe.parallel, world)]
     else:
+        if materialize is not None:  # tensor parallel alone: this rank's shards of every layer
+            materialize([model])
         wrapped = task.training_module(model)
     own = {id(p) for p in wrapped.parameters()} - {id(p) for p in model.parameters()}
     if own:  # the optimizer and the checkpoints see the model's parameters only
@@ -157,6 +168,30 @@ def build_state(
         recent_losses=deque(maxlen=recipe.train.loss_spike_window),
         pipeline=pipeline,
     )
+
+
+def _materialize(recipe: Recipe, device: torch.device, policy, whole: nn.Module, parts: list) -> list[str]:
+    """Give `parts` of `whole` (on the meta device; tensor-parallel layers hold DTensors)
+    storage on `device` and the values `build_model` would have given them under the
+    recipe's seed (drawn a layer at a time, each rank keeping its shards); then, without
+    tensor parallel, the faster layers. Returns the choices made."""
+    for part in parts:
+        allocate(part, device)
+    targets = dict(whole.named_parameters())
+
+    def keep(name: str, value: torch.Tensor) -> None:
+        target = targets.get(name)
+        local = target.to_local() if hasattr(target, "to_local") else target
+        if local is None or local.is_meta:
+            return  # another rank's
+        placed = placed_like(value, target)
+        local.copy_(placed.to_local() if hasattr(placed, "to_local") else placed)
+
+    torch.manual_seed(recipe.seed)
+    draw_parameters(recipe.model, device, keep)
+    if any(hasattr(p, "to_local") for p in whole.parameters()):
+        return []
+    return sorted({choice for part in parts for choice in specialize(part, device, policy)})
 
 
 def _prefixes(names: list[str]) -> str:

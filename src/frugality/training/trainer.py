@@ -177,12 +177,13 @@ def train(
                     Cost(run_path, main),  # elapsed time, dollars and energy into the records; the summary's cost
                     DivergenceGuard(checkpoints),  # marks skipped steps (before the log), rolls back
                     Memory() if main else None,  # the first step's memory, for the log and the summary
-                    ParallelFigures(state) if world.tensor > 1 or world.pipeline > 1 else None,  # bubble, collectives
                     RunLog(run_path, tensorboard) if main else None,
                     Progress(_header(state, plan, source, init_from, resume_optimizer), progress, stop_at)
                     if main
                     else None,
                     Checkpointing(checkpoints, stop_at),  # after evaluation: a checkpoint sees the step's whole result
+                    # the bubble and the collectives' time: its profiled steps begin after the checkpoints
+                    ParallelFigures(state) if world.tensor > 1 or world.pipeline > 1 else None,
                     summary,  # last at the end: what the others published
                     FaultInjector(faults, run_path, checkpoints) if "@" in faults else None,  # the reliability suite's
                 )

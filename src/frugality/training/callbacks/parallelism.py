@@ -2,12 +2,14 @@
 `parallel` section (and `bench scale`'s table):
 
 - pipeline parallel: the bubble, the share of the schedule's time a stage is not computing
-  (forwards, backwards, the loss), so idle or waiting for a neighbour's send; the median
+  (forwards, backwards, the loss, the gradients' data-parallel reduction), so idle or
+  waiting for a neighbour's send; the median
   step's, per pipeline rank and their mean, beside the schedule's ideal one (which assumes
   equal stages: a lighter stage also waits for a heavier one);
 - tensor parallel: the seconds a step's rank is blocked in collectives (DTensor's
-  all-reduces and gathers, their waits), from the torch profiler over a few single steps
-  away from evaluations and checkpoints; the median, averaged over the ranks.
+  all-reduces and gathers, their waits), from the torch profiler over single steps (the
+  session's 3rd, 5th and 7th, each from after the previous step's evaluation and
+  checkpoint to its own end); the median, averaged over the ranks.
 
 Measured with host clocks, so on CPUs only: a GPU's work is asynchronous to them.
 """
@@ -19,12 +21,13 @@ import statistics
 from frugality.distributed import all_sum
 from frugality.training.callbacks import Callback
 
-PROFILED_STEPS = (3, 5, 7)  # each profiled alone, from after the step before it to its end
+PROFILED = (2, 4, 6)  # the session's steps profiled (after its first), each alone
 
 
 class ParallelFigures(Callback):
     def __init__(self, state) -> None:
         self.on_cpu = state.device.type == "cpu"
+        self.profiled = {state.step + k for k in PROFILED}  # counted from the session's start
         self.idle: list[float] = []  # per step, the pipeline schedule's share not computing
         self.blocked: list[float] = []  # per profiled step, seconds in collectives
         self._profiler = None
@@ -36,15 +39,16 @@ class ParallelFigures(Callback):
             self.idle.append(max(0.0, 1 - computing / elapsed) if elapsed > 0 else 0.0)
         if self._profiler is not None:
             self._profiler.stop()
-            self.blocked.append(_collective_seconds(self._profiler))
+            if result.rolled_back_to is None:  # (a rollback's restore is not a step's communication)
+                self.blocked.append(_collective_seconds(self._profiler))
             self._profiler = None
 
     def on_step_done(self, state) -> None:
-        # after the step's evaluation and checkpoint: the next step, alone, is profiled
-        if not (self.on_cpu and state.world.tensor > 1 and state.step + 1 in PROFILED_STEPS):
+        # after the step's evaluation and checkpoint (this callback comes after checkpointing):
+        # the next step, alone, is profiled
+        if not (self.on_cpu and state.world.tensor > 1 and state.step + 1 in self.profiled):
             return
-        recipe = state.recipe
-        if (state.step + 1) % recipe.train.eval_interval == 0 or (state.step + 1) % recipe.train.save_interval == 0:
+        if state.stop_requested:
             return
         import os
 
@@ -91,9 +95,9 @@ class ParallelFigures(Callback):
 
 
 def _collective_seconds(profiler) -> float:
-    """The main thread's own time in communication ops: issuing collectives and waiting on
-    their results (a collective's work runs on the backend's threads, not counted)."""
-    total_us = sum(
-        e.self_cpu_time_total for e in profiler.key_averages() if "c10d" in e.key or e.key.startswith("record_param")
-    )
+    """The main thread's own time in DTensor's collectives (the functional collectives
+    tensor parallel issues, and their waits: `_c10d_functional::wait_tensor` holds the time
+    blocked on a peer). Other collectives (data parallel's, the pipeline's sends) record
+    only their issuing, so they are left out."""
+    total_us = sum(e.self_cpu_time_total for e in profiler.key_averages() if e.key.startswith("_c10d_functional"))
     return total_us / 1e6
