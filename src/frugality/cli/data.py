@@ -23,16 +23,42 @@ def data() -> None:
     "--out", "out_prefix", required=True, type=click.Path(), help="Output prefix: writes PREFIX.bin and PREFIX.idx."
 )
 @click.option("--field", default="text", show_default=True, help="JSON field holding the text (.jsonl).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing PREFIX.bin/.idx.")
-def prepare(inputs, tokenizer_name, out_prefix, field, overwrite) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace an existing PREFIX.bin/.idx (and another run's parts).")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    help="Processes tokenizing pieces of the input apart [default: the machine's cores].",
+)
+@click.option(
+    "--piece-mb",
+    type=click.FloatRange(min=0, min_open=True),
+    default=64.0,
+    show_default=True,
+    help="A plain .jsonl is cut into pieces of about this many MB, each a worker's.",
+)
+def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece_mb) -> None:
     """Tokenize INPUTS (.txt: a document per file; .jsonl: a document per line; either
-    may be .gz) into a Megatron indexed dataset, one end-of-document token after each."""
+    may be .gz) into a Megatron indexed dataset, one end-of-document token after each.
+    The same bytes whatever --workers; a run killed mid-way, rerun as it was, redoes only
+    the pieces it had not finished (PREFIX.parts/)."""
     from frugality.data.prepare import prepare as run_prepare
     from frugality.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_name)
-    stats = run_prepare(inputs, tokenizer, out_prefix, field=field, overwrite=overwrite)
-    click.echo(f"wrote {stats.bin_path} and {stats.idx_path}: {stats.documents:,} documents, {stats.tokens:,} tokens")
+    stats = run_prepare(
+        inputs,
+        tokenizer,
+        out_prefix,
+        field=field,
+        overwrite=overwrite,
+        workers=workers,
+        piece_bytes=int(piece_mb * 1e6),
+    )
+    reused = f"; {stats.reused_parts} parts from the interrupted run" if stats.reused_parts else ""
+    click.echo(
+        f"wrote {stats.bin_path} and {stats.idx_path}: {stats.documents:,} documents, {stats.tokens:,} tokens "
+        f"({stats.workers} worker{'s' * (stats.workers > 1)}: {stats.rates()}{reused})"
+    )
 
 
 @data.command()

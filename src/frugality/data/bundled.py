@@ -45,5 +45,5 @@ def bundled_dataset(name: str, tokenizer: LoadedTokenizer, progress: bool = True
     if all(p.is_file() for p in paths(prefix)):
         return str(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    prepare(files, tokenizer, prefix, overwrite=True, progress=progress)
+    prepare(files, tokenizer, prefix, overwrite=True, progress=progress, workers=1)  # (inside a training run)
     return str(prefix)

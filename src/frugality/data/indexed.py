@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import glob
+import hashlib
 import os
 import struct
 from pathlib import Path
@@ -59,8 +60,13 @@ class IndexedDatasetWriter:
         self._tmp_idx = self.idx_path.with_name(self.idx_path.name + f".tmp{os.getpid()}")
         self._bin = open(self._tmp_bin, "wb")
         fcntl.flock(self._bin, fcntl.LOCK_EX)  # held until renamed: this file is a live writer's
+        # sequence lengths and document ends: arrays (whole appended datasets), then the
+        # documents added one by one since the last array
+        self._length_arrays: list[np.ndarray] = []
+        self._end_arrays: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
         self._lengths: list[int] = []
-        self._doc_index: list[int] = [0]
+        self._ends: list[int] = []
+        self.num_sequences = 0
         self.num_tokens = 0
 
     def add_document(self, tokens: np.ndarray | list[int]) -> None:
@@ -68,20 +74,48 @@ class IndexedDatasetWriter:
         array = np.asarray(tokens, dtype=self.dtype)
         self._bin.write(array.tobytes(order="C"))
         self._lengths.append(array.size)
-        self._doc_index.append(len(self._lengths))
+        self.num_sequences += 1
+        self._ends.append(self.num_sequences)
         self.num_tokens += array.size
+
+    def append(self, prefix: str | Path, chunk_bytes: int = 16 << 20) -> str:
+        """A whole dataset's sequences and documents after those written so far (as
+        megatron-core's `add_index` does); returns the sha256 of its .bin, read once."""
+        part = IndexedDataset(prefix)
+        if part.dtype != self.dtype:
+            raise UserError(f"dataset {part.prefix}: tokens are {part.dtype}, not {self.dtype} as the rest")
+        self._settle()
+        digest = hashlib.sha256()
+        with open(paths(part.prefix)[0], "rb") as source:
+            while chunk := source.read(chunk_bytes):
+                digest.update(chunk)
+                self._bin.write(chunk)
+        self._length_arrays.append(np.asarray(part.sequence_lengths, dtype=np.int32))
+        self._end_arrays.append(np.asarray(part.document_indices[1:], dtype=np.int64) + self.num_sequences)
+        self.num_sequences += part.num_sequences
+        self.num_tokens += part.num_tokens
+        return digest.hexdigest()
+
+    def _settle(self) -> None:
+        """The documents added one by one, as arrays."""
+        if self._lengths:
+            self._length_arrays.append(np.asarray(self._lengths, dtype=np.int32))
+            self._end_arrays.append(np.asarray(self._ends, dtype=np.int64))
+            self._lengths, self._ends = [], []
 
     def finalize(self) -> None:
         self._bin.flush()
-        lengths = np.asarray(self._lengths, dtype=np.int32)
+        self._settle()
+        lengths = np.concatenate([np.zeros(0, dtype=np.int32), *self._length_arrays])
+        ends = np.concatenate(self._end_arrays)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         with open(self._tmp_idx, "wb") as f:
             fcntl.flock(f, fcntl.LOCK_EX)  # as the .bin's, until both are renamed
-            f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(lengths), len(self._doc_index)))
+            f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(lengths), len(ends)))
             f.write(lengths.tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
-            f.write(np.asarray(self._doc_index, dtype=np.int64).tobytes(order="C"))
+            f.write(ends.tobytes(order="C"))
             f.flush()
             os.replace(self._tmp_bin, self.bin_path)
             os.replace(self._tmp_idx, self.idx_path)

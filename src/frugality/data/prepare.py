@@ -1,18 +1,31 @@
-"""`frugality data prepare`: text files -> a Megatron indexed dataset.
+"""`frugality data prepare`: text files -> a Megatron indexed dataset, on every core.
 
 Inputs are `.txt` (one document per file) and `.jsonl` (one document per line, in field
 `text` or another), optionally gzip-compressed. Each document becomes one sequence
-followed by one end-of-document token. Tokenization runs in batches through the HF
-`tokenizers` library, which spreads a batch over all cores.
+followed by one end-of-document token.
+
+The inputs are cut into pieces (`data.pieces`: whole files, or line-aligned byte ranges of
+a plain `.jsonl`). Worker processes, each with its own tokenizer (separate instances
+scale where one `encode_batch` over many threads does not: tokenizers #1900), tokenize a
+piece each into a part (`PREFIX.parts/NNNNN.bin/.idx`); the parts are merged in input
+order, so the dataset is the same bytes whatever the workers (and megatron-core's builder
+given the same tokens). A part is recorded in `PREFIX.parts/parts.jsonl` once written
+whole, beside what the parts depend on (`PREFIX.parts/job.json`: the inputs' sizes and
+times, the tokenizer, the pieces): a run killed mid-way and rerun with the same inputs and
+tokenizer redoes only the missing parts. The parts are removed once merged.
 """
 
 from __future__ import annotations
 
-import gzip
-import io
+import hashlib
 import itertools
 import json
-from collections.abc import Iterator, Sequence
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +33,15 @@ import numpy as np
 from tqdm import tqdm
 
 from frugality.data.indexed import IndexedDatasetWriter, paths, token_dtype
-from frugality.data.text import json_type, not_utf8
+from frugality.data.pieces import JSONL, TEXT, Piece, plan_pieces, read_documents
 from frugality.data.tokenizer import LoadedTokenizer
 from frugality.errors import UserError
 
-_TEXT = (".txt", ".txt.gz")
-_JSONL = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")
-_BATCH_CHARS = 4_000_000  # large enough to keep every core busy, small enough for memory
+_BATCH_CHARS = 4_000_000  # documents encoded together: the library's batches, bounded memory
+PIECE_BYTES = 64 << 20  # a plain .jsonl is cut into pieces of about this much
+JOB = "job.json"  # what the parts depend on, written once
+PARTS_LOG = "parts.jsonl"  # a line per part written whole, appended
+_STOP_AFTER = "FRUGALITY_PREPARE_STOP_AFTER"  # tests: the run dies after recording N parts
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,17 @@ class PrepareStats:
     tokens: int
     bin_path: Path
     idx_path: Path
+    text_bytes: int = 0  # UTF-8 bytes of the documents (this run's parts)
+    seconds: float = 0.0
+    workers: int = 1
+    reused_parts: int = 0  # written by an earlier, interrupted run
+
+    def rates(self) -> str:
+        s = max(self.seconds, 1e-9)
+        return (
+            f"{self.text_bytes / s / 1e6:,.2f} MB/s, {self.documents / s:,.0f} documents/s, "
+            f"{self.tokens / s:,.0f} tokens/s"
+        )
 
 
 def prepare(
@@ -44,41 +70,244 @@ def prepare(
     field: str = "text",
     overwrite: bool = False,
     progress: bool = True,
+    workers: int | None = None,
+    piece_bytes: int = PIECE_BYTES,
 ) -> PrepareStats:
+    """Tokenize `inputs` into `out_prefix`.bin/.idx with `workers` processes (default: the
+    machine's cores; 1: this process, the library's threads)."""
+    start = time.perf_counter()
     files = [Path(p) for p in inputs]
     _check_inputs(files, out_prefix, overwrite)
-    Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)  # the inputs are good: make room
-    writer = IndexedDatasetWriter(out_prefix, token_dtype(tokenizer.vocab_size))
-    documents = 0
-    total = sum(f.stat().st_size for f in files)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
+    pieces = plan_pieces(files, piece_bytes)
+    dtype = token_dtype(tokenizer.vocab_size)
+    job = _job(files, tokenizer, field, dtype, pieces)
+    folder = Path(str(out_prefix) + ".parts")
+    done = _open_parts(folder, job, overwrite)
+    reused = len(done)
+    todo = [p for p in pieces if str(p.index) not in done]
+    workers = max(1, min(workers or _cores(), len(todo) or 1))
+    bar = tqdm(total=sum(p.size for p in pieces), unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
+    bar.update(sum(p.size for p in pieces if str(p.index) in done))
+    written = {"documents": 0, "tokens": 0, "text_bytes": 0}
+    try:
+        for index, part in _run(todo, tokenizer, field, dtype, folder, workers):
+            done[str(index)] = part
+            _record(folder, index, part)
+            for key in written:
+                written[key] += part[key]
+            bar.update(part["bytes"])
+            bar.set_postfix(docs=written["documents"], tokens=written["tokens"])
+            if os.environ.get(_STOP_AFTER) and len(done) - reused >= int(os.environ[_STOP_AFTER]):
+                os._exit(9)  # (tests: a run killed between two parts)
+        documents, tokens = _merge(folder, pieces, done, out_prefix, dtype)
+    except UserError:
+        if not reused:  # a bad input: nothing of this run is kept
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    bin_path, idx_path = paths(out_prefix)
+    return PrepareStats(
+        documents,
+        tokens,
+        bin_path,
+        idx_path,
+        written["text_bytes"],
+        time.perf_counter() - start,
+        workers,
+        reused,
+    )
+
+
+def _run(todo: list[Piece], tokenizer: LoadedTokenizer, field: str, dtype, folder: Path, workers: int):
+    """(piece index, part record) as each piece's part is written whole."""
+    if workers == 1:
+        state = {"tokenizer": tokenizer.tokenizer, "eod": tokenizer.eod_id, "dtype": dtype}
+        for piece in todo:
+            yield piece.index, _tokenize(state, piece, field, folder)
+        return
+    context = multiprocessing.get_context("spawn")  # no fork of a process whose library threads ran
+    setup = (tokenizer.tokenizer.to_str(), tokenizer.eod_id, dtype.str)
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=setup) as pool:
+        # the largest pieces first, so that the last ones to finish are small
+        order = iter(sorted(todo, key=lambda p: -p.size))
+        running = {
+            pool.submit(_worker_tokenize, p.as_dict(), field, str(folder)): p
+            for p in itertools.islice(order, 2 * workers)
+        }
+        try:
+            while running:
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    piece = running.pop(future)
+                    record = future.result()  # a worker's UserError is raised here, as it was
+                    for p in itertools.islice(order, 1):
+                        running[pool.submit(_worker_tokenize, p.as_dict(), field, str(folder))] = p
+                    yield piece.index, record
+        except BaseException:
+            for future in running:
+                future.cancel()
+            raise
+
+
+_WORKER: dict = {}
+
+
+def _start_worker(tokenizer_json: str, eod: int, dtype: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a worker: the workers are the parallelism
+    _die_with_parent()
+    from tokenizers import Tokenizer
+
+    _WORKER.update(tokenizer=Tokenizer.from_str(tokenizer_json), eod=eod, dtype=np.dtype(dtype))
+
+
+def _die_with_parent() -> None:
+    """Linux: this worker is killed when the process that started it dies (a killed
+    prepare leaves no worker tokenizing for no one)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker_tokenize(piece: dict, field: str, folder: str) -> dict:
+    return _tokenize(_WORKER, Piece(**piece), field, Path(folder))
+
+
+def _tokenize(state: dict, piece: Piece, field: str, folder: Path) -> dict:
+    """Piece -> its part, written whole (temporary names, renamed into place); its record."""
+    tokenizer, eod = state["tokenizer"], np.asarray([state["eod"]])
+    writer = IndexedDatasetWriter(folder / f"{piece.index:05d}", state["dtype"])
+    documents = text_bytes = 0
     try:
         batch: list[str] = []
         size = 0
-        for text, advanced in _iter_documents(files, field):
-            batch.append(text)
-            size += len(text)
-            bar.update(advanced)
-            if size >= _BATCH_CHARS:
-                documents += _write(writer, tokenizer, batch)
+        for text in itertools.chain(read_documents(piece, field), [None]):
+            if text is not None:
+                batch.append(text)
+                size += len(text)
+                text_bytes += len(text.encode("utf-8", "surrogateescape"))
+            if batch and (text is None or size >= _BATCH_CHARS):
+                for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
+                    writer.add_document(np.concatenate([np.asarray(encoding.ids, dtype=np.int64), eod]))
+                documents += len(batch)
                 batch, size = [], 0
-                bar.set_postfix(docs=documents, tokens=writer.num_tokens)
-        documents += _write(writer, tokenizer, batch)
         writer.finalize()
     except BaseException:
         writer.abort()
         raise
-    finally:
-        bar.close()
-    bin_path, idx_path = paths(out_prefix)
-    return PrepareStats(documents, writer.num_tokens, bin_path, idx_path)
+    digest = hashlib.sha256(writer.bin_path.read_bytes()).hexdigest()
+    return {
+        "documents": documents,
+        "tokens": writer.num_tokens,
+        "bytes": piece.size,
+        "text_bytes": text_bytes,
+        "bin_bytes": writer.bin_path.stat().st_size,
+        "sha256": digest,
+    }
 
 
-def _write(writer: IndexedDatasetWriter, tokenizer: LoadedTokenizer, texts: list[str]) -> int:
-    eod = np.asarray([tokenizer.eod_id])
-    for ids in tokenizer.encode_batch(texts):
-        writer.add_document(np.concatenate([np.asarray(ids, dtype=np.int64), eod]))
-    return len(texts)
+def _merge(folder: Path, pieces: list[Piece], done: dict, out_prefix, dtype) -> tuple[int, int]:
+    """The parts, in input order, into the dataset; a part whose bytes are not those
+    recorded is refused (its file was changed or damaged since)."""
+    Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
+    writer = IndexedDatasetWriter(out_prefix, dtype)
+    documents = 0
+    try:
+        for piece in pieces:
+            record = done[str(piece.index)]
+            digest = writer.append(folder / f"{piece.index:05d}")
+            if digest != record["sha256"]:
+                raise UserError(
+                    f"{folder}/{piece.index:05d}.bin: not the part recorded in {PARTS_LOG} (changed since); "
+                    f"remove {folder} and prepare again"
+                )
+            documents += record["documents"]
+        writer.finalize()
+    except BaseException:
+        writer.abort()
+        raise
+    return documents, writer.num_tokens
+
+
+def _job(files: list[Path], tokenizer: LoadedTokenizer, field: str, dtype, pieces: list[Piece]) -> dict:
+    """What the parts depend on: a rerun with anything else cannot use them."""
+    return {
+        "inputs": [{"path": str(f), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files],
+        "tokenizer_sha256": hashlib.sha256(tokenizer.tokenizer.to_str().encode()).hexdigest(),
+        "eod": tokenizer.eod_id,
+        "dtype": np.dtype(dtype).name,
+        "field": field,
+        "pieces": [p.as_dict() for p in pieces],
+    }
+
+
+def _open_parts(folder: Path, job: dict, overwrite: bool) -> dict:
+    """The parts an earlier run of this same job recorded (their files present at the
+    recorded size), or none; a folder of another job is refused, or removed with --overwrite."""
+    if folder.exists():
+        try:
+            recorded = json.loads((folder / JOB).read_text())
+        except (OSError, ValueError):
+            recorded = None
+        if recorded != job:
+            if not overwrite:
+                raise UserError(
+                    f"{folder}: the parts of another preparation ({_changed(recorded or {}, job)}); rerun that "
+                    "one, or --overwrite to start over"
+                )
+            shutil.rmtree(folder)
+        else:
+            return {k: v for k, v in _recorded(folder).items() if _whole(folder, int(k), v)}
+    folder.mkdir(parents=True)
+    partial = folder / (JOB + ".partial")
+    partial.write_text(json.dumps(job, indent=1) + "\n")
+    os.replace(partial, folder / JOB)
+    return {}
+
+
+def _recorded(folder: Path) -> dict:
+    """The parts.jsonl records by piece index (a line cut by a crash is not one)."""
+    found = {}
+    try:
+        lines = (folder / PARTS_LOG).read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        try:
+            record = json.loads(line)
+            found[str(record.pop("index"))] = record
+        except (ValueError, KeyError, AttributeError):
+            continue
+    return found
+
+
+def _whole(folder: Path, index: int, record: dict) -> bool:
+    part = folder / f"{index:05d}.bin"
+    return part.is_file() and part.stat().st_size == record.get("bin_bytes") and (folder / f"{index:05d}.idx").is_file()
+
+
+def _record(folder: Path, index: int, part: dict) -> None:
+    with open(folder / PARTS_LOG, "a") as log:
+        log.write(json.dumps({"index": index, **part}) + "\n")
+        log.flush()
+        os.fsync(log.fileno())
+
+
+def _changed(old: dict, new: dict) -> str:
+    if not old:
+        return "no readable job.json"
+    names = {"inputs": "inputs", "tokenizer_sha256": "tokenizer", "eod": "tokenizer", "dtype": "tokenizer"}
+    names |= {"field": "--field", "pieces": "inputs"}
+    return "its " + ", ".join(sorted({names[k] for k in new if old.get(k) != new[k]})) + " differ"
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _check_inputs(files: list[Path], out_prefix: str | Path, overwrite: bool) -> None:
@@ -89,8 +318,8 @@ def _check_inputs(files: list[Path], out_prefix: str | Path, overwrite: bool) ->
             raise UserError(f"input {f}: a directory; give its files, e.g. {_glob(f)}")
         if not f.is_file():
             raise UserError(f"input {f}: no such file")
-        if not f.name.endswith(_TEXT + _JSONL):
-            raise UserError(f"input {f}: unsupported type (expected {', '.join(_TEXT + _JSONL)})")
+        if not f.name.endswith(TEXT + JSONL):
+            raise UserError(f"input {f}: unsupported type (expected {', '.join(TEXT + JSONL)})")
         if f.stat().st_size == 0:
             raise UserError(f"input {f}: empty (no text to tokenize)")
     for p in paths(out_prefix):
@@ -102,57 +331,9 @@ def _check_inputs(files: list[Path], out_prefix: str | Path, overwrite: bool) ->
 
 def _glob(folder: Path) -> str:
     """A glob of the files of `folder` that data prepare reads (of its first such file's kind)."""
-    suffixes = sorted(_TEXT + _JSONL, key=len, reverse=True)  # .txt.gz before .txt
+    suffixes = sorted(TEXT + JSONL, key=len, reverse=True)  # .txt.gz before .txt
     for entry in itertools.islice(folder.iterdir(), 1000):
         kind = next((s for s in suffixes if entry.name.endswith(s)), None)
         if kind:
             return str(folder / f"*{kind}")
     return str(folder / "*.txt")
-
-
-def _iter_documents(files: list[Path], field: str) -> Iterator[tuple[str, int]]:
-    """(document text, bytes of input read since the previous document) for the progress bar."""
-    for f in files:
-        with open(f, "rb") as raw:
-            binary = gzip.open(raw) if f.suffix == ".gz" else raw
-            # a byte that is not UTF-8 is found, and named by its line, below (data.text)
-            lines = io.TextIOWrapper(binary, encoding="utf-8", errors="surrogateescape")
-            last = 0
-            try:
-                if f.name.endswith(_TEXT):
-                    text = lines.read()
-                    _check_utf8(text, f, 1)
-                    if not text.strip():
-                        raise UserError(f"input {f}: empty (no text to tokenize)")
-                    yield text, f.stat().st_size
-                    continue
-                found = False
-                for lineno, line in enumerate(lines, start=1):
-                    _check_utf8(line, f, lineno)
-                    if line.strip():
-                        found = True
-                        yield _field(line, field, f, lineno), raw.tell() - last
-                        last = raw.tell()
-                if not found:
-                    raise UserError(f"input {f}: empty (no JSON lines)")
-            except (OSError, EOFError) as e:  # a corrupt or truncated .gz
-                raise UserError(f"input {f}: cannot be read ({e})") from None
-
-
-def _check_utf8(text: str, f: Path, first_line: int) -> None:
-    problem = not_utf8(text)
-    if problem:
-        raise UserError(f"input {f}:{first_line + problem[0] - 1}: {problem[1]}")
-
-
-def _field(line: str, field: str, f: Path, lineno: int) -> str:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UserError(f"input {f}:{lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(record, dict) or field not in record:
-        raise UserError(f"input {f}:{lineno}: no field {field!r} (choose one with --field)")
-    value = record[field]
-    if not isinstance(value, str):
-        raise UserError(f"input {f}:{lineno}: field {field!r} is not a string ({json_type(value)})")
-    return value

@@ -1,0 +1,141 @@
+"""The inputs of `data prepare` cut into pieces that workers tokenize apart and that are
+merged back in input order: a whole file (a `.txt` is one document; a compressed file
+cannot be entered mid-way), or a byte range of a plain `.jsonl` file that starts and ends
+at a line boundary. Every document lies in exactly one piece, and the pieces in order
+hold the documents in input order, so the merged dataset is one worker's, byte for byte.
+
+Reading a piece says what is wrong with an input in one line naming the file and the line
+(`data.text` for bytes that are not UTF-8)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from frugality.data.text import json_type, not_utf8
+from frugality.errors import UserError
+
+TEXT = (".txt", ".txt.gz")
+JSONL = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")
+_SPLITTABLE = (".jsonl", ".ndjson")  # plain: a byte range can be read from the middle
+
+
+@dataclass(frozen=True)
+class Piece:
+    index: int  # its place in input order: the order of the merge
+    file: str  # as the command line gave it
+    start: int  # first byte (a line's first)
+    stop: int  # past the last byte (a line's end, or the file's)
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_pieces(files: list[Path], target_bytes: int) -> list[Piece]:
+    """The pieces of `files`, in order: a plain `.jsonl` larger than `target_bytes` cut at
+    the first line boundary after every `target_bytes`; any other file whole."""
+    pieces: list[Piece] = []
+    for f in files:
+        size = f.stat().st_size
+        cuts = [0]
+        if f.name.endswith(_SPLITTABLE) and size > target_bytes:
+            with open(f, "rb") as raw:
+                while cuts[-1] + target_bytes < size:
+                    raw.seek(cuts[-1] + target_bytes)
+                    raw.readline()  # to the end of the line the cut fell in
+                    if raw.tell() >= size:
+                        break
+                    cuts.append(raw.tell())
+        cuts.append(size)
+        pieces += [Piece(len(pieces) + i, str(f), a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    return pieces
+
+
+def read_documents(piece: Piece, field: str) -> Iterator[str]:
+    """The documents of `piece`, in order; a problem is a UserError naming file and line."""
+    f = Path(piece.file)
+    try:
+        with open(f, "rb") as raw:
+            if f.name.endswith(TEXT):
+                binary = gzip.open(raw) if f.suffix == ".gz" else raw
+                text = io.TextIOWrapper(binary, encoding="utf-8", errors="surrogateescape").read()
+                _check_utf8(text, f, 1)
+                if not text.strip():
+                    raise UserError(f"input {f}: empty (no text to tokenize)")
+                yield text
+                return
+            if f.suffix == ".gz":
+                yield from _jsonl(f, gzip.open(raw), field, piece, first_line=1)
+                return
+            raw.seek(piece.start)
+            first = 1 if piece.start == 0 else None  # counted only if a line needs naming
+            yield from _jsonl(f, _limited(raw, piece.size), field, piece, first)
+    except (OSError, EOFError) as e:  # a corrupt or truncated .gz
+        raise UserError(f"input {f}: cannot be read ({e})") from None
+
+
+def _limited(raw, size: int) -> io.BufferedReader:
+    """`size` bytes of `raw` from where it is, as a stream of lines."""
+    return io.BufferedReader(_Window(raw, size), buffer_size=1 << 20)
+
+
+class _Window(io.RawIOBase):
+    def __init__(self, raw, size: int) -> None:
+        self.raw, self.left = raw, size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self.raw.readinto(memoryview(buffer)[: min(len(buffer), self.left)]) if self.left else 0
+        self.left -= n
+        return n
+
+
+def _jsonl(f: Path, binary, field: str, piece: Piece, first_line: int | None) -> Iterator[str]:
+    lines = io.TextIOWrapper(binary, encoding="utf-8", errors="surrogateescape")
+    found = False
+    for offset, line in enumerate(lines):
+        problem = not_utf8(line)
+        if problem:
+            raise UserError(f"input {f}:{_line(f, piece, first_line, offset)}: {problem[1]}")
+        if not line.strip():
+            continue
+        found = True
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"input {f}:{_line(f, piece, first_line, offset)}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or field not in record:
+            where = _line(f, piece, first_line, offset)
+            raise UserError(f"input {f}:{where}: no field {field!r} (choose one with --field)")
+        value = record[field]
+        if not isinstance(value, str):
+            where = _line(f, piece, first_line, offset)
+            raise UserError(f"input {f}:{where}: field {field!r} is not a string ({json_type(value)})")
+        yield value
+    if not found and piece.start == 0 and piece.stop == Path(f).stat().st_size:
+        raise UserError(f"input {f}: empty (no JSON lines)")
+
+
+def _line(f: Path, piece: Piece, first_line: int | None, offset: int) -> int:
+    """The file's line number of the piece's line `offset` (from 0): the lines before the
+    piece are counted only when one is to be named."""
+    if first_line is None:
+        with open(f, "rb") as raw:
+            first_line = raw.read(piece.start).count(b"\n") + 1
+    return first_line + offset
+
+
+def _check_utf8(text: str, f: Path, first_line: int) -> None:
+    problem = not_utf8(text)
+    if problem:
+        raise UserError(f"input {f}:{first_line + problem[0] - 1}: {problem[1]}")

@@ -1,0 +1,138 @@
+"""`data prepare` on several workers: pieces tokenized apart and merged in input order give
+one worker's bytes and megatron-core's builder's; a run killed between two parts, rerun,
+ends with the same bytes; a changed input is refused in one line, nothing lost."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from frugality.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
+from frugality.data.pieces import plan_pieces, read_documents
+from frugality.data.prepare import prepare
+from frugality.data.tokenizer import load_tokenizer
+from frugality.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("pythia")
+
+
+def _inputs(folder):
+    """A plain .jsonl cut into several pieces, a gzipped one and a .txt: 243 documents."""
+    rng = np.random.default_rng(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "é", "\n", "1984", "Ünïcode", "  "]
+    texts = [" ".join(rng.choice(words, size=rng.integers(1, 60))) for _ in range(240)]
+    with open(folder / "a.jsonl", "w") as f:
+        for t in texts[:200]:
+            f.write(json.dumps({"text": t}) + "\n")
+        f.write("\n")  # a blank line is skipped
+    with gzip.open(folder / "b.jsonl.gz", "wt") as f:
+        for t in texts[200:]:
+            f.write(json.dumps({"text": t}) + "\n")
+    (folder / "c.txt").write_text("A book of its own.\n\nTwo paragraphs.\n")
+    (folder / "d.txt").write_text("And another.")
+    (folder / "e.txt").write_text("And a last one.")
+    return [folder / n for n in ("a.jsonl", "b.jsonl.gz", "c.txt", "d.txt", "e.txt")], [
+        *texts,
+        "A book of its own.\n\nTwo paragraphs.\n",
+        "And another.",
+        "And a last one.",
+    ]
+
+
+def test_pieces_hold_every_line_once_in_order(tmp_path):
+    files, texts = _inputs(tmp_path)
+    pieces = plan_pieces(files, 1000)
+    assert len([p for p in pieces if p.file.endswith("a.jsonl")]) > 3  # cut at line boundaries
+    assert [p.index for p in pieces] == list(range(len(pieces)))
+    assert [d for p in pieces for d in read_documents(p, "text")] == texts
+
+
+def test_workers_write_one_workers_bytes_and_megatron_cores(tmp_path, tok):
+    megatron = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    import torch
+
+    files, texts = _inputs(tmp_path)
+    one = prepare(files, tok, tmp_path / "one", progress=False, workers=1, piece_bytes=1000)
+    two = prepare(files, tok, tmp_path / "two", progress=False, workers=2, piece_bytes=1000)
+    assert (one.documents, two.workers) == (len(texts), 2) and one.tokens == two.tokens
+    dtype = token_dtype(tok.vocab_size)
+    theirs = megatron.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=dtype.type)
+    for t in texts:
+        theirs.add_item(torch.tensor(tok.encode(t) + [tok.eod_id]))
+        theirs.end_document()
+    theirs.finalize(str(tmp_path / "theirs.idx"))
+    for ext in ("bin", "idx"):
+        ours = (tmp_path / f"one.{ext}").read_bytes()
+        assert ours == (tmp_path / f"two.{ext}").read_bytes() == (tmp_path / f"theirs.{ext}").read_bytes(), ext
+    assert not (tmp_path / "two.parts").exists()  # merged, then removed
+
+
+def test_merging_appends_datasets_as_one_writer_would(tmp_path):
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 50000, size=rng.integers(0, 30)) for _ in range(20)]
+    whole = IndexedDatasetWriter(tmp_path / "whole", np.uint16)
+    for d in docs:
+        whole.add_document(d)
+    whole.finalize()
+    for name, part in (("p0", docs[:7]), ("p1", docs[7:])):
+        w = IndexedDatasetWriter(tmp_path / name, np.uint16)
+        for d in part:
+            w.add_document(d)
+        w.finalize()
+    merged = IndexedDatasetWriter(tmp_path / "merged", np.uint16)
+    merged.add_document(docs[0][:0])  # documents added one by one mix with appended ones
+    merged.append(tmp_path / "p0")
+    merged.append(tmp_path / "p1")
+    merged.finalize()
+    ds = IndexedDataset(tmp_path / "merged")
+    assert ds.num_documents == 21 and all(np.array_equal(ds[i + 1], d) for i, d in enumerate(docs))
+    assert (tmp_path / "merged.bin").read_bytes() == (tmp_path / "whole.bin").read_bytes()
+
+
+def test_a_bad_line_in_a_later_piece_is_named_by_its_line_in_the_file(tmp_path, tok):
+    lines = [json.dumps({"text": f"line {i}"}) for i in range(100)]
+    lines[77] = '{"text": broken'
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=r"docs.jsonl:78: not valid JSON"):
+        prepare([tmp_path / "docs.jsonl"], tok, tmp_path / "out", progress=False, workers=2, piece_bytes=200)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]  # nothing written, nothing kept
+
+
+def _prepare(files, out, *extra, env=None):
+    command = [sys.executable, "-m", "frugality", "data", "prepare", *map(str, files), "--out", str(out)]
+    command += ["--workers", "2", "--piece-mb", "0.001", *extra]
+    return subprocess.run(command, capture_output=True, text=True, env=os.environ | (env or {}), timeout=300)
+
+
+def test_a_run_killed_between_parts_finishes_on_a_rerun_with_the_same_bytes(tmp_path, tok):
+    files, _ = _inputs(tmp_path)
+    straight = prepare(files, tok, tmp_path / "straight", progress=False, workers=1, piece_bytes=1000)
+    killed = _prepare(files, tmp_path / "out", env={"FRUGALITY_PREPARE_STOP_AFTER": "3"})
+    assert killed.returncode == 9 and not (tmp_path / "out.bin").exists()
+    job = json.loads((tmp_path / "out.parts" / "job.json").read_text())
+    recorded = (tmp_path / "out.parts" / "parts.jsonl").read_text()
+    assert len(recorded.splitlines()) == 3
+    # the inputs changed under the parts: refused in one line, the parts kept
+    (tmp_path / "e.txt").write_text("Edited.")
+    refused = _prepare(files, tmp_path / "out")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'out.parts'}: the parts of another preparation (its inputs differ); rerun that one, "
+        "or --overwrite to start over"
+    ]
+    assert (tmp_path / "out.parts" / "parts.jsonl").read_text() == recorded
+    (tmp_path / "e.txt").write_text("And a last one.")
+    os.utime(tmp_path / "e.txt", ns=(job["inputs"][4]["mtime_ns"],) * 2)
+    finished = _prepare(files, tmp_path / "out")
+    assert finished.returncode == 0, finished.stderr
+    assert "3 parts from the interrupted run" in finished.stdout
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"out.{ext}").read_bytes() == getattr(straight, f"{ext}_path").read_bytes()
