@@ -105,7 +105,9 @@ def test_recipes_lists_and_shows(capsys):
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out.splitlines()
     listed, machine = out[: out.index("")], out[out.index("") + 1 :]
-    assert listed[0].startswith("tiny") and listed[-1].startswith("gpt-neox-20b")
+    recipes = [line for line in listed if not line.startswith("  ")]  # (indented: a recipe's layout variants)
+    assert recipes[0].startswith("tiny") and recipes[-1].startswith("gpt-neox-20b")
+    assert listed[-2].startswith("  gpt-neox-20b:tp8-pp4  TP 8 within a node x PP 4 across nodes")
     # then what this machine is and what `auto` picks on it
     assert machine[0].startswith("this machine: ") and "bf16 products" in machine[0]
     assert machine[1].startswith("products (measured once per machine): fp32 ") and "GFLOP/s" in machine[1]
