@@ -136,3 +136,14 @@ def test_a_run_killed_between_parts_finishes_on_a_rerun_with_the_same_bytes(tmp_
     assert "3 parts from the interrupted run" in finished.stdout
     for ext in ("bin", "idx"):
         assert (tmp_path / f"out.{ext}").read_bytes() == getattr(straight, f"{ext}_path").read_bytes()
+
+
+def test_a_second_prepare_of_the_same_output_while_the_first_runs_is_refused(tmp_path, tok):
+    import fcntl
+
+    files, _ = _inputs(tmp_path)
+    with open(tmp_path / "out.parts.lock", "a") as held:  # as a running prepare holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(UserError, match=r"out.parts.lock: another data prepare is writing this output"):
+            prepare(files, tok, tmp_path / "out", progress=False, workers=1)
+    assert not (tmp_path / "out.parts").exists() and not (tmp_path / "out.bin").exists()

@@ -3,6 +3,7 @@ about 2.6 MB of text; see assets/README.md), tokenized on first use and cached."
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 from importlib import resources
 from pathlib import Path
@@ -45,5 +46,9 @@ def bundled_dataset(name: str, tokenizer: LoadedTokenizer, progress: bool = True
     if all(p.is_file() for p in paths(prefix)):
         return str(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    prepare(files, tokenizer, prefix, overwrite=True, progress=progress, workers=1)  # (inside a training run)
+    # every rank of a run asks at once: the first prepares, the others wait, then read it
+    with open(prefix.parent / "prepare.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not all(p.is_file() for p in paths(prefix)):
+            prepare(files, tokenizer, prefix, overwrite=True, progress=progress, workers=1)  # (inside a run)
     return str(prefix)

@@ -17,6 +17,8 @@ tokenizer redoes only the missing parts. The parts are removed once merged.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
@@ -75,13 +77,18 @@ def prepare(
 ) -> PrepareStats:
     """Tokenize `inputs` into `out_prefix`.bin/.idx with `workers` processes (default: the
     machine's cores; 1: this process, the library's threads)."""
-    start = time.perf_counter()
     files = [Path(p) for p in inputs]
     _check_inputs(files, out_prefix, overwrite)
     pieces = plan_pieces(files, piece_bytes)
     dtype = token_dtype(tokenizer.vocab_size)
     job = _job(files, tokenizer, field, dtype, pieces)
     folder = Path(str(out_prefix) + ".parts")
+    with _only_writer(folder):
+        return _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, pieces, dtype, job, folder)
+
+
+def _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, pieces, dtype, job, folder):
+    start = time.perf_counter()
     done = _open_parts(folder, job, overwrite)
     reused = len(done)
     todo = [p for p in pieces if str(p.index) not in done]
@@ -118,6 +125,23 @@ def prepare(
         workers,
         reused,
     )
+
+
+@contextlib.contextmanager
+def _only_writer(folder: Path):
+    """One preparation of an output at a time: a second, while the first runs, is refused
+    in one line (an exclusive lock on PREFIX.parts.lock, released when the process ends)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = folder.with_name(folder.name + ".lock")
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"{lock_path}: another data prepare is writing this output; wait for it") from None
+        try:
+            yield
+        finally:
+            lock_path.unlink(missing_ok=True)
 
 
 def _run(todo: list[Piece], tokenizer: LoadedTokenizer, field: str, dtype, folder: Path, workers: int):
