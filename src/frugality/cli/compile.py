@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from frugality.compile.levels import LEVELS
+from frugality.config.recipe import COMPILE_LEVELS as LEVELS  # (not compile.levels: it imports torch)
 
 
 @click.command("compile")

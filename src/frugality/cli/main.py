@@ -11,51 +11,53 @@ from pathlib import Path
 import click
 
 from frugality import __version__
-from frugality.cli.bench import bench
-from frugality.cli.ckpt import ckpt
-from frugality.cli.compile import compile_
-from frugality.cli.cost import cost
-from frugality.cli.data import data
-from frugality.cli.devices import ls, top
-from frugality.cli.doctor import doctor
-from frugality.cli.embed import embed
-from frugality.cli.generate import generate
-from frugality.cli.interop import export, import_
-from frugality.cli.launch import launch
-from frugality.cli.plan import plan
-from frugality.cli.recipes import recipes
-from frugality.cli.report import compare, report
-from frugality.cli.train import train
 from frugality.errors import DIVERGED_EXIT, FrugalityWarning, RunDiverged, UserError
 
 USER_ERROR_EXIT = 2
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+# command -> "module:object": a command's module (and what it imports: torch, for most) is
+# loaded only when that command runs, so that `frugality data prepare` or `cost` start fast
+COMMANDS = {
+    "train": "train:train",
+    "compile": "compile:compile_",
+    "data": "data:data",
+    "recipes": "recipes:recipes",
+    "bench": "bench:bench",
+    "import": "interop:import_",
+    "export": "interop:export",
+    "launch": "launch:launch",
+    "plan": "plan:plan",
+    "doctor": "doctor:doctor",
+    "ckpt": "ckpt:ckpt",
+    "report": "report:report",
+    "compare": "report:compare",
+    "cost": "cost:cost",
+    "embed": "embed:embed",
+    "generate": "generate:generate",
+    "ls": "devices:ls",
+    "top": "devices:top",
+}
+
+
+class _Commands(click.Group):
+    def list_commands(self, ctx) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx, name: str):
+        if name not in COMMANDS:
+            return None
+        import importlib
+
+        module, _, attribute = COMMANDS[name].partition(":")
+        return getattr(importlib.import_module(f"frugality.cli.{module}"), attribute)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="frugality")
 def cli() -> None:
     """Train and run transformer models at the lowest cost, time and energy on
     whatever accelerator is at hand."""
-
-
-cli.add_command(train)
-cli.add_command(compile_)
-cli.add_command(data)
-cli.add_command(recipes)
-cli.add_command(bench)
-cli.add_command(import_)
-cli.add_command(export)
-cli.add_command(launch)
-cli.add_command(plan)
-cli.add_command(doctor)
-cli.add_command(ckpt)
-cli.add_command(report)
-cli.add_command(compare)
-cli.add_command(cost)
-cli.add_command(embed)
-cli.add_command(generate)
-cli.add_command(ls)
-cli.add_command(top)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
