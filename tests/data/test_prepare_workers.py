@@ -147,3 +147,19 @@ def test_a_second_prepare_of_the_same_output_while_the_first_runs_is_refused(tmp
         with pytest.raises(UserError, match=r"out.parts.lock: another data prepare is writing this output"):
             prepare(files, tok, tmp_path / "out", progress=False, workers=1)
     assert not (tmp_path / "out.parts").exists() and not (tmp_path / "out.bin").exists()
+
+
+def test_zstandard_inputs_as_the_pile_ships_them(tmp_path, tok):
+    import zstandard
+
+    files, texts = _inputs(tmp_path)
+    plain = (tmp_path / "a.jsonl").read_bytes()
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(plain))
+    (tmp_path / "c.txt.zst").write_bytes(zstandard.ZstdCompressor().compress((tmp_path / "c.txt").read_bytes()))
+    zst = [tmp_path / "a.jsonl.zst", tmp_path / "c.txt.zst"]
+    prepare(zst, tok, tmp_path / "zst", progress=False, workers=2)
+    prepare([files[0], files[2]], tok, tmp_path / "plain", progress=False, workers=1)
+    assert (tmp_path / "zst.bin").read_bytes() == (tmp_path / "plain.bin").read_bytes()
+    (tmp_path / "bad.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"garbage")
+    with pytest.raises(UserError, match=r"input .*bad.jsonl.zst: cannot be read"):
+        prepare([tmp_path / "bad.jsonl.zst"], tok, tmp_path / "bad", progress=False, workers=1)

@@ -19,8 +19,8 @@ from pathlib import Path
 from frugality.data.text import json_type, not_utf8
 from frugality.errors import UserError
 
-TEXT = (".txt", ".txt.gz")
-JSONL = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")
+TEXT = (".txt", ".txt.gz", ".txt.zst")
+JSONL = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".jsonl.zst")  # the Pile: .jsonl.zst
 _SPLITTABLE = (".jsonl", ".ndjson")  # plain: a byte range can be read from the middle
 
 
@@ -65,21 +65,37 @@ def read_documents(piece: Piece, field: str) -> Iterator[str]:
     try:
         with open(f, "rb") as raw:
             if f.name.endswith(TEXT):
-                binary = gzip.open(raw) if f.suffix == ".gz" else raw
-                text = io.TextIOWrapper(binary, encoding="utf-8", errors="surrogateescape").read()
+                text = io.TextIOWrapper(_decompressed(raw, f), encoding="utf-8", errors="surrogateescape").read()
                 _check_utf8(text, f, 1)
                 if not text.strip():
                     raise UserError(f"input {f}: empty (no text to tokenize)")
                 yield text
                 return
-            if f.suffix == ".gz":
-                yield from _jsonl(f, gzip.open(raw), field, piece, first_line=1)
+            if f.suffix in (".gz", ".zst"):
+                yield from _jsonl(f, _decompressed(raw, f), field, piece, first_line=1)
                 return
             raw.seek(piece.start)
             first = 1 if piece.start == 0 else None  # counted only if a line needs naming
             yield from _jsonl(f, _limited(raw, piece.size), field, piece, first)
     except (OSError, EOFError) as e:  # a corrupt or truncated .gz
         raise UserError(f"input {f}: cannot be read ({e})") from None
+    except Exception as e:  # zstandard's ZstdError (a corrupt or truncated .zst)
+        if type(e).__name__ != "ZstdError":
+            raise
+        raise UserError(f"input {f}: cannot be read ({e})") from None
+
+
+def _decompressed(raw, f: Path):
+    """`raw` as the bytes it holds: gunzipped (.gz), unzstd'd (.zst), or as it is."""
+    if f.suffix == ".gz":
+        return gzip.open(raw)
+    if f.suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise UserError(f"input {f}: .zst needs the zstandard package (pip install zstandard)") from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+    return raw
 
 
 def _limited(raw, size: int) -> io.BufferedReader:
