@@ -163,3 +163,12 @@ def test_zstandard_inputs_as_the_pile_ships_them(tmp_path, tok):
     (tmp_path / "bad.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"garbage")
     with pytest.raises(UserError, match=r"input .*bad.jsonl.zst: cannot be read"):
         prepare([tmp_path / "bad.jsonl.zst"], tok, tmp_path / "bad", progress=False, workers=1)
+
+
+def test_a_quoted_glob_is_expanded_in_order_and_one_that_matches_nothing_is_one_line(tmp_path, tok):
+    files, _ = _inputs(tmp_path)
+    prepare([str(tmp_path / "*.txt")], tok, tmp_path / "globbed", progress=False, workers=1)
+    prepare(files[2:], tok, tmp_path / "listed", progress=False, workers=1)
+    assert (tmp_path / "globbed.bin").read_bytes() == (tmp_path / "listed.bin").read_bytes()
+    with pytest.raises(UserError, match=r"input .*\*\.parquet: matches no file"):
+        prepare([str(tmp_path / "*.parquet")], tok, tmp_path / "none", progress=False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import itertools
 import json
@@ -77,7 +78,7 @@ def prepare(
 ) -> PrepareStats:
     """Tokenize `inputs` into `out_prefix`.bin/.idx with `workers` processes (default: the
     machine's cores; 1: this process, the library's threads)."""
-    files = [Path(p) for p in inputs]
+    files = _expand(inputs)
     _check_inputs(files, out_prefix, overwrite)
     pieces = plan_pieces(files, piece_bytes)
     dtype = token_dtype(tokenizer.vocab_size)
@@ -332,6 +333,21 @@ def _changed(old: dict, new: dict) -> str:
 
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _expand(inputs: Sequence[str | Path]) -> list[Path]:
+    """The inputs, a glob that names no file as it is (quoted on the command line, or given
+    by a program) replaced by its matches, sorted."""
+    files: list[Path] = []
+    for given in map(str, inputs):
+        if not Path(given).exists() and glob.has_magic(given):
+            matches = sorted(glob.glob(given, recursive=True))
+            if not matches:
+                raise UserError(f"input {given}: matches no file")
+            files += map(Path, matches)
+        else:
+            files.append(Path(given))
+    return files
 
 
 def _check_inputs(files: list[Path], out_prefix: str | Path, overwrite: bool) -> None:
