@@ -107,17 +107,33 @@ def test_a_bad_line_in_a_later_piece_is_named_by_its_line_in_the_file(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]  # nothing written, nothing kept
 
 
+def _left_behind(mark: str) -> list:
+    """The processes still alive whose environment holds `mark` (after up to 10 s)."""
+    import psutil
+
+    def marked(p):
+        try:
+            return p.environ().get("TEST_MARK") == mark
+        except (psutil.Error, OSError):
+            return False
+
+    _, alive = psutil.wait_procs([p for p in psutil.process_iter() if marked(p)], timeout=10)
+    return alive
+
+
 def _prepare(files, out, *extra, env=None):
     command = [sys.executable, "-m", "frugality", "data", "prepare", *map(str, files), "--out", str(out)]
     command += ["--workers", "2", "--piece-mb", "0.001", *extra]
-    return subprocess.run(command, capture_output=True, text=True, env=os.environ | (env or {}), timeout=300)
+    return subprocess.run(command, capture_output=True, text=True, env=os.environ | (env or {}), timeout=120)
 
 
 def test_a_run_killed_between_parts_finishes_on_a_rerun_with_the_same_bytes(tmp_path, tok):
     files, _ = _inputs(tmp_path)
     straight = prepare(files, tok, tmp_path / "straight", progress=False, workers=1, piece_bytes=1000)
-    killed = _prepare(files, tmp_path / "out", env={"FRUGALITY_PREPARE_STOP_AFTER": "3"})
+    mark = f"prepare-{os.getpid()}-{tmp_path.name}"
+    killed = _prepare(files, tmp_path / "out", env={"FRUGALITY_PREPARE_STOP_AFTER": "3", "TEST_MARK": mark})
     assert killed.returncode == 9 and not (tmp_path / "out.bin").exists()
+    assert _left_behind(mark) == []  # the workers died with the command
     job = json.loads((tmp_path / "out.parts" / "job.json").read_text())
     recorded = (tmp_path / "out.parts" / "parts.jsonl").read_text()
     assert len(recorded.splitlines()) == 3
@@ -131,6 +147,10 @@ def test_a_run_killed_between_parts_finishes_on_a_rerun_with_the_same_bytes(tmp_
     assert (tmp_path / "out.parts" / "parts.jsonl").read_text() == recorded
     (tmp_path / "e.txt").write_text("And a last one.")
     os.utime(tmp_path / "e.txt", ns=(job["inputs"][4]["mtime_ns"],) * 2)
+    other = _prepare(files, tmp_path / "out", "--piece-mb", "0.01")
+    assert other.returncode == 2 and "(its --piece-mb differ)" in other.stderr
+    with open(tmp_path / "out.parts" / "parts.jsonl", "a") as log:
+        log.write('{"index": 9, "docum')  # a record cut by the kill
     finished = _prepare(files, tmp_path / "out")
     assert finished.returncode == 0, finished.stderr
     assert "3 parts from the interrupted run" in finished.stdout
@@ -172,3 +192,9 @@ def test_a_quoted_glob_is_expanded_in_order_and_one_that_matches_nothing_is_one_
     assert (tmp_path / "globbed.bin").read_bytes() == (tmp_path / "listed.bin").read_bytes()
     with pytest.raises(UserError, match=r"input .*\*\.parquet: matches no file"):
         prepare([str(tmp_path / "*.parquet")], tok, tmp_path / "none", progress=False)
+
+
+def test_a_lone_surrogate_in_a_json_string_is_named_by_its_line(tmp_path, tok):
+    (tmp_path / "docs.jsonl").write_text('{"text": "fine"}\n{"text": "half \\ud800 a character"}\n')
+    with pytest.raises(UserError, match=r"docs.jsonl:2: field 'text' holds a lone surrogate \('\\ud800'\), not text"):
+        prepare([tmp_path / "docs.jsonl"], tok, tmp_path / "out", progress=False)

@@ -34,7 +34,7 @@ def data() -> None:
     type=click.FloatRange(min=0, min_open=True),
     default=64.0,
     show_default=True,
-    help="A plain .jsonl is cut into pieces of about this many MB, each a worker's.",
+    help="A plain .jsonl is cut into pieces of about this many MiB, each a worker's.",
 )
 def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece_mb) -> None:
     """Tokenize INPUTS (.txt: a document per file; .jsonl: a document per line; either
@@ -45,6 +45,9 @@ def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece
     from frugality.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_name)
+    import os
+
+    workers = workers or len(os.sched_getaffinity(0))
     stats = run_prepare(
         inputs,
         tokenizer,
@@ -52,7 +55,7 @@ def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece
         field=field,
         overwrite=overwrite,
         workers=workers,
-        piece_bytes=int(piece_mb * 1e6),
+        piece_bytes=int(piece_mb * 2**20),
     )
     reused = f"; {stats.reused_parts} parts from the interrupted run" if stats.reused_parts else ""
     click.echo(

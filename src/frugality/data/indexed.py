@@ -68,11 +68,18 @@ class IndexedDatasetWriter:
         self._ends: list[int] = []
         self.num_sequences = 0
         self.num_tokens = 0
+        self._digest = hashlib.sha256()  # of the .bin, as written
+
+    @property
+    def sha256(self) -> str:
+        return self._digest.hexdigest()
 
     def add_document(self, tokens: np.ndarray | list[int]) -> None:
         """One document stored as one sequence (what megatron's preprocess_data writes)."""
         array = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(array.tobytes(order="C"))
+        data = array.tobytes(order="C")
+        self._digest.update(data)
+        self._bin.write(data)
         self._lengths.append(array.size)
         self.num_sequences += 1
         self._ends.append(self.num_sequences)
@@ -89,6 +96,7 @@ class IndexedDatasetWriter:
         with open(paths(part.prefix)[0], "rb") as source:
             while chunk := source.read(chunk_bytes):
                 digest.update(chunk)
+                self._digest.update(chunk)
                 self._bin.write(chunk)
         self._length_arrays.append(np.asarray(part.sequence_lengths, dtype=np.int32))
         self._end_arrays.append(np.asarray(part.document_indices[1:], dtype=np.int64) + self.num_sequences)

@@ -137,6 +137,13 @@ def _jsonl(f: Path, binary, field: str, piece: Piece, first_line: int | None) ->
         if not isinstance(value, str):
             where = _line(f, piece, first_line, offset)
             raise UserError(f"input {f}:{where}: field {field!r} is not a string ({json_type(value)})")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's "\ud800": half of a character, not text
+            where = _line(f, piece, first_line, offset)
+            raise UserError(
+                f"input {f}:{where}: field {field!r} holds a lone surrogate ({value[e.start]!r}), not text"
+            ) from None
         yield value
     if not found and piece.start == 0 and piece.stop == Path(f).stat().st_size:
         raise UserError(f"input {f}: empty (no JSON lines)")
@@ -146,8 +153,11 @@ def _line(f: Path, piece: Piece, first_line: int | None, offset: int) -> int:
     """The file's line number of the piece's line `offset` (from 0): the lines before the
     piece are counted only when one is to be named."""
     if first_line is None:
+        first_line, left = 1, piece.start
         with open(f, "rb") as raw:
-            first_line = raw.read(piece.start).count(b"\n") + 1
+            while left and (chunk := raw.read(min(left, 16 << 20))):  # in chunks: a piece may start at 50 GB
+                first_line += chunk.count(b"\n")
+                left -= len(chunk)
     return first_line + offset
 
 

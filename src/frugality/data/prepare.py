@@ -29,6 +29,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,12 +58,15 @@ class PrepareStats:
     seconds: float = 0.0
     workers: int = 1
     reused_parts: int = 0  # written by an earlier, interrupted run
+    run_documents: int = 0  # this run's (not the reused parts')
+    run_tokens: int = 0
 
     def rates(self) -> str:
+        """This run's work over its time."""
         s = max(self.seconds, 1e-9)
         return (
-            f"{self.text_bytes / s / 1e6:,.2f} MB/s, {self.documents / s:,.0f} documents/s, "
-            f"{self.tokens / s:,.0f} tokens/s"
+            f"{self.text_bytes / s / 1e6:,.2f} MB/s, {self.run_documents / s:,.0f} documents/s, "
+            f"{self.run_tokens / s:,.0f} tokens/s"
         )
 
 
@@ -73,11 +77,12 @@ def prepare(
     field: str = "text",
     overwrite: bool = False,
     progress: bool = True,
-    workers: int | None = None,
+    workers: int = 1,
     piece_bytes: int = PIECE_BYTES,
 ) -> PrepareStats:
-    """Tokenize `inputs` into `out_prefix`.bin/.idx with `workers` processes (default: the
-    machine's cores; 1: this process, the library's threads)."""
+    """Tokenize `inputs` into `out_prefix`.bin/.idx with `workers` processes (1: this
+    process, the library's threads; more are spawned, so a script calling this with
+    workers > 1 needs the `if __name__ == "__main__":` guard)."""
     files = _expand(inputs)
     _check_inputs(files, out_prefix, overwrite)
     pieces = plan_pieces(files, piece_bytes)
@@ -85,6 +90,7 @@ def prepare(
     job = _job(files, tokenizer, field, dtype, pieces)
     folder = Path(str(out_prefix) + ".parts")
     with _only_writer(folder):
+        _check_inputs(files, out_prefix, overwrite)  # again: a run that just finished may have written it
         return _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, pieces, dtype, job, folder)
 
 
@@ -93,10 +99,10 @@ def _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, 
     done = _open_parts(folder, job, overwrite)
     reused = len(done)
     todo = [p for p in pieces if str(p.index) not in done]
-    workers = max(1, min(workers or _cores(), len(todo) or 1))
+    workers = max(1, min(workers, len(todo) or 1))
     bar = tqdm(total=sum(p.size for p in pieces), unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
     bar.update(sum(p.size for p in pieces if str(p.index) in done))
-    written = {"documents": 0, "tokens": 0, "text_bytes": 0}
+    written = {"documents": 0, "tokens": 0, "text_bytes": 0}  # this run's parts (the rates' figures)
     try:
         for index, part in _run(todo, tokenizer, field, dtype, folder, workers):
             done[str(index)] = part
@@ -112,6 +118,11 @@ def _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, 
         if not reused:  # a bad input: nothing of this run is kept
             shutil.rmtree(folder, ignore_errors=True)
         raise
+    except BrokenProcessPool:
+        raise UserError(
+            f"data prepare: a worker process died (out of memory? killed?); the parts written are kept in "
+            f"{folder}: rerun the same command to go on, with fewer --workers if memory ran out"
+        ) from None
     finally:
         bar.close()
     shutil.rmtree(folder, ignore_errors=True)
@@ -125,6 +136,8 @@ def _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, 
         time.perf_counter() - start,
         workers,
         reused,
+        written["documents"],
+        written["tokens"],
     )
 
 
@@ -134,15 +147,24 @@ def _only_writer(folder: Path):
     in one line (an exclusive lock on PREFIX.parts.lock, released when the process ends)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     lock_path = folder.with_name(folder.name + ".lock")
-    with open(lock_path, "a") as lock:
+    while True:
+        lock = open(lock_path, "a")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            lock.close()
             raise UserError(f"{lock_path}: another data prepare is writing this output; wait for it") from None
-        try:
-            yield
-        finally:
-            lock_path.unlink(missing_ok=True)
+        try:  # locked: still the file at the path (not one a finishing run just removed)?
+            if os.stat(lock_path).st_ino == os.fstat(lock.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()
+    try:
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)
+        lock.close()
 
 
 def _run(todo: list[Piece], tokenizer: LoadedTokenizer, field: str, dtype, folder: Path, workers: int):
@@ -153,38 +175,45 @@ def _run(todo: list[Piece], tokenizer: LoadedTokenizer, field: str, dtype, folde
             yield piece.index, _tokenize(state, piece, field, folder)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process whose library threads ran
-    setup = (tokenizer.tokenizer.to_str(), tokenizer.eod_id, dtype.str)
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=setup) as pool:
+    saved = folder / "tokenizer.json"  # read by each worker (not sent down the start-up pipe: 1.5 MB)
+    tokenizer.tokenizer.save(str(saved))
+    setup = (str(saved), tokenizer.eod_id, dtype.str, os.getpid())
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=setup)
+    try:
         # the largest pieces first, so that the last ones to finish are small
         order = iter(sorted(todo, key=lambda p: -p.size))
         running = {
             pool.submit(_worker_tokenize, p.as_dict(), field, str(folder)): p
             for p in itertools.islice(order, 2 * workers)
         }
-        try:
-            while running:
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    piece = running.pop(future)
-                    record = future.result()  # a worker's UserError is raised here, as it was
-                    for p in itertools.islice(order, 1):
-                        running[pool.submit(_worker_tokenize, p.as_dict(), field, str(folder))] = p
-                    yield piece.index, record
-        except BaseException:
-            for future in running:
-                future.cancel()
-            raise
+        while running:
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                piece = running.pop(future)
+                record = future.result()  # a worker's UserError is raised here, as it was
+                for p in itertools.islice(order, 1):
+                    running[pool.submit(_worker_tokenize, p.as_dict(), field, str(folder))] = p
+                yield piece.index, record
+        pool.shutdown()
+    except BaseException:
+        # the pieces still running are abandoned (a part is renamed into place only whole)
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
 
 
 _WORKER: dict = {}
 
 
-def _start_worker(tokenizer_json: str, eod: int, dtype: str) -> None:
+def _start_worker(tokenizer_path: str, eod: int, dtype: str, parent: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a worker: the workers are the parallelism
     _die_with_parent()
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)
     from tokenizers import Tokenizer
 
-    _WORKER.update(tokenizer=Tokenizer.from_str(tokenizer_json), eod=eod, dtype=np.dtype(dtype))
+    _WORKER.update(tokenizer=Tokenizer.from_file(tokenizer_path), eod=eod, dtype=np.dtype(dtype))
 
 
 def _die_with_parent() -> None:
@@ -225,7 +254,7 @@ def _tokenize(state: dict, piece: Piece, field: str, folder: Path) -> dict:
     except BaseException:
         writer.abort()
         raise
-    digest = hashlib.sha256(writer.bin_path.read_bytes()).hexdigest()
+    digest = writer.sha256
     return {
         "documents": documents,
         "tokens": writer.num_tokens,
@@ -279,6 +308,8 @@ def _open_parts(folder: Path, job: dict, overwrite: bool) -> dict:
             recorded = json.loads((folder / JOB).read_text())
         except (OSError, ValueError):
             recorded = None
+        if not folder.is_dir() or recorded is None:
+            raise UserError(f"{folder}: exists and is not the parts folder of a data prepare; move it away")
         if recorded != job:
             if not overwrite:
                 raise UserError(
@@ -317,8 +348,13 @@ def _whole(folder: Path, index: int, record: dict) -> bool:
 
 
 def _record(folder: Path, index: int, part: dict) -> None:
-    with open(folder / PARTS_LOG, "a") as log:
-        log.write(json.dumps({"index": index, **part}) + "\n")
+    with open(folder / PARTS_LOG, "a+b") as log:
+        log.seek(0, os.SEEK_END)
+        if log.tell():  # a line cut by a crash stays a line of its own (unreadable, skipped)
+            log.seek(-1, os.SEEK_END)
+            if log.read(1) != b"\n":
+                log.write(b"\n")
+        log.write((json.dumps({"index": index, **part}) + "\n").encode())
         log.flush()
         os.fsync(log.fileno())
 
@@ -327,12 +363,8 @@ def _changed(old: dict, new: dict) -> str:
     if not old:
         return "no readable job.json"
     names = {"inputs": "inputs", "tokenizer_sha256": "tokenizer", "eod": "tokenizer", "dtype": "tokenizer"}
-    names |= {"field": "--field", "pieces": "inputs"}
+    names |= {"field": "--field", "pieces": "inputs" if old.get("inputs") != new["inputs"] else "--piece-mb"}
     return "its " + ", ".join(sorted({names[k] for k in new if old.get(k) != new[k]})) + " differ"
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _expand(inputs: Sequence[str | Path]) -> list[Path]:
