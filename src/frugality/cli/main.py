@@ -42,7 +42,7 @@ COMMANDS = {
 
 class _Commands(click.Group):
     def list_commands(self, ctx) -> list[str]:
-        return list(COMMANDS)
+        return sorted(COMMANDS)  # (as click lists a group's commands; --help loads them all)
 
     def get_command(self, ctx, name: str):
         if name not in COMMANDS:
