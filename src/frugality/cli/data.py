@@ -36,7 +36,15 @@ def data() -> None:
     show_default=True,
     help="A plain .jsonl is cut into pieces of about this many MiB, each a worker's.",
 )
-def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece_mb) -> None:
+@click.option(
+    "--engine",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="local: this machine's processes; ray: Ray tasks on a cluster (shared storage for inputs and --out).",
+)
+@click.option("--address", help="--engine ray: the cluster to join (ray://..., HOST:PORT, auto) [default: start one].")
+def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece_mb, engine, address) -> None:
     """Tokenize INPUTS (.txt: a document per file; .jsonl: a document per line; either
     may be .gz) into a Megatron indexed dataset, one end-of-document token after each.
     The same bytes whatever --workers; a run killed mid-way, rerun as it was, redoes only
@@ -48,6 +56,8 @@ def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece
     import os
 
     workers = workers or len(os.sched_getaffinity(0))
+    if address is not None and engine != "ray":
+        raise click.UsageError("--address goes with --engine ray")
     stats = run_prepare(
         inputs,
         tokenizer,
@@ -56,11 +66,14 @@ def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece
         overwrite=overwrite,
         workers=workers,
         piece_bytes=int(piece_mb * 2**20),
+        engine=engine,
+        address=address,
     )
     reused = f"; {stats.reused_parts} parts from the interrupted run" if stats.reused_parts else ""
     click.echo(
         f"wrote {stats.bin_path} and {stats.idx_path}: {stats.documents:,} documents, {stats.tokens:,} tokens "
-        f"({stats.workers} worker{'s' * (stats.workers > 1)}: {stats.rates()}{reused})"
+        f"({'Ray tasks' if engine == 'ray' else f'{stats.workers} worker' + 's' * (stats.workers > 1)}: "
+        f"{stats.rates()}{reused})"
     )
 
 

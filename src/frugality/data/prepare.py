@@ -79,10 +79,18 @@ def prepare(
     progress: bool = True,
     workers: int = 1,
     piece_bytes: int = PIECE_BYTES,
+    engine: str = "local",
+    address: str | None = None,
 ) -> PrepareStats:
     """Tokenize `inputs` into `out_prefix`.bin/.idx with `workers` processes (1: this
     process, the library's threads; more are spawned, so a script calling this with
-    workers > 1 needs the `if __name__ == "__main__":` guard)."""
+    workers > 1 needs the `if __name__ == "__main__":` guard). `engine="ray"`: the pieces
+    are Ray tasks on the cluster at `address` (None: a local Ray instance), each reading
+    its input and writing its part where every node sees them (shared storage)."""
+    if engine not in ("local", "ray"):
+        raise UserError(f"--engine {engine}: choose local or ray")
+    if engine == "ray":
+        _ray()  # installed? (one line before anything is written)
     files = _expand(inputs)
     _check_inputs(files, out_prefix, overwrite)
     pieces = plan_pieces(files, piece_bytes)
@@ -91,10 +99,13 @@ def prepare(
     folder = Path(str(out_prefix) + ".parts")
     with _only_writer(folder):
         _check_inputs(files, out_prefix, overwrite)  # again: a run that just finished may have written it
-        return _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, pieces, dtype, job, folder)
+        run = (lambda todo, w: _run_ray(todo, tokenizer, field, dtype, folder, address)) if engine == "ray" else None
+        return _prepare(
+            files, tokenizer, out_prefix, field, overwrite, progress, workers, pieces, dtype, job, folder, run
+        )
 
 
-def _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, pieces, dtype, job, folder):
+def _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, pieces, dtype, job, folder, run=None):
     start = time.perf_counter()
     done = _open_parts(folder, job, overwrite)
     reused = len(done)
@@ -104,7 +115,8 @@ def _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, 
     bar.update(sum(p.size for p in pieces if str(p.index) in done))
     written = {"documents": 0, "tokens": 0, "text_bytes": 0}  # this run's parts (the rates' figures)
     try:
-        for index, part in _run(todo, tokenizer, field, dtype, folder, workers):
+        results = run(todo, workers) if run else _run(todo, tokenizer, field, dtype, folder, workers)
+        for index, part in results:
             done[str(index)] = part
             _record(folder, index, part)
             for key in written:
@@ -228,12 +240,88 @@ def _die_with_parent() -> None:
         pass
 
 
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise UserError("--engine ray: Ray is not installed here; pip install 'frugality[ray]'") from None
+    return ray
+
+
+def _run_ray(todo: list[Piece], tokenizer: LoadedTokenizer, field: str, dtype, folder: Path, address: str | None):
+    """(piece index, part record) as each piece's Ray task writes its part: one task a
+    piece, a CPU each, largest first; a task whose worker dies is run again (Ray's
+    retries), so a lost worker loses nothing."""
+    import logging
+
+    ray = _ray()
+    started = not ray.is_initialized()
+    if started:
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, include_dashboard=False)
+        except ConnectionError as e:
+            raise UserError(f"--address {address}: no Ray cluster there ({e})") from None
+    try:
+        saved = folder / "tokenizer.json"  # every task reads it where it reads the parts folder
+        tokenizer.tokenizer.save(str(saved))
+        task = ray.remote(num_cpus=1, max_retries=3)(_ray_tokenize)
+        here = {"folder": str(folder.resolve()), "tokenizer": str(saved.resolve())}  # (a worker's cwd is its own)
+        pending = {
+            task.remote(
+                dict(p.as_dict(), file=str(Path(p.file).resolve())),
+                field,
+                here["folder"],
+                here["tokenizer"],
+                tokenizer.eod_id,
+                dtype.str,
+            ): p
+            for p in sorted(todo, key=lambda p: -p.size)
+        }
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            piece = pending.pop(ready[0])
+            try:
+                record = ray.get(ready[0])
+            except ray.exceptions.RayTaskError as e:  # the task raised: a bad input is one line, as here
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, UserError):
+                    raise UserError(str(cause).replace(str(Path(piece.file).resolve()), piece.file)) from None
+                raise
+            except ray.exceptions.RayError as e:  # a worker lost more often than Ray retries
+                raise UserError(
+                    f"data prepare: piece {piece.index} ({piece.file}) failed on the Ray cluster "
+                    f"({type(e).__name__}); the parts written are kept in {folder}: rerun to go on"
+                ) from None
+            yield piece.index, record
+        pending = {}
+    finally:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        if started:
+            ray.shutdown()
+
+
+_RAY_TOKENIZERS: dict = {}
+
+
+def _ray_tokenize(piece: dict, field: str, folder: str, tokenizer_path: str, eod: int, dtype: str) -> dict:
+    """A Ray task: one piece into its part, with the worker's tokenizer (loaded once)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a CPU a task
+    if tokenizer_path not in _RAY_TOKENIZERS:
+        from tokenizers import Tokenizer
+
+        _RAY_TOKENIZERS[tokenizer_path] = Tokenizer.from_file(tokenizer_path)
+    state = {"tokenizer": _RAY_TOKENIZERS[tokenizer_path], "eod": eod, "dtype": np.dtype(dtype)}
+    return _tokenize(state, Piece(**piece), field, Path(folder))
+
+
 def _worker_tokenize(piece: dict, field: str, folder: str) -> dict:
     return _tokenize(_WORKER, Piece(**piece), field, Path(folder))
 
 
 def _tokenize(state: dict, piece: Piece, field: str, folder: Path) -> dict:
     """Piece -> its part, written whole (temporary names, renamed into place); its record."""
+    _die_once_in(piece, folder)
     tokenizer, eod = state["tokenizer"], np.asarray([state["eod"]])
     writer = IndexedDatasetWriter(folder / f"{piece.index:05d}", state["dtype"])
     documents = text_bytes = 0
@@ -263,6 +351,16 @@ def _tokenize(state: dict, piece: Piece, field: str, folder: Path) -> dict:
         "bin_bytes": writer.bin_path.stat().st_size,
         "sha256": digest,
     }
+
+
+def _die_once_in(piece: Piece, folder: Path) -> None:
+    """Tests: the process tokenizing piece $FRUGALITY_PREPARE_DIE_IN dies there, once (a
+    worker lost mid-job)."""
+    if os.environ.get("FRUGALITY_PREPARE_DIE_IN") == str(piece.index):
+        marker = folder.with_name(f"{folder.name}.died-in-{piece.index}")  # (outlives the parts)
+        if not marker.exists():
+            marker.touch()
+            os._exit(1)
 
 
 def _merge(folder: Path, pieces: list[Piece], done: dict, out_prefix, dtype) -> tuple[int, int]:
