@@ -254,3 +254,26 @@ def micro_compiled(tmp_path_factory, micro_recipe_text) -> tuple[Path, str]:
     )
     assert done.returncode == 0, done.stderr
     return folder / "cache", done.stdout
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A Ray cluster of two nodes on this machine (one CPU each), for the ray engines' tests.
+    Its workers die once where the tests ask: in `data prepare`'s piece 2, in `embed`'s
+    shard 1 (the environment the nodes' workers inherit)."""
+    ray = pytest.importorskip("ray")
+    import os
+
+    from ray.cluster_utils import Cluster
+
+    dying = {"FRUGALITY_PREPARE_DIE_IN": "2", "FRUGALITY_EMBED_DIE_IN": "1"}
+    os.environ.update(dying)
+    try:
+        nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        nodes.add_node(num_cpus=1)
+    finally:
+        for key in dying:
+            del os.environ[key]
+    yield nodes
+    ray.shutdown()
+    nodes.shutdown()

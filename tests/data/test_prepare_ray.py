@@ -5,7 +5,6 @@ engine is one line saying how to install it."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -16,39 +15,23 @@ from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    os.environ["FRUGALITY_PREPARE_DIE_IN"] = "2"  # inherited by the nodes' workers: piece 2's dies, once
-    try:
-        nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-        nodes.add_node(num_cpus=1)
-    finally:
-        del os.environ["FRUGALITY_PREPARE_DIE_IN"]
-    yield nodes
-    ray.shutdown()
-    nodes.shutdown()
-
-
-def test_two_nodes_prepare_one_process_bytes_and_a_lost_worker_loses_nothing(cluster, tmp_path):
+def test_two_nodes_prepare_one_process_bytes_and_a_lost_worker_loses_nothing(ray_cluster, tmp_path):
     import ray
 
     tok = load_tokenizer("pythia")
     files, texts = _inputs(tmp_path)
     one = prepare(files, tok, tmp_path / "one", progress=False, workers=1, piece_bytes=1000)
     ray_run = prepare(
-        files, tok, tmp_path / "ray", progress=False, piece_bytes=1000, engine="ray", address=cluster.address
+        files, tok, tmp_path / "ray", progress=False, piece_bytes=1000, engine="ray", address=ray_cluster.address
     )
     assert ray_run.documents == one.documents == len(texts)
     for ext in ("bin", "idx"):
         assert (tmp_path / f"ray.{ext}").read_bytes() == (tmp_path / f"one.{ext}").read_bytes()
     assert (tmp_path / "ray.parts.died-in-2").exists()  # piece 2's worker died once; Ray ran it again
-    assert len(cluster.list_all_nodes()) == 2 and not ray.is_initialized()  # joined for the job, left after
+    assert len(ray_cluster.list_all_nodes()) == 2 and not ray.is_initialized()  # joined for the job, left after
 
 
-def test_a_bad_line_on_a_ray_worker_is_the_same_one_line(cluster, tmp_path):
+def test_a_bad_line_on_a_ray_worker_is_the_same_one_line(ray_cluster, tmp_path):
     (tmp_path / "docs.jsonl").write_text('{"text": "ok"}\n{"text": broken\n')
     with pytest.raises(UserError, match=r"^input \S*docs.jsonl:2: not valid JSON"):
         prepare(
@@ -57,7 +40,7 @@ def test_a_bad_line_on_a_ray_worker_is_the_same_one_line(cluster, tmp_path):
             tmp_path / "out",
             progress=False,
             engine="ray",
-            address=cluster.address,
+            address=ray_cluster.address,
         )
 
 

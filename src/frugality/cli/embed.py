@@ -59,6 +59,14 @@ import click
     show_default=True,
     help="npy: shard-N.npy + shard-N.ids.json; parquet: shard-N.parquet (id, embedding).",
 )
+@click.option(
+    "--engine",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="local: this machine's processes; ray: actors on a Ray cluster (the model and --out on shared storage).",
+)
+@click.option("--address", help="--engine ray: the cluster to join (HOST:PORT, auto, ray://...) [default: start one].")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def embed(
     model,
@@ -74,6 +82,8 @@ def embed(
     normalize,
     max_length,
     fmt,
+    engine,
+    address,
     no_progress,
 ) -> None:
     """Embed every text of INPUTS (.txt, .jsonl, .parquet) with MODEL (a Hugging Face or
@@ -101,7 +111,11 @@ def embed(
         format=fmt,
     )
     try:
-        result = run_job(settings, open_inputs(list(inputs), text_field, id_field), nproc, not no_progress)
+        if address is not None and engine != "ray":
+            raise click.UsageError("--address goes with --engine ray")
+        result = run_job(
+            settings, open_inputs(list(inputs), text_field, id_field), nproc, not no_progress, engine, address
+        )
     except KeyboardInterrupt:
         click.echo(f"stopped; the shards written stay in {out}: rerun the same command to finish", err=True)
         sys.exit(130)
@@ -110,10 +124,12 @@ def embed(
         sys.exit(1)
     resumed = f" (resumed: {result['resumed_from']:,} were done)" if result["resumed_from"] else ""
     speed = f", {result['texts_per_s']:,.0f} texts/s" if result["texts_per_s"] else ""
+    many = result["processes"] > 1
+    workers = ("Ray actors" if many else "Ray actor") if engine == "ray" else ("processes" if many else "process")
     click.echo(
         f"{out}: {result['count']:,} texts in {result['shards']} shards{resumed}; embedded "
-        f"{result['embedded']:,} in {result['seconds']:.1f} s{speed} ({result['processes']} "
-        f"process{'es' if result['processes'] > 1 else ''}); {result['precision']}"
+        f"{result['embedded']:,} in {result['seconds']:.1f} s{speed} ({result['processes']} {workers}); "
+        f"{result['precision']}"
     )
 
 

@@ -354,10 +354,22 @@ def encoder_record(encoder, why: str) -> dict:
     }
 
 
-def run_job(settings: EmbedSettings, inputs: Inputs, nproc: int | str = "auto", progress: bool = True) -> dict:
-    """The whole job: prepare, embed the pending shards (in `nproc` processes), and write
-    the manifest; returns a summary. Raises KeyboardInterrupt on Ctrl-C (what is written
-    stays; a rerun finishes)."""
+def run_job(
+    settings: EmbedSettings,
+    inputs: Inputs,
+    nproc: int | str = "auto",
+    progress: bool = True,
+    engine: str = "local",
+    address: str | None = None,
+) -> dict:
+    """The whole job: prepare, embed the pending shards (in `nproc` processes, or on a Ray
+    cluster: `engine="ray"`, `frugality.inference.embed_ray`), and write the manifest;
+    returns a summary. Raises KeyboardInterrupt on Ctrl-C (what is written stays; a rerun
+    finishes)."""
+    if engine == "ray":
+        from frugality.inference.embed_ray import ray_module
+
+        ray_module()  # installed? (one line before anything is written)
     from tqdm import tqdm
 
     from frugality.inference.encoder import load_encoder
@@ -382,7 +394,13 @@ def run_job(settings: EmbedSettings, inputs: Inputs, nproc: int | str = "auto", 
         with tqdm(
             total=count, initial=count - todo, unit="text", disable=not progress, dynamic_ncols=True, mininterval=1.0
         ) as bar:
-            if processes <= 1:
+            if engine == "ray" and pending:  # actors on the cluster load the weights this process resolved
+                from frugality.inference.embed_ray import run_on_ray
+
+                shared = replace(settings, model=str(Path(encoder.source).resolve()), out=str(out.resolve()))
+                del encoder
+                processes = run_on_ray(shared, inputs, size, pending, count, address, bar.update)
+            elif processes <= 1:
                 run_shards(encoder, inputs, settings, size, pending, count, report=bar.update)
             else:  # each worker loads the very weights this process resolved (a run's checkpoint then)
                 workers = replace(settings, model=str(encoder.source))

@@ -1,0 +1,32 @@
+"""`frugality embed --engine ray` on a Ray cluster of two nodes on this machine: the same
+ids in the same order and the same vectors as the job on one machine, with an actor killed
+mid-shard (its shard goes back to the queue; nothing is lost)."""
+
+from __future__ import annotations
+
+import numpy as np
+from test_embed import MODEL, texts_file  # noqa: F401 - the module's inputs fixture
+
+from frugality.cli.main import main
+from frugality.inference.embed import read_embeddings
+
+
+def test_two_nodes_embed_as_one_machine_and_a_lost_actor_loses_nothing(ray_cluster, tmp_path, texts_file):  # noqa: F811
+    common = [MODEL, str(texts_file), "--text-field", "body", "--id-field", "key", "--precision", "fp32"]
+    common += ["--shard-size", "40", "--no-progress"]
+    assert main(["embed", *common, "--out", str(tmp_path / "one"), "--nproc", "1"]) == 0
+    assert (
+        main(["embed", *common, "--out", str(tmp_path / "ray"), "--engine", "ray", "--address", ray_cluster.address])
+        == 0
+    )
+    assert (tmp_path / "ray" / ".died-in-1").exists()  # shard 1's actor died once; the shard was redone
+    ids, vectors = read_embeddings(tmp_path / "ray")
+    one_ids, one_vectors = read_embeddings(tmp_path / "one")
+    assert ids == one_ids == [f"g{i}" for i in range(120)]
+    cosine = (vectors * one_vectors).sum(1) / np.linalg.norm(vectors, axis=1) / np.linalg.norm(one_vectors, axis=1)
+    assert cosine.min() >= 0.9999
+
+
+def test_address_without_the_ray_engine_is_a_usage_error(tmp_path, texts_file, capsys):  # noqa: F811
+    assert main(["embed", MODEL, str(texts_file), "--out", str(tmp_path / "x"), "--address", "auto"]) == 2
+    assert "--address goes with --engine ray" in capsys.readouterr().err
