@@ -198,3 +198,20 @@ def test_a_lone_surrogate_in_a_json_string_is_named_by_its_line(tmp_path, tok):
     (tmp_path / "docs.jsonl").write_text('{"text": "fine"}\n{"text": "half \\ud800 a character"}\n')
     with pytest.raises(UserError, match=r"docs.jsonl:2: field 'text' holds a lone surrogate \('\\ud800'\), not text"):
         prepare([tmp_path / "docs.jsonl"], tok, tmp_path / "out", progress=False)
+
+
+def test_parquet_row_groups_are_pieces_and_give_the_jsonl_bytes(tmp_path, tok):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    _, texts = _inputs(tmp_path)
+    pq.write_table(pa.table({"id": list(range(200)), "text": texts[:200]}), tmp_path / "a.parquet", row_group_size=64)
+    assert len(plan_pieces([tmp_path / "a.parquet"], 1 << 20)) == 4  # a piece a row group
+    prepare([tmp_path / "a.parquet"], tok, tmp_path / "pq", progress=False, workers=2)
+    prepare([tmp_path / "a.jsonl"], tok, tmp_path / "jsonl", progress=False, workers=1)
+    assert (tmp_path / "pq.bin").read_bytes() == (tmp_path / "jsonl.bin").read_bytes()
+    with pytest.raises(UserError, match=r"a.parquet: no column 'body' \(columns: id, text; choose one with --field\)"):
+        prepare([tmp_path / "a.parquet"], tok, tmp_path / "none", progress=False, field="body")
+    pq.write_table(pa.table({"text": ["fine", None]}), tmp_path / "b.parquet")
+    with pytest.raises(UserError, match=r"b.parquet: row 2: column 'text' is not a string \(null\)"):
+        prepare([tmp_path / "b.parquet"], tok, tmp_path / "null", progress=False)

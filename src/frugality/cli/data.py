@@ -46,7 +46,8 @@ def data() -> None:
 @click.option("--address", help="--engine ray: the cluster to join (ray://..., HOST:PORT, auto) [default: start one].")
 def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece_mb, engine, address) -> None:
     """Tokenize INPUTS (.txt: a document per file; .jsonl: a document per line; either
-    may be .gz) into a Megatron indexed dataset, one end-of-document token after each.
+    may be .gz or .zst; .parquet: a document per row) into a Megatron indexed dataset, one
+    end-of-document token after each.
     The same bytes whatever --workers; a run killed mid-way, rerun as it was, redoes only
     the pieces it had not finished (PREFIX.parts/)."""
     from frugality.data.prepare import prepare as run_prepare

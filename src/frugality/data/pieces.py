@@ -21,6 +21,7 @@ from frugality.errors import UserError
 
 TEXT = (".txt", ".txt.gz", ".txt.zst")
 JSONL = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".jsonl.zst")  # the Pile: .jsonl.zst
+PARQUET = (".parquet",)  # a piece a row group
 _SPLITTABLE = (".jsonl", ".ndjson")  # plain: a byte range can be read from the middle
 
 
@@ -28,12 +29,13 @@ _SPLITTABLE = (".jsonl", ".ndjson")  # plain: a byte range can be read from the 
 class Piece:
     index: int  # its place in input order: the order of the merge
     file: str  # as the command line gave it
-    start: int  # first byte (a line's first)
-    stop: int  # past the last byte (a line's end, or the file's)
+    start: int  # first byte (a line's first); parquet: the row group
+    stop: int  # past the last byte (a line's end, or the file's); parquet: the next row group
+    weight: int = 0  # bytes of input, for sharing out and progress (parquet: the group's, compressed)
 
     @property
     def size(self) -> int:
-        return self.stop - self.start
+        return self.weight or self.stop - self.start
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -44,6 +46,11 @@ def plan_pieces(files: list[Path], target_bytes: int) -> list[Piece]:
     the first line boundary after every `target_bytes`; any other file whole."""
     pieces: list[Piece] = []
     for f in files:
+        if f.name.endswith(PARQUET):
+            groups = _parquet(f).metadata
+            sizes = [groups.row_group(g).total_byte_size for g in range(groups.num_row_groups)]
+            pieces += [Piece(len(pieces) + g, str(f), g, g + 1, max(1, n)) for g, n in enumerate(sizes)]
+            continue
         size = f.stat().st_size
         cuts = [0]
         if f.name.endswith(_SPLITTABLE) and size > target_bytes:
@@ -62,6 +69,9 @@ def plan_pieces(files: list[Path], target_bytes: int) -> list[Piece]:
 def read_documents(piece: Piece, field: str) -> Iterator[str]:
     """The documents of `piece`, in order; a problem is a UserError naming file and line."""
     f = Path(piece.file)
+    if f.name.endswith(PARQUET):
+        yield from _parquet_documents(f, piece, field)
+        return
     try:
         with open(f, "rb") as raw:
             if f.name.endswith(TEXT):
@@ -83,6 +93,32 @@ def read_documents(piece: Piece, field: str) -> Iterator[str]:
         if type(e).__name__ != "ZstdError":
             raise
         raise UserError(f"input {f}: cannot be read ({e})") from None
+
+
+def _parquet(f: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"input {f}: reading parquet needs pyarrow (pip install 'frugality[parquet]')") from None
+    try:
+        return pq.ParquetFile(f)
+    except Exception as e:  # pyarrow's ArrowInvalid: not a parquet file
+        raise UserError(f"input {f}: cannot be read as parquet ({e})") from None
+
+
+def _parquet_documents(f: Path, piece: Piece, field: str) -> Iterator[str]:
+    """The `field` column of the piece's row group; a row is named by its number in the
+    file (from 1)."""
+    file = _parquet(f)
+    names = file.schema_arrow.names
+    if field not in names:
+        raise UserError(f"input {f}: no column {field!r} (columns: {', '.join(names)}; choose one with --field)")
+    first = sum(file.metadata.row_group(g).num_rows for g in range(piece.start)) + 1
+    values = file.read_row_group(piece.start, columns=[field]).column(field).to_pylist()
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            raise UserError(f"input {f}: row {first + i}: column {field!r} is not a string ({json_type(value)})")
+        yield value
 
 
 def _decompressed(raw, f: Path):

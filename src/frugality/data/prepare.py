@@ -37,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from frugality.data.indexed import IndexedDatasetWriter, paths, token_dtype
-from frugality.data.pieces import JSONL, TEXT, Piece, plan_pieces, read_documents
+from frugality.data.pieces import JSONL, PARQUET, TEXT, Piece, plan_pieces, read_documents
 from frugality.data.tokenizer import LoadedTokenizer
 from frugality.errors import UserError
 
@@ -488,8 +488,8 @@ def _check_inputs(files: list[Path], out_prefix: str | Path, overwrite: bool) ->
             raise UserError(f"input {f}: a directory; give its files, e.g. {_glob(f)}")
         if not f.is_file():
             raise UserError(f"input {f}: no such file")
-        if not f.name.endswith(TEXT + JSONL):
-            raise UserError(f"input {f}: unsupported type (expected {', '.join(TEXT + JSONL)})")
+        if not f.name.endswith(TEXT + JSONL + PARQUET):
+            raise UserError(f"input {f}: unsupported type (expected {', '.join(TEXT + JSONL + PARQUET)})")
         if f.stat().st_size == 0:
             raise UserError(f"input {f}: empty (no text to tokenize)")
     for p in paths(out_prefix):
