@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from frugality.data.indexed import IndexedDatasetWriter, paths, token_dtype
 from frugality.data.pieces import JSONL, PARQUET, TEXT, Piece, plan_pieces, read_documents
+from frugality.data.ray_cluster import joined, ray_module
 from frugality.data.tokenizer import LoadedTokenizer
 from frugality.errors import UserError
 
@@ -90,7 +91,7 @@ def prepare(
     if engine not in ("local", "ray"):
         raise UserError(f"--engine {engine}: choose local or ray")
     if engine == "ray":
-        _ray()  # installed? (one line before anything is written)
+        ray_module()  # installed? (one line before anything is written)
     files = _expand(inputs)
     _check_inputs(files, out_prefix, overwrite)
     pieces = plan_pieces(files, piece_bytes)
@@ -240,27 +241,16 @@ def _die_with_parent() -> None:
         pass
 
 
-def _ray():
-    try:
-        import ray
-    except ImportError:
-        raise UserError("--engine ray: Ray is not installed here; pip install 'frugality[ray]'") from None
-    return ray
-
-
 def _run_ray(todo: list[Piece], tokenizer: LoadedTokenizer, field: str, dtype, folder: Path, address: str | None):
     """(piece index, part record) as each piece's Ray task writes its part: one task a
     piece, a CPU each, largest first; a task whose worker dies is run again (Ray's
     retries), so a lost worker loses nothing."""
-    import logging
+    with joined(address) as ray:
+        yield from _ray_tasks(ray, todo, tokenizer, field, dtype, folder)
 
-    ray = _ray()
-    started = not ray.is_initialized()
-    if started:
-        try:
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, include_dashboard=False)
-        except ConnectionError as e:
-            raise UserError(f"--address {address}: no Ray cluster there ({e})") from None
+
+def _ray_tasks(ray, todo, tokenizer, field, dtype, folder):
+    pending: dict = {}
     try:
         saved = folder / "tokenizer.json"  # every task reads it where it reads the parts folder
         tokenizer.tokenizer.save(str(saved))
@@ -297,8 +287,6 @@ def _run_ray(todo: list[Piece], tokenizer: LoadedTokenizer, field: str, dtype, f
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
-        if started:
-            ray.shutdown()
 
 
 _RAY_TOKENIZERS: dict = {}

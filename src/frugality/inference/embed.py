@@ -196,7 +196,14 @@ def run_shards(
     """Embed and write `shards` (numbers, of `size` texts), streaming through the inputs
     once (the first `count` texts: what the job counted); the number of shards written.
     `report(n)` hears of every n texts embedded."""
-    wanted, written = set(shards), 0
+    written = 0
+    for k, ids, texts in shard_texts(inputs, size, count, set(shards)):
+        written += _finish(encoder, settings, k, ids, texts, report, written)
+    return written
+
+
+def shard_texts(inputs: Inputs, size: int, count: int, wanted: set[int]):
+    """(shard, ids, texts) for each wanted shard, reading the inputs once."""
     ids: list[str] = []
     texts: list[str] = []
     current = None
@@ -207,14 +214,13 @@ def run_shards(
         if k not in wanted:
             continue
         if current is not None and k != current:
-            written += _finish(encoder, settings, current, ids, texts, report, written)
+            yield current, ids, texts
             ids, texts = [], []
         current = k
         ids.append(text_id)
         texts.append(text)
     if current is not None:
-        written += _finish(encoder, settings, current, ids, texts, report, written)
-    return written
+        yield current, ids, texts
 
 
 def _finish(encoder, settings, k, ids, texts, report, written_before) -> int:
@@ -367,7 +373,7 @@ def run_job(
     returns a summary. Raises KeyboardInterrupt on Ctrl-C (what is written stays; a rerun
     finishes)."""
     if engine == "ray":
-        from frugality.inference.embed_ray import ray_module
+        from frugality.data.ray_cluster import ray_module
 
         ray_module()  # installed? (one line before anything is written)
     from tqdm import tqdm

@@ -13,36 +13,27 @@ its pending shards embedded by Ray actors on a cluster.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 from collections import deque
 from pathlib import Path
 
+from frugality.data.ray_cluster import joined
 from frugality.errors import UserError
+from frugality.inference.embed import shard_texts
 
 _ATTEMPTS = 3
 DIE_ENV = "FRUGALITY_EMBED_DIE_IN"  # tests: the actor embedding this shard dies there, once
 
 
-def ray_module():
-    try:
-        import ray
-    except ImportError:
-        raise UserError("--engine ray: Ray is not installed here; pip install 'frugality[ray]'") from None
-    return ray
-
-
 def run_on_ray(settings, inputs, size: int, pending: list[int], count: int, address: str | None, report) -> int:
     """Embed the `pending` shards of the job on the Ray cluster at `address` (None: a local
     instance); `report(n)` hears of each shard's n texts. Returns the actors used."""
-    ray = ray_module()
-    started = not ray.is_initialized()
-    if started:
-        try:
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, include_dashboard=False)
-        except ConnectionError as e:
-            raise UserError(f"--address {address}: no Ray cluster there ({e})") from None
+    with joined(address) as ray:
+        return _run(ray, settings, inputs, size, pending, count, report)
+
+
+def _run(ray, settings, inputs, size, pending, count, report) -> int:
     busy: dict = {}
     pool: list = []
     try:
@@ -58,7 +49,7 @@ def run_on_ray(settings, inputs, size: int, pending: list[int], count: int, addr
         pool = [kind.remote(settings, "cuda" if gpus else "cpu") for _ in range(actors)]
         load = {i: 0 for i in range(actors)}
         waiting: deque = deque()  # (shard, ids, texts) not yet handed out
-        shards = _shards(inputs, size, count, set(pending))
+        shards = shard_texts(inputs, size, count, set(pending))
 
         def hand_out() -> None:
             while True:
@@ -97,29 +88,6 @@ def run_on_ray(settings, inputs, size: int, pending: list[int], count: int, addr
     finally:
         for actor in pool:  # (their shards in flight are abandoned: a shard is renamed into place whole)
             ray.kill(actor, no_restart=True)
-        if started:
-            ray.shutdown()
-
-
-def _shards(inputs, size: int, count: int, wanted: set[int]):
-    """(shard, ids, texts) for each wanted shard, reading the inputs once."""
-    ids: list[str] = []
-    texts: list[str] = []
-    current = None
-    for index, (text_id, text) in enumerate(inputs):
-        if index >= count:
-            break
-        k = index // size
-        if k not in wanted:
-            continue
-        if current is not None and k != current:
-            yield current, ids, texts
-            ids, texts = [], []
-        current = k
-        ids.append(text_id)
-        texts.append(text)
-    if current is not None:
-        yield current, ids, texts
 
 
 class _Embedder:
