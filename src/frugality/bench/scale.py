@@ -97,17 +97,14 @@ def bench_scale(
                 independent[n] = _independent_step_time(recipe_arg, share, n, steps, threads)
             alone = independent.get(n)
             rows.append(
-                ScaleRow(
+                _row(
                     strategy if n > 1 else "none",
                     n,
                     threads,
-                    tps,
-                    round(tps / n, 1),
-                    round(tps / base, 3) if base else None,
-                    summary["memory"].get("peak_memory_bytes"),
-                    step,
-                    alone,
-                    round(step - alone, 4) if alone is not None else None,
+                    summary,
+                    base,
+                    independent_step_time_s=alone,
+                    exposed_communication_s=round(step - alone, 4) if alone is not None else None,
                 )
             )
             log(f"{rows[-1].strategy:5} x{n}: {tps:,.0f} tokens/s")
@@ -120,6 +117,22 @@ def bench_scale(
             )
             log(f"{rows[-1].strategy} x{n}: {rows[-1].tokens_per_s:,.0f} tokens/s")
     return rows
+
+
+def _row(name: str, n: int, threads: int, summary: dict, base: float | None, **extra) -> ScaleRow:
+    """A configuration's row from its run's summary (`base`: one process's tokens/s)."""
+    tps = summary["median_tokens_per_s"]
+    return ScaleRow(
+        name,
+        n,
+        threads,
+        tps,
+        round(tps / n, 1),
+        round(tps / base, 3) if base else None,
+        summary["memory"].get("peak_memory_bytes"),
+        summary["median_step_time_s"],
+        **extra,
+    )
 
 
 def layouts(n: int, tensors, pipelines) -> list[tuple[int, int]]:
@@ -150,19 +163,14 @@ def _model_parallel_row(recipe_arg, overrides, n, t, p, strategy, steps, cores, 
     if p > 1 and microbatches:
         sets.append(f"parallel.pipeline_microbatches={microbatches}")
     summary = _run(recipe_arg, sets, n, strategy, steps, threads)
-    tps, step = summary["median_tokens_per_s"], summary["median_step_time_s"]
     figures = summary.get("parallel", {})
-    blocked = figures.get("tensor_collectives_s")
-    return ScaleRow(
+    return _row(
         layout_name(t, p, n // (t * p), strategy),
         n,
         threads,
-        tps,
-        round(tps / n, 1),
-        round(tps / base, 3) if base else None,
-        summary["memory"].get("peak_memory_bytes"),
-        step,
-        exposed_communication_s=blocked,
+        summary,
+        base,
+        exposed_communication_s=figures.get("tensor_collectives_s"),
         tensor=t,
         pipeline=p,
         pipeline_bubble=figures.get("bubble"),
