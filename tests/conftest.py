@@ -277,3 +277,39 @@ def ray_cluster():
     yield nodes
     ray.shutdown()
     nodes.shutdown()
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """`s3://BUCKET`: a bucket on a real S3 endpoint on loopback (moto's threaded server,
+    through s3fs, as s3fs's own tests do), fsspec pointed at it as users point it: by the
+    environment, which the processes a test starts inherit."""
+    import socket
+
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "FSSPEC_S3_ENDPOINT_URL": endpoint,
+    }.items():
+        monkeypatch.setenv(key, value)
+    import uuid
+
+    import fsspec
+    import fsspec.config
+
+    monkeypatch.setattr(fsspec.config, "conf", {})
+    fsspec.config.set_conf_env(fsspec.config.conf)  # how users point fsspec at an endpoint
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = f"frugality-{uuid.uuid4().hex[:12]}"  # moto's state outlives one server
+    fs.mkdir(bucket)
+    yield f"s3://{bucket}"
+    server.stop()

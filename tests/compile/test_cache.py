@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import uuid
 
 import pytest
 import torch
@@ -134,33 +132,8 @@ def test_corrupt_foreign_and_half_written_entries_are_ignored_with_a_warning(tmp
 
 
 @pytest.fixture
-def s3_url(monkeypatch):
-    """A bucket on a real S3 endpoint on loopback (moto's threaded server)."""
-    moto_server = pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "FSSPEC_S3_ENDPOINT_URL": endpoint,
-    }.items():
-        monkeypatch.setenv(key, value)
-    import fsspec
-    import fsspec.config
-
-    monkeypatch.setattr(fsspec.config, "conf", {})
-    fsspec.config.set_conf_env(fsspec.config.conf)  # how users point fsspec at an endpoint
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    bucket = f"frugality-{uuid.uuid4().hex[:12]}"  # moto's state outlives one server
-    fs.mkdir(bucket)
-    yield f"s3://{bucket}/compiled"
-    server.stop()
+def s3_url(s3_bucket):
+    return f"{s3_bucket}/compiled"
 
 
 def test_round_trip_through_s3(s3_url, tmp_path):

@@ -5,6 +5,7 @@ ends with the same bytes; a changed input is refused in one line, nothing lost."
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import subprocess
@@ -98,6 +99,32 @@ def test_merging_appends_datasets_as_one_writer_would(tmp_path):
     assert (tmp_path / "merged.bin").read_bytes() == (tmp_path / "whole.bin").read_bytes()
 
 
+def test_appending_some_documents_keeps_their_sequences_as_megatron_cores_builder_writes_them(tmp_path):
+    """Documents of several sequences (megatron's sentence splitting), some left out: the
+    bytes of megatron-core's builder given only the documents kept."""
+    megatron = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    import torch
+
+    rng = np.random.default_rng(2)
+    docs = [[rng.integers(0, 50000, size=rng.integers(1, 9)) for _ in range(rng.integers(1, 4))] for _ in range(12)]
+    keep = np.array([i % 3 != 1 for i in range(12)])
+    for name, chosen in (("all", docs), ("kept", [d for d, k in zip(docs, keep) if k])):
+        builder = megatron.IndexedDatasetBuilder(str(tmp_path / f"{name}.bin"), dtype=np.uint16)
+        for doc in chosen:
+            for sequence in doc:
+                builder.add_item(torch.from_numpy(sequence.astype(np.int64)))
+            builder.end_document()
+        builder.finalize(str(tmp_path / f"{name}.idx"))
+    merged = IndexedDatasetWriter(tmp_path / "merged", np.uint16)
+    whole_digest = merged.append(tmp_path / "all", keep=keep)
+    merged.finalize()
+    assert whole_digest == hashlib.sha256((tmp_path / "all.bin").read_bytes()).hexdigest()
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"merged.{ext}").read_bytes() == (tmp_path / f"kept.{ext}").read_bytes()
+    with pytest.raises(UserError, match="12 documents, not 3 as recorded"):
+        IndexedDatasetWriter(tmp_path / "other", np.uint16).append(tmp_path / "all", keep=keep[:3])
+
+
 def test_a_bad_line_in_a_later_piece_is_named_by_its_line_in_the_file(tmp_path, tok):
     lines = [json.dumps({"text": f"line {i}"}) for i in range(100)]
     lines[77] = '{"text": broken'
@@ -146,7 +173,7 @@ def test_a_run_killed_between_parts_finishes_on_a_rerun_with_the_same_bytes(tmp_
     ]
     assert (tmp_path / "out.parts" / "parts.jsonl").read_text() == recorded
     (tmp_path / "e.txt").write_text("And a last one.")
-    os.utime(tmp_path / "e.txt", ns=(job["inputs"][4]["mtime_ns"],) * 2)
+    os.utime(tmp_path / "e.txt", ns=(int(job["inputs"][4]["version"]),) * 2)
     other = _prepare(files, tmp_path / "out", "--piece-mb", "0.01")
     assert other.returncode == 2 and "(its --piece-mb differ)" in other.stderr
     with open(tmp_path / "out.parts" / "parts.jsonl", "a") as log:
@@ -215,3 +242,31 @@ def test_parquet_row_groups_are_pieces_and_give_the_jsonl_bytes(tmp_path, tok):
     pq.write_table(pa.table({"text": ["fine", None]}), tmp_path / "b.parquet")
     with pytest.raises(UserError, match=r"b.parquet: row 2: column 'text' is not a string \(null\)"):
         prepare([tmp_path / "b.parquet"], tok, tmp_path / "null", progress=False)
+
+
+def test_a_glob_of_s3_urls_prepares_the_local_files_bytes(s3_bucket, tmp_path, tok):
+    """Inputs on S3 (a real endpoint on loopback): a glob of URLs, plain `.jsonl` read in
+    ranges by two workers, gives the local files' bytes; a missing object is one line."""
+    files, _ = _inputs(tmp_path)
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    for f in files:
+        fs.put_file(str(f), f"{s3_bucket}/corpus/{f.name}")
+    local = prepare(files, tok, tmp_path / "local", progress=False, workers=1, piece_bytes=1000)
+    command = [sys.executable, "-m", "frugality", "data", "prepare", f"{s3_bucket}/corpus/*"]
+    command += ["--out", str(tmp_path / "s3"), "--workers", "2", "--piece-mb", str(1000 / 2**20)]
+    done = subprocess.run(command, capture_output=True, text=True, env=os.environ, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"{local.documents:,} documents" in done.stdout
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"s3.{ext}").read_bytes() == (tmp_path / f"local.{ext}").read_bytes()
+    missing = subprocess.run(
+        [*command[:5], f"{s3_bucket}/corpus/none.jsonl", "--out", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+        timeout=120,
+    )
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [f"error: input {s3_bucket}/corpus/none.jsonl: no such file"]

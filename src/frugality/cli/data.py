@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 
@@ -44,18 +46,22 @@ def data() -> None:
     help="local: this machine's processes; ray: Ray tasks on a cluster (shared storage for inputs and --out).",
 )
 @click.option("--address", help="--engine ray: the cluster to join (ray://..., HOST:PORT, auto) [default: start one].")
-def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece_mb, engine, address) -> None:
+@click.option(
+    "--dedup",
+    type=click.Choice(["exact"]),
+    help="exact: drop a document whose text (spacing, case and Unicode form aside) came earlier.",
+)
+def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece_mb, engine, address, dedup) -> None:
     """Tokenize INPUTS (.txt: a document per file; .jsonl: a document per line; either
-    may be .gz or .zst; .parquet: a document per row) into a Megatron indexed dataset, one
-    end-of-document token after each.
+    may be .gz or .zst; .parquet: a document per row; paths, quoted globs or fsspec URLs
+    such as s3://bucket/*.jsonl.zst) into a Megatron indexed dataset, one end-of-document
+    token after each.
     The same bytes whatever --workers; a run killed mid-way, rerun as it was, redoes only
     the pieces it had not finished (PREFIX.parts/)."""
     from frugality.data.prepare import prepare as run_prepare
     from frugality.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_name)
-    import os
-
     workers = workers or len(os.sched_getaffinity(0))
     if address is not None and engine != "ray":
         raise click.UsageError("--address goes with --engine ray")
@@ -69,10 +75,12 @@ def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece
         piece_bytes=int(piece_mb * 2**20),
         engine=engine,
         address=address,
+        dedup=dedup,
     )
+    dropped = f" ({stats.duplicates:,} duplicates dropped)" if dedup else ""
     reused = f"; {stats.reused_parts} parts from the interrupted run" if stats.reused_parts else ""
     click.echo(
-        f"wrote {stats.bin_path} and {stats.idx_path}: {stats.documents:,} documents, {stats.tokens:,} tokens "
+        f"wrote {stats.bin_path} and {stats.idx_path}: {stats.documents:,} documents{dropped}, {stats.tokens:,} tokens "
         f"({'Ray tasks' if engine == 'ray' else f'{stats.workers} worker' + 's' * (stats.workers > 1)}: "
         f"{stats.rates()}{reused})"
     )

@@ -85,24 +85,48 @@ class IndexedDatasetWriter:
         self._ends.append(self.num_sequences)
         self.num_tokens += array.size
 
-    def append(self, prefix: str | Path, chunk_bytes: int = 16 << 20) -> str:
+    def append(self, prefix: str | Path, chunk_bytes: int = 16 << 20, keep: np.ndarray | None = None) -> str:
         """A whole dataset's sequences and documents after those written so far (as
-        megatron-core's `add_index` does); returns the sha256 of its .bin, read once."""
+        megatron-core's `add_index` does), or only the documents `keep` (a mask, one entry a
+        document) marks; returns the sha256 of its whole .bin, read once."""
         part = IndexedDataset(prefix)
         if part.dtype != self.dtype:
             raise UserError(f"dataset {part.prefix}: tokens are {part.dtype}, not {self.dtype} as the rest")
+        if keep is not None and len(keep) != part.num_documents:
+            raise UserError(f"dataset {part.prefix}: {part.num_documents} documents, not {len(keep)} as recorded")
         self._settle()
         digest = hashlib.sha256()
+        whole = keep is None or bool(np.all(keep))
         with open(paths(part.prefix)[0], "rb") as source:
             while chunk := source.read(chunk_bytes):
                 digest.update(chunk)
-                self._digest.update(chunk)
-                self._bin.write(chunk)
+                if whole:
+                    self._digest.update(chunk)
+                    self._bin.write(chunk)
+        if not whole:
+            self._append_documents(part, np.asarray(keep, dtype=bool))
+            return digest.hexdigest()
         self._length_arrays.append(np.asarray(part.sequence_lengths, dtype=np.int32))
         self._end_arrays.append(np.asarray(part.document_indices[1:], dtype=np.int64) + self.num_sequences)
         self.num_sequences += part.num_sequences
         self.num_tokens += part.num_tokens
         return digest.hexdigest()
+
+    def _append_documents(self, part: IndexedDataset, keep: np.ndarray) -> None:
+        """The documents of `part` that `keep` marks, their sequences copied run by run."""
+        per_document = np.diff(np.asarray(part.document_indices, dtype=np.int64))
+        kept_sequences = np.repeat(keep, per_document)
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], kept_sequences.astype(np.int8), [0]])))
+        lengths = np.asarray(part.sequence_lengths, dtype=np.int32)
+        pointers = np.asarray(part.sequence_pointers, dtype=np.int64) // self.dtype.itemsize
+        for first, stop in zip(edges[::2], edges[1::2]):  # [first, stop): sequences kept in a row
+            data = part.tokens[pointers[first] : pointers[stop - 1] + lengths[stop - 1]].tobytes()
+            self._digest.update(data)
+            self._bin.write(data)
+        self._length_arrays.append(lengths[kept_sequences])
+        self._end_arrays.append(np.cumsum(per_document[keep]) + self.num_sequences)
+        self.num_sequences += int(kept_sequences.sum())
+        self.num_tokens += int(lengths[kept_sequences].sum(dtype=np.int64))
 
     def _settle(self) -> None:
         """The documents added one by one, as arrays."""

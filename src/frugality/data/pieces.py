@@ -1,7 +1,8 @@
 """The inputs of `data prepare` cut into pieces that workers tokenize apart and that are
 merged back in input order: a whole file (a `.txt` is one document; a compressed file
-cannot be entered mid-way), or a byte range of a plain `.jsonl` file that starts and ends
-at a line boundary. Every document lies in exactly one piece, and the pieces in order
+cannot be entered mid-way), a byte range of a plain `.jsonl` file that starts and ends at
+a line boundary, or a parquet row group. A file is a local path or an fsspec URL
+(`data.sources`). Every document lies in exactly one piece, and the pieces in order
 hold the documents in input order, so the merged dataset is one worker's, byte for byte.
 
 Reading a piece says what is wrong with an input in one line naming the file and the line
@@ -14,8 +15,8 @@ import io
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+from frugality.data.sources import base_name, found, open_input
 from frugality.data.text import json_type, not_utf8
 from frugality.errors import UserError
 
@@ -41,20 +42,20 @@ class Piece:
         return asdict(self)
 
 
-def plan_pieces(files: list[Path], target_bytes: int) -> list[Piece]:
+def plan_pieces(files: list, target_bytes: int) -> list[Piece]:
     """The pieces of `files`, in order: a plain `.jsonl` larger than `target_bytes` cut at
     the first line boundary after every `target_bytes`; any other file whole."""
     pieces: list[Piece] = []
-    for f in files:
-        if f.name.endswith(PARQUET):
+    for f in map(str, files):
+        if base_name(f).endswith(PARQUET):
             groups = _parquet(f).metadata
             sizes = [groups.row_group(g).total_byte_size for g in range(groups.num_row_groups)]
-            pieces += [Piece(len(pieces) + g, str(f), g, g + 1, max(1, n)) for g, n in enumerate(sizes)]
+            pieces += [Piece(len(pieces) + g, f, g, g + 1, max(1, n)) for g, n in enumerate(sizes)]
             continue
-        size = f.stat().st_size
+        size = found(f).size
         cuts = [0]
-        if f.name.endswith(_SPLITTABLE) and size > target_bytes:
-            with open(f, "rb") as raw:
+        if base_name(f).endswith(_SPLITTABLE) and size > target_bytes:
+            with open_input(f) as raw:
                 while cuts[-1] + target_bytes < size:
                     raw.seek(cuts[-1] + target_bytes)
                     raw.readline()  # to the end of the line the cut fell in
@@ -62,26 +63,26 @@ def plan_pieces(files: list[Path], target_bytes: int) -> list[Piece]:
                         break
                     cuts.append(raw.tell())
         cuts.append(size)
-        pieces += [Piece(len(pieces) + i, str(f), a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+        pieces += [Piece(len(pieces) + i, f, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
     return pieces
 
 
 def read_documents(piece: Piece, field: str) -> Iterator[str]:
     """The documents of `piece`, in order; a problem is a UserError naming file and line."""
-    f = Path(piece.file)
-    if f.name.endswith(PARQUET):
+    f, name = piece.file, base_name(piece.file)
+    if name.endswith(PARQUET):
         yield from _parquet_documents(f, piece, field)
         return
     try:
-        with open(f, "rb") as raw:
-            if f.name.endswith(TEXT):
+        with open_input(f) as raw:
+            if name.endswith(TEXT):
                 text = io.TextIOWrapper(_decompressed(raw, f), encoding="utf-8", errors="surrogateescape").read()
                 _check_utf8(text, f, 1)
                 if not text.strip():
                     raise UserError(f"input {f}: empty (no text to tokenize)")
                 yield text
                 return
-            if f.suffix in (".gz", ".zst"):
+            if name.endswith((".gz", ".zst")):
                 yield from _jsonl(f, _decompressed(raw, f), field, piece, first_line=1)
                 return
             raw.seek(piece.start)
@@ -95,18 +96,19 @@ def read_documents(piece: Piece, field: str) -> Iterator[str]:
         raise UserError(f"input {f}: cannot be read ({e})") from None
 
 
-def _parquet(f: Path):
+def _parquet(f: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise UserError(f"input {f}: reading parquet needs pyarrow (pip install 'frugality[parquet]')") from None
+    source = open_input(f)
     try:
-        return pq.ParquetFile(f)
+        return pq.ParquetFile(source)
     except Exception as e:  # pyarrow's ArrowInvalid: not a parquet file
         raise UserError(f"input {f}: cannot be read as parquet ({e})") from None
 
 
-def _parquet_documents(f: Path, piece: Piece, field: str) -> Iterator[str]:
+def _parquet_documents(f: str, piece: Piece, field: str) -> Iterator[str]:
     """The `field` column of the piece's row group; a row is named by its number in the
     file (from 1)."""
     file = _parquet(f)
@@ -121,11 +123,11 @@ def _parquet_documents(f: Path, piece: Piece, field: str) -> Iterator[str]:
         yield value
 
 
-def _decompressed(raw, f: Path):
+def _decompressed(raw, f: str):
     """`raw` as the bytes it holds: gunzipped (.gz), unzstd'd (.zst), or as it is."""
-    if f.suffix == ".gz":
+    if f.endswith(".gz"):
         return gzip.open(raw)
-    if f.suffix == ".zst":
+    if f.endswith(".zst"):
         try:
             import zstandard
         except ImportError:
@@ -152,16 +154,16 @@ class _Window(io.RawIOBase):
         return n
 
 
-def _jsonl(f: Path, binary, field: str, piece: Piece, first_line: int | None) -> Iterator[str]:
+def _jsonl(f: str, binary, field: str, piece: Piece, first_line: int | None) -> Iterator[str]:
     lines = io.TextIOWrapper(binary, encoding="utf-8", errors="surrogateescape")
-    found = False
+    any_line = False
     for offset, line in enumerate(lines):
         problem = not_utf8(line)
         if problem:
             raise UserError(f"input {f}:{_line(f, piece, first_line, offset)}: {problem[1]}")
         if not line.strip():
             continue
-        found = True
+        any_line = True
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
@@ -181,23 +183,23 @@ def _jsonl(f: Path, binary, field: str, piece: Piece, first_line: int | None) ->
                 f"input {f}:{where}: field {field!r} holds a lone surrogate ({value[e.start]!r}), not text"
             ) from None
         yield value
-    if not found and piece.start == 0 and piece.stop == Path(f).stat().st_size:
+    if not any_line and piece.start == 0 and piece.stop == found(f).size:
         raise UserError(f"input {f}: empty (no JSON lines)")
 
 
-def _line(f: Path, piece: Piece, first_line: int | None, offset: int) -> int:
+def _line(f: str, piece: Piece, first_line: int | None, offset: int) -> int:
     """The file's line number of the piece's line `offset` (from 0): the lines before the
     piece are counted only when one is to be named."""
     if first_line is None:
         first_line, left = 1, piece.start
-        with open(f, "rb") as raw:
+        with open_input(f) as raw:
             while left and (chunk := raw.read(min(left, 16 << 20))):  # in chunks: a piece may start at 50 GB
                 first_line += chunk.count(b"\n")
                 left -= len(chunk)
     return first_line + offset
 
 
-def _check_utf8(text: str, f: Path, first_line: int) -> None:
+def _check_utf8(text: str, f: str, first_line: int) -> None:
     problem = not_utf8(text)
     if problem:
         raise UserError(f"input {f}:{first_line + problem[0] - 1}: {problem[1]}")

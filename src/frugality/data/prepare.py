@@ -1,8 +1,9 @@
 """`frugality data prepare`: text files -> a Megatron indexed dataset, on every core.
 
-Inputs are `.txt` (one document per file) and `.jsonl` (one document per line, in field
-`text` or another), optionally gzip-compressed. Each document becomes one sequence
-followed by one end-of-document token.
+Inputs are `.txt` (one document per file), `.jsonl` (one document per line, in field
+`text` or another), either gzip- or zstd-compressed, and `.parquet` (a document per row);
+local paths or fsspec URLs (`s3://...`). Each document becomes one sequence followed by
+one end-of-document token. `--dedup exact` drops documents seen before (`data.dedup`).
 
 The inputs are cut into pieces (`data.pieces`: whole files, or line-aligned byte ranges of
 a plain `.jsonl`). Worker processes, each with its own tokenizer (separate instances
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import glob
 import hashlib
 import itertools
 import json
@@ -36,9 +36,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from frugality.data import dedup as dedup_
 from frugality.data.indexed import IndexedDatasetWriter, paths, token_dtype
 from frugality.data.pieces import JSONL, PARQUET, TEXT, Piece, plan_pieces, read_documents
 from frugality.data.ray_cluster import joined, ray_module
+from frugality.data.sources import absolute, expand, found, is_url
 from frugality.data.tokenizer import LoadedTokenizer
 from frugality.errors import UserError
 
@@ -61,6 +63,7 @@ class PrepareStats:
     reused_parts: int = 0  # written by an earlier, interrupted run
     run_documents: int = 0  # this run's (not the reused parts')
     run_tokens: int = 0
+    duplicates: int = 0  # documents dropped by --dedup exact
 
     def rates(self) -> str:
         """This run's work over its time."""
@@ -82,31 +85,37 @@ def prepare(
     piece_bytes: int = PIECE_BYTES,
     engine: str = "local",
     address: str | None = None,
+    dedup: str | None = None,
 ) -> PrepareStats:
     """Tokenize `inputs` into `out_prefix`.bin/.idx with `workers` processes (1: this
     process, the library's threads; more are spawned, so a script calling this with
     workers > 1 needs the `if __name__ == "__main__":` guard). `engine="ray"`: the pieces
     are Ray tasks on the cluster at `address` (None: a local Ray instance), each reading
-    its input and writing its part where every node sees them (shared storage)."""
+    its input and writing its part where every node sees them (shared storage).
+    `dedup="exact"`: a document whose normalised text came earlier is dropped."""
     if engine not in ("local", "ray"):
         raise UserError(f"--engine {engine}: choose local or ray")
+    if dedup not in (None, "exact"):
+        raise UserError(f"--dedup {dedup}: the one kind is exact")
     if engine == "ray":
         ray_module()  # installed? (one line before anything is written)
     files = _expand(inputs)
     _check_inputs(files, out_prefix, overwrite)
     pieces = plan_pieces(files, piece_bytes)
     dtype = token_dtype(tokenizer.vocab_size)
-    job = _job(files, tokenizer, field, dtype, pieces)
+    job = _job(files, tokenizer, field, dtype, pieces, dedup)
     folder = Path(str(out_prefix) + ".parts")
     with _only_writer(folder):
         _check_inputs(files, out_prefix, overwrite)  # again: a run that just finished may have written it
-        run = (lambda todo, w: _run_ray(todo, tokenizer, field, dtype, folder, address)) if engine == "ray" else None
-        return _prepare(
-            files, tokenizer, out_prefix, field, overwrite, progress, workers, pieces, dtype, job, folder, run
-        )
+        hashing = dedup is not None
+        if engine == "ray":
+            run = lambda todo, w: _run_ray(todo, tokenizer, field, dtype, folder, address, hashing)  # noqa: E731
+        else:
+            run = lambda todo, w: _run(todo, tokenizer, field, dtype, folder, w, hashing)  # noqa: E731
+        return _prepare(tokenizer, out_prefix, overwrite, progress, workers, pieces, dtype, job, folder, run)
 
 
-def _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, pieces, dtype, job, folder, run=None):
+def _prepare(tokenizer, out_prefix, overwrite, progress, workers, pieces, dtype, job, folder, run):
     start = time.perf_counter()
     done = _open_parts(folder, job, overwrite)
     reused = len(done)
@@ -116,7 +125,7 @@ def _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, 
     bar.update(sum(p.size for p in pieces if str(p.index) in done))
     written = {"documents": 0, "tokens": 0, "text_bytes": 0}  # this run's parts (the rates' figures)
     try:
-        results = run(todo, workers) if run else _run(todo, tokenizer, field, dtype, folder, workers)
+        results = run(todo, workers)
         for index, part in results:
             done[str(index)] = part
             _record(folder, index, part)
@@ -126,7 +135,7 @@ def _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, 
             bar.set_postfix(docs=written["documents"], tokens=written["tokens"])
             if os.environ.get(_STOP_AFTER) and len(done) - reused >= int(os.environ[_STOP_AFTER]):
                 os._exit(9)  # (tests: a run killed between two parts)
-        documents, tokens = _merge(folder, pieces, done, out_prefix, dtype)
+        documents, tokens, duplicates = _merge(folder, pieces, done, out_prefix, dtype, job["dedup"])
     except UserError:
         if not reused:  # a bad input: nothing of this run is kept
             shutil.rmtree(folder, ignore_errors=True)
@@ -151,6 +160,7 @@ def _prepare(files, tokenizer, out_prefix, field, overwrite, progress, workers, 
         reused,
         written["documents"],
         written["tokens"],
+        duplicates,
     )
 
 
@@ -180,17 +190,17 @@ def _only_writer(folder: Path):
         lock.close()
 
 
-def _run(todo: list[Piece], tokenizer: LoadedTokenizer, field: str, dtype, folder: Path, workers: int):
+def _run(todo: list[Piece], tokenizer: LoadedTokenizer, field: str, dtype, folder: Path, workers: int, hashing: bool):
     """(piece index, part record) as each piece's part is written whole."""
     if workers == 1:
-        state = {"tokenizer": tokenizer.tokenizer, "eod": tokenizer.eod_id, "dtype": dtype}
+        state = {"tokenizer": tokenizer.tokenizer, "eod": tokenizer.eod_id, "dtype": dtype, "hashing": hashing}
         for piece in todo:
             yield piece.index, _tokenize(state, piece, field, folder)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process whose library threads ran
     saved = folder / "tokenizer.json"  # read by each worker (not sent down the start-up pipe: 1.5 MB)
     tokenizer.tokenizer.save(str(saved))
-    setup = (str(saved), tokenizer.eod_id, dtype.str, os.getpid())
+    setup = (str(saved), tokenizer.eod_id, dtype.str, os.getpid(), hashing)
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=setup)
     try:
         # the largest pieces first, so that the last ones to finish are small
@@ -219,14 +229,14 @@ def _run(todo: list[Piece], tokenizer: LoadedTokenizer, field: str, dtype, folde
 _WORKER: dict = {}
 
 
-def _start_worker(tokenizer_path: str, eod: int, dtype: str, parent: int) -> None:
+def _start_worker(tokenizer_path: str, eod: int, dtype: str, parent: int, hashing: bool) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a worker: the workers are the parallelism
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before the line above took effect
         os._exit(1)
     from tokenizers import Tokenizer
 
-    _WORKER.update(tokenizer=Tokenizer.from_file(tokenizer_path), eod=eod, dtype=np.dtype(dtype))
+    _WORKER.update(tokenizer=Tokenizer.from_file(tokenizer_path), eod=eod, dtype=np.dtype(dtype), hashing=hashing)
 
 
 def _die_with_parent() -> None:
@@ -241,15 +251,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def _run_ray(todo: list[Piece], tokenizer: LoadedTokenizer, field: str, dtype, folder: Path, address: str | None):
+def _run_ray(todo: list[Piece], tokenizer: LoadedTokenizer, field: str, dtype, folder: Path, address, hashing: bool):
     """(piece index, part record) as each piece's Ray task writes its part: one task a
     piece, a CPU each, largest first; a task whose worker dies is run again (Ray's
     retries), so a lost worker loses nothing."""
     with joined(address) as ray:
-        yield from _ray_tasks(ray, todo, tokenizer, field, dtype, folder)
+        yield from _ray_tasks(ray, todo, tokenizer, field, dtype, folder, hashing)
 
 
-def _ray_tasks(ray, todo, tokenizer, field, dtype, folder):
+def _ray_tasks(ray, todo, tokenizer, field, dtype, folder, hashing):
     pending: dict = {}
     try:
         saved = folder / "tokenizer.json"  # every task reads it where it reads the parts folder
@@ -258,12 +268,13 @@ def _ray_tasks(ray, todo, tokenizer, field, dtype, folder):
         here = {"folder": str(folder.resolve()), "tokenizer": str(saved.resolve())}  # (a worker's cwd is its own)
         pending = {
             task.remote(
-                dict(p.as_dict(), file=str(Path(p.file).resolve())),
+                dict(p.as_dict(), file=absolute(p.file)),
                 field,
                 here["folder"],
                 here["tokenizer"],
                 tokenizer.eod_id,
                 dtype.str,
+                hashing,
             ): p
             for p in sorted(todo, key=lambda p: -p.size)
         }
@@ -275,7 +286,7 @@ def _ray_tasks(ray, todo, tokenizer, field, dtype, folder):
             except ray.exceptions.RayTaskError as e:  # the task raised: a bad input is one line, as here
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, UserError):
-                    raise UserError(str(cause).replace(str(Path(piece.file).resolve()), piece.file)) from None
+                    raise UserError(str(cause).replace(absolute(piece.file), piece.file)) from None
                 raise
             except ray.exceptions.RayError as e:  # a worker lost more often than Ray retries
                 raise UserError(
@@ -292,14 +303,14 @@ def _ray_tasks(ray, todo, tokenizer, field, dtype, folder):
 _RAY_TOKENIZERS: dict = {}
 
 
-def _ray_tokenize(piece: dict, field: str, folder: str, tokenizer_path: str, eod: int, dtype: str) -> dict:
+def _ray_tokenize(piece: dict, field: str, folder: str, tokenizer_path: str, eod: int, dtype: str, hashing: bool):
     """A Ray task: one piece into its part, with the worker's tokenizer (loaded once)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a CPU a task
     if tokenizer_path not in _RAY_TOKENIZERS:
         from tokenizers import Tokenizer
 
         _RAY_TOKENIZERS[tokenizer_path] = Tokenizer.from_file(tokenizer_path)
-    state = {"tokenizer": _RAY_TOKENIZERS[tokenizer_path], "eod": eod, "dtype": np.dtype(dtype)}
+    state = {"tokenizer": _RAY_TOKENIZERS[tokenizer_path], "eod": eod, "dtype": np.dtype(dtype), "hashing": hashing}
     return _tokenize(state, Piece(**piece), field, Path(folder))
 
 
@@ -313,6 +324,7 @@ def _tokenize(state: dict, piece: Piece, field: str, folder: Path) -> dict:
     tokenizer, eod = state["tokenizer"], np.asarray([state["eod"]])
     writer = IndexedDatasetWriter(folder / f"{piece.index:05d}", state["dtype"])
     documents = text_bytes = 0
+    digests = bytearray() if state.get("hashing") else None
     try:
         batch: list[str] = []
         size = 0
@@ -321,11 +333,15 @@ def _tokenize(state: dict, piece: Piece, field: str, folder: Path) -> dict:
                 batch.append(text)
                 size += len(text)
                 text_bytes += len(text.encode("utf-8", "surrogateescape"))
+                if digests is not None:
+                    digests += dedup_.digest(text)
             if batch and (text is None or size >= _BATCH_CHARS):
                 for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
                     writer.add_document(np.concatenate([np.asarray(encoding.ids, dtype=np.int64), eod]))
                 documents += len(batch)
                 batch, size = [], 0
+        if digests is not None:  # before the part: a part in place has its digests
+            dedup_.write_digests(folder / f"{piece.index:05d}{dedup_.SUFFIX}", digests)
         writer.finalize()
     except BaseException:
         writer.abort()
@@ -351,38 +367,46 @@ def _die_once_in(piece: Piece, folder: Path) -> None:
             os._exit(1)
 
 
-def _merge(folder: Path, pieces: list[Piece], done: dict, out_prefix, dtype) -> tuple[int, int]:
-    """The parts, in input order, into the dataset; a part whose bytes are not those
-    recorded is refused (its file was changed or damaged since)."""
+def _merge(folder: Path, pieces: list[Piece], done: dict, out_prefix, dtype, dedup) -> tuple[int, int, int]:
+    """The parts, in input order, into the dataset (with `dedup`, each document whose
+    digest came earlier left out); a part whose bytes are not those recorded is refused
+    (its file was changed or damaged since). Returns documents, tokens, duplicates."""
     Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
+    keeps = [None] * len(pieces)
+    if dedup:
+        keeps = dedup_.first_occurrences([folder / f"{p.index:05d}{dedup_.SUFFIX}" for p in pieces])
     writer = IndexedDatasetWriter(out_prefix, dtype)
-    documents = 0
+    documents = duplicates = 0
     try:
-        for piece in pieces:
+        for piece, keep in zip(pieces, keeps):
             record = done[str(piece.index)]
-            digest = writer.append(folder / f"{piece.index:05d}")
+            digest = writer.append(folder / f"{piece.index:05d}", keep=keep)
             if digest != record["sha256"]:
                 raise UserError(
                     f"{folder}/{piece.index:05d}.bin: not the part recorded in {PARTS_LOG} (changed since); "
                     f"remove {folder} and prepare again"
                 )
-            documents += record["documents"]
+            kept = record["documents"] if keep is None else int(keep.sum())
+            documents += kept
+            duplicates += record["documents"] - kept
         writer.finalize()
     except BaseException:
         writer.abort()
         raise
-    return documents, writer.num_tokens
+    return documents, writer.num_tokens, duplicates
 
 
-def _job(files: list[Path], tokenizer: LoadedTokenizer, field: str, dtype, pieces: list[Piece]) -> dict:
+def _job(files: list[str], tokenizer: LoadedTokenizer, field: str, dtype, pieces: list[Piece], dedup) -> dict:
     """What the parts depend on: a rerun with anything else cannot use them."""
+    seen = [found(f) for f in files]
     return {
-        "inputs": [{"path": str(f), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files],
+        "inputs": [{"path": f, "bytes": s.size, "version": s.version} for f, s in zip(files, seen)],
         "tokenizer_sha256": hashlib.sha256(tokenizer.tokenizer.to_str().encode()).hexdigest(),
         "eod": tokenizer.eod_id,
         "dtype": np.dtype(dtype).name,
         "field": field,
         "pieces": [p.as_dict() for p in pieces],
+        "dedup": dedup,
     }
 
 
@@ -404,7 +428,7 @@ def _open_parts(folder: Path, job: dict, overwrite: bool) -> dict:
                 )
             shutil.rmtree(folder)
         else:
-            return {k: v for k, v in _recorded(folder).items() if _whole(folder, int(k), v)}
+            return {k: v for k, v in _recorded(folder).items() if _whole(folder, int(k), v, job["dedup"])}
     folder.mkdir(parents=True)
     partial = folder / (JOB + ".partial")
     partial.write_text(json.dumps(job, indent=1) + "\n")
@@ -428,8 +452,12 @@ def _recorded(folder: Path) -> dict:
     return found
 
 
-def _whole(folder: Path, index: int, record: dict) -> bool:
+def _whole(folder: Path, index: int, record: dict, dedup) -> bool:
     part = folder / f"{index:05d}.bin"
+    if dedup:
+        digests = folder / f"{index:05d}{dedup_.SUFFIX}"
+        if not digests.is_file() or digests.stat().st_size != dedup_.DIGEST_BYTES * record.get("documents", -1):
+            return False
     return part.is_file() and part.stat().st_size == record.get("bin_bytes") and (folder / f"{index:05d}.idx").is_file()
 
 
@@ -450,35 +478,30 @@ def _changed(old: dict, new: dict) -> str:
         return "no readable job.json"
     names = {"inputs": "inputs", "tokenizer_sha256": "tokenizer", "eod": "tokenizer", "dtype": "tokenizer"}
     names |= {"field": "--field", "pieces": "inputs" if old.get("inputs") != new["inputs"] else "--piece-mb"}
+    names |= {"dedup": "--dedup"}
     return "its " + ", ".join(sorted({names[k] for k in new if old.get(k) != new[k]})) + " differ"
 
 
-def _expand(inputs: Sequence[str | Path]) -> list[Path]:
-    """The inputs, a glob that names no file as it is (quoted on the command line, or given
-    by a program) replaced by its matches, sorted."""
-    files: list[Path] = []
-    for given in map(str, inputs):
-        if not Path(given).exists() and glob.has_magic(given):
-            matches = sorted(glob.glob(given, recursive=True))
-            if not matches:
-                raise UserError(f"input {given}: matches no file")
-            files += map(Path, matches)
-        else:
-            files.append(Path(given))
-    return files
+def _expand(inputs: Sequence[str | Path]) -> list[str]:
+    """The inputs (paths or URLs), a glob that names no file as it is (quoted on the command
+    line, or given by a program) replaced by its matches, sorted."""
+    return [name for given in map(str, inputs) for name in expand(given)]
 
 
-def _check_inputs(files: list[Path], out_prefix: str | Path, overwrite: bool) -> None:
+def _check_inputs(files: list[str], out_prefix: str | Path, overwrite: bool) -> None:
     if not files:
         raise UserError("data prepare: no input files given")
     for f in files:
-        if f.is_dir():
-            raise UserError(f"input {f}: a directory; give its files, e.g. {_glob(f)}")
-        if not f.is_file():
-            raise UserError(f"input {f}: no such file")
-        if not f.name.endswith(TEXT + JSONL + PARQUET):
+        if not f.rstrip("/").endswith(TEXT + JSONL + PARQUET) and not is_url(f) and Path(f).is_dir():
+            raise UserError(f"input {f}: a directory; give its files, e.g. {_glob(Path(f))}")
+        if not f.endswith(TEXT + JSONL + PARQUET):
             raise UserError(f"input {f}: unsupported type (expected {', '.join(TEXT + JSONL + PARQUET)})")
-        if f.stat().st_size == 0:
+        what = found(f)
+        if what.kind == "directory":
+            raise UserError(f"input {f}: a directory; give its files")
+        if what.kind == "missing":
+            raise UserError(f"input {f}: no such file")
+        if what.size == 0:
             raise UserError(f"input {f}: empty (no text to tokenize)")
     for p in paths(out_prefix):
         if p.exists() and not overwrite:
