@@ -30,3 +30,20 @@ def test_two_nodes_embed_as_one_machine_and_a_lost_actor_loses_nothing(ray_clust
 def test_address_without_the_ray_engine_is_a_usage_error(tmp_path, texts_file, capsys):  # noqa: F811
     assert main(["embed", MODEL, str(texts_file), "--out", str(tmp_path / "x"), "--address", "auto"]) == 2
     assert "--address goes with --engine ray" in capsys.readouterr().err
+
+
+def test_bench_infer_adds_the_ray_jobs_row(ray_cluster, tmp_path, capsys):
+    import json
+
+    import pytest
+
+    pytest.importorskip("sentence_transformers")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("".join(f"sentence number {i} about a {'long ' * (i % 7)}topic\n" for i in range(48)))
+    command = ["bench", "infer", MODEL, "--input", str(texts), "--texts", "48", "--batch", "16", "--rounds", "1"]
+    assert main([*command, "--ray", "--address", ray_cluster.address, "--json", str(tmp_path / "rows.json")]) == 0
+    rows = {r["implementation"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert list(rows) == ["sentence-transformers", "frugality", "frugality embed --engine ray"]
+    ray_row = rows["frugality embed --engine ray"]
+    assert ray_row["texts"] == 48 and ray_row["texts_per_s"] > 0 and ray_row["min_cosine"] >= 0.9999
+    assert "| frugality embed --engine ray | float32 | 16 | 48 |" in capsys.readouterr().out

@@ -2,12 +2,20 @@
 `encode` on the same model, texts, batch size and precision, in one process, alternating
 rounds so that both share the machine's drift: texts/s (tokenization included) and the
 cosine between the two outputs. A peer that is not installed is a row saying how to
-install it; frugality's row is measured all the same."""
+install it; frugality's row is measured all the same.
+
+With a Ray cluster (`ray_address`; "local": a local instance), a row for the same texts as
+an `embed --engine ray` job: one actor a CPU of the cluster, timed from the job's start to
+its manifest (actors started and the model loaded in each, shards written), the cluster
+joined before the rounds (its start-up is not timed)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,7 +33,9 @@ def _missing(peer: str, error: ImportError) -> str:
     return f"{peer} is installed but cannot be imported ({str(error).splitlines()[0]})"
 
 
-def bench_embed(model: str, texts: list[str], batch: int, precision: str, rounds: int, log=print) -> list[dict]:
+def bench_embed(
+    model: str, texts: list[str], batch: int, precision: str, rounds: int, log=print, ray_address: str | None = None
+) -> list[dict]:
     device = torch.device("cpu")
     ours, why = load_encoder(model, device, precision)
     try:
@@ -48,26 +58,28 @@ def bench_embed(model: str, texts: list[str], batch: int, precision: str, rounds
         return theirs.encode(texts, batch_size=batch, normalize_embeddings=normalize, convert_to_numpy=True)
 
     impls = {"frugality": frugality_run} | ({} if missing else {"sentence-transformers": st_run})
-    for fn in impls.values():  # warm-up: allocator, thread pools
-        fn()
-    seconds = {name: [] for name in impls}
-    outputs = {}
-    for r in range(rounds):
-        for name, fn in impls.items():
-            t0 = time.perf_counter()
-            outputs[name] = fn()
-            seconds[name].append(time.perf_counter() - t0)
-            log(f"round {r + 1}: {name} {len(texts) / seconds[name][-1]:,.0f} texts/s")
-    cosine = None
+    with _ray_job(model, texts, batch, precision, ray_address) as ray_run:
+        if ray_run:
+            impls[RAY_ROW] = ray_run
+        for name, fn in impls.items():  # warm-up: allocator, thread pools (Ray: worker processes)
+            fn()
+        seconds = {name: [] for name in impls}
+        outputs = {}
+        for r in range(rounds):
+            for name, fn in impls.items():
+                t0 = time.perf_counter()
+                outputs[name] = fn()
+                seconds[name].append(time.perf_counter() - t0)
+                log(f"round {r + 1}: {name} {len(texts) / seconds[name][-1]:,.0f} texts/s")
+    cosines = {}
     if not missing:
-        a, b = outputs["frugality"], np.asarray(outputs["sentence-transformers"], dtype=np.float32)
-        if not normalize:
-            a = a / np.linalg.norm(a, axis=1, keepdims=True)
-            b = b / np.linalg.norm(b, axis=1, keepdims=True)
-        cosine = (a * b).sum(1)
+        unit = (lambda v: v) if normalize else (lambda v: v / np.linalg.norm(v, axis=1, keepdims=True))  # noqa: E731
+        b = unit(np.asarray(outputs["sentence-transformers"], dtype=np.float32))
+        for name in impls.keys() - {"sentence-transformers"}:
+            cosines[name] = (unit(np.asarray(outputs[name], dtype=np.float32)) * b).sum(1)
     best = {name: min(ts) for name, ts in seconds.items()}
     rows = []
-    for name in ("sentence-transformers", "frugality"):
+    for name in ("sentence-transformers", "frugality", *([RAY_ROW] if RAY_ROW in impls else [])):
         run = name in best
         rows.append(
             {
@@ -79,15 +91,46 @@ def bench_embed(model: str, texts: list[str], batch: int, precision: str, rounds
                 "vs_sentence_transformers": round(best["sentence-transformers"] / best[name], 3)
                 if run and not missing
                 else None,
-                "min_cosine": None
-                if name == "sentence-transformers" or cosine is None
-                else round(float(cosine.min()), 6),
-                "threads": torch.get_num_threads(),
+                "min_cosine": round(float(cosines[name].min()), 6) if name in cosines else None,
+                "threads": torch.get_num_threads() if name != RAY_ROW else 1,
                 "precision_choice": why,
                 "skipped": None if run else missing,
             }
         )
     return rows
+
+
+RAY_ROW = "frugality embed --engine ray"
+
+
+@contextlib.contextmanager
+def _ray_job(model: str, texts: list[str], batch: int, precision: str, address: str | None):
+    """A function running the texts as one `embed --engine ray` job into a fresh folder and
+    returning its vectors in input order, with the cluster joined (None: no Ray row)."""
+    if address is None:
+        yield None
+        return
+    from frugality.data.ray_cluster import joined
+    from frugality.inference.embed import EmbedSettings, read_embeddings, run_job
+    from frugality.inference.inputs import open_inputs
+
+    with (
+        tempfile.TemporaryDirectory(prefix="frugality-bench-ray-") as tmp,
+        joined(None if address == "local" else address) as ray,
+    ):
+        source = Path(tmp) / "texts.jsonl"
+        source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        actors = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        shard = -(-len(texts) // (4 * actors))  # four shards an actor: work to share out
+        runs = iter(range(1_000_000))
+
+        def ray_run():
+            out = Path(tmp) / f"out-{next(runs)}"
+            settings = EmbedSettings(model, str(out), shard, batch * 32, batch, precision, "cpu")
+            run_job(settings, open_inputs([str(source)]), progress=False, engine="ray")
+            return read_embeddings(out)[1]
+
+        yield ray_run
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -355,6 +355,13 @@ def bench_profile(recipe, precision, batch, seq, steps, warmup, baseline, overri
     "step compiled by Inductor (compilation is part of the untimed warm-up).",
 )
 @click.option("--rounds", default=3, show_default=True, help="Alternating timed rounds; the best of each counts.")
+@click.option(
+    "--ray",
+    "ray_",
+    is_flag=True,
+    help="Embeddings: add a row for the texts as an `embed --engine ray` job (an actor a CPU).",
+)
+@click.option("--address", help="--ray: the cluster to join (HOST:PORT, auto, ray://...) [default: start one].")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
 def bench_infer(
@@ -369,6 +376,8 @@ def bench_infer(
     new_tokens,
     compile_,
     rounds,
+    ray_,
+    address,
     json_path,
     markdown_path,
 ) -> None:
@@ -387,6 +396,10 @@ def bench_infer(
     log = lambda line: click.echo(line, err=True)  # noqa: E731
     if rounds < 1:
         raise UserError("--rounds must be positive")
+    if address is not None and not ray_:
+        raise click.UsageError("--address goes with --ray")
+    if ray_ and generation:
+        raise click.UsageError("--ray goes with embeddings, not --generate")
     if generation:
         if prompt_tokens < 1 or new_tokens < 2:
             raise UserError("--prompt-tokens must be positive and --new-tokens at least 2")
@@ -400,7 +413,8 @@ def bench_infer(
     if input_path is None:
         input_path = _default_texts()
     texts = [text for _, text in islice(open_inputs([input_path], text_field), count)]
-    rows = bench_embed(model, texts, int(batch or 64), precision, rounds, log=log)
+    ray_address = (address or "local") if ray_ else None
+    rows = bench_embed(model, texts, int(batch or 64), precision, rounds, log=log, ray_address=ray_address)
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 
