@@ -92,7 +92,7 @@ def bench_embed(
                 if run and not missing
                 else None,
                 "min_cosine": round(float(cosines[name].min()), 6) if name in cosines else None,
-                "threads": torch.get_num_threads() if name != RAY_ROW else 1,
+                "threads": torch.get_num_threads() if name != RAY_ROW else 1,  # embed_ray: a thread a CPU actor
                 "precision_choice": why,
                 "skipped": None if run else missing,
             }
