@@ -84,3 +84,46 @@ def test_dedup_is_part_of_the_job_a_rerun_cannot_switch(tmp_path, tok):
         [*base, str(tmp_path / "o"), "--dedup", "exact"], env=os.environ, capture_output=True, text=True
     )
     assert switched.returncode == 2 and "(its --dedup differ)" in switched.stderr
+
+
+def test_a_part_whose_hashes_are_damaged_is_redone_on_the_rerun(tmp_path, tok):
+    texts = _texts()
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    straight = prepare([tmp_path / "docs.jsonl"], tok, tmp_path / "straight", progress=False, dedup="exact")
+    command = [sys.executable, "-m", "frugality", "data", "prepare", str(tmp_path / "docs.jsonl"), "--out"]
+    command += [str(tmp_path / "out"), "--workers", "1", "--piece-mb", "0.001", "--dedup", "exact"]
+    killed = subprocess.run(command, env=os.environ | {"FRUGALITY_PREPARE_STOP_AFTER": "2"}, capture_output=True)
+    assert killed.returncode == 9
+    hashes = sorted((tmp_path / "out.parts").glob("*.hashes"))
+    assert len(hashes) == 2
+    hashes[0].write_bytes(hashes[0].read_bytes()[:-3])  # cut short: the part is not whole
+    finished = subprocess.run(command, env=os.environ, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+    assert "1 parts from the interrupted run" in finished.stdout
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"out.{ext}").read_bytes() == getattr(straight, f"{ext}_path").read_bytes()
+
+
+def test_a_run_that_cannot_go_on_through_no_fault_of_its_inputs_keeps_its_parts(tmp_path, tok, monkeypatch):
+    """A worker lost more often than Ray retries (PartsKept): the parts stay for a rerun,
+    where a bad input's run keeps nothing."""
+    from frugality.data import prepare as module
+
+    real = module._run
+
+    def run_then_lose_a_worker(*args):
+        yield next(real(*args))
+        raise module.PartsKept("data prepare: piece 1 failed on the Ray cluster; rerun to go on")
+
+    monkeypatch.setattr(module, "_run", run_then_lose_a_worker)
+    (tmp_path / "a.txt").write_text("One.")
+    (tmp_path / "b.txt").write_text("Two.")
+    files = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    with pytest.raises(module.PartsKept):
+        prepare(files, tok, tmp_path / "out", progress=False)
+    assert len((tmp_path / "out.parts" / "parts.jsonl").read_text().splitlines()) == 1
+    monkeypatch.setattr(module, "_run", real)
+    assert prepare(files, tok, tmp_path / "out", progress=False).reused_parts == 1
+    with pytest.raises(module.UserError, match=r"--out s3://bucket/x: a local or shared-storage path"):
+        prepare(files, tok, "s3://bucket/x", progress=False)

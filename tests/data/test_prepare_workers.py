@@ -116,11 +116,16 @@ def test_appending_some_documents_keeps_their_sequences_as_megatron_cores_builde
             builder.end_document()
         builder.finalize(str(tmp_path / f"{name}.idx"))
     merged = IndexedDatasetWriter(tmp_path / "merged", np.uint16)
+    merged.append(tmp_path / "kept")  # a first part: the kept documents land after its sequences
     whole_digest = merged.append(tmp_path / "all", keep=keep)
     merged.finalize()
     assert whole_digest == hashlib.sha256((tmp_path / "all.bin").read_bytes()).hexdigest()
+    twice = megatron.IndexedDatasetBuilder(str(tmp_path / "twice.bin"), dtype=np.uint16)
+    twice.add_index(str(tmp_path / "kept"))
+    twice.add_index(str(tmp_path / "kept"))
+    twice.finalize(str(tmp_path / "twice.idx"))
     for ext in ("bin", "idx"):
-        assert (tmp_path / f"merged.{ext}").read_bytes() == (tmp_path / f"kept.{ext}").read_bytes()
+        assert (tmp_path / f"merged.{ext}").read_bytes() == (tmp_path / f"twice.{ext}").read_bytes()
     with pytest.raises(UserError, match="12 documents, not 3 as recorded"):
         IndexedDatasetWriter(tmp_path / "other", np.uint16).append(tmp_path / "all", keep=keep[:3])
 

@@ -361,7 +361,11 @@ def bench_profile(recipe, precision, batch, seq, steps, warmup, baseline, overri
     is_flag=True,
     help="Embeddings: add a row for the texts as an `embed --engine ray` job (an actor a CPU).",
 )
-@click.option("--address", help="--ray: the cluster to join (HOST:PORT, auto, ray://...) [default: start one].")
+@click.option(
+    "--address",
+    help="--ray: the cluster to join (HOST:PORT, auto, ray://...) [default: a local one]; the job's folder is "
+    "this machine's temporary folder, so a cluster of one machine.",
+)
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
 def bench_infer(

@@ -45,7 +45,10 @@ def data() -> None:
     show_default=True,
     help="local: this machine's processes; ray: Ray tasks on a cluster (shared storage for inputs and --out).",
 )
-@click.option("--address", help="--engine ray: the cluster to join (ray://..., HOST:PORT, auto) [default: start one].")
+@click.option(
+    "--address",
+    help="--engine ray: the cluster to join (ray://..., HOST:PORT, auto) [default: $RAY_ADDRESS, else a local one].",
+)
 @click.option(
     "--dedup",
     type=click.Choice(["exact"]),

@@ -66,7 +66,7 @@ import click
     show_default=True,
     help="local: this machine's processes; ray: actors on a Ray cluster (the model and --out on shared storage).",
 )
-@click.option("--address", help="--engine ray: the cluster to join (HOST:PORT, auto, ray://...) [default: start one].")
+@click.option("--address", help="--engine ray: the cluster to join (HOST:PORT, auto, ray://...) [default: local].")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def embed(
     model,

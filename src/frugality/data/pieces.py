@@ -55,7 +55,7 @@ def plan_pieces(files: list, target_bytes: int) -> list[Piece]:
         size = found(f).size
         cuts = [0]
         if base_name(f).endswith(_SPLITTABLE) and size > target_bytes:
-            with open_input(f) as raw:
+            with open_input(f, block_size=1 << 16, cache="none") as raw:  # a line's end: a few KiB read
                 while cuts[-1] + target_bytes < size:
                     raw.seek(cuts[-1] + target_bytes)
                     raw.readline()  # to the end of the line the cut fell in
@@ -74,7 +74,7 @@ def read_documents(piece: Piece, field: str) -> Iterator[str]:
         yield from _parquet_documents(f, piece, field)
         return
     try:
-        with open_input(f) as raw:
+        with open_input(f, block_size=max(1 << 16, min(piece.size, 16 << 20))) as raw:
             if name.endswith(TEXT):
                 text = io.TextIOWrapper(_decompressed(raw, f), encoding="utf-8", errors="surrogateescape").read()
                 _check_utf8(text, f, 1)

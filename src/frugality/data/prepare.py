@@ -51,6 +51,11 @@ PARTS_LOG = "parts.jsonl"  # a line per part written whole, appended
 _STOP_AFTER = "FRUGALITY_PREPARE_STOP_AFTER"  # tests: the run dies after recording N parts
 
 
+class PartsKept(UserError):
+    """The run cannot go on, but its inputs are not at fault: the parts written are kept
+    for a rerun (a worker lost more often than Ray retries)."""
+
+
 @dataclass(frozen=True)
 class PrepareStats:
     documents: int
@@ -97,6 +102,8 @@ def prepare(
         raise UserError(f"--engine {engine}: choose local or ray")
     if dedup not in (None, "exact"):
         raise UserError(f"--dedup {dedup}: the one kind is exact")
+    if is_url(str(out_prefix)):
+        raise UserError(f"--out {out_prefix}: a local or shared-storage path (URLs are for inputs)")
     if engine == "ray":
         ray_module()  # installed? (one line before anything is written)
     files = _expand(inputs)
@@ -136,6 +143,8 @@ def _prepare(tokenizer, out_prefix, overwrite, progress, workers, pieces, dtype,
             if os.environ.get(_STOP_AFTER) and len(done) - reused >= int(os.environ[_STOP_AFTER]):
                 os._exit(9)  # (tests: a run killed between two parts)
         documents, tokens, duplicates = _merge(folder, pieces, done, out_prefix, dtype, job["dedup"])
+    except PartsKept:
+        raise
     except UserError:
         if not reused:  # a bad input: nothing of this run is kept
             shutil.rmtree(folder, ignore_errors=True)
@@ -289,7 +298,7 @@ def _ray_tasks(ray, todo, tokenizer, field, dtype, folder, hashing):
                     raise UserError(str(cause).replace(absolute(piece.file), piece.file)) from None
                 raise
             except ray.exceptions.RayError as e:  # a worker lost more often than Ray retries
-                raise UserError(
+                raise PartsKept(
                     f"data prepare: piece {piece.index} ({piece.file}) failed on the Ray cluster "
                     f"({type(e).__name__}); the parts written are kept in {folder}: rerun to go on"
                 ) from None
@@ -306,11 +315,13 @@ _RAY_TOKENIZERS: dict = {}
 def _ray_tokenize(piece: dict, field: str, folder: str, tokenizer_path: str, eod: int, dtype: str, hashing: bool):
     """A Ray task: one piece into its part, with the worker's tokenizer (loaded once)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a CPU a task
-    if tokenizer_path not in _RAY_TOKENIZERS:
+    with open(tokenizer_path, "rb") as f:  # (a worker outlives a job: the same path may hold another tokenizer)
+        key = (tokenizer_path, hashlib.sha256(f.read()).hexdigest())
+    if key not in _RAY_TOKENIZERS:
         from tokenizers import Tokenizer
 
-        _RAY_TOKENIZERS[tokenizer_path] = Tokenizer.from_file(tokenizer_path)
-    state = {"tokenizer": _RAY_TOKENIZERS[tokenizer_path], "eod": eod, "dtype": np.dtype(dtype), "hashing": hashing}
+        _RAY_TOKENIZERS[key] = Tokenizer.from_file(tokenizer_path)
+    state = {"tokenizer": _RAY_TOKENIZERS[key], "eod": eod, "dtype": np.dtype(dtype), "hashing": hashing}
     return _tokenize(state, Piece(**piece), field, Path(folder))
 
 

@@ -47,13 +47,15 @@ def found(name: str) -> Found:
     return Found("file", int(info.get("size") or 0), str(version))
 
 
-def open_input(name: str):
-    """`name`'s bytes as a seekable binary file (a URL's read in ranges as it is sought)."""
+def open_input(name: str, block_size: int = 16 << 20, cache: str = "readahead"):
+    """`name`'s bytes as a seekable binary file; a URL's read in ranges of `block_size` as it
+    is sought (not the filesystem's default, 50 MiB for S3, which a small piece or a search
+    for a line's end would fetch whole)."""
     if not is_url(name):
         return open(name, "rb")
     fs, path = _fs(name)
     try:
-        return fs.open(path, "rb")
+        return fs.open(path, "rb", block_size=block_size, cache_type=cache)
     except FileNotFoundError:
         raise UserError(f"input {name}: no such file") from None
 

@@ -236,9 +236,13 @@ def embed_texts(encoder, texts: list[str], batch_tokens: int, max_batch: int, re
     """Embeddings of `texts` in their order, computed longest first in token-budget batches.
     On XLA, whose graphs are compiled per shape, a batch is padded to a length bucket (16,
     32, 64, ... tokens) and filled to that bucket's fixed number of rows: one graph each."""
+    return embed_rows(encoder, encoder.tokenize(texts), batch_tokens, max_batch, report)
+
+
+def embed_rows(encoder, rows: list[list[int]], batch_tokens: int, max_batch: int, report=lambda n: None) -> np.ndarray:
+    """`embed_texts` of texts already tokenized (`encoder.tokenize`)."""
     from frugality.inference.generate import bucket
 
-    rows = encoder.tokenize(texts)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]), reverse=True)
     result = np.empty((len(rows), encoder.dim), dtype=np.float32)
     static = encoder.device.type == "xla"
@@ -403,7 +407,11 @@ def run_job(
             if engine == "ray" and pending:  # actors on the cluster load the weights this process resolved
                 from frugality.inference.embed_ray import run_on_ray
 
-                shared = replace(settings, model=str(Path(encoder.source).resolve()), out=str(out.resolve()))
+                # the precision this process chose (and recorded in the job), not each actor's own `auto`
+                chosen = "bf16" if str(encoder.dtype) == "torch.bfloat16" else "fp32"
+                shared = replace(
+                    settings, model=str(Path(encoder.source).resolve()), out=str(out.resolve()), precision=chosen
+                )
                 del encoder
                 processes = run_on_ray(shared, inputs, size, pending, count, address, bar.update)
             elif processes <= 1:

@@ -78,7 +78,10 @@ def _run(ray, settings, inputs, size, pending, count, report) -> int:
                 if isinstance(cause, (UserError, OSError)):
                     raise cause from None
                 raise
-            except ray.exceptions.RayActorError:  # restarted and retried by Ray, and still dying
+            except ray.exceptions.RayActorError as e:  # restarted and retried by Ray, and still dying
+                if getattr(e, "actor_init_failed", False):  # never started: Ray does not restart it
+                    first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                    raise UserError(f"embed: a Ray actor could not load the model ({first})") from None
                 raise UserError(
                     f"embed: shard {k}'s Ray worker died {_ATTEMPTS + 1} times; the shards written are kept in "
                     f"{settings.out}: rerun the same command to go on"

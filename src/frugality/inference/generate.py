@@ -244,7 +244,7 @@ class Engine:
         tokens, picked, following = self._pick(logits, following, sampling, generator)
         t1 = time.perf_counter()
         out = [Completion() for _ in range(count)]
-        rows_text = _RowText(self.decoder, sampling, on_text)
+        rows_text = RowText(self.decoder, sampling, on_text)
         done = [False] * count
         for step in range(sampling.max_new_tokens):
             for i, token in enumerate(picked.tolist()[:count]):
@@ -278,7 +278,7 @@ def new_generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator("cpu" if device.type == "xla" else device).manual_seed(seed)
 
 
-class _RowText:
+class RowText:
     """Each row's text as its tokens come: the stop strings looked for, and for streaming
     the text that is final (no half of a UTF-8 character, no possible start of a stop
     string) handed on piece by piece."""
