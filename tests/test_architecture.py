@@ -10,7 +10,7 @@ import frugality
 # Top to bottom; a package may import its own modules and any package of a lower layer.
 LAYERS = (
     ("cli",),
-    ("bench",),
+    ("bench", "serve"),
     ("training", "inference"),
     ("runtime", "health"),
     ("compile", "distributed", "interop", "tasks"),

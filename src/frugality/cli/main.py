@@ -35,6 +35,7 @@ COMMANDS = {
     "cost": "cost:cost",
     "embed": "embed:embed",
     "generate": "generate:generate",
+    "serve": "serve:serve",
     "ls": "devices:ls",
     "top": "devices:top",
 }

@@ -1,0 +1,106 @@
+"""`frugality serve MODEL`: an OpenAI-compatible endpoint for an encoder or a decoder."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+@click.argument("model", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port.")
+@click.option("--name", help="The model's name in the API [default: the folder's name].")
+@click.option("--device", default="auto", show_default=True)
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True)
+@click.option(
+    "--max-wait-ms",
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="How long the first request of a batch waits for others.",
+)
+@click.option(
+    "--max-queue",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Requests (embeddings) or prompts (completions) waiting; past it, 503 with Retry-After.",
+)
+@click.option("--batch-tokens", type=click.IntRange(min=1), help="Embeddings: tokens a model call [default: embed's].")
+@click.option(
+    "--rows", default=8, show_default=True, type=click.IntRange(min=1), help="Completions: prompts decoding at once."
+)
+@click.option(
+    "--context", type=click.IntRange(min=2), help="Completions: positions a row holds [default: the model's]."
+)
+@click.option("--max-body-kb", default=1024, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--max-inputs", default=256, show_default=True, type=click.IntRange(min=1), help="Texts in one embeddings request."
+)
+@click.option("--max-input-tokens", type=click.IntRange(min=1), help="Tokens a text [default: the model's length].")
+@click.option(
+    "--max-tokens",
+    default=512,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="The largest max_tokens a completions request may ask.",
+)
+@click.option(
+    "--max-prompts",
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Prompts in one completions request.",
+)
+@click.option("--api-key-env", help="Require `Authorization: Bearer $NAME` (the key read from this variable).")
+@click.option(
+    "--drain-s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="On SIGTERM: how long requests in flight may take to finish.",
+)
+def serve(
+    model,
+    host,
+    port,
+    name,
+    device,
+    precision,
+    max_wait_ms,
+    max_queue,
+    batch_tokens,
+    rows,
+    context,
+    max_body_kb,
+    max_inputs,
+    max_input_tokens,
+    max_tokens,
+    max_prompts,
+    api_key_env,
+    drain_s,
+) -> None:
+    """Serve MODEL (an encoder: POST /v1/embeddings; a decoder: POST /v1/completions) as
+    the OpenAI API does, with GET /v1/models, /health and /metrics. Needs the [serve] extra."""
+    from frugality.serve.protocol import Limits
+    from frugality.serve.server import ServeSettings
+    from frugality.serve.server import serve as run
+
+    limits = Limits(max_body_kb * 1024, max_inputs, max_input_tokens, max_tokens, max_prompts)
+    settings = ServeSettings(
+        model,
+        host,
+        port,
+        name,
+        device,
+        precision,
+        max_wait_ms,
+        max_queue,
+        batch_tokens,
+        rows,
+        context,
+        drain_s,
+        api_key_env,
+        limits,
+    )
+    run(settings)

@@ -1,0 +1,203 @@
+"""The HTTP API (FastAPI): `POST /v1/embeddings` (an encoder) or `POST /v1/completions` (a
+decoder; `stream: true` sends server-sent events), `GET /v1/models`, `GET /health` (200
+once the model is loaded and warmed, 503 before), `GET /metrics` (Prometheus). Every
+error is OpenAI's error object with its status; a request never takes the process down."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from frugality.serve.protocol import APIError, Limits, completions_request, embeddings_request, parse_json
+
+
+class State:
+    """What the routes share: set by the server as the model loads."""
+
+    def __init__(self, name: str, limits: Limits, metrics, api_key: str | None) -> None:
+        self.name, self.limits, self.metrics, self.api_key = name, limits, metrics, api_key
+        self.service = None  # EmbeddingService or CompletionService, once loaded and warmed
+        self.created = int(time.time())
+        self.problem: str | None = None  # why the model could not be loaded
+
+
+def build_app(state: State) -> FastAPI:
+    app = FastAPI(title="frugality", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):  # an unknown path or method
+        return JSONResponse(APIError(error.status_code, str(error.detail)).body(), status_code=error.status_code)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        started = time.perf_counter()
+        endpoint = request.url.path
+        try:
+            response = await call_next(request)
+        except Exception as e:  # a fault of ours: a 500 with its name, the server goes on
+            response = JSONResponse(
+                APIError(500, f"internal error ({type(e).__name__}: {e})", None, "server_error").body(), 500
+            )
+        if endpoint.startswith("/v1/"):
+            state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+            state.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+        return response
+
+    def authorized(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), state.api_key.encode()):
+            raise APIError(401, "a valid API key is required: Authorization: Bearer KEY", None, "invalid_api_key")
+
+    def ready(kind: str):
+        if state.service is None:
+            error = APIError(503, "the model is loading; retry shortly", None, "server_not_ready")
+            error.headers = {"Retry-After": "1"}
+            raise error
+        if state.service.endpoint != kind:
+            other = "an encoder: POST /v1/embeddings" if kind == "completions" else "a decoder: POST /v1/completions"
+            raise APIError(404, f"this server serves {other}", None, "not_found_error")
+        return state.service
+
+    async def body(request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > state.limits.max_body_bytes:
+            raise APIError(
+                413,
+                f"the request body is {int(declared):,} bytes, more than the limit of {state.limits.max_body_bytes:,}",
+            )
+        data = b""
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > state.limits.max_body_bytes:
+                break
+        return parse_json(data, state.limits)
+
+    @app.get("/health")
+    async def health():
+        if state.service is None:
+            status = {"status": "failed", "error": state.problem} if state.problem else {"status": "loading"}
+            return JSONResponse(status, status_code=503)
+        return {"status": "ok", "model": state.name}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorized(request)
+        return {
+            "object": "list",
+            "data": [{"id": state.name, "object": "model", "created": state.created, "owned_by": "frugality"}],
+        }
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        authorized(request)
+        service = ready("embeddings")
+        req = embeddings_request(await body(request), state.limits, state.name)
+        rows = service.tokenize(req.texts, state.limits.max_input_tokens)
+        vectors = await asyncio.wrap_future(service.submit(rows))
+        data = []
+        for i, v in enumerate(vectors):
+            encoded = (
+                base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64" else v.tolist()
+            )
+            data.append({"object": "embedding", "index": i, "embedding": encoded})
+        tokens = sum(map(len, rows))
+        return {
+            "object": "list",
+            "data": data,
+            "model": state.name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        from frugality.serve.completions import sampling_for
+
+        authorized(request)
+        service = ready("completions")
+        req = completions_request(await body(request), state.limits, state.name)
+        rows = service.tokenize(req.prompts, req.max_tokens)
+        sampling = sampling_for(req, service.decoder)
+        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return StreamingResponse(
+                _stream(service, req, rows, sampling, ident, created, state.name),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        futures = [service.submit(row, sampling) for row in rows]
+        done = await asyncio.gather(*map(asyncio.wrap_future, futures))
+        choices = [
+            {"index": i, "text": (prompt if req.echo else "") + c.text, "logprobs": None, "finish_reason": c.finish}
+            for i, (prompt, c) in enumerate(zip(req.prompts, done))
+        ]
+        new = sum(len(c.tokens) for c in done)
+        prompt_tokens = sum(map(len, rows))
+        return {
+            "id": ident,
+            "object": "text_completion",
+            "created": created,
+            "model": state.name,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": new, "total_tokens": prompt_tokens + new},
+        }
+
+    return app
+
+
+async def _stream(service, req, rows, sampling, ident, created, name):
+    """Server-sent events as OpenAI streams them: a chunk per piece of final text, a last
+    chunk per prompt with its finish reason, then `data: [DONE]`."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def chunk(index: int, text: str, finish: str | None) -> str:
+        body = {
+            "id": ident,
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}],
+        }
+        return f"data: {json.dumps(body)}\n\n"
+
+    futures = []
+    for i, row in enumerate(rows):
+        if req.echo:
+            await events.put(chunk(i, req.prompts[i], None))
+        on_text = lambda piece, i=i: loop.call_soon_threadsafe(events.put_nowait, chunk(i, piece, None))  # noqa: E731
+        future = service.submit(row, sampling, on_text)
+        future.add_done_callback(lambda f, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, f)))
+        futures.append(future)
+    left = len(futures)
+    while left:
+        event = await events.get()
+        if isinstance(event, str):
+            yield event
+            continue
+        i, future = event
+        left -= 1
+        error = future.exception()
+        if error is not None:
+            yield f"data: {json.dumps(APIError(500, f'internal error ({error})', None, 'server_error').body())}\n\n"
+            continue
+        yield chunk(i, "", future.result().finish)
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,109 @@
+"""Embeddings with dynamic batching: a request's texts are tokenized as it arrives and
+queued; one model thread takes the oldest request, then whatever else arrives within
+`max_wait_ms` of it up to a token budget, and embeds them together longest first in the
+batches `frugality embed` makes (`inference.embed.embed_rows`); each request gets its own
+rows back. The queue is bounded: a request that finds it full is refused (503) at once,
+never held in an unbounded backlog."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from frugality.inference.embed import embed_rows
+from frugality.serve.protocol import APIError, overloaded
+
+_STOP = object()
+
+
+@dataclass
+class _Pending:
+    rows: list[list[int]]
+    future: Future
+    arrived: float = field(default_factory=time.perf_counter)
+
+    @property
+    def tokens(self) -> int:
+        return sum(map(len, self.rows))
+
+
+class EmbeddingService:
+    endpoint = "embeddings"
+
+    def __init__(self, encoder, metrics, max_wait_ms: float, max_queue: int, batch_tokens: int, max_batch: int):
+        self.encoder, self.metrics = encoder, metrics
+        self.max_wait = max_wait_ms / 1000
+        self.batch_tokens, self.max_batch = batch_tokens, max_batch
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._thread = threading.Thread(target=self._loop, name="frugality-embeddings", daemon=True)
+        self._thread.start()
+
+    def tokenize(self, texts: list[str], max_tokens: int | None) -> list[list[int]]:
+        """The texts' token rows; one longer than the model takes (or `max_tokens`) is a 400."""
+        limit = min(max_tokens or self.encoder.max_length, self.encoder.max_length)
+        encodings = self.encoder.tokenizer.encode_batch(texts)
+        for i, e in enumerate(encodings):
+            length = len(e.ids) + sum(len(o.ids) for o in e.overflowing)
+            if e.overflowing or len(e.ids) > limit:
+                raise APIError(400, f"'input[{i}]' is about {length} tokens, more than the limit of {limit}", "input")
+        return [e.ids for e in encodings]
+
+    def submit(self, rows: list[list[int]]) -> Future:
+        pending = _Pending(rows, Future())
+        try:
+            self._queue.put_nowait(pending)
+        except queue.Full:
+            raise overloaded() from None
+        self.metrics.depth.labels(self.endpoint).set(self._queue.qsize())
+        return pending.future
+
+    def close(self) -> None:
+        self._queue.put(_STOP)  # after what is queued: the queue drains first
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is _STOP:
+                return
+            batch, tokens, stop = [first], first.tokens, False
+            deadline = first.arrived + self.max_wait
+            while tokens < self.batch_tokens:
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    stop = True
+                    break
+                batch.append(item)
+                tokens += item.tokens
+            self.metrics.depth.labels(self.endpoint).set(self._queue.qsize())
+            self._run(batch)
+            if stop:
+                return
+
+    def _run(self, batch: list[_Pending]) -> None:
+        started = time.perf_counter()
+        for p in batch:
+            self.metrics.queued.labels(self.endpoint).observe(started - p.arrived)
+        rows = [row for p in batch for row in p.rows]
+        calls: list[int] = []
+        try:
+            vectors = embed_rows(self.encoder, rows, self.batch_tokens, self.max_batch, report=calls.append)
+        except Exception as e:  # the model failed: each request hears it, the thread goes on
+            for p in batch:
+                p.future.set_exception(e)
+            return
+        for n in calls:
+            self.metrics.batch.labels(self.endpoint).observe(n)
+        self.metrics.tokens.labels(self.endpoint, "prompt").inc(sum(map(len, rows)))
+        at = 0
+        for p in batch:
+            p.future.set_result(np.asarray(vectors[at : at + len(p.rows)]))
+            at += len(p.rows)

@@ -1,0 +1,159 @@
+"""Running the server: the socket bound first (a port in use is one line), the model loaded
+and warmed in the background while `/health` answers 503, then uvicorn until SIGTERM or
+Ctrl-C: it stops accepting, lets what is in flight finish (up to `drain_s`), and the
+command exits 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from frugality.errors import UserError
+from frugality.serve.app import State, build_app
+from frugality.serve.metrics import ServeMetrics
+from frugality.serve.protocol import Limits
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    name: str | None = None  # the model's name in the API [default: the folder's name]
+    device: str = "auto"
+    precision: str = "auto"
+    max_wait_ms: float = 5.0
+    max_queue: int = 256
+    batch_tokens: int | None = None  # embeddings: tokens a model call [default: embed's, for the device]
+    rows: int = 8  # completions: rows decoding at once
+    context: int | None = None  # completions: positions a row holds [default: the model's]
+    drain_s: float = 30.0
+    api_key_env: str | None = None
+    limits: Limits = Limits()
+
+
+def model_family(path: str) -> str:
+    """The family of the model at `path` (read before its weights are built)."""
+    from frugality.inference.encoder import load_model
+
+    class Found(Exception):
+        pass
+
+    def peek(config, folder):
+        raise Found(config.family)
+
+    try:
+        load_model(path, peek)
+    except Found as found:
+        return found.args[0]
+    raise UserError(f"model {path}: its family could not be read")
+
+
+def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr, flush=True)) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        raise UserError("frugality serve needs its extra: pip install 'frugality[serve]'") from None
+    api_key = None
+    if settings.api_key_env:
+        api_key = os.environ.get(settings.api_key_env)
+        if not api_key:
+            raise UserError(f"--api-key-env {settings.api_key_env}: that environment variable is empty or unset")
+    if not Path(settings.model).exists():
+        raise UserError(f"model {settings.model}: no such folder")
+    family = model_family(settings.model)  # a model neither kind is refused before the port is taken
+    if family not in ("bert", "gpt-neox", "llama"):
+        raise UserError(f"model {settings.model}: a {family} model; serve takes an encoder or a decoder")
+    from frugality.metrics.energy import open_meter
+    from frugality.runtime.device import resolve_device
+
+    device = resolve_device(settings.device, key="--device", what="frugality serve", xla_ok=True)
+    meter, _ = open_meter(device.type, device.index)
+    meter.start()
+    name = settings.name or Path(settings.model).resolve().name
+    state = State(name, settings.limits, ServeMetrics(meter), api_key)
+    sock = _bind(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    where = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+    exposed = "" if settings.host in LOOPBACK else " (not loopback: anyone who can reach this address can call it)"
+    log(f"frugality serve: {name} on {where}{exposed}; loading the model (GET /health: 503 until ready)")
+    config = uvicorn.Config(
+        build_app(state),
+        log_level="warning",
+        timeout_graceful_shutdown=max(1, int(settings.drain_s)),
+        lifespan="off",
+    )
+    server = uvicorn.Server(config)
+    loader = threading.Thread(target=_load, args=(settings, family, device, state, log, where, server), daemon=True)
+    loader.start()
+    # uvicorn catches SIGTERM and SIGINT while it runs (stop accepting, drain) and raises
+    # them again once done, to the handlers found before: these, which let the command end 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+    if state.problem:
+        raise UserError(state.problem)
+    if state.service is not None:
+        state.service.close()  # what was queued when the drain ended has been answered
+    log(f"frugality serve: stopped ({_counted(state)})")
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _load(settings: ServeSettings, family: str, device, state: State, log, where: str, server) -> None:
+    try:
+        if family == "bert":
+            from frugality.inference.embed import BATCH_DEFAULTS
+            from frugality.inference.encoder import load_encoder
+            from frugality.serve.embeddings import EmbeddingService
+
+            encoder, why = load_encoder(settings.model, device, settings.precision)
+            tokens, rows = BATCH_DEFAULTS.get(device.type, BATCH_DEFAULTS["cpu"])
+            service = EmbeddingService(
+                encoder, state.metrics, settings.max_wait_ms, settings.max_queue, settings.batch_tokens or tokens, rows
+            )
+            service.submit(service.tokenize(["warm-up"], None)).result()
+        else:
+            from frugality.inference.generate import Sampling, load_decoder
+            from frugality.serve.completions import CompletionService
+
+            decoder, why = load_decoder(settings.model, device, settings.precision)
+            context = settings.context or decoder.max_seq_len
+            service = CompletionService(
+                decoder, state.metrics, settings.max_wait_ms, settings.max_queue, settings.rows, context
+            )
+            service.submit(service.tokenize(["warm-up"], 2)[0], Sampling(max_new_tokens=2)).result()
+    except Exception as e:  # the server stops, and the command says why in one line
+        state.problem = str(e) if isinstance(e, UserError) else f"model {settings.model}: {type(e).__name__}: {e}"
+        server.should_exit = True
+        return
+    state.service = service
+    path = "/v1/embeddings" if family == "bert" else "/v1/completions"
+    log(f"frugality serve: ready, POST {where}{path} ({why})")
+
+
+def _counted(state: State) -> str:
+    total = 0
+    for metric in state.metrics.requests.collect():
+        total += sum(int(s.value) for s in metric.samples if s.name.endswith("_total"))
+    return f"{total} requests answered"

@@ -1,0 +1,152 @@
+"""`frugality serve` with an encoder, on loopback, called by real clients: the `openai`
+client's vectors are `frugality embed`'s; 200 concurrent requests are all answered, each
+with its own text's vector; every bad request is its 4xx with OpenAI's error object and
+the server goes on; a full queue is a 503 with Retry-After, and the server recovers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import pytest
+from conftest import KEY, MINILM, Server
+
+from frugality.cli.main import main
+from frugality.inference.embed import read_embeddings
+
+openai = pytest.importorskip("openai")
+
+TEXTS = [f"sentence number {i} about a {'long ' * (i % 9)}topic" for i in range(200)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, np.ndarray]:
+    """`frugality embed`'s vectors of TEXTS, by text."""
+    folder = tmp_path_factory.mktemp("embed")
+    (folder / "texts.txt").write_text("".join(t + "\n" for t in TEXTS))
+    out = folder / "out"
+    assert (
+        main(["embed", MINILM, str(folder / "texts.txt"), "--out", str(out), "--precision", "fp32", "--no-progress"])
+        == 0
+    )
+    _, vectors = read_embeddings(out)
+    return dict(zip(TEXTS, vectors))
+
+
+def _cosine(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_the_openai_client_gets_frugality_embeds_vectors(encoder_server, reference):
+    client = openai.OpenAI(base_url=f"{encoder_server.url}/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["minilm"]
+    texts = TEXTS[:5]
+    got = client.embeddings.create(model="minilm", input=texts)  # the client asks for base64
+    assert [d.index for d in got.data] == list(range(5))
+    assert min(_cosine(d.embedding, reference[t]) for d, t in zip(got.data, texts)) >= 0.9999
+    assert got.usage.prompt_tokens > 5
+    plain = httpx.post(
+        f"{encoder_server.url}/v1/embeddings",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": "minilm", "input": TEXTS[7]},
+    ).json()  # one text, as floats
+    assert _cosine(plain["data"][0]["embedding"], reference[TEXTS[7]]) >= 0.9999
+
+
+def test_200_concurrent_requests_are_each_answered_with_their_own_vector(encoder_server, reference):
+    async def run():
+        async with httpx.AsyncClient(
+            base_url=encoder_server.url,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=120,
+            limits=httpx.Limits(max_connections=200),
+        ) as client:
+            return await asyncio.gather(
+                *(client.post("/v1/embeddings", json={"model": "minilm", "input": t}) for t in TEXTS)
+            )
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * len(TEXTS)
+    cosines = [_cosine(r.json()["data"][0]["embedding"], reference[t]) for r, t in zip(responses, TEXTS)]
+    assert min(cosines) >= 0.9999  # each request its own text's vector: none lost, swapped or duplicated
+    metrics = httpx.get(f"{encoder_server.url}/metrics").text
+    batches = [
+        line for line in metrics.splitlines() if line.startswith('frugality_batch_rows_count{endpoint="embeddings"}')
+    ]
+    calls = float(batches[0].split()[-1])
+    assert calls < len(TEXTS)  # requests were batched together
+
+
+BAD = [
+    # (what, headers, body, status, param)
+    ("malformed JSON", None, b'{"model": "minilm", "input": ', 400, None),
+    ("not an object", None, b'["minilm"]', 400, None),
+    ("input of a wrong type", None, {"model": "minilm", "input": 7}, 400, "input"),
+    ("input missing", None, {"model": "minilm"}, 400, "input"),
+    ("empty input", None, {"model": "minilm", "input": []}, 400, "input"),
+    ("an empty text", None, {"model": "minilm", "input": ["a", ""]}, 400, "input"),
+    ("a text too long", None, {"model": "minilm", "input": "word " * 100}, 400, "input"),
+    ("too many texts", None, {"model": "minilm", "input": ["a"] * 9}, 400, "input"),
+    ("a body too large", None, {"model": "minilm", "input": "x" * 70_000}, 413, None),
+    ("an unknown model", None, {"model": "gpt-4", "input": "a"}, 404, "model"),
+    (
+        "a bad encoding format",
+        None,
+        {"model": "minilm", "input": "a", "encoding_format": "int8"},
+        400,
+        "encoding_format",
+    ),
+    ("no key", {}, {"model": "minilm", "input": "a"}, 401, None),
+    ("a wrong key", {"Authorization": "Bearer nope"}, {"model": "minilm", "input": "a"}, 401, None),
+    ("the other endpoint", None, {"model": "minilm", "prompt": "a"}, 404, None),
+]
+
+
+@pytest.mark.parametrize("what, headers, body, status, param", BAD, ids=[b[0] for b in BAD])
+def test_each_bad_request_is_its_4xx_and_the_server_goes_on(encoder_server, what, headers, body, status, param):
+    headers = {"Authorization": f"Bearer {KEY}"} if headers is None else headers
+    path = "/v1/completions" if what == "the other endpoint" else "/v1/embeddings"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(
+        f"{encoder_server.url}{path}", content=content, headers=headers | {"Content-Type": "application/json"}
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and error["param"] == param
+    ok = httpx.post(
+        f"{encoder_server.url}/v1/embeddings",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": "minilm", "input": "still here"},
+    )
+    assert ok.status_code == 200
+
+
+def test_a_full_queue_is_a_503_with_retry_after_and_the_server_recovers():
+    server = Server(MINILM, "--name", "minilm", "--precision", "fp32", "--max-queue", "1", "--batch-tokens", "8")
+    try:
+        long_text = " ".join(f"word{i}" for i in range(60))  # about 180 tokens
+
+        async def burst():
+            async with httpx.AsyncClient(
+                base_url=server.url, timeout=120, limits=httpx.Limits(max_connections=64)
+            ) as client:
+                return await asyncio.gather(
+                    *(client.post("/v1/embeddings", json={"model": "minilm", "input": long_text}) for _ in range(64))
+                )
+
+        responses = asyncio.run(burst())
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 503} and 503 in codes and 200 in codes
+        refused = next(r for r in responses if r.status_code == 503)
+        assert refused.headers["Retry-After"] == "1" and refused.json()["error"]["type"] == "server_overloaded"
+        after = httpx.post(f"{server.url}/v1/embeddings", json={"model": "minilm", "input": "calm again"})
+        assert after.status_code == 200
+        assert (
+            'frugality_requests_total{endpoint="/v1/embeddings",status="503"}'
+            in httpx.get(f"{server.url}/metrics").text
+        )
+    finally:
+        assert server.stop() == 0
