@@ -55,7 +55,7 @@ class CompletionService:
         self.pad_id = decoder.eos_ids[0] if decoder.eos_ids else 0
         self.slots: list[_Sequence | None] = [None] * rows
         self.last = torch.full((rows,), self.pad_id, dtype=torch.long)  # each row's latest token
-        self.following = torch.full((rows,), -1, dtype=torch.long)  # the position it takes; -1: a free row
+        self.following = torch.full((rows,), -1, dtype=torch.long)  # the position it takes when fed; -1: free
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._loop, name="frugality-completions", daemon=True)
         self._thread.start()
@@ -150,7 +150,7 @@ class CompletionService:
             )
             s.generator = new_generator(self.decoder.device, s.sampling.seed)
             self.slots[slot] = s
-            self.following[slot] = len(s.prompt)
+            self.following[slot] = len(s.prompt) - 1  # its prompt's last; the token picked next takes + 1
         device = self.decoder.device
         logits = _prefill(self.decoder.model, ids.to(device), positions.to(device), self.cache)
         self.metrics.batch.labels(f"{self.endpoint}-prefill").observe(len(joining))

@@ -1,0 +1,134 @@
+"""`frugality serve` with a decoder: the `openai` client's greedy completions are the tokens
+`frugality generate` gives, streamed or not, for prompts that join and leave one decoding
+loop (continuous batching); completions' bad requests are their 4xx; SIGTERM with requests
+in flight answers them all and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+from conftest import Server
+
+from frugality.cli.main import main
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["w5 w17 w33 w2 w9 w100 w7", "w250", "w12 w13 w14 w15 w16 w17 w18 w19 w20 w21 w22 w23 w24", "w3 w3 w3 w4"]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def generated(decoder_folder, tmp_path_factory) -> dict[str, str]:
+    """`frugality generate`'s greedy completion of each prompt, by prompt."""
+    folder = tmp_path_factory.mktemp("generate")
+    (folder / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    command = ["generate", str(decoder_folder), "--input", str(folder / "prompts.jsonl"), "--out"]
+    command += [str(folder / "out.jsonl"), "--max-new-tokens", str(NEW), "--precision", "fp32"]
+    assert main(command) == 0
+    rows = [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
+    return {r["prompt"]: r["completion"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def decoder_server(decoder_folder):
+    server = Server(str(decoder_folder), "--name", "tiny", "--precision", "fp32", "--rows", "3", "--max-tokens", "64")
+    yield server
+    server.stop()
+
+
+def test_greedy_completions_are_frugality_generates_streamed_or_not(decoder_server, generated):
+    client = openai.OpenAI(base_url=f"{decoder_server.url}/v1", api_key="unused", max_retries=0)
+    for prompt in PROMPTS:
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0)
+        assert got.choices[0].text == generated[prompt]
+        assert got.usage.completion_tokens <= NEW and got.usage.prompt_tokens == len(prompt.split())
+        pieces = client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0, stream=True)
+        chunks = list(pieces)
+        assert "".join(c.choices[0].text for c in chunks) == generated[prompt]
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    several = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=NEW, temperature=0)
+    assert [c.text for c in sorted(several.choices, key=lambda c: c.index)] == [generated[p] for p in PROMPTS]
+
+
+def test_prompts_join_and_leave_the_decoding_loop_each_with_its_own_tokens(decoder_server, generated):
+    """More prompts than rows, with different lengths and max_tokens: rows free up and
+    others join between steps; each answer is its prompt's greedy continuation."""
+    asks = [(PROMPTS[i % 4], 3 + (i * 5) % (NEW - 2)) for i in range(24)]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=decoder_server.url, timeout=120) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        "/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0}
+                    )
+                    for p, n in asks
+                )
+            )
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * len(asks)
+    for (prompt, n), r in zip(asks, responses):
+        words = generated[prompt].split()
+        text = r.json()["choices"][0]["text"]
+        assert text.split() == words[: len(text.split())] and len(text.split()) <= n  # its own, cut at n
+
+
+BAD = [
+    ({"model": "tiny", "prompt": "w1", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "w1", "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "w1", "max_tokens": 65}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "w1", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ({"model": "tiny", "prompt": 5}, 400, "prompt"),
+    ({"model": "tiny", "prompt": " ".join(["w1"] * 120), "max_tokens": 20}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "w1", "temperature": 3}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "w1", "stream": "yes"}, 400, "stream"),
+    ({"model": "other", "prompt": "w1"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD)
+def test_each_bad_completions_request_is_its_4xx(decoder_server, body, status, param):
+    response = httpx.post(f"{decoder_server.url}/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+    assert (
+        httpx.post(
+            f"{decoder_server.url}/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2}
+        ).status_code
+        == 200
+    )
+
+
+def test_sigterm_answers_the_requests_in_flight_and_exits_0(decoder_folder, generated):
+    server = Server(str(decoder_folder), "--name", "tiny", "--precision", "fp32", "--rows", "2")
+    prompts = [PROMPTS[i % 4] for i in range(16)]
+    answered: list[float] = []
+
+    async def ask(client, prompt):
+        response = await client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 64, "temperature": 0}
+        )
+        answered.append(time.monotonic())
+        return response
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            sent = [asyncio.create_task(ask(client, p)) for p in prompts]
+            await asyncio.sleep(0.3)  # the requests are in: 2 decoding, the others queued
+            server.process.send_signal(signal.SIGTERM)
+            return time.monotonic(), await asyncio.gather(*sent)
+
+    signalled, responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * len(prompts)
+    for prompt, r in zip(prompts, responses):  # greedy: the first NEW tokens are generate's
+        assert r.json()["choices"][0]["text"].split()[:NEW] == generated[prompt].split()
+    assert max(answered) > signalled  # some were still decoding or queued when the signal came
+    assert server.process.wait(timeout=60) == 0
+    assert any("stopped (" in line for line in server.lines + server.process.stderr.readlines())
