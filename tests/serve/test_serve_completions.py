@@ -38,7 +38,7 @@ def generated(decoder_folder, tmp_path_factory) -> dict[str, str]:
 def decoder_server(decoder_folder):
     server = Server(str(decoder_folder), "--name", "tiny", "--precision", "fp32", "--rows", "3", "--max-tokens", "64")
     yield server
-    server.stop()
+    assert server.stop() == 0
 
 
 def test_greedy_completions_are_frugality_generates_streamed_or_not(decoder_server, generated):
@@ -74,9 +74,10 @@ def test_prompts_join_and_leave_the_decoding_loop_each_with_its_own_tokens(decod
     responses = asyncio.run(run())
     assert [r.status_code for r in responses] == [200] * len(asks)
     for (prompt, n), r in zip(asks, responses):
-        words = generated[prompt].split()
-        text = r.json()["choices"][0]["text"]
-        assert text.split() == words[: len(text.split())] and len(text.split()) <= n  # its own, cut at n
+        words = generated[prompt].split()  # generate's 12 tokens hold no end token: each answer runs to n
+        choice, usage = r.json()["choices"][0], r.json()["usage"]
+        assert choice["text"].split() == words[:n] and choice["finish_reason"] == "length"
+        assert usage["completion_tokens"] == n
 
 
 BAD = [
@@ -90,12 +91,20 @@ BAD = [
     ({"model": "tiny", "prompt": "w1", "temperature": 3}, 400, "temperature"),
     ({"model": "tiny", "prompt": "w1", "stream": "yes"}, 400, "stream"),
     ({"model": "other", "prompt": "w1"}, 404, "model"),
+    ({"model": "tiny", "prompt": "w1", "seed": "x"}, 400, "seed"),
+    ({"model": "tiny", "prompt": "w1 \ud800"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": ["w1"] * 17}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "w1", "best_of": 2}, 400, "best_of"),
+    ({"model": "tiny", "prompt": "w1", "temperature": 10**400}, 400, "temperature"),
 ]
 
 
 @pytest.mark.parametrize("body, status, param", BAD)
 def test_each_bad_completions_request_is_its_4xx(decoder_server, body, status, param):
-    response = httpx.post(f"{decoder_server.url}/v1/completions", json=body)
+    content = json.dumps(body).encode()  # (escaped: httpx's own encoding refuses a lone surrogate)
+    response = httpx.post(
+        f"{decoder_server.url}/v1/completions", content=content, headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
     assert (
@@ -131,4 +140,17 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(decoder_folder, gene
         assert r.json()["choices"][0]["text"].split()[:NEW] == generated[prompt].split()
     assert max(answered) > signalled  # some were still decoding or queued when the signal came
     assert server.process.wait(timeout=60) == 0
-    assert any("stopped (" in line for line in server.lines + server.process.stderr.readlines())
+    assert any("stopped (" in line for line in server.lines)
+
+
+def test_each_prompt_samples_with_its_own_seed_and_a_tiny_temperature_is_greedy(decoder_server, generated):
+    ask = {"model": "tiny", "prompt": ["w5 w6 w7", "w5 w6 w7"], "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    first = httpx.post(f"{decoder_server.url}/v1/completions", json=ask).json()["choices"]
+    again = httpx.post(f"{decoder_server.url}/v1/completions", json=ask).json()["choices"]
+    assert [c["text"] for c in first] == [c["text"] for c in again]  # the same seed, the same draws
+    assert first[0]["text"] != first[1]["text"]  # the same prompt twice: two seeds
+    tiny = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": NEW, "temperature": 1e-40}
+    assert (
+        httpx.post(f"{decoder_server.url}/v1/completions", json=tiny).json()["choices"][0]["text"]
+        == (generated[PROMPTS[0]])
+    )

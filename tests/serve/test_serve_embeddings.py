@@ -84,6 +84,8 @@ BAD = [
     # (what, headers, body, status, param)
     ("malformed JSON", None, b'{"model": "minilm", "input": ', 400, None),
     ("not an object", None, b'["minilm"]', 400, None),
+    ("nested too deeply", None, b"[" * 50_000, 400, None),
+    ("a lone surrogate", None, {"model": "minilm", "input": ["fine", "half \ud800"]}, 400, "input"),
     ("input of a wrong type", None, {"model": "minilm", "input": 7}, 400, "input"),
     ("input missing", None, {"model": "minilm"}, 400, "input"),
     ("empty input", None, {"model": "minilm", "input": []}, 400, "input"),

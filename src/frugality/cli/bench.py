@@ -422,6 +422,127 @@ def bench_infer(
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 
+@bench.command("serve")
+@click.argument("target")
+@click.option(
+    "--rate", "rates", help="Open loop: Poisson arrival rates to try, requests/s, comma-separated (e.g. 5,10,20)."
+)
+@click.option("--concurrency", "concurrencies", help="Closed loop: numbers of clients to try, comma-separated.")
+@click.option(
+    "--duration",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds each level runs.",
+)
+@click.option(
+    "--input",
+    "input_path",
+    type=click.Path(),
+    help="Texts (.txt, .jsonl, .parquet) [default: the bundled corpus's lines].",
+)
+@click.option("--text-field", default="text", show_default=True)
+@click.option(
+    "--max-tokens", default=32, show_default=True, type=click.IntRange(min=1), help="Completions: tokens a request."
+)
+@click.option(
+    "--slo-ms",
+    default=1000.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="The p99 latency the saturation rate must meet.",
+)
+@click.option("--api-key-env", help="Send `Authorization: Bearer $NAME`.")
+@click.option(
+    "--serve-arg", "serve_args", multiple=True, help="With a MODEL: an option for `frugality serve` (repeatable)."
+)
+@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(),
+    help="Also write the levels and the saturation as JSON (`cost serve --from`).",
+)
+@click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
+def bench_serve(
+    target,
+    rates,
+    concurrencies,
+    duration,
+    input_path,
+    text_field,
+    max_tokens,
+    slo_ms,
+    api_key_env,
+    serve_args,
+    seed,
+    json_path,
+    markdown_path,
+) -> None:
+    """Load TARGET (a URL of an OpenAI-compatible server, or a MODEL folder that `frugality
+    serve` serves for the run) at each --rate (open loop) and --concurrency (closed loop):
+    throughput, p50/p95/p99 latency, errors, energy per 1,000 requests, and the saturation
+    rate (the highest rate whose p99 meets --slo-ms)."""
+    import os
+    from itertools import islice
+
+    from frugality.bench.serve import Target, dumps, markdown_table, report, run_levels
+    from frugality.cli.options import comma_ints
+    from frugality.errors import UserError
+    from frugality.inference.inputs import open_inputs
+
+    log = lambda line: click.echo(line, err=True)  # noqa: E731
+    rate_list = [float(r) for r in _floats(rates, "--rate")]
+    clients = comma_ints(concurrencies, "--concurrency") if concurrencies else []
+    if not rate_list and not clients:
+        rate_list = [1.0, 2.0, 4.0, 8.0]
+    if any(r <= 0 for r in rate_list) or any(c < 1 for c in clients):
+        raise UserError("--rate and --concurrency must be positive")
+    key = None
+    if api_key_env:
+        key = os.environ.get(api_key_env)
+        if not key:
+            raise UserError(f"--api-key-env {api_key_env}: that environment variable is empty or unset")
+    source = input_path or _corpus_lines()
+    texts = [text for _, text in islice(open_inputs([source], text_field), 10_000)]
+    if input_path is None:
+        texts = [t[:400] for t in texts if len(t.split()) >= 4]
+    if not texts:
+        raise UserError(f"{source}: no texts")
+    server = Target(target, key, list(serve_args), log)
+    try:
+        levels = run_levels(server, texts, rate_list, clients, duration, max_tokens, seed, log)
+        result = report(server, levels, slo_ms)
+    finally:
+        server.stop()
+    table = markdown_table(levels)
+    best = result["saturation"]
+    table += "\n\n" + (
+        f"saturation: {best['rate_per_s']:g} req/s offered, {best['throughput_per_s']:g} req/s answered with p99 "
+        f"{best['p99_ms']} ms <= {slo_ms:g} ms"
+        if best
+        else f"saturation: no open-loop rate met p99 <= {slo_ms:g} ms with no errors"
+    )
+    _write(table, dumps(result), markdown_path, json_path)
+
+
+def _floats(given: str | None, option: str) -> list[float]:
+    from frugality.errors import UserError
+
+    if not given:
+        return []
+    try:
+        return [float(x) for x in given.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{option} {given}: comma-separated numbers") from None
+
+
+def _corpus_lines() -> str:
+    from frugality.data.bundled import corpus_files
+
+    return str(corpus_files()[0])
+
+
 def _default_texts() -> str:
     """The WordNet glosses beside a source checkout (../shared/assets), else the corpus."""
     import frugality

@@ -118,20 +118,38 @@ def _catalogue_mfu(recipe_name: str, seq_len: int, tokens_per_s: float, row) -> 
 
 @cost.command()
 @click.option("--rate", required=True, help="Inferences per hour to serve, e.g. 1000000 or 1e6/h.")
-@click.option("--per-instance-throughput", required=True, help="Inferences per second one instance serves.")
+@click.option("--per-instance-throughput", help="Inferences per second one instance serves.")
+@click.option(
+    "--from",
+    "bench_json",
+    type=click.Path(dir_okay=False),
+    help="`frugality bench serve --json`: its saturation throughput and measured power, for one instance.",
+)
 @click.option(
     "--watts",
     type=float,
     help="What one instance draws [default: its accelerators' board power from the catalogue, labelled an estimate].",
 )
 @_price_options
-def serve(rate, per_instance_throughput, watts, price_per_hour, instance, catalogue, as_json) -> None:
+def serve(rate, per_instance_throughput, bench_json, watts, price_per_hour, instance, catalogue, as_json) -> None:
     """The whole instances that serve RATE inferences per hour, their utilisation, and
-    the dollars and energy per million inferences."""
+    the dollars and energy per million inferences; with --from, one instance's throughput
+    and power as `bench serve` measured them."""
+    from frugality.errors import UserError
     from frugality.metrics.cost import serve_figures
 
     usd, row, source = _price(price_per_hour, instance, catalogue)
     energy = "declared (--watts)" if watts is not None else None
+    throughput_source = "given"
+    if bench_json is not None:
+        if per_instance_throughput is not None:
+            raise UserError("--from and --per-instance-throughput: give one")
+        per_instance_throughput, measured_watts, kind = _measured_serving(bench_json)
+        throughput_source = f"measured by bench serve ({bench_json})"
+        if watts is None and measured_watts is not None:
+            watts, energy = measured_watts, f"{kind} by bench serve at saturation, {measured_watts:g} W"
+    elif per_instance_throughput is None:
+        raise UserError("give --per-instance-throughput, or --from a `bench serve --json` file")
     if watts is None and row is not None and row.accelerator_tdp_w and row.accelerator_count:
         watts = row.accelerator_tdp_w * row.accelerator_count
         energy = f"estimated: {row.accelerator_count} x {row.accelerator_tdp_w:g} W board power, accelerators only"
@@ -142,7 +160,7 @@ def serve(rate, per_instance_throughput, watts, price_per_hour, instance, catalo
         watts,
         _price_name(price_per_hour),
     )
-    f |= {"instance": row.instance if row else None, "price": source, "energy": energy}
+    f |= {"instance": row.instance if row else None, "price": source, "energy": energy, "throughput": throughput_source}
     kwh = (
         f"{f['kwh_per_million_inferences']:.4f} kWh per million inferences ({energy})"
         if f["kwh_per_million_inferences"] is not None
@@ -153,10 +171,28 @@ def serve(rate, per_instance_throughput, watts, price_per_hour, instance, catalo
         as_json,
         [
             f"{f['instances']} instance{'s' if f['instances'] != 1 else ''} for {f['inferences_per_hour']:,} "
-            f"inferences/h, {f['utilisation']:.1%} utilised, ${f['usd_per_hour']:g}/h ({source})",
+            f"inferences/h, {f['utilisation']:.1%} utilised, ${f['usd_per_hour']:g}/h ({source}); "
+            f"throughput {throughput_source}",
             f"${f['usd_per_million_inferences']:.4f} per million inferences; {kwh}",
         ],
     )
+
+
+def _measured_serving(path: str) -> tuple[str, float | None, str | None]:
+    """One instance's saturation throughput (req/s), power (W) and its label from `bench
+    serve --json`; a file that is not one, or has no saturation rate, is one line."""
+    from frugality.errors import UserError
+
+    try:
+        data = json.loads(open(path).read())
+        best = data["saturation"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"--from {path}: not the JSON of `frugality bench serve --json`") from None
+    if not best:
+        raise UserError(
+            f"--from {path}: no rate met its SLO ({data.get('slo_ms')} ms p99): rerun bench serve with lower --rate"
+        )
+    return str(best["throughput_per_s"]), best.get("watts"), best.get("energy")
 
 
 @cost.command("compare")

@@ -13,6 +13,7 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -51,6 +52,8 @@ def build_app(state: State) -> FastAPI:
                 APIError(500, f"internal error ({type(e).__name__}: {e})", None, "server_error").body(), 500
             )
         if endpoint.startswith("/v1/"):
+            route = request.scope.get("route")  # the route's path, not the client's: a bounded set of labels
+            endpoint = getattr(route, "path", "other")
             state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
             state.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
         return response
@@ -111,21 +114,21 @@ def build_app(state: State) -> FastAPI:
         authorized(request)
         service = ready("embeddings")
         req = embeddings_request(await body(request), state.limits, state.name)
-        rows = service.tokenize(req.texts, state.limits.max_input_tokens)
+        # tokenizing and rendering run in threads: the event loop keeps serving the others
+        rows = await run_in_threadpool(service.tokenize, req.texts, state.limits.max_input_tokens)
         vectors = await asyncio.wrap_future(service.submit(rows))
-        data = []
-        for i, v in enumerate(vectors):
-            encoded = (
-                base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64" else v.tolist()
-            )
-            data.append({"object": "embedding", "index": i, "embedding": encoded})
-        tokens = sum(map(len, rows))
-        return {
-            "object": "list",
-            "data": data,
-            "model": state.name,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+
+        def reply() -> JSONResponse:
+            data = []
+            for i, v in enumerate(vectors):
+                b64 = req.encoding_format == "base64"
+                encoded = base64.b64encode(v.astype("<f4").tobytes()).decode() if b64 else v.tolist()
+                data.append({"object": "embedding", "index": i, "embedding": encoded})
+            tokens = sum(map(len, rows))
+            usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+            return JSONResponse({"object": "list", "data": data, "model": state.name, "usage": usage})
+
+        return await run_in_threadpool(reply)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -134,17 +137,23 @@ def build_app(state: State) -> FastAPI:
         authorized(request)
         service = ready("completions")
         req = completions_request(await body(request), state.limits, state.name)
-        rows = service.tokenize(req.prompts, req.max_tokens)
-        sampling = sampling_for(req, service.decoder)
+        rows = await run_in_threadpool(service.tokenize, req.prompts, req.max_tokens)
+        samplings = [sampling_for(req, service.decoder, i) for i in range(len(rows))]
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
+            # queued before the 200 is sent: a full queue is still a 503
+            events, futures = _queue_streamed(service, req, rows, samplings, ident, created, state.name)
             return StreamingResponse(
-                _stream(service, req, rows, sampling, ident, created, state.name),
+                _stream(service, events, futures, ident, created, state.name),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        futures = [service.submit(row, sampling) for row in rows]
-        done = await asyncio.gather(*map(asyncio.wrap_future, futures))
+        futures = service.submit_all([(row, sampling, None) for row, sampling in zip(rows, samplings)])
+        try:
+            done = await asyncio.gather(*map(asyncio.wrap_future, futures))
+        except asyncio.CancelledError:  # the client left, or the drain ran out: free its rows
+            service.abandon(futures)
+            raise
         choices = [
             {"index": i, "text": (prompt if req.echo else "") + c.text, "logprobs": None, "finish_reason": c.finish}
             for i, (prompt, c) in enumerate(zip(req.prompts, done))
@@ -163,41 +172,64 @@ def build_app(state: State) -> FastAPI:
     return app
 
 
-async def _stream(service, req, rows, sampling, ident, created, name):
-    """Server-sent events as OpenAI streams them: a chunk per piece of final text, a last
-    chunk per prompt with its finish reason, then `data: [DONE]`."""
+def _chunk(ident: str, created: int, name: str, index: int, text: str, finish: str | None) -> str:
+    body = {
+        "id": ident,
+        "object": "text_completion",
+        "created": created,
+        "model": name,
+        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _queue_streamed(service, req, rows, samplings, ident, created, name):
+    """The prompts queued (all or none), each piece of their text and their ends sent to
+    an asyncio queue from the model thread."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
+    if req.echo:
+        for i, prompt in enumerate(req.prompts):
+            events.put_nowait(_chunk(ident, created, name, i, prompt, None))
 
-    def chunk(index: int, text: str, finish: str | None) -> str:
-        body = {
-            "id": ident,
-            "object": "text_completion",
-            "created": created,
-            "model": name,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}],
-        }
-        return f"data: {json.dumps(body)}\n\n"
+    def send(item) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, item)
+        except RuntimeError:  # the loop is closed: no one to send to
+            pass
 
-    futures = []
-    for i, row in enumerate(rows):
-        if req.echo:
-            await events.put(chunk(i, req.prompts[i], None))
-        on_text = lambda piece, i=i: loop.call_soon_threadsafe(events.put_nowait, chunk(i, piece, None))  # noqa: E731
-        future = service.submit(row, sampling, on_text)
-        future.add_done_callback(lambda f, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, f)))
-        futures.append(future)
+    asks = [
+        (row, sampling, lambda piece, i=i: send(_chunk(ident, created, name, i, piece, None)))
+        for i, (row, sampling) in enumerate(zip(rows, samplings))
+    ]
+    futures = service.submit_all(asks)
+    for i, future in enumerate(futures):
+        future.add_done_callback(lambda f, i=i: send((i, f)))
+    return events, futures
+
+
+async def _stream(service, events, futures, ident, created, name):
+    """Server-sent events as OpenAI streams them: a chunk per piece of final text, a last
+    chunk per prompt with its finish reason, then `data: [DONE]`. A client that leaves
+    frees its rows."""
     left = len(futures)
-    while left:
-        event = await events.get()
-        if isinstance(event, str):
-            yield event
-            continue
-        i, future = event
-        left -= 1
-        error = future.exception()
-        if error is not None:
-            yield f"data: {json.dumps(APIError(500, f'internal error ({error})', None, 'server_error').body())}\n\n"
-            continue
-        yield chunk(i, "", future.result().finish)
-    yield "data: [DONE]\n\n"
+    try:
+        while left:
+            event = await events.get()
+            if isinstance(event, str):
+                yield event
+                continue
+            i, future = event
+            left -= 1
+            if future.cancelled():
+                continue
+            error = future.exception()
+            if error is not None:
+                problem = APIError(500, f"internal error ({error})", None, "server_error").body()
+                yield f"data: {json.dumps(problem)}\n\n"
+                continue
+            yield _chunk(ident, created, name, i, "", future.result().finish)
+        yield "data: [DONE]\n\n"
+    finally:
+        if left:
+            service.abandon(futures)

@@ -12,7 +12,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +43,15 @@ class _Sequence:
     completion: Completion = field(default_factory=Completion)
     text: RowText | None = None
     generator: torch.Generator | None = None
+    abandoned: bool = False  # its client is gone: its row is freed at the next step
+
+
+def settle(future: Future, result=None, error: BaseException | None = None) -> None:
+    """Resolve a future that its client may have cancelled meanwhile (then: nothing)."""
+    try:
+        future.set_exception(error) if error is not None else future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 class CompletionService:
@@ -56,7 +65,11 @@ class CompletionService:
         self.slots: list[_Sequence | None] = [None] * rows
         self.last = torch.full((rows,), self.pad_id, dtype=torch.long)  # each row's latest token
         self.following = torch.full((rows,), -1, dtype=torch.long)  # the position it takes when fed; -1: free
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self._queue: queue.Queue = queue.Queue()
+        self._waiting = 0  # prompts queued, counted under the lock: a request's prompts go in all or none
+        self._lock = threading.Lock()
+        self._closing = False
         self._thread = threading.Thread(target=self._loop, name="frugality-completions", daemon=True)
         self._thread.start()
 
@@ -74,40 +87,66 @@ class CompletionService:
                 )
         return rows
 
-    def submit(self, prompt: list[int], sampling: Sampling, on_text: Callable[[str], None] | None = None) -> Future:
-        sequence = _Sequence(prompt, sampling, Future(), on_text)
-        try:
-            self._queue.put_nowait(sequence)
-        except queue.Full:
-            raise overloaded() from None
-        self.metrics.depth.labels(self.endpoint).set(self._queue.qsize())
-        return sequence.future
+    def submit_all(self, asks: list[tuple[list[int], Sampling, Callable[[str], None] | None]]) -> list[Future]:
+        """Queue a request's prompts, all of them or (the queue full) none: a 503."""
+        sequences = [_Sequence(prompt, sampling, Future(), on_text) for prompt, sampling, on_text in asks]
+        with self._lock:
+            if self._closing or self._waiting + len(sequences) > self.max_queue:
+                raise overloaded()
+            self._waiting += len(sequences)
+            for s in sequences:
+                s.future.sequence = s  # (abandon() finds it)
+                self._queue.put_nowait(s)
+        self.metrics.depth.labels(self.endpoint).set(self._waiting)
+        return [s.future for s in sequences]
 
-    def close(self) -> None:
-        self._queue.put(_STOP)  # after what is queued: what is queued and decoding finishes first
-        self._thread.join()
+    def submit(self, prompt: list[int], sampling: Sampling, on_text: Callable[[str], None] | None = None) -> Future:
+        return self.submit_all([(prompt, sampling, on_text)])[0]
+
+    @staticmethod
+    def abandon(futures: list[Future]) -> None:
+        """The client is gone: queued prompts are skipped, decoding rows freed."""
+        for f in futures:
+            f.sequence.abandoned = True
+            f.cancel()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop: what is still queued or decoding has no client left (the HTTP server
+        drained first), so it is dropped."""
+        with self._lock:
+            self._closing = True
+        self._queue.put_nowait(_STOP)
+        self._thread.join(timeout_s)
 
     @torch.inference_mode()
     def _loop(self) -> None:
-        stopping = False
         while True:
+            if self._closing:
+                return self._drop_everything()
             busy = any(s is not None for s in self.slots)
-            if not busy and stopping:
-                return
-            joining = self._admit(wait=not busy and not stopping)
+            joining = self._admit(wait=not busy)
             if joining is _STOP:
-                stopping = True
                 continue
+            for slot, s in enumerate(self.slots):
+                if s is not None and s.abandoned:
+                    self._free(slot)
+            joined = []
             try:
                 if joining:
-                    self._join(joining)
+                    joined = self._join(joining)
+            except Exception as e:  # the prefill failed: the rows joining hear so
+                for _, s in joined or joining:
+                    settle(s.future, error=e)
+                for slot, _ in joining:
+                    self._free(slot)
+            try:
                 if any(s is not None for s in self.slots):
                     self._step()
-            except Exception as e:  # the model failed: the rows in it hear so, the loop goes on
-                for i, s in enumerate(self.slots):
+            except Exception as e:  # the decoding step failed: every row in it hears so, the loop goes on
+                for slot, s in enumerate(self.slots):
                     if s is not None:
-                        s.future.set_exception(e)
-                        self._free(i)
+                        settle(s.future, error=e)
+                        self._free(slot)
 
     def _admit(self, wait: bool):
         """Queued prompts for the free rows: when idle, wait for one, then `max_wait` for
@@ -128,35 +167,51 @@ class CompletionService:
                 break
             if item is _STOP:
                 if joining:
-                    self._queue.put(_STOP)  # seen again once these have joined
+                    self._queue.put_nowait(_STOP)  # seen again once these have joined
                     break
                 return _STOP
+            with self._lock:
+                self._waiting -= 1
+            if item.abandoned or not item.future.set_running_or_notify_cancel():
+                continue  # its client left while it waited
             joining.append((free[len(joining)], item))
-        self.metrics.depth.labels(self.endpoint).set(self._queue.qsize())
+        self.metrics.depth.labels(self.endpoint).set(self._waiting)
         return joining
 
-    def _join(self, joining: list[tuple[int, _Sequence]]) -> None:
+    def _join(self, joining: list[tuple[int, _Sequence]]) -> list[tuple[int, _Sequence]]:
+        """Prefill the prompts joining into their rows; those whose setting up failed hear
+        so and stay out. Returns those that joined."""
         now = time.perf_counter()
-        width = bucket(max(len(s.prompt) for _, s in joining), self.decoder.max_seq_len)
         rows = len(self.slots)
+        joined = []
+        for slot, s in joining:
+            try:
+                s.text = RowText(
+                    self.decoder, s.sampling, (lambda row, piece, f=s.on_text: f(piece)) if s.on_text else None
+                )
+                s.generator = new_generator(self.decoder.device, s.sampling.seed)
+            except Exception as e:
+                settle(s.future, error=e)
+                continue
+            self.metrics.queued.labels(self.endpoint).observe(now - s.arrived)
+            joined.append((slot, s))
+        if not joined:
+            return joined
+        width = bucket(max(len(s.prompt) for _, s in joined), self.decoder.max_seq_len)
         ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
         positions = torch.full((rows, width), -1, dtype=torch.long)  # the rows decoding: padding, written nowhere
-        for slot, s in joining:
-            self.metrics.queued.labels(self.endpoint).observe(now - s.arrived)
+        for slot, s in joined:
             ids[slot, width - len(s.prompt) :] = torch.tensor(s.prompt)
             positions[slot, width - len(s.prompt) :] = torch.arange(len(s.prompt))
-            s.text = RowText(
-                self.decoder, s.sampling, (lambda row, piece, f=s.on_text: f(piece)) if s.on_text else None
-            )
-            s.generator = new_generator(self.decoder.device, s.sampling.seed)
             self.slots[slot] = s
             self.following[slot] = len(s.prompt) - 1  # its prompt's last; the token picked next takes + 1
         device = self.decoder.device
         logits = _prefill(self.decoder.model, ids.to(device), positions.to(device), self.cache)
-        self.metrics.batch.labels(f"{self.endpoint}-prefill").observe(len(joining))
-        self.metrics.tokens.labels(self.endpoint, "prompt").inc(sum(len(s.prompt) for _, s in joining))
-        for slot, _ in joining:
+        self.metrics.batch.labels(f"{self.endpoint}-prefill").observe(len(joined))
+        self.metrics.tokens.labels(self.endpoint, "prompt").inc(sum(len(s.prompt) for _, s in joined))
+        for slot, _ in joined:
             self._take(slot, logits[slot : slot + 1])
+        return joined
 
     def _step(self) -> None:
         device = self.decoder.device
@@ -169,14 +224,22 @@ class CompletionService:
             self._take(slot, logits[slot : slot + 1])
 
     def _take(self, slot: int, logits: torch.Tensor) -> None:
-        """The row's next token from its logits: appended, and the row ended if it ends."""
+        """The row's next token from its logits: appended, and the row ended if it ends;
+        a failure here is this row's alone."""
         s = self.slots[slot]
-        token = int(pick(logits, s.sampling, s.generator)[0])
-        ended = s.text.add(0, s.completion, token)
-        self.metrics.tokens.labels(self.endpoint, "completion").inc()
-        if ended or len(s.completion.tokens) >= s.sampling.max_new_tokens:
-            s.text.finish(0, s.completion)
-            s.future.set_result(s.completion)
+        try:
+            if self.decoder.device.type == "xla":  # XLA samples on the host, as `generate` does
+                logits = logits.cpu()
+            token = int(pick(logits, s.sampling, s.generator)[0])
+            ended = s.text.add(0, s.completion, token)
+            self.metrics.tokens.labels(self.endpoint, "completion").inc()
+            if ended or len(s.completion.tokens) >= s.sampling.max_new_tokens:
+                s.text.finish(0, s.completion)
+                settle(s.future, s.completion)
+                self._free(slot)
+                return
+        except Exception as e:
+            settle(s.future, error=e)
             self._free(slot)
             return
         self.last[slot] = token
@@ -187,13 +250,28 @@ class CompletionService:
         self.last[slot] = self.pad_id
         self.following[slot] = -1
 
+    def _drop_everything(self) -> None:
+        gone = RuntimeError("the server stopped")
+        for slot, s in enumerate(self.slots):
+            if s is not None:
+                settle(s.future, error=gone)
+                self._free(slot)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                settle(item.future, error=gone)
 
-def sampling_for(request, decoder) -> Sampling:
-    """A request's sampling: greedy at temperature 0; a seed of its own, else a random one."""
-    seed = request.seed if request.seed is not None else random.randrange(2**63)
+
+def sampling_for(request, decoder, index: int = 0) -> Sampling:
+    """A prompt's sampling: greedy at temperature 0 (or one too small to divide by); the
+    request's seed plus the prompt's index, else a random one: each prompt its own draws."""
+    seed = (request.seed + index) % 2**63 if request.seed is not None else random.randrange(2**63)
     return Sampling(
         max_new_tokens=request.max_tokens,
-        temperature=request.temperature,
+        temperature=request.temperature if request.temperature >= 1e-5 else 0.0,
         top_p=request.top_p,
         seed=seed,
         stop_ids=decoder.eos_ids,

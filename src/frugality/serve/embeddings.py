@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from frugality.inference.embed import embed_rows
+from frugality.serve.completions import settle
 from frugality.serve.protocol import APIError, overloaded
 
 _STOP = object()
@@ -40,6 +41,7 @@ class EmbeddingService:
         self.max_wait = max_wait_ms / 1000
         self.batch_tokens, self.max_batch = batch_tokens, max_batch
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._closing = False
         self._thread = threading.Thread(target=self._loop, name="frugality-embeddings", daemon=True)
         self._thread.start()
 
@@ -62,14 +64,19 @@ class EmbeddingService:
         self.metrics.depth.labels(self.endpoint).set(self._queue.qsize())
         return pending.future
 
-    def close(self) -> None:
-        self._queue.put(_STOP)  # after what is queued: the queue drains first
-        self._thread.join()
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop: what is still queued has no client left (the HTTP server drained first)."""
+        self._closing = True
+        try:
+            self._queue.put_nowait(_STOP)
+        except queue.Full:  # the loop sees the flag after its batch
+            pass
+        self._thread.join(timeout_s)
 
     def _loop(self) -> None:
         while True:
             first = self._queue.get()
-            if first is _STOP:
+            if first is _STOP or self._closing:
                 return
             batch, tokens, stop = [first], first.tokens, False
             deadline = first.arrived + self.max_wait
@@ -89,6 +96,9 @@ class EmbeddingService:
                 return
 
     def _run(self, batch: list[_Pending]) -> None:
+        batch = [p for p in batch if p.future.set_running_or_notify_cancel()]  # (a client that left: skipped)
+        if not batch:
+            return
         started = time.perf_counter()
         for p in batch:
             self.metrics.queued.labels(self.endpoint).observe(started - p.arrived)
@@ -98,12 +108,12 @@ class EmbeddingService:
             vectors = embed_rows(self.encoder, rows, self.batch_tokens, self.max_batch, report=calls.append)
         except Exception as e:  # the model failed: each request hears it, the thread goes on
             for p in batch:
-                p.future.set_exception(e)
+                settle(p.future, error=e)
             return
         for n in calls:
             self.metrics.batch.labels(self.endpoint).observe(n)
         self.metrics.tokens.labels(self.endpoint, "prompt").inc(sum(map(len, rows)))
         at = 0
         for p in batch:
-            p.future.set_result(np.asarray(vectors[at : at + len(p.rows)]))
+            settle(p.future, np.asarray(vectors[at : at + len(p.rows)]))
             at += len(p.rows)

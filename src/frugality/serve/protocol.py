@@ -62,6 +62,8 @@ def parse_json(body: bytes, limits: Limits) -> dict:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     return data
@@ -83,7 +85,8 @@ def embeddings_request(data: dict, limits: Limits, served: str) -> EmbeddingsReq
     for i, text in enumerate(texts):
         if not text:
             raise APIError(400, f"'input[{i}]' is an empty string", "input")
-    fmt = data.get("encoding_format", "float")
+        _text(text, f"input[{i}]", "input")
+    fmt = data.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise APIError(400, "'encoding_format' must be 'float' or 'base64'", "encoding_format")
     if data.get("dimensions") is not None:
@@ -102,8 +105,12 @@ def completions_request(data: dict, limits: Limits, served: str) -> CompletionsR
     if not prompts or any(not p for p in prompts):
         raise APIError(400, "'prompt' is empty", "prompt")
     if len(prompts) > limits.max_prompts:
-        raise APIError(400, f"'prompt' holds {len(prompts)} prompts, more than the limit of {limits.max_prompts}")
-    max_tokens = _number(data, "max_tokens", int, 16)
+        raise APIError(
+            400, f"'prompt' holds {len(prompts)} prompts, more than the limit of {limits.max_prompts}", "prompt"
+        )
+    for i, prompt in enumerate(prompts):
+        _text(prompt, f"prompt[{i}]", "prompt")
+    max_tokens = _number(data, "max_tokens", int, min(16, limits.max_tokens))
     if max_tokens < 1:
         raise APIError(400, f"'max_tokens' is {max_tokens}; it must be at least 1", "max_tokens")
     if max_tokens > limits.max_tokens:
@@ -121,8 +128,9 @@ def completions_request(data: dict, limits: Limits, served: str) -> CompletionsR
     stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
         raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
-    if data.get("n", 1) != 1 or data.get("best_of", 1) != 1:
-        raise APIError(400, "'n' and 'best_of' other than 1 are not supported", "n")
+    for key in ("n", "best_of"):
+        if data.get(key) not in (None, 1):
+            raise APIError(400, f"'{key}' other than 1 is not supported", key)
     if data.get("logprobs") is not None:
         raise APIError(400, "'logprobs' is not supported", "logprobs")
     stream = data.get("stream", False)
@@ -151,4 +159,15 @@ def _number(data: dict, key: str, kind: type, default):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise APIError(400, f"'{key}' must be {'an integer' if kind is int else 'a number'}", key)
-    return kind(value)
+    try:
+        return kind(value)
+    except OverflowError:
+        raise APIError(400, f"'{key}' is out of range", key) from None
+
+
+def _text(text: str, where: str, param: str) -> None:
+    """Text the tokenizer can take: no lone surrogate (JSON's "\\ud800", half a character)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"'{where}' holds a lone surrogate, not text", param) from None

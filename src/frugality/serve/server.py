@@ -87,7 +87,7 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
     config = uvicorn.Config(
         build_app(state),
         log_level="warning",
-        timeout_graceful_shutdown=max(1, int(settings.drain_s)),
+        timeout_graceful_shutdown=settings.drain_s or 0.001,  # (uvicorn: None would wait forever)
         lifespan="off",
     )
     server = uvicorn.Server(config)
@@ -98,6 +98,8 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # drained: a second signal ends the process at once
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if state.problem:
         raise UserError(state.problem)
     if state.service is not None:

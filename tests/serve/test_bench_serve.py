@@ -1,0 +1,46 @@
+"""`frugality bench serve MODEL`: the server started for the run, open- and closed-loop
+levels measured (throughput, percentiles, errors, energy per 1,000 requests from the
+server's meter), the saturation rate found; `cost serve --from` sizes a fleet from it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from conftest import MINILM
+
+from frugality.cli.main import main
+
+
+def test_bench_serve_measures_levels_and_cost_serve_sizes_the_fleet_from_them(tmp_path, capsys):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("".join(f"request number {i} about a {'long ' * (i % 5)}topic\n" for i in range(50)))
+    out = tmp_path / "bench.json"
+    command = ["bench", "serve", MINILM, "--input", str(texts), "--rate", "10,30", "--concurrency", "4"]
+    command += ["--duration", "1.5", "--slo-ms", "5000", "--json", str(out), "--serve-arg=--precision=fp32"]
+    assert main(command) == 0
+    result = json.loads(out.read_text())
+    assert result["endpoint"] == "embeddings"
+    levels = result["levels"]
+    assert [(r["mode"], r["level"]) for r in levels] == [("rate", 10), ("rate", 30), ("concurrency", 4)]
+    for r in levels:
+        assert r["ok"] == r["requests"] > 0 and r["errors"] == 0
+        assert r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] and r["throughput_per_s"] > 0
+        assert r["joules_per_1000"] > 0 and r["energy"] in ("measured", "estimated", "declared")
+    assert 5 <= levels[0]["requests"] <= 30  # a Poisson process at 10/s for 1.5 s
+    best = result["saturation"]
+    assert best["rate_per_s"] == 30 and best["throughput_per_s"] == levels[1]["throughput_per_s"]
+    printed = capsys.readouterr().out
+    assert "| open | 30 req/s |" in printed and "saturation" in printed
+
+    assert main(["cost", "serve", "--rate", "1e6", "--from", str(out), "--price-per-hour", "2", "--json"]) == 0
+    fleet = json.loads(capsys.readouterr().out)
+    assert fleet["instances"] == math.ceil(1e6 / (best["throughput_per_s"] * 3600))
+    assert fleet["throughput"].startswith("measured by bench serve")
+    assert fleet["energy"].startswith(best["energy"]) and fleet["kwh_per_million_inferences"] > 0
+
+
+def test_cost_serve_from_a_file_that_is_not_bench_serves_is_one_line(tmp_path, capsys):
+    (tmp_path / "x.json").write_text('{"levels": []}')
+    assert main(["cost", "serve", "--rate", "1e6", "--from", str(tmp_path / "x.json"), "--price-per-hour", "2"]) == 2
+    assert "not the JSON of `frugality bench serve --json`" in capsys.readouterr().err
