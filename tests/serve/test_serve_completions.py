@@ -36,7 +36,18 @@ def generated(decoder_folder, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def decoder_server(decoder_folder):
-    server = Server(str(decoder_folder), "--name", "tiny", "--precision", "fp32", "--rows", "3", "--max-tokens", "64")
+    server = Server(
+        str(decoder_folder),
+        "--name",
+        "tiny",
+        "--precision",
+        "fp32",
+        "--rows",
+        "3",
+        "--max-tokens",
+        "64",
+        env={"FRUGALITY_SERVE_REPORT_S": "0.2"},
+    )
     yield server
     assert server.stop() == 0
 
@@ -154,3 +165,17 @@ def test_each_prompt_samples_with_its_own_seed_and_a_tiny_temperature_is_greedy(
         httpx.post(f"{decoder_server.url}/v1/completions", json=tiny).json()["choices"][0]["text"]
         == (generated[PROMPTS[0]])
     )
+
+
+def test_frugality_top_shows_the_server_with_its_request_rate(decoder_server, capsys):
+    for _ in range(3):
+        httpx.post(f"{decoder_server.url}/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2})
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        assert main(["top", "--once", "--json", "--runs", decoder_server.runs, "--interval", "0.1"]) == 0
+        runs = json.loads(capsys.readouterr().out)["runs"]
+        if runs and runs[0].get("requests"):
+            break
+    [run] = runs
+    assert run["serving"] == decoder_server.url and run["pid"] == decoder_server.process.pid
+    assert run["requests"] >= 3 and run["requests_per_s"] is not None

@@ -98,6 +98,12 @@ def _lines(snapshot: dict) -> list[str]:
     if not snapshot["runs"]:
         lines.append("no run training under the runs folder")
     for r in snapshot["runs"]:
+        if r.get("serving"):
+            rate = "n/a" if r.get("requests_per_s") is None else f"{r['requests_per_s']:,.1f} requests/s"
+            lines.append(
+                f"{r['run_dir']} (PID {r['pid']}): serving {r['serving']}, {rate}, {r.get('requests', 0):,} in all"
+            )
+            continue
         step = f"step {r['step']}/{r['total_steps']}" if r["step"] is not None else "starting"
         speed = f", {r['tokens_per_s']:,.0f} tokens/s" if r["tokens_per_s"] else ""
         eta = f", ETA {_duration(r['eta_s'])}" if r["eta_s"] is not None else ""

@@ -54,6 +54,14 @@ import click
 )
 @click.option("--api-key-env", help="Require `Authorization: Bearer $NAME` (the key read from this variable).")
 @click.option(
+    "--runs",
+    "runs_dir",
+    default="runs",
+    show_default=True,
+    type=click.Path(),
+    help="Where `frugality top` finds this server: RUNS/serve-NAME-PORT holds its lock and log.",
+)
+@click.option(
     "--drain-s",
     default=30.0,
     show_default=True,
@@ -78,6 +86,7 @@ def serve(
     max_tokens,
     max_prompts,
     api_key_env,
+    runs_dir,
     drain_s,
 ) -> None:
     """Serve MODEL (an encoder: POST /v1/embeddings; a decoder: POST /v1/completions) as
@@ -102,5 +111,6 @@ def serve(
         drain_s,
         api_key_env,
         limits,
+        runs_dir,
     )
     run(settings)

@@ -5,11 +5,13 @@ command exits 0."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from frugality.errors import UserError
 from frugality.serve.app import State, build_app
 from frugality.serve.metrics import ServeMetrics
 from frugality.serve.protocol import Limits
+from frugality.training.run_dir import held
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -37,6 +40,7 @@ class ServeSettings:
     drain_s: float = 30.0
     api_key_env: str | None = None
     limits: Limits = Limits()
+    runs_dir: str = "runs"  # where `frugality top` finds it: RUNS/serve-NAME-PORT (a lock and a log)
 
 
 def model_family(path: str) -> str:
@@ -83,6 +87,12 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
     host, port = sock.getsockname()[:2]
     where = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     exposed = "" if settings.host in LOOPBACK else " (not loopback: anyone who can reach this address can call it)"
+    run_dir = Path(settings.runs_dir) / f"serve-{name}-{port}"
+    with held(run_dir, "or serve on another --port"):
+        return _run(settings, family, device, state, sock, where, exposed, name, run_dir, log, uvicorn)
+
+
+def _run(settings, family, device, state, sock, where, exposed, name, run_dir, log, uvicorn) -> int:
     log(f"frugality serve: {name} on {where}{exposed}; loading the model (GET /health: 503 until ready)")
     config = uvicorn.Config(
         build_app(state),
@@ -97,7 +107,12 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
     # them again once done, to the handlers found before: these, which let the command end 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    reporting = threading.Event()
+    every_s = float(os.environ.get("FRUGALITY_SERVE_REPORT_S", "5"))  # (tests: shorter)
+    reporter = threading.Thread(target=_report, args=(state, run_dir, where, reporting, every_s), daemon=True)
+    reporter.start()
     server.run(sockets=[sock])
+    reporting.set()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # drained: a second signal ends the process at once
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if state.problem:
@@ -154,8 +169,32 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
     log(f"frugality serve: ready, POST {where}{path} ({why})")
 
 
-def _counted(state: State) -> str:
+def _answered(state: State) -> int:
     total = 0
     for metric in state.metrics.requests.collect():
         total += sum(int(s.value) for s in metric.samples if s.name.endswith("_total"))
-    return f"{total} requests answered"
+    return total
+
+
+def _counted(state: State) -> str:
+    return f"{_answered(state)} requests answered"
+
+
+def _report(state: State, run_dir: Path, where: str, stop: threading.Event, every_s: float = 5.0) -> None:
+    """A `serve` record in RUN_DIR/metrics.jsonl every few seconds: the address, requests
+    answered, and their rate over the last interval (`frugality top` shows the last)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    before, then = _answered(state), time.monotonic()
+    while not stop.wait(every_s):
+        now, count = time.monotonic(), _answered(state)
+        record = {
+            "kind": "serve",
+            "time": round(time.time(), 3),
+            "url": where,
+            "ready": state.service is not None,
+            "requests": count,
+            "requests_per_s": round((count - before) / (now - then), 3),
+        }
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        before, then = count, now

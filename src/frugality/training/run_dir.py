@@ -4,6 +4,7 @@ happens here, before any file is touched."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import hashlib
@@ -90,7 +91,19 @@ def lock_path(run_dir: Path) -> Path:
     return run_dir.with_name(f".{run_dir.name}.lock")
 
 
-def _acquire(run_dir: Path):
+@contextlib.contextmanager
+def held(run_dir: Path, hint: str):
+    """`locked` for one process that is not a training run (a server): found by `frugality
+    top` as runs are; `hint` says what to do when another process holds it."""
+    f = _acquire(run_dir, hint)
+    try:
+        yield
+    finally:
+        lock_path(run_dir).unlink(missing_ok=True)
+        f.close()
+
+
+def _acquire(run_dir: Path, hint: str = "or train into another --run-dir"):
     path = lock_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
@@ -102,8 +115,7 @@ def _acquire(run_dir: Path):
             holder = _holder(f.read())
             f.close()
             raise UserError(
-                f"run directory {run_dir} is in use by {holder} (lock {path}); wait for it to end, "
-                "or train into another --run-dir"
+                f"run directory {run_dir} is in use by {holder} (lock {path}); wait for it to end, {hint}"
             ) from None
         try:  # the file locked must still be the one at the path: a run ending removes it
             if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
@@ -347,14 +359,36 @@ def _alive(pid) -> bool:
 
 
 def _progress(run_dir: Path) -> dict:
-    """Step, total steps, tokens/s and ETA from the log's last train record."""
-    last = None
+    """Step, total steps, tokens/s and ETA from the log's last train record; for a server
+    (`frugality serve`), its address and request rate from its last serve record."""
+    last = serving = None
     try:
         with open(run_dir / METRICS_FILE, "rb") as f:  # the log's tail: it grows for the whole run
             f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
             for line in f.read().decode("utf-8", "replace").splitlines():
                 if '"kind": "train"' in line:
                     last = line
+                elif '"kind": "serve"' in line:
+                    serving = line
+    except OSError:
+        pass
+    if serving is not None:
+        try:
+            record = json.loads(serving)
+            return {
+                "serving": record.get("url"),
+                "requests_per_s": record.get("requests_per_s"),
+                "requests": record.get("requests"),
+                "step": None,
+                "total_steps": None,
+                "tokens_per_s": None,
+                "eta_s": None,
+            }
+        except ValueError:  # a line being written
+            pass
+    try:
+        if last is None:
+            raise OSError
         total = tomllib.loads((run_dir / RECIPE_FILE).read_text()).get("train", {}).get("steps")
     except (OSError, ValueError):
         return {"step": None, "total_steps": None, "tokens_per_s": None, "eta_s": None}
