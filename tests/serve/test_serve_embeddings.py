@@ -152,3 +152,24 @@ def test_a_full_queue_is_a_503_with_retry_after_and_the_server_recovers():
         )
     finally:
         assert server.stop() == 0
+
+
+def test_what_stops_the_server_before_it_starts_is_one_line(tmp_path, capsys, monkeypatch):
+    import socket
+
+    monkeypatch.delenv("NO_SUCH_KEY_VARIABLE", raising=False)
+    runs = ["--runs", str(tmp_path / "runs")]
+    assert main(["serve", MINILM, "--api-key-env", "NO_SUCH_KEY_VARIABLE", *runs]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --api-key-env NO_SUCH_KEY_VARIABLE: that environment variable is empty or unset"
+    ]
+    assert main(["serve", str(tmp_path / "none"), *runs]) == 2
+    assert capsys.readouterr().err.strip() == f"error: model {tmp_path / 'none'}: no such folder"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", MINILM, "--port", str(port), *runs]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen there")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
