@@ -92,7 +92,7 @@ def tiny_decoder(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def encoder_server():
     server = Server(
         MINILM,

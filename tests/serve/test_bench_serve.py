@@ -1,23 +1,26 @@
-"""`frugality bench serve MODEL`: the server started for the run, open- and closed-loop
-levels measured (throughput, percentiles, errors, energy per 1,000 requests from the
-server's meter), the saturation rate found; `cost serve --from` sizes a fleet from it."""
+"""`frugality bench serve URL`: open- and closed-loop levels measured (throughput,
+percentiles, errors, energy per 1,000 requests from the server's meter), the saturation
+rate found; `cost serve --from` sizes a fleet from it."""
 
 from __future__ import annotations
 
 import json
 import math
 
-from conftest import MINILM
+from conftest import KEY
 
 from frugality.cli.main import main
 
 
-def test_bench_serve_measures_levels_and_cost_serve_sizes_the_fleet_from_them(tmp_path, capsys):
+def test_bench_serve_measures_levels_and_cost_serve_sizes_the_fleet_from_them(
+    encoder_server, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("BENCH_KEY", KEY)
     texts = tmp_path / "texts.txt"
     texts.write_text("".join(f"request number {i} about a {'long ' * (i % 5)}topic\n" for i in range(50)))
     out = tmp_path / "bench.json"
-    command = ["bench", "serve", MINILM, "--input", str(texts), "--rate", "10,30", "--concurrency", "4"]
-    command += ["--duration", "1.5", "--slo-ms", "5000", "--json", str(out), "--serve-arg=--precision=fp32"]
+    command = ["bench", "serve", encoder_server.url, "--input", str(texts), "--rate", "10,30", "--concurrency", "4"]
+    command += ["--duration", "1.5", "--slo-ms", "5000", "--json", str(out), "--api-key-env", "BENCH_KEY"]
     assert main(command) == 0
     result = json.loads(out.read_text())
     assert result["endpoint"] == "embeddings"

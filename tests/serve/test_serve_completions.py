@@ -49,7 +49,7 @@ def decoder_server(decoder_folder):
         env={"FRUGALITY_SERVE_REPORT_S": "0.2"},
     )
     yield server
-    assert server.stop() == 0
+    assert server.stop() == 0  # (stopped by the last test: its exit status)
 
 
 def test_greedy_completions_are_frugality_generates_streamed_or_not(decoder_server, generated):
@@ -126,34 +126,6 @@ def test_each_bad_completions_request_is_its_4xx(decoder_server, body, status, p
     )
 
 
-def test_sigterm_answers_the_requests_in_flight_and_exits_0(decoder_folder, generated):
-    server = Server(str(decoder_folder), "--name", "tiny", "--precision", "fp32", "--rows", "2")
-    prompts = [PROMPTS[i % 4] for i in range(16)]
-    answered: list[float] = []
-
-    async def ask(client, prompt):
-        response = await client.post(
-            "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 64, "temperature": 0}
-        )
-        answered.append(time.monotonic())
-        return response
-
-    async def run():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            sent = [asyncio.create_task(ask(client, p)) for p in prompts]
-            await asyncio.sleep(0.3)  # the requests are in: 2 decoding, the others queued
-            server.process.send_signal(signal.SIGTERM)
-            return time.monotonic(), await asyncio.gather(*sent)
-
-    signalled, responses = asyncio.run(run())
-    assert [r.status_code for r in responses] == [200] * len(prompts)
-    for prompt, r in zip(prompts, responses):  # greedy: the first NEW tokens are generate's
-        assert r.json()["choices"][0]["text"].split()[:NEW] == generated[prompt].split()
-    assert max(answered) > signalled  # some were still decoding or queued when the signal came
-    assert server.process.wait(timeout=60) == 0
-    assert any("stopped (" in line for line in server.lines)
-
-
 def test_each_prompt_samples_with_its_own_seed_and_a_tiny_temperature_is_greedy(decoder_server, generated):
     ask = {"model": "tiny", "prompt": ["w5 w6 w7", "w5 w6 w7"], "max_tokens": 12, "temperature": 1.0, "seed": 7}
     first = httpx.post(f"{decoder_server.url}/v1/completions", json=ask).json()["choices"]
@@ -179,3 +151,33 @@ def test_frugality_top_shows_the_server_with_its_request_rate(decoder_server, ca
     [run] = runs
     assert run["serving"] == decoder_server.url and run["pid"] == decoder_server.process.pid
     assert run["requests"] >= 3 and run["requests_per_s"] is not None
+
+
+def test_sigterm_answers_the_requests_in_flight_and_exits_0(decoder_server, generated):
+    """Last in this file: it stops the module's server."""
+    server = decoder_server
+    prompts = [PROMPTS[i % 4] for i in range(30)]
+    answered: list[float] = []
+
+    async def ask(client, prompt):
+        response = await client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 64, "temperature": 0}
+        )
+        answered.append(time.monotonic())
+        return response
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            sent = [asyncio.create_task(ask(client, p)) for p in prompts]
+            while not answered:  # the first answer: 3 rows decoding, the others queued
+                await asyncio.sleep(0.002)
+            server.process.send_signal(signal.SIGTERM)
+            return time.monotonic(), await asyncio.gather(*sent)
+
+    signalled, responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * len(prompts)
+    for prompt, r in zip(prompts, responses):  # greedy: the first NEW tokens are generate's
+        assert r.json()["choices"][0]["text"].split()[:NEW] == generated[prompt].split()
+    assert max(answered) > signalled  # some were still decoding or queued when the signal came
+    assert server.process.wait(timeout=60) == 0
+    assert any("stopped (" in line for line in server.lines)
