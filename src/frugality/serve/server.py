@@ -125,7 +125,9 @@ def _run(settings, family, device, state, sock, where, exposed, name, run_dir, l
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto named: asyncio sets TCP_NODELAY on the connections only of a socket that says it is
+    # TCP, and without it a kept-alive connection's response waits ~40 ms on delayed ACKs
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
