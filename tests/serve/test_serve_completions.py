@@ -153,6 +153,33 @@ def test_frugality_top_shows_the_server_with_its_request_rate(decoder_server, ca
     assert run["requests"] >= 3 and run["requests_per_s"] is not None
 
 
+def _completion_tokens(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith('frugality_tokens_total{endpoint="completions",kind="completion"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_that_leaves_frees_its_rows(decoder_server):
+    """A non-streamed request of 16 prompts x 64 tokens, its connection closed once
+    decoding has begun: its prompts stop, and the next request is not queued behind them."""
+    import socket
+
+    host, port = decoder_server.url.removeprefix("http://").split(":")
+    before = _completion_tokens(decoder_server.url)
+    body = json.dumps({"model": "tiny", "prompt": ["w5 w6"] * 16, "max_tokens": 64, "temperature": 0}).encode()
+    with socket.create_connection((host, int(port))) as client:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+        )
+        client.sendall(head.encode() + b"\r\n\r\n" + body)
+        while _completion_tokens(decoder_server.url) == before:  # decoding has begun
+            pass
+    after = httpx.post(f"{decoder_server.url}/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2})
+    assert after.status_code == 200
+    assert _completion_tokens(decoder_server.url) - before < 16 * 64  # the 16 prompts did not all run to the end
+
+
 def test_sigterm_answers_the_requests_in_flight_and_exits_0(decoder_server, generated):
     """Last in this file: it stops the module's server."""
     server = decoder_server

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -43,7 +44,7 @@ class Level:
 
     def row(self) -> dict:
         lat = sorted(self.latencies_ms)
-        q = lambda p: round(lat[min(len(lat) - 1, int(p * len(lat)))], 1) if lat else None  # noqa: E731
+        q = lambda p: round(lat[max(0, math.ceil(p * len(lat)) - 1)], 1) if lat else None  # noqa: E731 (nearest rank)
         return {
             "mode": self.mode,
             "level": self.level,
@@ -87,27 +88,43 @@ class Target:
         self.endpoint = self._endpoint()
 
     def _start(self, model: str, serve_args: list[str], log) -> str:
+        import tempfile
+
         command = [sys.executable, "-m", "frugality", "serve", model, "--port", "0", *serve_args]
         log(f"starting: {' '.join(command[2:])}")
-        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        first = None
-        for line in self.process.stderr:
-            first = first or line
-            if line.startswith("error:"):
-                self.stop()
-                raise UserError(f"frugality serve: {line.strip().removeprefix('error: ')}")
-            if "ready, POST" in line:
-                return re.search(r"(http://[\d.]+:\d+)", first).group(1)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-serve-", suffix=".log")  # (a pipe could fill)
+        self.process = subprocess.Popen(command, stderr=self.log, text=True, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            with open(self.log.name) as f:
+                text = f.read()
+            ready = re.search(r"ready, POST (http://\S+?)/v1/", text)
+            if ready:
+                return ready.group(1)
+            if self.process.poll() is not None:
+                error = [line for line in text.splitlines() if line.startswith("error:")]
+                raise UserError(f"frugality serve {model}: {error[-1].removeprefix('error: ') if error else 'ended'}")
+            time.sleep(0.1)
         self.stop()
-        raise UserError(f"frugality serve {model}: ended before it was ready")
+        raise UserError(f"frugality serve {model}: not ready after 600 s")
 
     def _endpoint(self) -> str:
+        """embeddings or completions, asked of the server once it is ready."""
         import httpx
 
+        deadline = time.monotonic() + 600
+        while httpx.get(f"{self.url}/health", timeout=30).status_code != 200:
+            if time.monotonic() > deadline:
+                raise UserError(f"{self.url}/health: not ready after 600 s")
+            time.sleep(0.5)
         probe = httpx.post(
             f"{self.url}/v1/embeddings", json={"model": self.model, "input": "probe"}, headers=self.headers, timeout=60
         )
-        return "embeddings" if probe.status_code == 200 else "completions"
+        if probe.status_code == 200:
+            return "embeddings"
+        if probe.status_code == 404:
+            return "completions"
+        raise UserError(f"{self.url}/v1/embeddings: HTTP {probe.status_code} ({probe.text[:200]})")
 
     def joules(self) -> tuple[float | None, str | None]:
         import httpx
@@ -254,7 +271,10 @@ def markdown_table(levels: list[Level]) -> str:
 
 def report(target: Target, levels: list[Level], slo_ms: float) -> dict:
     best = saturation(levels, slo_ms)
+    rates = [lv.level for lv in levels if lv.mode == "rate"]
     return {
+        # every rate tried met the SLO: the capacity is at least the saturation, not it
+        "saturation_is_lower_bound": best is not None and best["level"] == max(rates),
         "url": target.url,
         "model": target.model,
         "endpoint": target.endpoint,

@@ -520,6 +520,10 @@ def bench_serve(
     table += "\n\n" + (
         f"saturation: {best['rate_per_s']:g} req/s offered, {best['throughput_per_s']:g} req/s answered with p99 "
         f"{best['p99_ms']} ms <= {slo_ms:g} ms"
+        + (
+            "; every rate tried met it: the capacity is higher (try higher --rate)"
+            * result["saturation_is_lower_bound"]
+        )
         if best
         else f"saturation: no open-loop rate met p99 <= {slo_ms:g} ms with no errors"
     )

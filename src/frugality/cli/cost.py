@@ -144,8 +144,8 @@ def serve(rate, per_instance_throughput, bench_json, watts, price_per_hour, inst
     if bench_json is not None:
         if per_instance_throughput is not None:
             raise UserError("--from and --per-instance-throughput: give one")
-        per_instance_throughput, measured_watts, kind = _measured_serving(bench_json)
-        throughput_source = f"measured by bench serve ({bench_json})"
+        per_instance_throughput, measured_watts, kind, bound = _measured_serving(bench_json)
+        throughput_source = f"measured by bench serve ({bench_json}{bound})"
         if watts is None and measured_watts is not None:
             watts, energy = measured_watts, f"{kind} by bench serve at saturation, {measured_watts:g} W"
     elif per_instance_throughput is None:
@@ -184,15 +184,17 @@ def _measured_serving(path: str) -> tuple[str, float | None, str | None]:
     from frugality.errors import UserError
 
     try:
-        data = json.loads(open(path).read())
+        data = json.loads(Path(path).read_text())
         best = data["saturation"]
+        throughput = best["throughput_per_s"] if best else None
     except (OSError, ValueError, KeyError, TypeError):
         raise UserError(f"--from {path}: not the JSON of `frugality bench serve --json`") from None
     if not best:
         raise UserError(
             f"--from {path}: no rate met its SLO ({data.get('slo_ms')} ms p99): rerun bench serve with lower --rate"
         )
-    return str(best["throughput_per_s"]), best.get("watts"), best.get("energy")
+    bound = "; a lower bound: every rate tried met the SLO" if data.get("saturation_is_lower_bound") else ""
+    return str(throughput), best.get("watts"), best.get("energy"), bound
 
 
 @cost.command("compare")

@@ -149,11 +149,20 @@ def build_app(state: State) -> FastAPI:
                 headers={"Cache-Control": "no-cache"},
             )
         futures = service.submit_all([(row, sampling, None) for row, sampling in zip(rows, samplings)])
+        answers = asyncio.ensure_future(asyncio.gather(*map(asyncio.wrap_future, futures)))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            done = await asyncio.gather(*map(asyncio.wrap_future, futures))
-        except asyncio.CancelledError:  # the client left, or the drain ran out: free its rows
+            await asyncio.wait([answers, gone], return_when=asyncio.FIRST_COMPLETED)
+            if not answers.done():  # the client left: its rows are freed, no one to answer
+                service.abandon(futures)
+                answers.cancel()
+                return Response(status_code=499)
+            done = answers.result()
+        except BaseException:  # a prompt failed, or the drain ran out: the others stop too
             service.abandon(futures)
             raise
+        finally:
+            gone.cancel()
         choices = [
             {"index": i, "text": (prompt if req.echo else "") + c.text, "logprobs": None, "finish_reason": c.finish}
             for i, (prompt, c) in enumerate(zip(req.prompts, done))
@@ -170,6 +179,13 @@ def build_app(state: State) -> FastAPI:
         }
 
     return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed its connection (the body was read: what comes
+    next from the server is `http.disconnect`)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _chunk(ident: str, created: int, name: str, index: int, text: str, finish: str | None) -> str:

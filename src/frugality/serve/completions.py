@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from frugality import xla
 from frugality.inference.generate import (
     Completion,
     RowText,
@@ -90,6 +91,10 @@ class CompletionService:
     def submit_all(self, asks: list[tuple[list[int], Sampling, Callable[[str], None] | None]]) -> list[Future]:
         """Queue a request's prompts, all of them or (the queue full) none: a 503."""
         sequences = [_Sequence(prompt, sampling, Future(), on_text) for prompt, sampling, on_text in asks]
+        if len(sequences) > self.max_queue:  # could never be queued: not a 503 to retry
+            raise APIError(
+                400, f"'prompt' holds {len(sequences)} prompts; this server queues at most {self.max_queue}", "prompt"
+            )
         with self._lock:
             if self._closing or self._waiting + len(sequences) > self.max_queue:
                 raise overloaded()
@@ -121,32 +126,45 @@ class CompletionService:
     @torch.inference_mode()
     def _loop(self) -> None:
         while True:
-            if self._closing:
-                return self._drop_everything()
-            busy = any(s is not None for s in self.slots)
-            joining = self._admit(wait=not busy)
-            if joining is _STOP:
-                continue
-            for slot, s in enumerate(self.slots):
-                if s is not None and s.abandoned:
-                    self._free(slot)
-            joined = []
             try:
-                if joining:
-                    joined = self._join(joining)
-            except Exception as e:  # the prefill failed: the rows joining hear so
-                for _, s in joined or joining:
-                    settle(s.future, error=e)
-                for slot, _ in joining:
-                    self._free(slot)
-            try:
-                if any(s is not None for s in self.slots):
-                    self._step()
-            except Exception as e:  # the decoding step failed: every row in it hears so, the loop goes on
+                if self._turn():
+                    return
+            except Exception as e:  # a fault of ours outside the model calls: what is in flight hears it
                 for slot, s in enumerate(self.slots):
                     if s is not None:
                         settle(s.future, error=e)
                         self._free(slot)
+
+    def _turn(self) -> bool:
+        """Admit, prefill and decode one step; True once the service is closed."""
+        if self._closing:
+            self._drop_everything()
+            return True
+        busy = any(s is not None for s in self.slots)
+        joining = self._admit(wait=not busy)
+        if joining is _STOP:
+            return False
+        for slot, s in enumerate(self.slots):
+            if s is not None and s.abandoned:
+                self._free(slot)
+        joined = []
+        try:
+            if joining:
+                joined = self._join(joining)
+        except Exception as e:  # the prefill failed: the rows joining hear so
+            for _, s in joined or joining:
+                settle(s.future, error=e)
+            for slot, _ in joining:
+                self._free(slot)
+        try:
+            if any(s is not None for s in self.slots):
+                self._step()
+        except Exception as e:  # the decoding step failed: every row in it hears so, the loop goes on
+            for slot, s in enumerate(self.slots):
+                if s is not None:
+                    settle(s.future, error=e)
+                    self._free(slot)
+        return False
 
     def _admit(self, wait: bool):
         """Queued prompts for the free rows: when idle, wait for one, then `max_wait` for
@@ -206,7 +224,7 @@ class CompletionService:
             self.slots[slot] = s
             self.following[slot] = len(s.prompt) - 1  # its prompt's last; the token picked next takes + 1
         device = self.decoder.device
-        logits = _prefill(self.decoder.model, ids.to(device), positions.to(device), self.cache)
+        logits = self._host(_prefill(self.decoder.model, ids.to(device), positions.to(device), self.cache))
         self.metrics.batch.labels(f"{self.endpoint}-prefill").observe(len(joined))
         self.metrics.tokens.labels(self.endpoint, "prompt").inc(sum(len(s.prompt) for _, s in joined))
         for slot, _ in joined:
@@ -216,8 +234,8 @@ class CompletionService:
     def _step(self) -> None:
         device = self.decoder.device
         active = [i for i, s in enumerate(self.slots) if s is not None]
-        logits = _decode(
-            self.decoder.model, self.last[:, None].to(device), self.following[:, None].to(device), self.cache
+        logits = self._host(
+            _decode(self.decoder.model, self.last[:, None].to(device), self.following[:, None].to(device), self.cache)
         )
         self.metrics.batch.labels(self.endpoint).observe(len(active))
         for slot in active:
@@ -228,8 +246,6 @@ class CompletionService:
         a failure here is this row's alone."""
         s = self.slots[slot]
         try:
-            if self.decoder.device.type == "xla":  # XLA samples on the host, as `generate` does
-                logits = logits.cpu()
             token = int(pick(logits, s.sampling, s.generator)[0])
             ended = s.text.add(0, s.completion, token)
             self.metrics.tokens.labels(self.endpoint, "completion").inc()
@@ -244,6 +260,14 @@ class CompletionService:
             return
         self.last[slot] = token
         self.following[slot] += 1
+
+    def _host(self, logits: torch.Tensor) -> torch.Tensor:
+        """On XLA: the step's graph ended (the cache written) and the logits on the host,
+        where the rows sample, as `generate` does; elsewhere as they are."""
+        if self.decoder.device.type != "xla":
+            return logits
+        xla.sync()
+        return logits.cpu()
 
     def _free(self, slot: int) -> None:
         self.slots[slot] = None

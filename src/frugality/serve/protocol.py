@@ -15,7 +15,8 @@ class APIError(Exception):
         self.headers: dict[str, str] = {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        message = self.message.encode("utf-8", "backslashreplace").decode()  # (a request's lone surrogate echoed)
+        return {"error": {"message": message, "type": self.kind, "param": self.param, "code": None}}
 
 
 def overloaded(retry_after_s: int = 1) -> APIError:

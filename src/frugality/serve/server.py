@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -87,7 +88,8 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
     host, port = sock.getsockname()[:2]
     where = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     exposed = "" if settings.host in LOOPBACK else " (not loopback: anyone who can reach this address can call it)"
-    run_dir = Path(settings.runs_dir) / f"serve-{name}-{port}"
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "model"  # (a name is not a path)
+    run_dir = Path(settings.runs_dir) / f"serve-{safe}-{port}"
     with held(run_dir, "or serve on another --port"):
         return _run(settings, family, device, state, sock, where, exposed, name, run_dir, log, uvicorn)
 
@@ -111,10 +113,12 @@ def _run(settings, family, device, state, sock, where, exposed, name, run_dir, l
     every_s = float(os.environ.get("FRUGALITY_SERVE_REPORT_S", "5"))  # (tests: shorter)
     reporter = threading.Thread(target=_report, args=(state, run_dir, where, reporting, every_s), daemon=True)
     reporter.start()
-    server.run(sockets=[sock])
-    reporting.set()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # drained: a second signal ends the process at once
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        reporting.set()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # drained: a second signal ends the process at once
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if state.problem:
         raise UserError(state.problem)
     if state.service is not None:
@@ -186,8 +190,11 @@ def _report(state: State, run_dir: Path, where: str, stop: threading.Event, ever
     """A `serve` record in RUN_DIR/metrics.jsonl every few seconds: the address, requests
     answered, and their rate over the last interval (`frugality top` shows the last)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("")  # this server's records only (a name and port reused)
     before, then = _answered(state), time.monotonic()
-    while not stop.wait(every_s):
+    first = True
+    while first or not stop.wait(every_s):  # a first record at once: top shows a server, not a run starting
+        first = False
         now, count = time.monotonic(), _answered(state)
         record = {
             "kind": "serve",
@@ -195,7 +202,7 @@ def _report(state: State, run_dir: Path, where: str, stop: threading.Event, ever
             "url": where,
             "ready": state.service is not None,
             "requests": count,
-            "requests_per_s": round((count - before) / (now - then), 3),
+            "requests_per_s": round((count - before) / (now - then), 3) if now > then else 0.0,
         }
         with open(run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -387,8 +387,6 @@ def _progress(run_dir: Path) -> dict:
         except ValueError:  # a line being written
             pass
     try:
-        if last is None:
-            raise OSError
         total = tomllib.loads((run_dir / RECIPE_FILE).read_text()).get("train", {}).get("steps")
     except (OSError, ValueError):
         return {"step": None, "total_steps": None, "tokens_per_s": None, "eta_s": None}
