@@ -8,7 +8,10 @@ and the error against fp32, for
 - `int_mm, compiled`: the same function under `torch.compile` (Inductor fuses the
   quantize and dequantize passes around the product);
 - `quantize_dynamic`: `torch.ao.quantization.quantize_dynamic` (FBGEMM: weights per
-  channel, activations per tensor, u8 x s8).
+  channel, activations per tensor, u8 x s8);
+- `ONNX Runtime` (where `onnxruntime` and `onnx` are installed): the layer as an ONNX
+  MatMul, in fp32 and quantized by `onnxruntime.quantization.quantize_dynamic` (weights s8
+  per channel, activations u8 per tensor: DynamicQuantizeLinear + MatMulInteger, MLAS).
 
 Facts found with it (2026-11-25, 2-core AMD EPYC Zen 4, torch 2.13.0):
 - `torch._int_mm` on CPU goes to oneDNN only where the CPU has AVX512-VNNI (pytorch#136942,
@@ -23,8 +26,10 @@ Facts found with it (2026-11-25, 2-core AMD EPYC Zen 4, torch 2.13.0):
   gets) `_int_mm` is 35-40x SLOWER than fp32: on AVX2-only CPUs it is no candidate.
 - FBGEMM's dynamic quantization has AVX2 kernels of its own: 3.3-3.9x fp32 natively,
   1.1-1.7x with `FBGEMM_ENABLE_INSTRUCTIONS=AVX2` (plus the oneDNN/ATen limits); relative
-  error ~2.4% here (activations per tensor, not per token). ONNX Runtime (MLAS) is the
-  candidate left to measure.
+  error ~2.4% here (activations per tensor, not per token).
+- ONNX Runtime 1.32 int8: 3.5-3.9x torch's fp32 natively, error ~1.3% (u8 activations
+  keep a bit more than s8); its fp32 is ~10% faster than torch's. MLAS picks its kernels by
+  cpuid and takes no ISA limit: its AVX2 figure needs an AVX2-only machine too.
 
     .venv/bin/python benchmarks/int8_linear.py [--rows 1280]
     FBGEMM_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 ...  # (see above: not _int_mm)
@@ -54,6 +59,42 @@ def qlinear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor
     s = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
     xq = (x / s).round().clamp(-127, 127).to(torch.int8)
     return torch._int_mm(xq, wq).float() * s * sw
+
+
+def _onnx_runtime(x: torch.Tensor, w: torch.Tensor) -> dict:
+    """The layer in ONNX Runtime, fp32 and dynamically quantized; none where not installed."""
+    try:
+        import onnx
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+    except ImportError:
+        return {}
+    import tempfile
+    from pathlib import Path
+
+    k, n = w.shape[1], w.shape[0]
+    folder = Path(tempfile.mkdtemp(prefix="int8-linear-"))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
+        [numpy_helper.from_array(w.t().contiguous().numpy(), "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "fp32.onnx")
+    quantize_dynamic(folder / "fp32.onnx", folder / "int8.onnx", weight_type=QuantType.QInt8, per_channel=True)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    sessions = {
+        name: ort.InferenceSession(str(folder / f"{name}.onnx"), options, providers=["CPUExecutionProvider"])
+        for name in ("fp32", "int8")
+    }
+    feed = {"x": x.numpy()}
+    return {
+        f"ONNX Runtime {name}": (lambda s=session: torch.from_numpy(s.run(None, feed)[0]))
+        for name, session in sessions.items()
+    }
 
 
 def _without_onednn(fn, *args):
@@ -87,6 +128,7 @@ def main() -> None:
             "quantize_dynamic (FBGEMM)": lambda: dynamic(x),
             "int_mm without oneDNN (an AVX2-only CPU's path)": lambda: _without_onednn(qlinear, x, wq, sw),
         }
+        paths |= _onnx_runtime(x, w)
         base = _best(paths["fp32"])
         for name, fn in paths.items():
             with torch.no_grad():
