@@ -39,6 +39,8 @@ def _run(ray, settings, inputs, size, pending, count, report) -> int:
     try:
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0)) if settings.device in ("auto", "cuda") else 0
+        if settings.device.startswith("cuda") and not gpus:  # not CPU actors in its place, silently
+            raise UserError("--device cuda: the Ray cluster has no GPU (ray.cluster_resources() lists none)")
         actors = max(1, min(gpus or int(resources.get("CPU", 1)), len(pending)))
         kind = ray.remote(
             num_gpus=1 if gpus else 0,
