@@ -38,3 +38,24 @@ def test_bad_input_is_one_line_naming_the_line(tmp_path):
         _samples(path)
     with pytest.raises(UserError, match="no such file"):
         _samples(tmp_path / "missing.jsonl")
+
+
+def test_a_rerun_reads_the_tokens_from_the_cache_and_a_changed_file_is_tokenized_again(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("FRUGALITY_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(f'{{"query": "word {i}", "text": "gloss number {i}"}}\n' for i in range(6)))
+    first = _samples(path)
+    [cached] = (tmp_path / "cache" / "pairs").glob("*.npz")
+    again = _samples(path)
+    assert again.num_pairs == first.num_pairs == 6 and again.num_tokens == first.num_tokens
+    assert all(np.array_equal(a, b) for a, b in zip(again._ids, first._ids))
+    assert np.array_equal(again.gather(np.arange(6)).ids, first.gather(np.arange(6)).ids)
+    path.write_text("".join(f'{{"query": "term {i}", "text": "another gloss {i}"}}\n' for i in range(7)))
+    os.utime(path, ns=(cached.stat().st_mtime_ns + 10**9,) * 2)
+    changed = _samples(path)
+    assert changed.num_pairs == 7 and len(list((tmp_path / "cache" / "pairs").glob("*.npz"))) == 2
+    [newest] = set((tmp_path / "cache" / "pairs").glob("*.npz")) - {cached}
+    newest.write_bytes(b"damaged")  # a damaged cache file: tokenized again, not an error
+    assert _samples(path).num_pairs == 7

@@ -2,7 +2,9 @@
 (gzipped or not), the field names chosen by the recipe (`data.fields`).
 
 Every text is tokenized once, with the tokenizer's special tokens ([CLS] ... [SEP]), and
-cut to the longest length bucket (`data.seq_len`). A batch stacks its queries, then its
+cut to the longest length bucket (`data.seq_len`); the token ids are kept in the cache
+(`$FRUGALITY_CACHE/pairs/`, keyed by the file's path, size and time, the tokenizer, the
+fields and the length), so a rerun on the same file does not tokenize it again. A batch stacks its queries, then its
 positives, then its negatives into one (groups x pairs, L) array, padded to the smallest
 bucket that holds its longest text: a run meets at most one shape per bucket, so compiled
 graphs never recompile once each bucket has been seen.
@@ -76,6 +78,46 @@ def read_pairs(path: Path, fields: tuple[str, ...]) -> list[list[str]]:
     return columns
 
 
+def _tokenized(path: Path, tokenizer: Tokenizer, fields: tuple[str, ...], longest: int):
+    """The ids and starts of each field's texts: from the cache, or tokenized and cached."""
+    import hashlib
+    import os
+
+    from frugality.paths import cache_dir
+
+    tokenizer.enable_truncation(longest)  # (set either way: the caller's tokenizer as it was before the cache)
+    tokenizer.no_padding()
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise UserError(f"data.dataset {path}: no such file") from None
+    identity = json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns, list(fields), longest])
+    key = hashlib.sha256(identity.encode() + tokenizer.to_str().encode()).hexdigest()[:24]
+    cached = cache_dir() / "pairs" / f"{key}.npz"
+    try:
+        with np.load(cached) as saved:
+            return [saved[f"ids{g}"] for g in range(len(fields))], [saved[f"starts{g}"] for g in range(len(fields))]
+    except (OSError, KeyError, ValueError):  # not cached yet (or a damaged file: tokenized again)
+        pass
+    columns = read_pairs(path, fields)
+    ids, starts = [], []
+    for texts in columns:
+        rows = [e.ids for e in tokenizer.encode_batch(texts)]
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        starts.append(np.concatenate([[0], np.cumsum(lengths)]))
+        ids.append(np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(lengths.sum())))
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f"{cached.stem}.{os.getpid()}.partial.npz")
+        np.savez(
+            partial, **{f"ids{g}": a for g, a in enumerate(ids)}, **{f"starts{g}": a for g, a in enumerate(starts)}
+        )
+        os.replace(partial, cached)
+    except OSError:  # a cache that cannot be written: tokenized again next time
+        pass
+    return ids, starts
+
+
 class PairSamples:
     """Tokenized pairs, split into training and validation by a seeded permutation."""
 
@@ -90,17 +132,9 @@ class PairSamples:
     ) -> None:
         self.path, self.seed, self.groups = Path(path), seed, len(fields)
         self.buckets = tuple(sorted(buckets))
-        columns = read_pairs(self.path, fields)
-        tokenizer.enable_truncation(self.buckets[-1])
-        tokenizer.no_padding()
         # One flat array of ids per field, and each text's start: compact for millions of texts.
-        self._ids, self._starts = [], []
-        for texts in columns:
-            rows = [e.ids for e in tokenizer.encode_batch(texts)]
-            lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-            self._starts.append(np.concatenate([[0], np.cumsum(lengths)]))
-            self._ids.append(np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(lengths.sum())))
-        self.num_pairs = len(columns[0])
+        self._ids, self._starts = _tokenized(self.path, tokenizer, fields, self.buckets[-1])
+        self.num_pairs = len(self._starts[0]) - 1
         self.num_tokens = int(sum(len(ids) for ids in self._ids))
         order = np.random.default_rng([seed, 0xDA7A]).permutation(self.num_pairs)
         n_val = max(1, round(val_fraction * self.num_pairs))
