@@ -313,3 +313,51 @@ def s3_bucket(monkeypatch):
     fs.mkdir(bucket)
     yield f"s3://{bucket}"
     server.stop()
+
+
+TINY_VOCAB, TINY_EOS = 256, 0  # the tiny decoders' word-level vocabulary: <|endoftext|>, w1 ... w255
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder(tmp_path_factory):
+    """`tiny_decoder("neox" | "llama")`: a decoder of two layers saved by transformers
+    (GPT-NeoX with partial rotary; Llama with grouped-query attention) beside a word-level
+    tokenizer, its weights spread so that greedy choices are decided by clear margins
+    rather than by float rounding; built once a session."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    common |= dict(vocab_size=TINY_VOCAB, max_position_embeddings=128, eos_token_id=TINY_EOS)
+    kinds = {
+        "neox": (
+            transformers.GPTNeoXForCausalLM,
+            transformers.GPTNeoXConfig(**common, rotary_pct=0.25, bos_token_id=0),
+        ),
+        "llama": (
+            transformers.LlamaForCausalLM,
+            transformers.LlamaConfig(**common, num_key_value_heads=2, bos_token_id=1, pad_token_id=TINY_EOS),
+        ),
+    }
+    built: dict[str, Path] = {}
+
+    def build(kind: str) -> Path:
+        if kind not in built:
+            model_class, config = kinds[kind]
+            model = model_class(config).eval()
+            torch.manual_seed(0)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if p.dim() > 1:
+                        p.normal_(0.0, 0.3 if "embed" in name else 0.15)
+            folder = tmp_path_factory.mktemp(kind)
+            model.save_pretrained(folder)
+            vocab = {"<|endoftext|>": TINY_EOS, **{f"w{i}": i for i in range(1, TINY_VOCAB)}}
+            tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+            tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+            tokenizer.add_special_tokens(["<|endoftext|>"])
+            tokenizer.save(str(folder / "tokenizer.json"))
+            built[kind] = folder
+        return built[kind]
+
+    return build

@@ -7,6 +7,7 @@ warm-up; the command end to end, and its refusals."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,69 +18,23 @@ from frugality.errors import UserError
 from frugality.inference.generate import Engine, Sampling, cache_length, load_decoder, pick
 
 transformers = pytest.importorskip("transformers")
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-
-VOCAB = 256
-EOS = 0
+EOS = 0  # the tiny decoders' end token (tests/conftest.py)
 
 
-def _tokenizer() -> Tokenizer:
-    """A word-level tokenizer of VOCAB words: `<|endoftext|>`, then w1 ... w255."""
-    vocab = {"<|endoftext|>": EOS, **{f"w{i}": i for i in range(1, VOCAB)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.add_special_tokens(["<|endoftext|>"])
-    return tokenizer
+def _tokenizer(folder: Path):
+    from tokenizers import Tokenizer
 
-
-def _save(model, folder: Path) -> Path:
-    model.save_pretrained(folder)
-    _tokenizer().save(str(folder / "tokenizer.json"))
-    return folder
-
-
-def _spread(model):
-    """Larger random weights than the default init, so that greedy choices are decided by
-    clear margins rather than by float rounding."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3 if "embed" in name else 0.15)
-    return model.eval()
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")
-def neox_folder(tmp_path_factory) -> Path:
-    config = transformers.GPTNeoXConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        rotary_pct=0.25,
-        bos_token_id=EOS,
-        eos_token_id=EOS,
-    )
-    return _save(_spread(transformers.GPTNeoXForCausalLM(config)), tmp_path_factory.mktemp("neox"))
+def neox_folder(tiny_decoder) -> Path:
+    return tiny_decoder("neox")
 
 
 @pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory) -> Path:
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        pad_token_id=EOS,
-    )
-    return _save(_spread(transformers.LlamaForCausalLM(config)), tmp_path_factory.mktemp("llama"))
+def llama_folder(tiny_decoder) -> Path:
+    return tiny_decoder("llama")
 
 
 PROMPTS = [
@@ -224,7 +179,7 @@ def test_the_command_from_a_prompt_file_to_jsonl(neox_folder, tmp_path, capsys):
     for row, expected in zip(rows, theirs):
         stop = EOS in expected  # the tokenizer's end token stops a row by default
         tokens = expected[: expected.index(EOS) + 1] if stop else expected
-        assert row["completion"] == _tokenizer().decode(tokens[:-1] if stop else tokens)
+        assert row["completion"] == _tokenizer(neox_folder).decode(tokens[:-1] if stop else tokens)
         assert row["prompt_tokens"] == len(row["prompt"].split()) and row["completion_tokens"] == len(tokens)
         assert row["finish"] == ("stop" if stop else "length")
     assert "5 prompts" in capsys.readouterr().err
@@ -273,7 +228,7 @@ def test_one_prompt_streams_to_the_terminal(llama_folder, capsys):
         == 0
     )
     [expected] = _theirs(llama_folder, [[5, 17, 33]], 5)  # (this tokenizer adds no <s>)
-    assert capsys.readouterr().out == _tokenizer().decode(expected) + "\n"
+    assert capsys.readouterr().out == _tokenizer(llama_folder).decode(expected) + "\n"
 
 
 def test_an_imported_folder_generates_as_the_hugging_face_one(llama_folder, tmp_path, capsys):
@@ -299,10 +254,11 @@ def test_refusals_are_one_error_line(neox_folder, tmp_path, capsys):
         num_hidden_layers=1,
         num_attention_heads=4,
         intermediate_size=64,
-        vocab_size=VOCAB,
+        vocab_size=256,
         max_position_embeddings=64,
     )
-    _save(transformers.BertModel(bert), tmp_path / "bert")
+    transformers.BertModel(bert).save_pretrained(tmp_path / "bert")
+    shutil.copy(neox_folder / "tokenizer.json", tmp_path / "bert")
     capsys.readouterr()  # transformers' progress bar
     assert "takes a decoder" in error(str(tmp_path / "bert"), "--prompt", "hi")
     assert "--prompt or --input" in error(str(neox_folder))

@@ -60,38 +60,6 @@ class Server:
         return self.process.wait(timeout=60)
 
 
-def tiny_decoder(folder: Path) -> Path:
-    """A GPT-NeoX of two layers with a word-level tokenizer (w1 ... w255), saved by
-    transformers, weights spread so that greedy choices have clear margins."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    config = transformers.GPTNeoXConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        vocab_size=256,
-        max_position_embeddings=128,
-        rotary_pct=0.25,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.GPTNeoXForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3 if "embed" in name else 0.15)
-    model.save_pretrained(folder)
-    vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, 256)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.add_special_tokens(["<|endoftext|>"])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    return folder
-
-
 @pytest.fixture(scope="session")
 def encoder_server():
     server = Server(
@@ -115,5 +83,5 @@ def encoder_server():
 
 
 @pytest.fixture(scope="module")
-def decoder_folder(tmp_path_factory) -> Path:
-    return tiny_decoder(tmp_path_factory.mktemp("neox"))
+def decoder_folder(tiny_decoder) -> Path:
+    return tiny_decoder("neox")

@@ -487,17 +487,15 @@ def bench_serve(
     from itertools import islice
 
     from frugality.bench.serve import Target, dumps, markdown_table, report, run_levels
-    from frugality.cli.options import comma_ints
+    from frugality.cli.options import comma_floats, comma_ints
     from frugality.errors import UserError
     from frugality.inference.inputs import open_inputs
 
     log = lambda line: click.echo(line, err=True)  # noqa: E731
-    rate_list = [float(r) for r in _floats(rates, "--rate")]
+    rate_list = comma_floats(rates, "--rate")
     clients = comma_ints(concurrencies, "--concurrency") if concurrencies else []
     if not rate_list and not clients:
         rate_list = [1.0, 2.0, 4.0, 8.0]
-    if any(r <= 0 for r in rate_list) or any(c < 1 for c in clients):
-        raise UserError("--rate and --concurrency must be positive")
     key = None
     if api_key_env:
         key = os.environ.get(api_key_env)
@@ -528,17 +526,6 @@ def bench_serve(
         else f"saturation: no open-loop rate met p99 <= {slo_ms:g} ms with no errors"
     )
     _write(table, dumps(result), markdown_path, json_path)
-
-
-def _floats(given: str | None, option: str) -> list[float]:
-    from frugality.errors import UserError
-
-    if not given:
-        return []
-    try:
-        return [float(x) for x in given.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{option} {given}: comma-separated numbers") from None
 
 
 def _corpus_lines() -> str:

@@ -23,3 +23,16 @@ def comma_names(value: str, allowed: tuple[str, ...], option: str) -> list[str]:
         if name not in allowed:
             raise UserError(f"{option} {name}: choose from {', '.join(allowed)}")
     return names
+
+
+def comma_floats(value: str | None, option: str) -> list[float]:
+    """`5,10,20` -> [5.0, 10.0, 20.0], in the order given, all positive; none for None."""
+    if not value:
+        return []
+    try:
+        numbers = [float(n) for n in value.split(",") if n.strip()]
+    except ValueError:
+        numbers = []
+    if not numbers or min(numbers) <= 0:
+        raise UserError(f"{option} {value}: comma-separated positive numbers, e.g. 5,10")
+    return numbers

@@ -42,7 +42,7 @@ class Piece:
         return asdict(self)
 
 
-def plan_pieces(files: list, target_bytes: int) -> list[Piece]:
+def plan_pieces(files: list, target_bytes: int, sizes: dict | None = None) -> list[Piece]:
     """The pieces of `files`, in order: a plain `.jsonl` larger than `target_bytes` cut at
     the first line boundary after every `target_bytes`; any other file whole."""
     pieces: list[Piece] = []
@@ -52,7 +52,7 @@ def plan_pieces(files: list, target_bytes: int) -> list[Piece]:
             sizes = [groups.row_group(g).total_byte_size for g in range(groups.num_row_groups)]
             pieces += [Piece(len(pieces) + g, f, g, g + 1, max(1, n)) for g, n in enumerate(sizes)]
             continue
-        size = found(f).size
+        size = sizes[f] if sizes else found(f).size  # (sizes: the caller looked them up already)
         cuts = [0]
         if base_name(f).endswith(_SPLITTABLE) and size > target_bytes:
             with open_input(f, block_size=1 << 16, cache="none") as raw:  # a line's end: a few KiB read

@@ -107,13 +107,14 @@ def prepare(
     if engine == "ray":
         ray_module()  # installed? (one line before anything is written)
     files = _expand(inputs)
-    _check_inputs(files, out_prefix, overwrite)
-    pieces = plan_pieces(files, piece_bytes)
+    seen = _check_inputs(files)  # each input looked up once (a URL's is a request)
+    _check_outputs(out_prefix, overwrite)
+    pieces = plan_pieces(files, piece_bytes, {f: s.size for f, s in seen.items()})
     dtype = token_dtype(tokenizer.vocab_size)
-    job = _job(files, tokenizer, field, dtype, pieces, dedup)
+    job = _job(files, seen, tokenizer, field, dtype, pieces, dedup)
     folder = Path(str(out_prefix) + ".parts")
     with _only_writer(folder):
-        _check_inputs(files, out_prefix, overwrite)  # again: a run that just finished may have written it
+        _check_outputs(out_prefix, overwrite)  # again: a run that just finished may have written it
         hashing = dedup is not None
         if engine == "ray":
             run = lambda todo, w: _run_ray(todo, tokenizer, field, dtype, folder, address, hashing)  # noqa: E731
@@ -407,11 +408,10 @@ def _merge(folder: Path, pieces: list[Piece], done: dict, out_prefix, dtype, ded
     return documents, writer.num_tokens, duplicates
 
 
-def _job(files: list[str], tokenizer: LoadedTokenizer, field: str, dtype, pieces: list[Piece], dedup) -> dict:
+def _job(files: list[str], seen: dict, tokenizer: LoadedTokenizer, field: str, dtype, pieces: list[Piece], dedup):
     """What the parts depend on: a rerun with anything else cannot use them."""
-    seen = [found(f) for f in files]
     return {
-        "inputs": [{"path": f, "bytes": s.size, "version": s.version} for f, s in zip(files, seen)],
+        "inputs": [{"path": f, "bytes": seen[f].size, "version": seen[f].version} for f in files],
         "tokenizer_sha256": hashlib.sha256(tokenizer.tokenizer.to_str().encode()).hexdigest(),
         "eod": tokenizer.eod_id,
         "dtype": np.dtype(dtype).name,
@@ -499,7 +499,9 @@ def _expand(inputs: Sequence[str | Path]) -> list[str]:
     return [name for given in map(str, inputs) for name in expand(given)]
 
 
-def _check_inputs(files: list[str], out_prefix: str | Path, overwrite: bool) -> None:
+def _check_inputs(files: list[str]) -> dict:
+    """Each input's `Found`, once every input is a file of a kind prepare reads."""
+    seen = {}
     if not files:
         raise UserError("data prepare: no input files given")
     for f in files:
@@ -514,6 +516,11 @@ def _check_inputs(files: list[str], out_prefix: str | Path, overwrite: bool) -> 
             raise UserError(f"input {f}: no such file")
         if what.size == 0:
             raise UserError(f"input {f}: empty (no text to tokenize)")
+        seen[f] = what
+    return seen
+
+
+def _check_outputs(out_prefix: str | Path, overwrite: bool) -> None:
     for p in paths(out_prefix):
         if p.exists() and not overwrite:
             raise UserError(f"output {p} already exists (choose another --out, or --overwrite)")

@@ -72,21 +72,7 @@ def parse_json(body: bytes, limits: Limits) -> dict:
 
 def embeddings_request(data: dict, limits: Limits, served: str) -> EmbeddingsRequest:
     model = _model(data, served)
-    given = data.get("input")
-    if given is None:
-        raise APIError(400, "'input' is required", "input")
-    texts = [given] if isinstance(given, str) else given
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        # (token arrays, which OpenAI also takes, are not: a text or a list of texts)
-        raise APIError(400, "'input' must be a string or a list of strings", "input")
-    if not texts:
-        raise APIError(400, "'input' is empty", "input")
-    if len(texts) > limits.max_inputs:
-        raise APIError(400, f"'input' holds {len(texts)} texts, more than the limit of {limits.max_inputs}", "input")
-    for i, text in enumerate(texts):
-        if not text:
-            raise APIError(400, f"'input[{i}]' is an empty string", "input")
-        _text(text, f"input[{i}]", "input")
+    texts = _texts(data, "input", "texts", limits.max_inputs)
     fmt = data.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise APIError(400, "'encoding_format' must be 'float' or 'base64'", "encoding_format")
@@ -97,20 +83,7 @@ def embeddings_request(data: dict, limits: Limits, served: str) -> EmbeddingsReq
 
 def completions_request(data: dict, limits: Limits, served: str) -> CompletionsRequest:
     model = _model(data, served)
-    given = data.get("prompt")
-    if given is None:
-        raise APIError(400, "'prompt' is required", "prompt")
-    prompts = [given] if isinstance(given, str) else given
-    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-        raise APIError(400, "'prompt' must be a string or a list of strings", "prompt")
-    if not prompts or any(not p for p in prompts):
-        raise APIError(400, "'prompt' is empty", "prompt")
-    if len(prompts) > limits.max_prompts:
-        raise APIError(
-            400, f"'prompt' holds {len(prompts)} prompts, more than the limit of {limits.max_prompts}", "prompt"
-        )
-    for i, prompt in enumerate(prompts):
-        _text(prompt, f"prompt[{i}]", "prompt")
+    prompts = _texts(data, "prompt", "prompts", limits.max_prompts)
     max_tokens = _number(data, "max_tokens", int, min(16, limits.max_tokens))
     if max_tokens < 1:
         raise APIError(400, f"'max_tokens' is {max_tokens}; it must be at least 1", "max_tokens")
@@ -164,6 +137,26 @@ def _number(data: dict, key: str, kind: type, default):
         return kind(value)
     except OverflowError:
         raise APIError(400, f"'{key}' is out of range", key) from None
+
+
+def _texts(data: dict, key: str, what: str, limit: int) -> list[str]:
+    """`data[key]`: a text or a list of texts (not token arrays, which OpenAI also takes),
+    each non-empty and whole, at most `limit` of them."""
+    given = data.get(key)
+    if given is None:
+        raise APIError(400, f"'{key}' is required", key)
+    texts = [given] if isinstance(given, str) else given
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise APIError(400, f"'{key}' must be a string or a list of strings", key)
+    if not texts:
+        raise APIError(400, f"'{key}' is empty", key)
+    if len(texts) > limit:
+        raise APIError(400, f"'{key}' holds {len(texts)} {what}, more than the limit of {limit}", key)
+    for i, text in enumerate(texts):
+        if not text:
+            raise APIError(400, f"'{key}[{i}]' is an empty string", key)
+        _text(text, f"{key}[{i}]", key)
+    return texts
 
 
 def _text(text: str, where: str, param: str) -> None:

@@ -77,14 +77,7 @@ def locked(run_dir: Path, world: distributed.World, device):
         yield
     finally:
         if held is not None:
-            # removed while still held (a process that opened it meanwhile sees it gone and
-            # opens anew); closing releases the flock
-            path = lock_path(run_dir)
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-            held.close()
+            _release(run_dir, held)
 
 
 def lock_path(run_dir: Path) -> Path:
@@ -99,8 +92,14 @@ def held(run_dir: Path, hint: str):
     try:
         yield
     finally:
-        lock_path(run_dir).unlink(missing_ok=True)
-        f.close()
+        _release(run_dir, f)
+
+
+def _release(run_dir: Path, f) -> None:
+    """Removed while still held (a process that opened it meanwhile sees it gone and opens
+    anew); closing releases the flock."""
+    lock_path(run_dir).unlink(missing_ok=True)
+    f.close()
 
 
 def _acquire(run_dir: Path, hint: str = "or train into another --run-dir"):
