@@ -87,6 +87,7 @@ def test_a_run_moves_between_layouts_and_exports_and_starts_from_hugging_face(
 
 
 NOISE_RUNS = """
+import os
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -105,7 +106,9 @@ for name, p in m.named_parameters():
     assert sum(n for _, _, n in runs) == local.numel(), name
     for start, at, n in runs:
         assert torch.equal(full[start : start + n], local[at : at + n]), (name, p.placements)
-print("ok", dist.get_rank())
+print("ok", dist.get_rank(), flush=True)
+dist.destroy_process_group()
+os._exit(0)  # gloo's threads can abort the interpreter's teardown: see distributed.exit_process
 """
 
 

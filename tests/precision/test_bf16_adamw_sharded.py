@@ -11,6 +11,7 @@ import sys
 import torch
 
 SCRIPT = """
+import os
 import sys
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ if not sharded or dist.get_rank() == 0:
     torch.save(state, sys.argv[1])
 if sharded:
     dist.destroy_process_group()
+    os._exit(0)  # gloo's threads can abort the interpreter's teardown: see distributed.exit_process
 """
 
 

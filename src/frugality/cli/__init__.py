@@ -13,7 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from frugality.cli.main import main as run
 
-        return run(argv)
+        status = run(argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        status = 130
+    if "frugality.distributed" in sys.modules:  # a rank under torchrun: see exit_process
+        sys.modules["frugality.distributed"].exit_process(status)
+    return status

@@ -145,6 +145,7 @@ def init(device: torch.device, timeout_s: int) -> World:
         if device.type == "cuda":
             torch.cuda.set_device(world.local_rank)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        _JOINED.append(True)
     return world
 
 
@@ -328,3 +329,27 @@ def shutdown() -> None:
     _MESHES.clear()  # their process groups go with it
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_JOINED: list[bool] = []  # a process group was joined in this process
+
+
+def exit_process(status: int) -> None:
+    """End a process that joined a process group with `status`, once its command returned:
+    the exit handlers run and the output is flushed, but the interpreter's own teardown is
+    skipped. Gloo's worker threads outlive `destroy_process_group` once DTensor or FSDP2
+    collectives ran (torch 2.13), and their destruction at that teardown aborts the process
+    now and then ("terminate called without an active exception", SIGABRT) after a run that
+    succeeded, which torchrun reports as a failed run (pytorch/pytorch#190489). Nothing
+    where no group was joined (one process; tests calling the CLI in-process)."""
+    if not _JOINED:
+        return
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or its reader gone
+            pass
+    os._exit(status)
