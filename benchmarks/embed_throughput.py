@@ -69,7 +69,7 @@ def main() -> int:
     write_results(
         Path(__file__).parent / "results",
         "embed_throughput",
-        "minilm",
+        "minilm" if args.precision == "fp32" else f"minilm-{args.precision}",
         header,
         markdown_table(rows) + footer,
         rows_json(rows),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import httpx
 import numpy as np
@@ -187,3 +189,25 @@ def test_the_listening_socket_says_it_is_tcp_so_connections_get_nodelay():
         assert sock.proto == socket.IPPROTO_TCP
     finally:
         sock.close()
+
+
+def test_an_int8_server_answers_within_int8s_measured_cosine_or_is_refused_in_one_line(reference):
+    from frugality.precision.int8 import int8_products
+
+    if not int8_products()[0]:  # refused before it listens: one line, exit 2
+        done = subprocess.run(
+            [sys.executable, "-m", "frugality", "serve", MINILM, "--precision", "int8", "--port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: --precision int8: ")
+        return
+    server = Server(MINILM, "--name", "minilm", "--precision", "int8")
+    try:
+        assert "int8 (asked for)" in server.text()
+        got = httpx.post(f"{server.url}/v1/embeddings", json={"model": "minilm", "input": TEXTS[:40]}).json()
+        cosines = [_cosine(d["embedding"], reference[t]) for d, t in zip(got["data"], TEXTS[:40])]
+        assert len(cosines) == 40 and min(cosines) >= 0.98 and np.mean(cosines) >= 0.99
+    finally:
+        assert server.stop() == 0

@@ -85,7 +85,9 @@ def bench_embed(
         rows.append(
             {
                 "implementation": name,
-                "precision": str(ours.dtype).removeprefix("torch."),
+                "precision": "int8"
+                if ours.int8 and name != "sentence-transformers"
+                else str(ours.dtype).removeprefix("torch."),
                 "batch": batch,
                 "texts": len(texts),
                 "texts_per_s": round(len(texts) / best[name], 1) if run else None,
@@ -93,6 +95,7 @@ def bench_embed(
                 if run and not missing
                 else None,
                 "min_cosine": round(float(cosines[name].min()), 6) if name in cosines else None,
+                "mean_cosine": round(float(cosines[name].mean()), 6) if name in cosines else None,
                 "threads": torch.get_num_threads() if name != RAY_ROW else 1,  # embed_ray: a thread a CPU actor
                 "precision_choice": why,
                 "skipped": None if run else missing,
@@ -136,21 +139,23 @@ def _ray_job(model: str, texts: list[str], batch: int, precision: str, address: 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| implementation | precision | batch | texts | texts/s | vs sentence-transformers | min cosine |",
-        "|---|---|---|---|---|---|---|",
+        "| implementation | precision | batch | texts | texts/s | vs sentence-transformers "
+        "| min cosine | mean cosine |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("skipped"):
             lines.append(
                 f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['texts']:,} | "
-                f"not run: {r['skipped']} | | |"
+                f"not run: {r['skipped']} | | | |"
             )
             continue
         cosine = "—" if r["min_cosine"] is None else f"{r['min_cosine']:.6f}"
+        mean = "—" if r.get("mean_cosine") is None else f"{r['mean_cosine']:.6f}"
         versus = "—" if r["vs_sentence_transformers"] is None else f"{r['vs_sentence_transformers']:.2f}×"
         lines.append(
             f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['texts']:,} | "
-            f"{r['texts_per_s']:,.0f} | {versus} | {cosine} |"
+            f"{r['texts_per_s']:,.0f} | {versus} | {cosine} | {mean} |"
         )
     return "\n".join(lines)
 

@@ -335,10 +335,10 @@ def bench_profile(recipe, precision, batch, seq, steps, warmup, baseline, overri
 )
 @click.option(
     "--precision",
-    type=click.Choice(["auto", "fp32", "bf16"]),
+    type=click.Choice(["auto", "fp32", "bf16", "int8"]),
     default="fp32",
     show_default=True,
-    help="Embeddings only: --generate compares in fp32.",
+    help="Embeddings only (int8: frugality's, against sentence-transformers in fp32); --generate compares in fp32.",
 )
 @click.option(
     "--prompt-tokens",

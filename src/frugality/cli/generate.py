@@ -52,10 +52,10 @@ import click
 @click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True, help="Prompts per batch.")
 @click.option(
     "--precision",
-    type=click.Choice(["auto", "fp32", "bf16"]),
+    type=click.Choice(["auto", "fp32", "bf16", "int8"]),
     default="auto",
     show_default=True,
-    help="auto: bf16 where this machine's bf16 products are native, else fp32.",
+    help="auto: bf16 where this machine's bf16 products are native, else fp32 (never int8: it changes results).",
 )
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, xla (.venv-xla), ...")
 @click.option(

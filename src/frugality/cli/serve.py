@@ -11,7 +11,13 @@ import click
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port.")
 @click.option("--name", help="The model's name in the API [default: the folder's name].")
 @click.option("--device", default="auto", show_default=True)
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True)
+@click.option(
+    "--precision",
+    type=click.Choice(["auto", "fp32", "bf16", "int8"]),
+    default="auto",
+    show_default=True,
+    help="auto: bf16 where this machine's bf16 products are native, else fp32 (never int8: it changes results).",
+)
 @click.option(
     "--max-wait-ms",
     default=5.0,

@@ -408,7 +408,7 @@ def run_job(
                 from frugality.inference.embed_ray import run_on_ray
 
                 # the precision this process chose (and recorded in the job), not each actor's own `auto`
-                chosen = "bf16" if str(encoder.dtype) == "torch.bfloat16" else "fp32"
+                chosen = "int8" if encoder.int8 else "bf16" if str(encoder.dtype) == "torch.bfloat16" else "fp32"
                 shared = replace(
                     settings, model=str(Path(encoder.source).resolve()), out=str(out.resolve()), precision=chosen
                 )

@@ -26,6 +26,7 @@ from frugality.interop.weights import load_weights, recipe_beside, resolve_sourc
 from frugality.models import build_empty
 from frugality.models.bert import Bert, pool
 from frugality.precision import bf16_is_native
+from frugality.precision.int8 import int8_products, quantize_int8
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,11 @@ class Encoder:
         device: torch.device,
         dtype: torch.dtype,
         source: Path,
+        int8: bool = False,
     ) -> None:
         self.model, self.tokenizer, self.pooling = model.eval(), tokenizer, pooling
         self.device, self.dtype, self.source = device, dtype, source  # source: the folder the weights came from
+        self.int8 = int8  # linear layers quantized (frugality.precision.int8); dtype is then float32
         self.max_length = min(pooling.max_length or model.config.max_seq_len, model.config.max_seq_len)
         tokenizer.enable_truncation(self.max_length)
         tokenizer.no_padding()
@@ -108,13 +111,22 @@ class Encoder:
 
 def resolve_precision(name: str, device: torch.device) -> tuple[torch.dtype, str]:
     """'auto' is bf16 where bf16 products are native (AMX, AVX512-BF16, CUDA 8.0+), else
-    fp32; the dtype and why."""
+    fp32 (never int8, which changes results: only when asked for); the dtype the model's
+    float tensors take and why. int8 (`frugality.precision.int8`) is refused in one line
+    where the CPU has no fast int8 product."""
     if name == "fp32":
         return torch.float32, "fp32 (asked for)"
     if name == "bf16":
         return torch.bfloat16, "bf16 (asked for)"
+    if name == "int8":
+        if device.type != "cpu":
+            raise UserError(f"--precision int8: CPUs only (int8 products through oneDNN), not {device.type}")
+        fast, why = int8_products()
+        if not fast:
+            raise UserError(f"--precision int8: {why}")
+        return torch.float32, f"int8 (asked for): linear layers in {why}; attention, norms and pooling in fp32"
     if name != "auto":
-        raise UserError(f"--precision {name!r}: choose auto, fp32 or bf16")
+        raise UserError(f"--precision {name!r}: choose auto, fp32, bf16 or int8")
     native, why = bf16_is_native(device)
     return (torch.bfloat16, f"bf16: {why}") if native else (torch.float32, f"fp32: {why}")
 
@@ -180,7 +192,9 @@ def load_encoder(
     if max_length is not None:
         pooling = replace(pooling, max_length=max_length)
     model = loaded.model.to(device=device, dtype=dtype)
-    return Encoder(model, tokenizer, pooling, device, dtype, weights), why
+    if precision == "int8":
+        quantize_int8(model)
+    return Encoder(model, tokenizer, pooling, device, dtype, weights, int8=precision == "int8"), why
 
 
 def _check_encoder(config, folder: Path) -> None:

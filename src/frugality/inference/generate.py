@@ -36,6 +36,7 @@ from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 from frugality.inference.encoder import load_model, resolve_precision
 from frugality.models.kv_cache import KVCache
+from frugality.precision.int8 import quantize_int8
 
 DECODERS = ("gpt-neox", "llama")
 # End-of-text tokens looked for in a tokenizer when the model's config names none.
@@ -108,6 +109,8 @@ def load_decoder(path: str | Path, device: torch.device, precision: str = "auto"
     tokenizer = _open_tokenizer(loaded.tokenizer, Path(path))
     eos = _eos_ids(Path(path), tokenizer)
     model = loaded.model.to(device=device, dtype=dtype)
+    if precision == "int8":
+        quantize_int8(model)
     return Decoder(model, tokenizer, eos, device, dtype, loaded.weights), why
 
 

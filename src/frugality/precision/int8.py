@@ -1,0 +1,94 @@
+"""int8 inference on CPUs: a model's linear layers swapped, from outside the model, for
+layers whose weights are quantized once per output channel and whose activations are
+quantized per token (row) at run time; the products run int8 x int8 -> int32 in oneDNN
+through `torch._int_mm`, and are scaled back to float32. Attention, norms, embeddings and
+pooling stay in float32.
+
+Why these choices (benchmarks/int8_linear.py, 2026-11-25, AMD EPYC Zen 4):
+- per-token activation scales keep all-MiniLM-L6-v2's embeddings at cosine 0.997 to fp32;
+  one scale for the whole batch (FBGEMM's dynamic quantization, 7-bit) fell to 0.949;
+- PyTorch sends `torch._int_mm` to oneDNN only where the CPU has AVX512-VNNI (AMX CPUs have
+  it too). Elsewhere a reference loop runs it 35-40x slower than fp32, and under an
+  `ONEDNN_MAX_CPU_ISA` cap below VNNI oneDNN returns wrong products: int8 is refused there
+  (`int8_products`), never run slowly or wrongly;
+- the quantize and scale-back passes around each product are fused by torch.compile
+  (Inductor) into one pass each, one graph for every row count (`dynamic=True`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from frugality.errors import UserError
+from frugality.hardware import probe
+
+
+def int8_products() -> tuple[bool, str]:
+    """Whether this CPU runs int8 products fast and right through `torch._int_mm`, and why."""
+    hardware = probe("cpu")
+    if hardware.has("avx512_vnni"):
+        return True, "int8 products in oneDNN (AVX512-VNNI" + (", AMX)" if hardware.has("amx_tile") else ")")
+    return False, (
+        "this CPU has no AVX512-VNNI or AMX (or ONEDNN_MAX_CPU_ISA caps oneDNN below them): PyTorch's int8 "
+        "product would run 35-40x slower than fp32 here; use --precision fp32"
+    )
+
+
+def _quantized_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (rows, in) float32 times int8 `weight` (in, out) with per-column `weight_scale`."""
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127  # per token
+    rows = (x / scale).round().clamp(-127, 127).to(torch.int8)
+    y = torch._int_mm(rows, weight).float() * scale * weight_scale
+    return y if bias is None else y + bias
+
+
+_compiled = None
+
+
+def _product():
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_quantized_linear, dynamic=True, fullgraph=True)
+    return _compiled
+
+
+class Int8Linear(nn.Module):
+    """An nn.Linear's weights as int8 (one scale per output channel) and its bias in float32."""
+
+    def __init__(self, linear: nn.Linear, compiled: bool = True) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(1).clamp(min=1e-8) / 127
+        quantized = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.register_buffer("weight", quantized.t().contiguous())  # (in, out), as _int_mm takes it
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+        self.in_features, self.out_features, self.compiled = linear.in_features, linear.out_features, compiled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        product = _product() if self.compiled else _quantized_linear
+        return product(rows, self.weight, self.weight_scale, self.bias).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+def quantize_int8(model: nn.Module, skip: tuple[str, ...] = (), compiled: bool = True) -> int:
+    """Swap `model`'s float32 nn.Linear layers (but those whose name is in `skip`) for
+    Int8Linear in place; the count swapped. A layer whose input or output width is not a
+    multiple of 8 stays (oneDNN's int8 product wants them so)."""
+    if next(model.parameters()).device.type != "cpu":
+        raise UserError("--precision int8: CPUs only (int8 products through oneDNN)")
+    swapped = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if type(child) is nn.Linear and full not in skip and child.in_features % 8 == 0:
+                if child.out_features % 8 == 0:
+                    setattr(parent, name, Int8Linear(child, compiled))
+                    swapped += 1
+    return swapped
