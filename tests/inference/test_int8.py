@@ -103,3 +103,12 @@ def test_a_cpu_without_a_fast_int8_product_is_refused_in_one_line(tmp_path, tiny
         "error: --precision int8: this CPU has no AVX512-VNNI or AMX (or ONEDNN_MAX_CPU_ISA caps oneDNN below "
         "them): PyTorch's int8 product would run 35-40x slower than fp32 here; use --precision fp32"
     ]
+
+
+def test_int8_is_asked_for_on_cpus_only_and_auto_never_picks_it():
+    from frugality.errors import UserError
+    from frugality.inference.encoder import resolve_precision
+
+    with pytest.raises(UserError, match=r"^--precision int8: CPUs only \(int8 products through oneDNN\), not cuda$"):
+        resolve_precision("int8", torch.device("cuda"))
+    assert "int8" not in resolve_precision("auto", torch.device("cpu"))[1]
