@@ -164,6 +164,14 @@ def _probe_cpu(threads: int, onednn_limit: str, aten_limit: str) -> Hardware:
     return Hardware("cpu", cpu_name(), tuple(features), torch_isa, cores, threads, native, why)
 
 
+def onednn_capped_below(isa: str) -> bool:
+    """Whether ONEDNN_MAX_CPU_ISA keeps oneDNN below `isa` (one of oneDNN's names)."""
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if not limit or limit in ("ALL", "DEFAULT") or limit not in _ONEDNN_ISAS:
+        return False
+    return _ONEDNN_ISAS.index(limit) < _ONEDNN_ISAS.index(isa) and "AMX" not in limit
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux reports them (x86 `flags`, Arm `Features`)."""
     try:

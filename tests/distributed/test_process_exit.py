@@ -32,3 +32,30 @@ def test_one_process_that_joined_no_group_returns_as_before():
         timeout=120,
     )
     assert (done.returncode, done.stdout) == (0, "returned\n"), done.stderr[-2000:]
+
+
+WRAPPED = """
+import atexit, sys
+from frugality.cli import main  # the console script's function (before the submodule of that name)
+import frugality.cli.main
+from frugality import distributed
+
+def command(argv=None):
+    print("ran", flush=True)
+    if sys.argv[1] == "exit":
+        sys.exit(7)  # as a rank other than 0 ends `train`
+    raise RuntimeError("a collective timed out")
+
+frugality.cli.main.main = command
+atexit.register(lambda: print("exit handlers ran"))
+distributed._JOINED.append(True)
+main()
+"""
+
+
+def test_a_rank_ending_by_sys_exit_or_an_error_leaves_through_exit_process():
+    done = subprocess.run([sys.executable, "-c", WRAPPED, "exit"], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (7, "ran\nexit handlers ran\n"), done.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-c", WRAPPED, "error"], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (1, "ran\nexit handlers ran\n")
+    assert done.stderr.rstrip().endswith("RuntimeError: a collective timed out")  # the traceback, printed

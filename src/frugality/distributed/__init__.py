@@ -334,6 +334,11 @@ def shutdown() -> None:
 _JOINED: list[bool] = []  # a process group was joined in this process
 
 
+def joined() -> bool:
+    """Whether this process joined a process group (it is a rank of a torchrun job)."""
+    return bool(_JOINED)
+
+
 def exit_process(status: int) -> None:
     """End a process that joined a process group with `status`, once its command returned:
     the exit handlers run and the output is flushed, but the interpreter's own teardown is
@@ -341,7 +346,10 @@ def exit_process(status: int) -> None:
     collectives ran (torch 2.13), and their destruction at that teardown aborts the process
     now and then ("terminate called without an active exception", SIGABRT) after a run that
     succeeded, which torchrun reports as a failed run (pytorch/pytorch#190489). Nothing
-    where no group was joined (one process; tests calling the CLI in-process)."""
+    where no group was joined (one process; tests calling the CLI in-process). What the
+    teardown would also have done is skipped: joining non-daemon threads (the commands close
+    their loggers, TensorBoard writers and checkpoint threads before they return) and
+    flushing C stdio buffers."""
     if not _JOINED:
         return
     import atexit

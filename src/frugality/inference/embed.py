@@ -355,7 +355,7 @@ def encoder_record(encoder, why: str) -> dict:
     """How the encoder was resolved: a resumed job must find all of it but the precision
     phrase (which names the machine) unchanged."""
     return {
-        "dtype": str(encoder.dtype).removeprefix("torch."),
+        "dtype": "int8" if encoder.int8 else str(encoder.dtype).removeprefix("torch."),  # int8 vectors differ
         "precision": why,
         "pooling": encoder.pooling.mode,
         "normalize": encoder.pooling.normalize,

@@ -120,7 +120,9 @@ def resolve_precision(name: str, device: torch.device) -> tuple[torch.dtype, str
         return torch.bfloat16, "bf16 (asked for)"
     if name == "int8":
         if device.type != "cpu":
-            raise UserError(f"--precision int8: CPUs only (int8 products through oneDNN), not {device.type}")
+            raise UserError(
+                f"--precision int8: CPUs only (int8 products through oneDNN), not {device.type}; add --device cpu"
+            )
         fast, why = int8_products()
         if not fast:
             raise UserError(f"--precision int8: {why}")
