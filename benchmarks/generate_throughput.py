@@ -7,6 +7,7 @@ Prefill and decode tokens/s, and whether the outputs agree token for token. Writ
 benchmarks/results/generate_throughput-70m-<machine>-<date>.md and .json.
 
     .venv/bin/python benchmarks/generate_throughput.py [--prompt-tokens 128] [--new-tokens 64] [--rounds 3] [--compile]
+        [--precision int8]   # frugality's linear layers in int8 (CPUs with AVX512-VNNI), transformers in fp32
 
 Random weights time the same products as trained ones; what they cannot show is how early
 real text stops (every row here runs to --new-tokens).
@@ -66,6 +67,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--precision", choices=("fp32", "int8"), default="fp32", help="frugality's")
     args = parser.parse_args()
     tables, rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,11 +85,13 @@ def main() -> int:
                 args.rounds,
                 args.compile,
                 log=lambda s: print(s, file=sys.stderr),
+                precision=args.precision,
             )
             rows += [{"model": name, **r} for r in model_rows]
             tables.append(f"**{name}**\n\n{generate_markdown_table(model_rows)}")
     header = (
-        f"# Generation throughput, random decoders of Pythia-70m's size\n\n{machine_line()} Greedy, fp32, "
+        f"# Generation throughput, random decoders of Pythia-70m's size\n\n{machine_line()} Greedy, "
+        f"{'fp32' if args.precision == 'fp32' else 'frugality in int8 (linear layers), transformers in fp32'}, "
         f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each (no stop token), best of "
         f"{args.rounds} alternating rounds. Prefill: a run of one new token; decode: the other "
         f"{args.new_tokens - 1} tokens (a full run less the prefill run). transformers: `generate` with its "
@@ -97,7 +101,7 @@ def main() -> int:
     write_results(
         Path(__file__).parent / "results",
         "generate_throughput",
-        "70m",
+        "70m" if args.precision == "fp32" else f"70m-{args.precision}",
         header,
         "\n\n".join(tables),
         json.dumps(rows, indent=2),

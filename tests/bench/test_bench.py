@@ -271,7 +271,10 @@ def test_bench_infer_generate_times_both_and_compares_their_tokens(tmp_path, cap
     ]
     assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
     assert [r["same_tokens"] for r in rows] == [None, True, None, True]
-    assert "| frugality | 2 | 12 | 5 |" in capsys.readouterr().out
+    assert "| frugality | fp32 | 2 | 12 | 5 |" in capsys.readouterr().out
+    # the precisions a generation row takes: fp32, or int8 against transformers' fp32
+    assert main(["bench", "infer", str(tmp_path / "neox"), "--generate", "--precision", "bf16"]) == 2
+    assert "--precision bf16 with --generate: fp32, or int8 (frugality's) against fp32" in capsys.readouterr().err
 
 
 def test_bench_infer_without_a_peer_installed_is_a_row_saying_how_to_install_it(tmp_path, capsys, monkeypatch):
@@ -353,4 +356,4 @@ def test_bench_infer_without_a_peer_installed_is_a_row_saying_how_to_install_it(
     theirs, ours = json.loads((tmp_path / "generate.json").read_text())
     assert theirs["skipped"] == "transformers is not installed (no module 'transformers'): pip install transformers"
     assert ours["decode_tokens_per_s"] > 0 and ours["decode_vs_transformers"] is None and ours["same_tokens"] is None
-    assert "| transformers | 1 | 8 | 3 | not run: transformers is not installed" in table
+    assert "| transformers | fp32 | 1 | 8 | 3 | not run: transformers is not installed" in table

@@ -165,18 +165,26 @@ def rows_json(rows: list[dict]) -> str:
 
 
 def bench_generate(
-    model: str, batches: list[int], prompt_tokens: int, new_tokens: int, rounds: int, compile: bool = False, log=print
+    model: str,
+    batches: list[int],
+    prompt_tokens: int,
+    new_tokens: int,
+    rounds: int,
+    compile: bool = False,
+    log=print,
+    precision: str = "fp32",
 ) -> list[dict]:
     """`frugality generate`'s engine against transformers' `generate` on the same weights
-    (fp32, greedy, no stop token, `new_tokens` each, prompts of `prompt_tokens` tokens cut
-    from the bundled corpus: all of one length, so transformers pads none; frugality pads them
-    to its prompt bucket, 16, 32, 64, ...), alternating rounds, the best of each. Both are
-    timed alike: a run of one new token is the prefill; a run of `new_tokens` less that one is the decoding of the other
+    (transformers in fp32; frugality in `precision`, fp32 or int8; greedy, no stop token,
+    `new_tokens` each, prompts of `prompt_tokens` tokens cut from the bundled corpus: all of
+    one length, so transformers pads none; frugality pads them to its prompt bucket, 16, 32,
+    64, ...), alternating rounds, the best of each. Both are timed alike: a run of one new
+    token is the prefill; a run of `new_tokens` less that one is the decoding of the other
     `new_tokens - 1`. Also whether the two outputs agree token for token."""
     from frugality.inference.generate import Engine, Sampling, cache_length, load_decoder
 
     device = torch.device("cpu")
-    decoder, _ = load_decoder(model, device, "fp32")
+    decoder, _ = load_decoder(model, device, precision)
     try:
         import transformers
     except ImportError as e:
@@ -244,7 +252,7 @@ def bench_generate(
                 "prefill_vs_transformers": None,
                 "decode_vs_transformers": None,
                 "same_tokens": None,
-                "precision": "float32",
+                "precision": precision if name == "frugality" else "fp32",
                 "threads": torch.get_num_threads(),
                 "skipped": None if name in impls else missing,
             }
@@ -272,21 +280,21 @@ def _rates(best: dict, name: str, batch: int, width: int, new_tokens: int) -> tu
 
 def generate_markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| implementation | batch | prompt tokens | new tokens | prefill tokens/s | decode tokens/s | "
+        "| implementation | precision | batch | prompt tokens | new tokens | prefill tokens/s | decode tokens/s | "
         "decode vs transformers | same tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("skipped"):
             lines.append(
-                f"| {r['implementation']} | {r['batch']} | {r['prompt_tokens']} | {r['new_tokens']} | "
-                f"not run: {r['skipped']} | | | |"
+                f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['prompt_tokens']} | "
+                f"{r['new_tokens']} | not run: {r['skipped']} | | | |"
             )
             continue
         same = "—" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
         versus = "—" if r["decode_vs_transformers"] is None else f"{r['decode_vs_transformers']:.2f}×"
         lines.append(
-            f"| {r['implementation']} | {r['batch']} | {r['prompt_tokens']} | {r['new_tokens']} | "
+            f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['prompt_tokens']} | {r['new_tokens']} | "
             f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | {versus} | {same} |"
         )
     return "\n".join(lines)

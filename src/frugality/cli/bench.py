@@ -338,7 +338,7 @@ def bench_profile(recipe, precision, batch, seq, steps, warmup, baseline, overri
     type=click.Choice(["auto", "fp32", "bf16", "int8"]),
     default="fp32",
     show_default=True,
-    help="Embeddings only (int8: frugality's, against sentence-transformers in fp32); --generate compares in fp32.",
+    help="frugality's; int8 against the peer in fp32. --generate: fp32 or int8.",
 )
 @click.option(
     "--prompt-tokens",
@@ -407,8 +407,17 @@ def bench_infer(
     if generation:
         if prompt_tokens < 1 or new_tokens < 2:
             raise UserError("--prompt-tokens must be positive and --new-tokens at least 2")
+        if precision not in ("fp32", "int8"):
+            raise UserError(f"--precision {precision} with --generate: fp32, or int8 (frugality's) against fp32")
         rows = bench_generate(
-            model, comma_ints(batch or "1,8", "--batch"), prompt_tokens, new_tokens, rounds, compile_, log=log
+            model,
+            comma_ints(batch or "1,8", "--batch"),
+            prompt_tokens,
+            new_tokens,
+            rounds,
+            compile_,
+            log=log,
+            precision=precision,
         )
         _write(generate_markdown_table(rows), rows_json(rows), markdown_path, json_path)
         return
