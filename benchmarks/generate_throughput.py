@@ -101,7 +101,7 @@ def main() -> int:
     write_results(
         Path(__file__).parent / "results",
         "generate_throughput",
-        "70m" if args.precision == "fp32" else f"70m-{args.precision}",
+        "70m" + ("" if args.precision == "fp32" else f"-{args.precision}") + ("-compiled" if args.compile else ""),
         header,
         "\n\n".join(tables),
         json.dumps(rows, indent=2),

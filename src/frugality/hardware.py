@@ -165,11 +165,12 @@ def _probe_cpu(threads: int, onednn_limit: str, aten_limit: str) -> Hardware:
 
 
 def onednn_capped_below(isa: str) -> bool:
-    """Whether ONEDNN_MAX_CPU_ISA keeps oneDNN below `isa` (one of oneDNN's names)."""
-    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    """Whether ONEDNN_MAX_CPU_ISA (or its older name, DNNL_MAX_CPU_ISA) keeps oneDNN below
+    `isa` (one of oneDNN's names)."""
+    limit = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
     if not limit or limit in ("ALL", "DEFAULT") or limit not in _ONEDNN_ISAS:
         return False
-    return _ONEDNN_ISAS.index(limit) < _ONEDNN_ISAS.index(isa) and "AMX" not in limit
+    return _ONEDNN_ISAS.index(limit) < _ONEDNN_ISAS.index(isa)
 
 
 def cpu_flags() -> set[str]:

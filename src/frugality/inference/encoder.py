@@ -194,8 +194,8 @@ def load_encoder(
     if max_length is not None:
         pooling = replace(pooling, max_length=max_length)
     model = loaded.model.to(device=device, dtype=dtype)
-    if precision == "int8":
-        quantize_int8(model)
+    if precision == "int8":  # (BERT's pooler and masked-LM head: unused by embeddings, left alone)
+        quantize_int8(model, skip=("pooler", "mlm.dense", "mlm.decoder"))
     return Encoder(model, tokenizer, pooling, device, dtype, weights, int8=precision == "int8"), why
 
 

@@ -250,7 +250,7 @@ class Bert(nn.Module):
     def project(self, pooled: torch.Tensor, normalize: bool) -> torch.Tensor:
         """The projection head (activation between layers, the last linear), then L2."""
         activation = ACTIVATIONS[self.config.head_activation]
-        dtype = next(self.parameters()).dtype  # the model's float dtype (a head layer's weights may be int8)
+        dtype = self.embeddings.word.weight.dtype  # the model's float dtype (a head layer's may be int8)
         for i, layer in enumerate(self.head):
             pooled = layer(pooled.to(dtype))
             if i < len(self.head) - 1:
