@@ -103,3 +103,17 @@ def test_the_peak_probe_shrinks_where_a_dtype_is_slow_here():
     else:
         assert probe.n < 2048
     assert probe.sample() > 0
+
+
+def test_a_onednn_cap_below_an_isa_is_read_from_either_name(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    assert not hardware.onednn_capped_below("AVX512_CORE_VNNI")
+    for value, capped in (("AVX2", True), ("avx512_core", True), ("AVX512_CORE_VNNI", False), ("ALL", False)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", value)
+        assert hardware.onednn_capped_below("AVX512_CORE_VNNI") is capped, value
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "NOT_AN_ISA")  # oneDNN ignores it: no cap
+    assert not hardware.onednn_capped_below("AVX512_CORE_VNNI")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")  # the older name
+    assert hardware.onednn_capped_below("AVX512_CORE_VNNI")
