@@ -32,7 +32,7 @@ from frugality import xla
 from frugality.paths import cache_dir
 
 # CPU feature flags that change what frugality runs (Linux /proc/cpuinfo names).
-X86_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+X86_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
 ARM_FEATURES = ("asimd", "sve", "bf16", "i8mm")  # asimd = NEON
 
 # ONEDNN_MAX_CPU_ISA values (oneDNN's names), lowest first; each also allows those before it.
@@ -134,14 +134,12 @@ def _probe_cpu(threads: int, onednn_limit: str, aten_limit: str) -> Hardware:
         rank = _ONEDNN_ISAS.index(limit)
         allowed_avx512 = rank >= _ONEDNN_ISAS.index("AVX512_CORE")
         allowed_bf16 = rank >= _ONEDNN_ISAS.index("AVX512_CORE_BF16")
-        allowed_vnni = rank >= _ONEDNN_ISAS.index("AVX512_CORE_VNNI")
         allowed_amx = "AMX" in limit
         features = [
             f
             for f in features
             if not (f.startswith("amx") and not allowed_amx)
             and not (f == "avx512_bf16" and not allowed_bf16)
-            and not (f == "avx512_vnni" and not allowed_vnni)
             and not (f.startswith("avx512") and not allowed_avx512)
         ]
     if aten_limit.strip().lower() in ("avx2", "default"):  # ATen's own vector code stays below AVX-512

@@ -18,8 +18,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         status = 130
     except BaseException as e:  # a rank that ends by sys.exit or an error: it still leaves by exit_process
-        distributed = sys.modules.get("frugality.distributed")
-        if distributed is None or not distributed.joined():
+        if not _joined():
             raise
         if isinstance(e, SystemExit):
             status = e.code if isinstance(e.code, int) else int(e.code is not None)
@@ -30,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
             status = 1
-    if "frugality.distributed" in sys.modules:  # a rank under torchrun: see exit_process
+    if _joined():  # a rank under torchrun: see exit_process
         sys.modules["frugality.distributed"].exit_process(status)
     return status
+
+
+def _joined() -> bool:
+    """Whether this process joined a process group (frugality.distributed not even imported: no)."""
+    distributed = sys.modules.get("frugality.distributed")
+    return distributed is not None and distributed.joined()

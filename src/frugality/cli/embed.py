@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from frugality.cli.options import inference_precision
+
 
 @click.command()
 @click.argument("model", type=click.Path())
@@ -18,13 +20,7 @@ import click
 )
 @click.option("--text-field", default="text", show_default=True, help="The text's field in .jsonl/.parquet.")
 @click.option("--id-field", help="The id's field in .jsonl/.parquet [default: FILE:LINE].")
-@click.option(
-    "--precision",
-    type=click.Choice(["auto", "fp32", "bf16", "int8"]),
-    default="auto",
-    show_default=True,
-    help="auto: bf16 where this machine's bf16 products are native, else fp32 (never int8: it changes results).",
-)
+@inference_precision
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, xla (.venv-xla), ...")
 @click.option(
     "--nproc",

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from frugality.cli.options import inference_precision
+
 
 @click.command()
 @click.argument("model", type=click.Path())
@@ -50,13 +52,7 @@ import click
     help="End a completion where its text holds TEXT (cut before it; repeatable).",
 )
 @click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True, help="Prompts per batch.")
-@click.option(
-    "--precision",
-    type=click.Choice(["auto", "fp32", "bf16", "int8"]),
-    default="auto",
-    show_default=True,
-    help="auto: bf16 where this machine's bf16 products are native, else fp32 (never int8: it changes results).",
-)
+@inference_precision
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, xla (.venv-xla), ...")
 @click.option(
     "--compile",

@@ -1,8 +1,19 @@
-"""Option values that several commands parse alike."""
+"""Options and option values that several commands share."""
 
 from __future__ import annotations
 
+import click
+
 from frugality.errors import UserError
+
+# `embed`, `generate` and `serve`: how the model's products run
+inference_precision = click.option(
+    "--precision",
+    type=click.Choice(["auto", "fp32", "bf16", "int8"]),
+    default="auto",
+    show_default=True,
+    help="auto: bf16 where this machine's bf16 products are native, else fp32 (never int8: it changes results).",
+)
 
 
 def comma_ints(value: str, option: str) -> list[int]:

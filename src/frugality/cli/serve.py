@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from frugality.cli.options import inference_precision
+
 
 @click.command()
 @click.argument("model", type=click.Path())
@@ -11,13 +13,7 @@ import click
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port.")
 @click.option("--name", help="The model's name in the API [default: the folder's name].")
 @click.option("--device", default="auto", show_default=True)
-@click.option(
-    "--precision",
-    type=click.Choice(["auto", "fp32", "bf16", "int8"]),
-    default="auto",
-    show_default=True,
-    help="auto: bf16 where this machine's bf16 products are native, else fp32 (never int8: it changes results).",
-)
+@inference_precision
 @click.option(
     "--max-wait-ms",
     default=5.0,

@@ -70,27 +70,20 @@ def _quantized_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     return torch._int_mm(rows, weight).float() * scale * weight_scale + bias
 
 
-_compiled = None
-
-
-def _product():
-    global _compiled
-    if not compiler_works():
-        return _quantized_linear
-    if _compiled is None:
-        _compiled = torch.compile(_quantized_linear, dynamic=True)
-    return _compiled
+_compiled = None  # the fused product, compiled once per process; or the eager one
 
 
 def _compiled_or_eager(*args: torch.Tensor) -> torch.Tensor:
-    """The fused product; where Inductor fails to build it (a compiler without Python's
-    headers, an unwritable cache), a warning, and the eager passes from then on."""
+    """The fused product; without a compiler, or where Inductor fails to build it (a
+    compiler without Python's headers, an unwritable cache: then with a warning), the
+    eager passes from then on."""
     global _compiled
-    product = _product()
-    if product is _quantized_linear:
-        return product(*args)
+    if _compiled is None:
+        _compiled = torch.compile(_quantized_linear, dynamic=True) if compiler_works() else _quantized_linear
+    if _compiled is _quantized_linear:
+        return _quantized_linear(*args)
     try:
-        return product(*args)
+        return _compiled(*args)
     except Exception as e:  # BackendCompilerFailed, InductorError: the build, not the arithmetic
         if "Backend" not in type(e).__name__ and "Inductor" not in type(e).__name__:
             raise
