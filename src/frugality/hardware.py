@@ -216,11 +216,18 @@ def product_rate(device: torch.device, dtype: torch.dtype) -> float:
     `measure_product_rate`)."""
     cache_file = cache_dir() / "products.json"
     key = f"{fingerprint(device)}|{dtype}"  # the ISA limits in force change the rate
+    if torch.device(device).type == "cuda" and dtype == torch.float32 and _tf32_on():
+        key += "|tf32"  # train.tf32: fp32 products at TF32's rate, MFU against TF32's peak
     cached = _read_json(cache_file)
     if key not in cached:
         cached = {**_read_json(cache_file), key: measure_product_rate(device, dtype)}  # others' since, kept
         _write_json(cache_file, cached)
     return float(cached[key])
+
+
+def _tf32_on() -> bool:
+    # the setting's new name only: reading `allow_tf32` after it was set raises
+    return torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 def measure_product_rate(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:

@@ -6,7 +6,7 @@ from frugality.precision import PRECISIONS, get_policy
 
 
 def test_every_policy_is_known_and_bf16_storage_halves_the_state():
-    assert set(PRECISIONS) == {"fp32", "amp-bf16", "bf16-sr", "bf16", "fp8"}
+    assert set(PRECISIONS) == {"fp32", "amp-bf16", "amp-fp16", "bf16-sr", "bf16", "fp8"}
     assert get_policy("bf16-sr").state_bytes_per_param * 2 <= get_policy("amp-bf16").state_bytes_per_param
     with pytest.raises(UserError, match="choose one of"):
         get_policy("fp16")

@@ -31,7 +31,7 @@ from frugality.models import FAMILIES, ModelConfig
 
 # The allowed values of each setting, listed once: the packages that implement them
 # (frugality.precision, frugality.compile.levels, frugality.tasks) read them from here.
-PRECISIONS = ("auto", "fp32", "amp-bf16", "bf16-sr", "bf16", "fp8")
+PRECISIONS = ("auto", "fp32", "amp-bf16", "amp-fp16", "bf16-sr", "bf16", "fp8")
 COMPILE_LEVELS = ("O0", "O1", "O2")
 TASKS = ("causal_lm", "masked_lm", "contrastive")
 DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
@@ -169,8 +169,23 @@ class TrainConfig(_Section):
     log_interval: PositiveInt = 1
     precision: Literal[PRECISIONS] = Field(
         default="auto",
-        description="auto: bf16-sr where bf16 products are native (AMX, AVX512-BF16, CUDA 8.0+), "
-        "fp32 elsewhere; see frugality.precision and docs/precision.md",
+        description="auto: bf16-sr where bf16 products are native (AMX, AVX512-BF16, CUDA 8.0+), amp-fp16 on "
+        "CUDA GPUs of compute capability 7.x (T4, V100), fp32 elsewhere; see frugality.precision and "
+        "docs/precision.md",
+    )
+    loss_scale: float = Field(
+        default=2.0**16,
+        gt=0,
+        description="amp-fp16: the initial loss scale (dynamic: halved on each overflow, that step skipped; "
+        "doubled after train.loss_scale_window steps without one)",
+    )
+    loss_scale_window: PositiveInt = Field(
+        default=2000, description="amp-fp16: steps without an overflow before the loss scale doubles"
+    )
+    tf32: bool = Field(
+        default=True,
+        description="CUDA GPUs of compute capability 8.0+: fp32 matrix products in TF32 (10-bit mantissa, "
+        "several times faster); false keeps them in full fp32, for parity runs",
     )
     task: Literal[TASKS] = Field(default="causal_lm", description="what is trained: see frugality.tasks")
     fused_optimizer: bool = Field(

@@ -5,6 +5,7 @@ dtype the matrix products run.
 |------------|-----------------|--------------|--------------------|-------------------|
 | `fp32`     | fp32            | fp32         | fp32               | 16                |
 | `amp-bf16` | fp32            | fp32         | bf16 autocast      | 16                |
+| `amp-fp16` | fp32            | fp32         | fp16 autocast, dynamic loss scaling | 16   |
 | `bf16-sr`  | bf16            | bf16         | bf16               | 8                 |
 | `bf16`     | bf16            | bf16         | bf16               | 8                 |
 | `fp8`      | fp32            | fp32         | fp8 linears (torchao), bf16 elsewhere | 16 |
@@ -14,11 +15,15 @@ stochastic rounding (unbiased, so updates far below a bf16 step still accumulate
 round-to-nearest (kept to show what stochastic rounding buys).
 
 `auto` (the default) is the fastest policy the hardware runs natively: bf16-sr where bf16
-products are native (AMX, AVX512-BF16, CUDA compute capability 8.0+), fp32 elsewhere; see
-`frugality.hardware`. On hardware without native bf16 products, `bf16-sr` and `bf16` keep
-their bf16 storage (and its memory saving) but compute each product in fp32 from the bf16
-operands, and `amp-bf16` runs its products in fp32: torch's emulated bf16 products there
-are hundreds of times slower than fp32 ones.
+products are native (AMX, AVX512-BF16, CUDA compute capability 8.0+), amp-fp16 on CUDA GPUs
+with fp16 tensor cores but no bf16 (compute capability 7.x: V100, T4, the cheapest cloud
+GPUs), fp32 elsewhere; see `frugality.hardware`. `amp-fp16` is what Hugging Face and
+Lightning call `16-mixed`; its loss scaling is `frugality.precision.loss_scale`.
+
+On hardware without native bf16 products, `bf16-sr` and `bf16` keep their bf16 storage
+(and its memory saving) but compute each product in fp32 from the bf16 operands, and
+`amp-bf16` runs its products in fp32: torch's emulated bf16 products there are hundreds of
+times slower than fp32 ones.
 """
 
 from __future__ import annotations
@@ -42,11 +47,12 @@ class PrecisionPolicy:
     name: str
     storage_dtype: torch.dtype  # weights, gradients and optimizer moments
     compute_dtype: torch.dtype  # what the matrix products run in (the MFU peak's dtype)
-    autocast: bool  # bf16 autocast over higher-precision storage
+    autocast: bool  # autocast to compute_dtype over higher-precision storage
     rounding: str | None  # for bf16 storage: "stochastic" or "nearest"
     # bf16 storage on hardware without native bf16 products: each product upcasts its bf16
     # operands and runs in float32 (compute_dtype is then float32)
     fp32_products: bool = False
+    loss_scaling: bool = False  # fp16: the loss scaled up before backward (frugality.precision.loss_scale)
 
     @property
     def graph_dtype(self) -> torch.dtype:
@@ -75,6 +81,11 @@ class PrecisionPolicy:
     def check_device(self, device: torch.device) -> None:
         if self.name == "fp8":
             _check_fp8(device)
+        if self.name == "amp-fp16" and device.type not in ("cuda", "cpu"):
+            raise UserError(
+                f"precision amp-fp16 is for CUDA GPUs without bf16 (T4, V100), not {device.type} devices: "
+                "use auto or amp-bf16"
+            )
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Cast (bf16 storage) or convert (fp8 linears) a model built in float32."""
@@ -86,13 +97,14 @@ class PrecisionPolicy:
 
     def autocast_context(self, device: torch.device):
         if self.autocast:
-            return torch.autocast(device.type, dtype=torch.bfloat16)
+            return torch.autocast(device.type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
 
 
 _POLICIES = {
     "fp32": PrecisionPolicy("fp32", torch.float32, torch.float32, False, None),
     "amp-bf16": PrecisionPolicy("amp-bf16", torch.float32, torch.bfloat16, True, None),
+    "amp-fp16": PrecisionPolicy("amp-fp16", torch.float32, torch.float16, True, None, loss_scaling=True),
     "bf16-sr": PrecisionPolicy("bf16-sr", torch.bfloat16, torch.bfloat16, False, "stochastic"),
     "bf16": PrecisionPolicy("bf16", torch.bfloat16, torch.bfloat16, False, "nearest"),
     "fp8": PrecisionPolicy("fp8", torch.float32, torch.bfloat16, True, None),
@@ -108,8 +120,10 @@ def get_policy(name: str) -> PrecisionPolicy:
 
 # What `auto` trains in, by whether bf16 products are native: the one answer for training,
 # the memory plan (which plans for hardware with native bf16) and, through `bf16_is_native`,
-# inference.
+# inference. CUDA GPUs with fp16 tensor cores but no bf16 ones: FP16_AUTO.
 AUTO_POLICY = {True: "bf16-sr", False: "fp32"}
+FP16_AUTO = "amp-fp16"
+FP16_TENSOR_CORES = (7, 0)  # Volta; Pascal's fp16 is slow on all but the P100
 
 
 def bf16_is_native(device: torch.device) -> tuple[bool, str]:
@@ -126,9 +140,18 @@ def resolve_policy(name: str, device: torch.device) -> tuple[PrecisionPolicy, st
     if name == AUTO:
         name = AUTO_POLICY[native]
         note = f"precision auto -> {name}: bf16 products {'native' if native else 'not native'} ({why})"
+        if not native and _fp16_tensor_cores(device):
+            name = FP16_AUTO
+            note = f"precision auto -> {name}: no bf16 tensor cores ({why}), fp16 ones with dynamic loss scaling"
         return get_policy(name), note
     policy = get_policy(name)
     policy.check_device(device)
+    if name == "amp-fp16" and not _fp16_tensor_cores(device):
+        where = "on this CPU" if device.type == "cpu" else "on this GPU (no fp16 tensor cores)"
+        return policy, (
+            f"precision amp-fp16: fp16 products are emulated {where}, many times slower than fp32 "
+            "(amp-fp16 is for CUDA GPUs of compute capability 7.x: T4, V100)"
+        )
     if native or policy.compute_dtype != torch.bfloat16 or name == "fp8":
         return policy, f"precision {name}"
     if policy.autocast:  # amp-bf16: autocast to bf16 here would emulate every product
@@ -142,6 +165,24 @@ def resolve_policy(name: str, device: torch.device) -> tuple[PrecisionPolicy, st
         f"precision {name}: bf16 weights, gradients and optimizer state, products computed in fp32 "
         f"from the bf16 operands ({why})",
     )
+
+
+def _fp16_tensor_cores(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP16_TENSOR_CORES
+
+
+def apply_tf32(device: torch.device, enabled: bool) -> str | None:
+    """Set whether fp32 matrix products on `device` run in TF32 (`train.tf32`), where the
+    GPU has TF32 (compute capability 8.0+); the header's line saying which, or None where
+    TF32 does not exist. TF32 keeps fp32's range with a 10-bit mantissa; PyTorch leaves it
+    off by default for matmuls, JAX and TensorFlow turn it on."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return None
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if enabled else "ieee"
+    torch.backends.cudnn.conv.fp32_precision = "tf32" if enabled else "ieee"
+    if enabled:
+        return "tf32: fp32 matrix products in TF32 (train.tf32 = false keeps full fp32, for parity runs)"
+    return "tf32: off (train.tf32 = false): fp32 matrix products in full fp32"
 
 
 def _check_fp8(device: torch.device) -> None:

@@ -35,7 +35,8 @@ from frugality.metrics.flops import non_embedding_params
 from frugality.metrics.prices import check_cost
 from frugality.models import build_model
 from frugality.models.materialize import allocate, draw_parameters
-from frugality.precision import PrecisionPolicy, resolve_policy
+from frugality.precision import PrecisionPolicy, apply_tf32, resolve_policy
+from frugality.precision.loss_scale import LossScaler
 from frugality.runtime.data import TrainingData
 from frugality.runtime.optim import build_optimizer, fused_update
 from frugality.tasks import Task, freeze_unused, task_for
@@ -61,6 +62,7 @@ class TrainState:
     recent_losses: deque = field(default_factory=deque)  # applied steps' losses, for spike detection
     tokens_seen: int = 0  # every rank's tokens of every step so far (checkpointed: buckets make steps differ)
     pipeline: Pipeline | None = None  # pipeline parallel: the schedule that runs the steps and evaluations
+    loss_scaler: LossScaler | None = None  # amp-fp16: the dynamic loss scale
 
     @property
     def autocast(self):
@@ -97,6 +99,7 @@ def build_state(
         unpad=recipe.compile.level == "O0",
     )
     policy, note = resolve_policy(recipe.train.precision, device)
+    tf32 = apply_tf32(device, recipe.train.tf32)  # before any product (the compile cache keys on it)
     compiled = CompileSession.for_recipe(recipe, device, policy)  # on XLA, its executable cache opens before any graph
     torch.manual_seed(recipe.seed)
     # tensor and pipeline parallel: the model built on the meta device, split, and only this
@@ -144,6 +147,15 @@ def build_state(
         model, recipe.optim, policy, seed=recipe.seed, fused=fused_update(recipe, device), whole=whole
     )
     notes = [note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")]
+    loss_scaler = None
+    if policy.loss_scaling:
+        loss_scaler = LossScaler(device, recipe.train.loss_scale, recipe.train.loss_scale_window)
+        notes.append(
+            f"loss scale: dynamic, from {recipe.train.loss_scale:g} (halved on an overflow, that step skipped; "
+            f"doubled after {recipe.train.loss_scale_window} steps without one)"
+        )
+    if tf32 is not None:
+        notes.append(tf32)
     if recipe.parallel.gather_negatives:
         notes.append(
             f"contrastive negatives gathered from all {world.world_size} ranks"
@@ -167,6 +179,7 @@ def build_state(
         world,
         recent_losses=deque(maxlen=recipe.train.loss_spike_window),
         pipeline=pipeline,
+        loss_scaler=loss_scaler,
     )
 
 

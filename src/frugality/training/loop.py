@@ -33,6 +33,7 @@ class StepResult:
     tokens: int = 0  # the tokens every rank's forwards processed in this step, as the task counts them
     logs: dict = field(default_factory=dict)  # other records for the log, by kind ("memory": {...})
     rolled_back_to: int | None = None  # set by a policy that restored a checkpoint (the loop goes on from its step)
+    overflow: str | None = None  # amp-fp16: the loss scale overflowed and the step was skipped (not a bad step)
 
 
 @dataclass
@@ -78,6 +79,10 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
         result = StepResult(
             state.step, loss, norm, lr, time.perf_counter() - t0, state.step == stop_at, rejected, tokens=tokens
         )
+        if state.loss_scaler is not None:
+            result.record["loss_scale"] = state.loss_scaler.scale_before  # the scale this step ran at
+            if state.loss_scaler.overflowed:
+                result.overflow = result.record["overflow"] = state.loss_scaler.describe_overflow()
         callbacks.on_step_end(state, result)
         if result.rolled_back_to is not None:  # a policy restored the last checkpoint: go on from its step
             continue
@@ -129,7 +134,8 @@ def train_step(
         with contextlib.nullcontext() if last else no_sync(wrapped), state.loss_context():
             with state.autocast:
                 loss = wrapped(batch.to(state.device, non_blocking=True))
-            (loss / len(micro_batches)).backward()
+            share = loss / len(micro_batches)
+            (state.loss_scaler.scale_loss(share) if state.loss_scaler is not None else share).backward()
         total += _plain(loss.detach())
     return _clip_and_update(state, (total / len(micro_batches)).item())
 
@@ -137,8 +143,12 @@ def train_step(
 def _clip_and_update(state: TrainState, mean: float, over_stages=None) -> tuple[float, float, str | None]:
     """After a step's backward: the global gradient norm (`over_stages`: summing the other
     pipeline stages' squares), then the update with clipping unless the loss (every rank's
-    mean of `mean`) or the gradients are bad; returns (loss, norm, why not applied)."""
-    model, optimizer = state.model, state.optimizer
+    mean of `mean`) or the gradients are bad; returns (loss, norm, why not applied). amp-fp16:
+    the gradients are unscaled first, and an overflow skips the step without being a bad one
+    (`frugality.precision.loss_scale`)."""
+    model, optimizer, scaler = state.model, state.optimizer, state.loss_scaler
+    if scaler is not None:
+        scaler.unscale(optimizer)
     max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
     clip = None
     if hasattr(optimizer, "clip_grad_norm_"):  # BF16AdamW: clipping folded into its update
@@ -150,12 +160,15 @@ def _clip_and_update(state: TrainState, mean: float, over_stages=None) -> tuple[
         if over_stages is not None:
             norm = clip = over_stages(norm.float().square()).sqrt()
     loss, norm = all_mean(mean, state.device), norm.item()
-    rejected = _first_nonfinite(model, loss, norm) or _spike(state, loss)
-    if rejected is None:
+    overflow = scaler is not None and scaler.is_overflow(loss, norm)
+    rejected = None if overflow else _first_nonfinite(model, loss, norm) or _spike(state, loss)
+    if rejected is None and not overflow:
         if clip is not None:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, clip, foreach=True)
         optimizer.step()
         state.recent_losses.append(loss)
+    if scaler is not None:
+        scaler.update(overflow)
     optimizer.zero_grad(set_to_none=True)  # (BF16AdamW: drops a pending clip scale too)
     return loss, norm, rejected
 

@@ -13,7 +13,7 @@ from frugality.training import rng
 
 def training_state(state: TrainState) -> dict:
     """What a checkpoint holds besides model and optimizer, as plain JSON: data position,
-    RNG states, the losses spike detection looks back on, the precision policy (a resume
+    RNG states, the losses spike detection looks back on, the loss scale (amp-fp16), the precision policy (a resume
     under another policy is refused) and the recipe trained with (a resume must match its
     seed, model and data)."""
     return {
@@ -23,6 +23,7 @@ def training_state(state: TrainState) -> dict:
         "precision": state.policy.name,
         "recent_losses": list(state.recent_losses),
         "tokens_seen": state.tokens_seen,
+        **({"loss_scale": state.loss_scaler.state_dict()} if state.loss_scaler is not None else {}),
         "recipe": state.recipe.model_dump(mode="json", exclude_none=True),
     }
 
@@ -37,7 +38,7 @@ def load_weights_and_moments(state: TrainState, checkpoints: CheckpointManager, 
 
 def restore(state: TrainState, checkpoints: CheckpointManager, path: Path) -> dict:
     """Load checkpoint `path` into `state`: model and optimizer, the data position, RNG
-    states, recent losses and tokens seen; `state.step` becomes its step. Returns its
+    states, recent losses, tokens seen and the loss scale; `state.step` becomes its step. Returns its
     training state."""
     extra = load_weights_and_moments(state, checkpoints, path)
     state.data.stream.load_state_dict(extra["data"])
@@ -48,5 +49,7 @@ def restore(state: TrainState, checkpoints: CheckpointManager, path: Path) -> di
     # came with it): seq_len tokens each.
     d = state.recipe.data
     state.tokens_seen = int(extra.get("tokens_seen", extra.get("step", 0) * d.global_batch_size * d.seq_len))
+    if state.loss_scaler is not None and "loss_scale" in extra:
+        state.loss_scaler.load_state_dict(extra["loss_scale"])
     state.step = step_of(path)
     return extra

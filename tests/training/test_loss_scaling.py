@@ -1,0 +1,135 @@
+"""amp-fp16's dynamic loss scaling on the CPU (torch's GradScaler runs there; fp16 products
+are emulated, slow but exact to fp16's rules): overflows skip the step without being bad
+steps, the scale backs off and grows, a resumed run continues bit for bit, and what it
+does not run with is refused in one line."""
+
+import json
+
+import pytest
+import torch
+
+from frugality.checkpoint import CheckpointManager
+from frugality.config.recipe import load_recipe
+from frugality.distributed import World
+from frugality.errors import UserError
+from frugality.models import build_model
+from frugality.precision import get_policy
+from frugality.precision.loss_scale import LossScaler
+from frugality.runtime.optim import build_optimizer
+from frugality.runtime.state import build_state
+from frugality.training import loop, trainer
+
+FP16 = ["train.precision=amp-fp16", "train.fused_optimizer=false"]
+
+
+def _records(run_dir, kind="train") -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def _train(recipe_file, run_dir, *overrides, **kwargs):
+    recipe = load_recipe(str(recipe_file), [*FP16, *overrides])
+    return trainer.train(recipe, run_dir=run_dir, progress=False, tensorboard=False, **kwargs)
+
+
+def test_an_overflow_skips_the_step_without_a_bad_step_and_halves_the_scale(micro_recipe_file, tmp_path):
+    # 2**20: the scaled gradients overflow fp16 (max 65504) until the scale has halved enough
+    # (measured: 2**16 fits, 2**17 overflows). on_nonfinite = "stop": a bad step would end the run.
+    result = _train(micro_recipe_file, tmp_path / "run", "train.loss_scale=1048576", "train.on_nonfinite=stop")
+    records = _records(tmp_path / "run")
+    overflows = [r for r in records if "overflow" in r]
+    assert overflows and overflows == records[: len(overflows)]  # the first steps, then none
+    assert len(overflows) < len(records)
+    assert all("skipped" not in r for r in records)  # not bad steps
+    scales = [r["loss_scale"] for r in records]
+    assert scales[: len(overflows) + 1] == [2.0**20 / 2**i for i in range(len(overflows) + 1)]
+    assert result.summary["loss_scale"] == {"final": 2.0**20 / 2 ** len(overflows), "overflow_steps": len(overflows)}
+    assert records[-1]["loss"] < records[0]["loss"]  # the applied steps trained
+
+
+def test_a_skipped_step_leaves_the_weights_and_the_optimizer_as_they_were(micro_recipe_file):
+    recipe = load_recipe(str(micro_recipe_file), [*FP16, "train.loss_scale=1099511627776"])
+    state = build_state(recipe, torch.device("cpu"))
+    before = {k: v.clone() for k, v in state.model.state_dict().items()}
+    batch = torch.randint(0, 50304, (2, 33))
+    loss, norm, rejected = loop.train_step(state, [batch])
+    assert rejected is None and state.loss_scaler.overflowed and not torch.isfinite(torch.tensor(norm))
+    assert all(torch.equal(before[k], v) for k, v in state.model.state_dict().items())
+    assert not state.optimizer.state  # no moments were made
+    assert all(p.grad is None for p in state.model.parameters())
+    assert state.loss_scaler.scale == 2.0**39
+
+
+def test_the_scale_doubles_after_a_window_without_an_overflow(micro_recipe_file, tmp_path):
+    _train(micro_recipe_file, tmp_path / "run", "train.loss_scale=16", "train.loss_scale_window=2")
+    assert [r["loss_scale"] for r in _records(tmp_path / "run")] == [16, 16, 32, 32, 64, 64, 128, 128]
+
+
+def test_amp_fp16_trains_like_fp32_where_nothing_overflows(micro_recipe_file, tmp_path):
+    _train(micro_recipe_file, tmp_path / "fp16")
+    recipe = load_recipe(str(micro_recipe_file), ["train.precision=fp32", "train.fused_optimizer=false"])
+    trainer.train(recipe, run_dir=tmp_path / "fp32", progress=False, tensorboard=False)
+    fp16, fp32 = (_records(tmp_path / d, "eval")[-1]["loss"] for d in ("fp16", "fp32"))
+    # measured: 10.48 both, to 3 decimals (fp16 products, fp32 master weights)
+    assert fp16 == pytest.approx(fp32, rel=1e-3)
+
+
+def _final(recipe, run_dir):
+    policy = get_policy("amp-fp16")
+    model = policy.prepare_model(build_model(recipe.model))
+    optimizer = build_optimizer(model, recipe.optim, policy, seed=recipe.seed, fused=False)
+    manager = CheckpointManager(run_dir / "checkpoints")
+    manager.load(manager.latest(), model, optimizer)
+    return model.state_dict(), optimizer.state_dict()
+
+
+def test_stop_and_resume_is_bit_identical_with_the_scale_and_its_counters(micro_recipe_file, tmp_path):
+    # window 3 and an overflow at the start: the resume at step 3 lands mid-window, after a back-off
+    scaling = ["train.loss_scale=262144", "train.loss_scale_window=3"]
+    straight = _train(micro_recipe_file, tmp_path / "straight", *scaling)
+    _train(micro_recipe_file, tmp_path / "split", *scaling, until_step=3)
+    split = _train(micro_recipe_file, tmp_path / "split", *scaling)
+    assert straight.summary["loss_scale"] == split.summary["loss_scale"]
+    assert straight.summary["loss_scale"]["overflow_steps"] >= 1
+    recipe = load_recipe(str(micro_recipe_file), FP16)
+    (model_a, optim_a), (model_b, optim_b) = (_final(recipe, tmp_path / d) for d in ("straight", "split"))
+    for k in model_a:
+        assert torch.equal(model_a[k], model_b[k]), k
+    for i, state in optim_a["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, optim_b["state"][i][k]), (i, k)
+    runs = [_records(tmp_path / d) for d in ("straight", "split")]
+    assert [(r["loss"], r["loss_scale"]) for r in runs[0]] == [(r["loss"], r["loss_scale"]) for r in runs[1]]
+
+
+def test_an_overflow_is_the_scales_fault_only_above_a_scale_of_one():
+    scaler = LossScaler(torch.device("cpu"), init_scale=8.0, window=10)
+    assert scaler.is_overflow(2.0, float("inf"))
+    assert scaler.is_overflow(2.0, float("nan"))
+    assert not scaler.is_overflow(2.0, 1.5)
+    assert not scaler.is_overflow(float("nan"), float("nan"))  # the forward overflowed: a bad step
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 1.0})
+    assert not scaler.is_overflow(2.0, float("inf"))  # unscaled gradients overflow: a bad step
+
+
+@pytest.mark.parametrize(
+    "world,overrides,layout",
+    [
+        (World(0, 2), ["parallel.data=fsdp"], "parallel.data fsdp"),
+        (World(0, 2), ["parallel.data=hsdp"], "parallel.data hsdp"),
+        (World(0, 2, tensor=2), ["parallel.tensor=2"], "tensor parallel"),
+        (World(0, 2), ["parallel.pipeline=2"], "pipeline parallel"),
+    ],
+)
+def test_layouts_loss_scaling_does_not_run_with_are_refused_in_one_line(micro_recipe_file, world, overrides, layout):
+    recipe = load_recipe(str(micro_recipe_file), [*FP16, *overrides])
+    with pytest.raises(UserError, match=f"amp-fp16 \\(loss scaling\\) does not run with {layout} yet") as e:
+        trainer._check_loss_scaling(recipe, world)
+    assert "\n" not in str(e.value)
+    trainer._check_loss_scaling(load_recipe(str(micro_recipe_file), FP16), World(0, 2))  # ddp runs
+
+
+def test_amp_fp16_on_an_xla_device_is_refused():
+    refusal = r"amp-fp16 is for CUDA GPUs without bf16 \(T4, V100\), not xla devices: use auto or amp-bf16"
+    with pytest.raises(UserError, match=refusal):
+        get_policy("amp-fp16").check_device(torch.device("xla"))
