@@ -133,3 +133,16 @@ def test_amp_fp16_on_an_xla_device_is_refused():
     refusal = r"amp-fp16 is for CUDA GPUs without bf16 \(T4, V100\), not xla devices: use auto or amp-bf16"
     with pytest.raises(UserError, match=refusal):
         get_policy("amp-fp16").check_device(torch.device("xla"))
+
+
+@pytest.mark.cuda
+def test_amp_fp16_on_a_gpu_trains_like_amp_bf16_with_tf32_on(micro_recipe_file, tmp_path):
+    on_gpu = ["train.device=cuda", "train.steps=16", "train.fused_optimizer=true"]
+    fp16 = _train(micro_recipe_file, tmp_path / "fp16", *on_gpu)
+    bf16 = load_recipe(str(micro_recipe_file), ["train.precision=amp-bf16", *on_gpu])
+    trainer.train(bf16, run_dir=tmp_path / "bf16", progress=False, tensorboard=False)
+    losses = [_records(tmp_path / d, "eval")[-1]["loss"] for d in ("fp16", "bf16")]
+    assert losses[0] == pytest.approx(losses[1], rel=0.01)
+    assert fp16.summary["loss_scale"]["final"] >= 1.0
+    if torch.cuda.get_device_capability() >= (8, 0):
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # train.tf32's default
