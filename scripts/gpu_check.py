@@ -81,7 +81,8 @@ def frugality(*args: str) -> list[str]:
 def sections(out: Path, dry: bool, models: dict[str, Path]) -> list[Section]:
     """What runs, in order of importance."""
     found = []
-    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "mark.cuda" in p.read_text())
+    marked = (p for p in (ROOT / "tests").rglob("test_*.py") if "mark.cuda" in p.read_text())
+    tests = sorted(str(p.relative_to(ROOT)) for p in marked)
     pytest = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", *tests]
     found.append(
         Section(
@@ -214,7 +215,7 @@ def sections(out: Path, dry: bool, models: dict[str, Path]) -> list[Section]:
                     "--fresh",
                     "--no-progress",
                 ),
-                [sys.executable, str(Path(__file__)), "energy-table", str(out / "runs" / "tiny"), str(out / "energy.md")],
+                [sys.executable, __file__, "energy-table", str(out / "runs" / "tiny"), str(out / "energy.md")],
             ],
             "estimated energy (no NVML on a CPU)" if dry else "",
             ["energy.md"],
@@ -249,12 +250,13 @@ def build_models(folder: Path, dry: bool) -> dict[str, Path]:
         )
         bert = folder / "bert"
         transformers.BertModel(config).save_pretrained(bert)
-        tokenizer = transformers.BertTokenizerFast(tokenizer_file=str(shipped_tokenizer_dir("bert-uncased") / "tokenizer.json"))
+        vocab = shipped_tokenizer_dir("bert-uncased") / "tokenizer.json"
+        tokenizer = transformers.BertTokenizerFast(tokenizer_file=str(vocab))
         tokenizer.save_pretrained(bert)
         body = models.Transformer(str(bert), max_seq_length=256)
-        SentenceTransformer(
-            modules=[body, models.Pooling(width, "mean"), models.Normalize()], device="cpu"
-        ).save(str(encoder))
+        SentenceTransformer(modules=[body, models.Pooling(width, "mean"), models.Normalize()], device="cpu").save(
+            str(encoder)
+        )
     decoder = folder / "pythia-160m-shaped"
     if not (decoder / "config.json").exists():
         width, layers, heads = (64, 2, 4) if dry else (768, 12, 12)
@@ -272,7 +274,9 @@ def build_models(folder: Path, dry: bool) -> dict[str, Path]:
         )
         transformers.GPTNeoXForCausalLM(config).save_pretrained(decoder)
         tokenizer = transformers.PreTrainedTokenizerFast(
-            tokenizer_file=str(shipped_tokenizer_dir("pythia") / "tokenizer.json"), eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+            tokenizer_file=str(shipped_tokenizer_dir("pythia") / "tokenizer.json"),
+            eos_token="<|endoftext|>",
+            bos_token="<|endoftext|>",
         )
         tokenizer.save_pretrained(decoder)
     return {"encoder": encoder, "decoder": decoder}

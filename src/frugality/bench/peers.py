@@ -8,8 +8,12 @@ documentation or training script sets it up, on the recipe's GPT-NeoX architectu
 - `litgpt`: litgpt's own `GPT` and its pretraining step (`litgpt/pretrain.py`):
   `torch.compile(model)`, `chunked_cross_entropy`, AdamW (fused on CUDA only, as there),
   gradient clipping;
-- `torchtitan` and `liger-kernel` (torchtitan's Llama step; transformers with liger-kernel's
-  fused layers and loss): both need CUDA and are not set up yet: their rows say so.
+- `liger-kernel` and `torchtitan` (Llama recipes, CUDA only): transformers' Llama with
+  liger-kernel's fused layers and loss, and torchtitan's own Llama 3 and step
+  (`frugality.bench.cuda_peers`).
+
+transformers' peers build GPTNeoXForCausalLM or LlamaForCausalLM from the recipe; litgpt's
+is set up for GPT-NeoX.
 
 A peer that cannot run here (not installed, needs CUDA, not set up, cannot build the
 architecture or the precision, fails to compile) is a row that says why, never left out. Peers install
@@ -72,9 +76,9 @@ def parse_baselines(spec: str | None) -> list[tuple[str, str | None]]:
 
 def build_peer(name: str, recipe: Recipe, precision: str, device: torch.device) -> PeerRunner:
     if name in CUDA_ONLY:
-        raise PeerUnavailable(f"{name} needs CUDA and is not set up in this version of the benchmark")
-    if recipe.model.family != "gpt-neox":
-        raise PeerUnavailable(f"the peers are set up for GPT-NeoX recipes; this one is {recipe.model.family}")
+        return _cuda_peer(name, recipe, precision, device)
+    if recipe.model.family not in ("gpt-neox", "llama") or (name == "litgpt" and recipe.model.family != "gpt-neox"):
+        raise PeerUnavailable(f"{name} is set up for GPT-NeoX recipes here; this one is {recipe.model.family}")
     if precision not in ("fp32", "amp-bf16", "bf16", "bf16-sr"):
         raise PeerUnavailable(f"{name} has no {precision} training here")
     if name in ("transformers", "transformers-compiled"):
@@ -89,6 +93,18 @@ def build_peer(name: str, recipe: Recipe, precision: str, device: torch.device) 
         clip = recipe.optim.grad_clip
         return PeerRunner(lambda b: transformers_step(model, optimizer, autocast, b, clip), model, optimizer, compiled)
     return _litgpt(recipe, precision, device)
+
+
+def _cuda_peer(name: str, recipe: Recipe, precision: str, device: torch.device) -> PeerRunner:
+    if device.type != "cuda":
+        raise PeerUnavailable(f"{name} needs CUDA (its kernels are Triton's); this run is on {device.type}")
+    if precision != "amp-bf16":
+        raise PeerUnavailable(f"{name} runs in amp-bf16 here (bf16 products over fp32 master weights), not {precision}")
+    from frugality.bench import cuda_peers
+
+    build = cuda_peers.liger if name == "liger-kernel" else cuda_peers.torchtitan
+    step, model, optimizer = build(recipe, device, PeerUnavailable)
+    return PeerRunner(step, model, optimizer, name == "torchtitan")
 
 
 def _litgpt(recipe: Recipe, precision: str, device: torch.device) -> PeerRunner:

@@ -1,5 +1,6 @@
-"""The reference a user would otherwise run: transformers' GPTNeoXForCausalLM with
-torch.optim.AdamW, set up the way its documentation does it for each precision."""
+"""The reference a user would otherwise run: transformers' GPTNeoXForCausalLM (or
+LlamaForCausalLM for a Llama recipe) with torch.optim.AdamW, set up the way its
+documentation does it for each precision."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from frugality.config.recipe import Recipe
 from frugality.errors import UserError
-from frugality.interop.hf_gpt_neox import config_to_hf
+from frugality.interop import hf_gpt_neox, hf_llama
 from frugality.runtime.optim import parameter_groups
 
 
@@ -25,9 +26,9 @@ def build_transformers(recipe: Recipe, precision: str, device: torch.device, fus
         import transformers
     except ImportError:
         raise UserError("the transformers reference needs `pip install transformers`") from None
-    config = transformers.GPTNeoXConfig(**{k: v for k, v in config_to_hf(recipe.model).items() if k != "architectures"})
+    model_class, config = hf_model_class_and_config(transformers, recipe)
     config._attn_implementation = "sdpa"  # transformers' default on PyTorch 2
-    model = transformers.GPTNeoXForCausalLM(config).to(device)
+    model = model_class(config).to(device)
     if precision in ("bf16", "bf16-sr"):
         model = model.to(torch.bfloat16)
     elif precision not in ("fp32", "amp-bf16"):
@@ -41,6 +42,20 @@ def build_transformers(recipe: Recipe, precision: str, device: torch.device, fus
         torch.autocast(device.type, dtype=torch.bfloat16) if precision == "amp-bf16" else contextlib.nullcontext()
     )
     return model, optimizer, autocast
+
+
+def hf_model_class_and_config(transformers, recipe: Recipe):
+    """transformers' causal-LM class and config for the recipe's architecture."""
+    family = recipe.model.family
+    if family not in ("gpt-neox", "llama"):
+        raise UserError(f"no transformers reference for model family {family!r} (gpt-neox and llama have one)")
+    interop, config_class, model_class = (
+        (hf_gpt_neox, transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM)
+        if family == "gpt-neox"
+        else (hf_llama, transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    )
+    fields = {k: v for k, v in interop.config_to_hf(recipe.model).items() if k not in ("architectures", "model_type")}
+    return model_class, config_class(**fields)
 
 
 def transformers_step(model, optimizer, autocast, batch: torch.Tensor, grad_clip: float) -> float:

@@ -56,8 +56,8 @@ def _write(table: str, rows_json: str, markdown_path, json_path) -> None:
 @click.option(
     "--baseline",
     metavar="PEER[:PRECISION],...",
-    help="Peers to race, comma-separated: transformers, transformers-compiled, litgpt (torchtitan and "
-    "liger-kernel: rows saying they are not set up yet); each optionally at a precision "
+    help="Peers to race, comma-separated: transformers, transformers-compiled, litgpt, liger-kernel and "
+    "torchtitan (these two: Llama recipes on CUDA, at amp-bf16); each optionally at a precision "
     "(transformers-compiled:amp-bf16); a bare precision is transformers at it [default: "
     "transformers at the pass's precision].",
 )
