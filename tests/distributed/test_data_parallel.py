@@ -26,12 +26,16 @@ def one_process(tmp_path_factory):
     def run(recipe_file, precision="fp32", micro=2):
         if (precision, micro) not in runs:
             runs[precision, micro] = tmp_path_factory.mktemp("one-process")
-            _train(
-                recipe_file, runs[precision, micro], 1, f"train.precision={precision}", f"data.micro_batch_size={micro}"
-            )
+            _train(recipe_file, runs[precision, micro], 1, f"train.precision={precision}", *_shares(micro))
         return runs[precision, micro]
 
     return run
+
+
+def _shares(micro: int) -> list[str]:
+    # amp-fp16 at a loss scale that overflows in neither run: where it overflows depends on
+    # how many micro-batches a backward's loss is divided by (2 in one process, 1 a rank here)
+    return [f"data.micro_batch_size={micro}", "train.loss_scale=1024"]
 
 
 @pytest.mark.parametrize(
@@ -42,6 +46,7 @@ def one_process(tmp_path_factory):
         ("hsdp", 4, "fp32", 1, 1e-5),  # 2 replicas of 2-rank shard groups
         ("ddp", 2, "bf16-sr", 2, 1e-3),  # gradients reduced in bf16
         ("fsdp", 2, "bf16-sr", 2, 1e-3),
+        ("ddp", 2, "amp-fp16", 2, 1e-3),  # scaled losses accumulated without syncing, unscaled after
     ],
 )
 def test_ranks_train_as_one_process_with_all_their_shares(
@@ -58,7 +63,7 @@ def test_ranks_train_as_one_process_with_all_their_shares(
         nproc,
         f"parallel.data={strategy}",
         f"train.precision={precision}",
-        f"data.micro_batch_size={micro}",
+        *_shares(micro),
         "parallel.shard_size=2",
         asynchronous,
     )
@@ -70,6 +75,8 @@ def test_ranks_train_as_one_process_with_all_their_shares(
     assert _losses(tmp_path / "many", "eval") == pytest.approx(_losses(one, "eval"), rel=tolerance)
     summary = json.loads((tmp_path / "many" / "summary.json").read_text())
     assert summary["final_step"] == 8 and summary["tokens_seen"] == 8 * 4 * 32
+    if precision == "amp-fp16":
+        assert summary["loss_scale"] == {"final": 1024.0, "overflow_steps": 0}
     if strategy == "fsdp" and precision == "fp32":
         _export_and_init_from_a_sharded_run(micro_recipe_file, tmp_path, one, tmp_path / "many")
     if strategy == "fsdp" and precision == "bf16-sr":
