@@ -13,6 +13,7 @@ import sys
 import httpx
 import numpy as np
 import pytest
+import torch
 from conftest import KEY, MINILM, Server
 
 from frugality.cli.main import main
@@ -192,9 +193,12 @@ def test_the_listening_socket_says_it_is_tcp_so_connections_get_nodelay():
 
 
 def test_an_int8_server_answers_within_int8s_measured_cosine_or_is_refused_in_one_line(reference):
-    from frugality.precision.int8 import int8_products
+    from frugality.errors import UserError
+    from frugality.inference.encoder import int8_engine
 
-    if not int8_products()[0]:  # refused before it listens: one line, exit 2
+    try:
+        engine = int8_engine(torch.device("cpu"))[0]
+    except UserError:  # refused before it listens: one line, exit 2
         done = subprocess.run(
             [sys.executable, "-m", "frugality", "serve", MINILM, "--precision", "int8", "--port", "0"],
             capture_output=True,
@@ -208,6 +212,8 @@ def test_an_int8_server_answers_within_int8s_measured_cosine_or_is_refused_in_on
         assert "int8 (asked for)" in server.text()
         got = httpx.post(f"{server.url}/v1/embeddings", json={"model": "minilm", "input": TEXTS[:40]}).json()
         cosines = [_cosine(d["embedding"], reference[t]) for d, t in zip(got["data"], TEXTS[:40])]
-        assert len(cosines) == 40 and min(cosines) >= 0.98 and np.mean(cosines) >= 0.99
+        # measured: min 0.991 (PyTorch's, on VNNI), 0.974 (ONNX Runtime's, on CPUs without it)
+        least = 0.98 if engine == "torch" else 0.97
+        assert len(cosines) == 40 and min(cosines) >= least and np.mean(cosines) >= 0.99
     finally:
         assert server.stop() == 0

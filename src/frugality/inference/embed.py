@@ -351,11 +351,17 @@ def read_embeddings(out: str | Path) -> tuple[list[str], np.ndarray]:
     return ids, np.concatenate(parts) if parts else np.empty((0, manifest["dim"]), np.float32)
 
 
+def _int8_label(engine: str) -> str:
+    """int8 as a job records it: PyTorch's (the first, kept as "int8") or ONNX Runtime's."""
+    return "int8" if engine == "torch" else f"int8-{engine}"
+
+
 def encoder_record(encoder, why: str) -> dict:
     """How the encoder was resolved: a resumed job must find all of it but the precision
     phrase (which names the machine) unchanged."""
     return {
-        "dtype": "int8" if encoder.int8 else str(encoder.dtype).removeprefix("torch."),  # int8 vectors differ
+        # int8 vectors differ, and differ between the engines
+        "dtype": _int8_label(encoder.int8) if encoder.int8 else str(encoder.dtype).removeprefix("torch."),
         "precision": why,
         "pooling": encoder.pooling.mode,
         "normalize": encoder.pooling.normalize,

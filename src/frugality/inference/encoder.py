@@ -9,6 +9,7 @@ Without them: mean pooling, no normalisation, the model's maximum length."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +21,8 @@ from torch import nn
 
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
+from frugality.hardware import cpu_flags
+from frugality.inference import onnx_int8
 from frugality.interop.hf import import_hf
 from frugality.interop.sentence_transformers import pooling_mode, read_json
 from frugality.interop.weights import load_weights, recipe_beside, resolve_source
@@ -27,6 +30,8 @@ from frugality.models import build_empty
 from frugality.models.bert import Bert, pool
 from frugality.precision import bf16_is_native
 from frugality.precision.int8 import int8_products, quantize_int8
+
+INT8_ENGINES = ("torch", "onnxruntime")
 
 
 @dataclass(frozen=True)
@@ -61,11 +66,13 @@ class Encoder:
         device: torch.device,
         dtype: torch.dtype,
         source: Path,
-        int8: bool = False,
+        int8: str | None = None,
     ) -> None:
         self.model, self.tokenizer, self.pooling = model.eval(), tokenizer, pooling
         self.device, self.dtype, self.source = device, dtype, source  # source: the folder the weights came from
-        self.int8 = int8  # linear layers quantized (frugality.precision.int8); dtype is then float32
+        # int8: the engine ("torch": linear layers quantized, frugality.precision.int8;
+        # "onnxruntime": the body in ONNX Runtime, frugality.inference.onnx_int8); dtype is then float32
+        self.int8 = int8
         self.max_length = min(pooling.max_length or model.config.max_seq_len, model.config.max_seq_len)
         tokenizer.enable_truncation(self.max_length)
         tokenizer.no_padding()
@@ -109,28 +116,55 @@ class Encoder:
         return self.model.project(pooled, self.pooling.normalize).float().cpu().numpy()[:count]  # through any head
 
 
-def resolve_precision(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+def resolve_precision(name: str, device: torch.device, encoder: bool = True) -> tuple[torch.dtype, str]:
     """'auto' is bf16 where bf16 products are native (AMX, AVX512-BF16, CUDA 8.0+), else
     fp32 (never int8, which changes results: only when asked for); the dtype the model's
-    float tensors take and why. int8 (`frugality.precision.int8`) is refused in one line
-    where the CPU has no fast int8 product."""
+    float tensors take and why. int8 is refused in one line where no engine runs it fast
+    (`int8_engine`)."""
     if name == "fp32":
         return torch.float32, "fp32 (asked for)"
     if name == "bf16":
         return torch.bfloat16, "bf16 (asked for)"
     if name == "int8":
-        if device.type != "cpu":
-            raise UserError(
-                f"--precision int8: CPUs only (int8 products through oneDNN), not {device.type}; add --device cpu"
-            )
-        fast, why = int8_products()
-        if not fast:
-            raise UserError(f"--precision int8: {why}")
+        engine, why = int8_engine(device, encoder)
+        if engine == "onnxruntime":
+            return torch.float32, f"int8 (asked for): the encoder's body in {why}; pooling in fp32"
         return torch.float32, f"int8 (asked for): linear layers in {why}; attention, norms and pooling in fp32"
     if name != "auto":
         raise UserError(f"--precision {name!r}: choose auto, fp32, bf16 or int8")
     native, why = bf16_is_native(device)
     return (torch.bfloat16, f"bf16: {why}") if native else (torch.float32, f"fp32: {why}")
+
+
+def int8_engine(device: torch.device, encoder: bool = True) -> tuple[str, str]:
+    """Which engine runs int8 here, and how: PyTorch's `_int_mm` where the CPU has
+    AVX512-VNNI or AMX; for encoders on other x86 CPUs with AVX2, ONNX Runtime
+    (`frugality.inference.onnx_int8`). FRUGALITY_INT8_ENGINE (torch or onnxruntime) names one.
+    Anything else is refused in one line."""
+    if device.type != "cpu":
+        raise UserError(f"--precision int8: CPUs only, not {device.type}; add --device cpu")
+    asked = os.environ.get("FRUGALITY_INT8_ENGINE", "").strip().lower()
+    if asked and asked not in INT8_ENGINES:
+        raise UserError(f"FRUGALITY_INT8_ENGINE={asked!r}: choose {' or '.join(INT8_ENGINES)} (or leave it unset)")
+    fast, why = int8_products()
+    if asked != "onnxruntime" and (fast or asked == "torch"):
+        if not fast:
+            raise UserError(f"--precision int8 (FRUGALITY_INT8_ENGINE=torch): {why}")
+        return "torch", why
+    if not encoder:
+        raise UserError(
+            f"--precision int8: {why.removesuffix('; use --precision fp32')}; ONNX Runtime's int8 serves encoders "
+            "only; use --precision fp32"
+        )
+    if not asked and "avx2" not in cpu_flags():
+        raise UserError(f"--precision int8: {why}")
+    ok, missing = onnx_int8.available()
+    if not ok:
+        raise UserError(f"--precision int8: this CPU's int8 engine is ONNX Runtime, and {missing}")
+    import onnxruntime
+
+    because = "FRUGALITY_INT8_ENGINE=onnxruntime" if asked else "no AVX512-VNNI or AMX for PyTorch's int8 here"
+    return "onnxruntime", f"ONNX Runtime {onnxruntime.__version__}'s int8 kernels ({because})"
 
 
 @dataclass(frozen=True)
@@ -194,9 +228,12 @@ def load_encoder(
     if max_length is not None:
         pooling = replace(pooling, max_length=max_length)
     model = loaded.model.to(device=device, dtype=dtype)
-    if precision == "int8":  # (BERT's pooler and masked-LM head: unused by embeddings, left alone)
+    engine = int8_engine(device)[0] if precision == "int8" else None
+    if engine == "torch":  # (BERT's pooler and masked-LM head: unused by embeddings, left alone)
         quantize_int8(model, skip=("pooler", "mlm.dense", "mlm.decoder"))
-    return Encoder(model, tokenizer, pooling, device, dtype, weights, int8=precision == "int8"), why
+    elif engine == "onnxruntime":  # the body runs in ONNX Runtime; project() (the head) stays here
+        model.forward = onnx_int8.quantized_body(model)
+    return Encoder(model, tokenizer, pooling, device, dtype, weights, int8=engine), why
 
 
 def _check_encoder(config, folder: Path) -> None:

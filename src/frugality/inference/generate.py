@@ -104,7 +104,7 @@ class Decoder:
 def load_decoder(path: str | Path, device: torch.device, precision: str = "auto") -> tuple[Decoder, str]:
     """The decoder at `path` (a Hugging Face folder, an imported folder or a run) on
     `device`, and the precision line (what was chosen, why)."""
-    dtype, why = resolve_precision(precision, device)
+    dtype, why = resolve_precision(precision, device, encoder=False)
     loaded = load_model(path, _check_decoder)
     tokenizer = _open_tokenizer(loaded.tokenizer, Path(path))
     eos = _eos_ids(Path(path), tokenizer)
