@@ -226,8 +226,8 @@ def product_rate(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def _tf32_on() -> bool:
-    # the setting's new name only: reading `allow_tf32` after it was set raises
-    return torch.backends.cuda.matmul.fp32_precision == "tf32"
+    # (not `allow_tf32`: reading it raises once the newer `fp32_precision` has been set)
+    return torch.get_float32_matmul_precision() != "highest"
 
 
 def measure_product_rate(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:

@@ -22,7 +22,7 @@ GPUS = {  # compute capability: a GPU of it
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """fake_gpu(capability): torch.cuda answers as that GPU would; the settings tf32 changes are restored."""
-    saved = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    saved = torch.get_float32_matmul_precision()
 
     def fake(capability):
         hardware._probe_cuda.cache_clear()
@@ -34,7 +34,7 @@ def fake_gpu(monkeypatch):
 
     yield fake
     hardware._probe_cuda.cache_clear()
-    torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved
+    torch.set_float32_matmul_precision(saved)
 
 
 @pytest.mark.parametrize(
@@ -65,12 +65,17 @@ def test_amp_fp16_where_fp16_products_are_slow_says_so(fake_gpu):
 
 
 def test_tf32_is_on_by_default_where_the_gpu_has_it_and_off_when_asked(fake_gpu):
+    from frugality.config.recipe import TrainConfig
+
+    assert TrainConfig().tf32 is True
     line = apply_tf32(fake_gpu((8, 0)), True)
-    assert torch.backends.cuda.matmul.fp32_precision == "tf32" and line.startswith("tf32: fp32 matrix products in TF32")
+    assert line.startswith("tf32: fp32 matrix products in TF32")
+    # both of torch's names for the setting agree, so Inductor's autotuning can read it
+    assert torch.get_float32_matmul_precision() == "high" and torch.backends.cuda.matmul.fp32_precision == "tf32"
     line = apply_tf32(fake_gpu((9, 0)), False)
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee" and line.startswith("tf32: off")
+    assert torch.get_float32_matmul_precision() == "highest" and line.startswith("tf32: off")
     assert apply_tf32(fake_gpu((7, 5)), True) is None  # no TF32 before Ampere: nothing set, nothing said
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert torch.get_float32_matmul_precision() == "highest"
     assert apply_tf32(torch.device("cpu"), True) is None
 
 

@@ -16,7 +16,7 @@ from frugality.models import build_model
 from frugality.precision import get_policy
 from frugality.precision.loss_scale import LossScaler
 from frugality.runtime.optim import build_optimizer
-from frugality.runtime.state import build_state
+from frugality.runtime.state import build_state, check_loss_scaling
 from frugality.training import loop, trainer
 
 FP16 = ["train.precision=amp-fp16", "train.fused_optimizer=false"]
@@ -37,6 +37,7 @@ def test_an_overflow_skips_the_step_without_a_bad_step_and_halves_the_scale(micr
     # (measured: 2**16 fits, 2**17 overflows). on_nonfinite = "stop": a bad step would end the run.
     result = _train(micro_recipe_file, tmp_path / "run", "train.loss_scale=1048576", "train.on_nonfinite=stop")
     records = _records(tmp_path / "run")
+    logged = _records(tmp_path / "run", "overflow")  # a record of its own for every overflow
     overflows = [r for r in records if "overflow" in r]
     assert overflows and overflows == records[: len(overflows)]  # the first steps, then none
     assert len(overflows) < len(records)
@@ -44,6 +45,8 @@ def test_an_overflow_skips_the_step_without_a_bad_step_and_halves_the_scale(micr
     scales = [r["loss_scale"] for r in records]
     assert scales[: len(overflows) + 1] == [2.0**20 / 2**i for i in range(len(overflows) + 1)]
     assert result.summary["loss_scale"] == {"final": 2.0**20 / 2 ** len(overflows), "overflow_steps": len(overflows)}
+    assert [r["step"] for r in logged] == [r["step"] for r in overflows]
+    assert [r["loss_scale"] for r in logged] == scales[: len(overflows)]
     assert records[-1]["loss"] < records[0]["loss"]  # the applied steps trained
 
 
@@ -97,6 +100,29 @@ def test_stop_and_resume_is_bit_identical_with_the_scale_and_its_counters(micro_
     assert [(r["loss"], r["loss_scale"]) for r in runs[0]] == [(r["loss"], r["loss_scale"]) for r in runs[1]]
 
 
+def test_a_bad_step_leaves_the_scale_and_its_count_of_clean_steps_and_a_resume_keeps_the_recipes_window():
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+
+    def step(scaler, grad, overflow, applied):
+        weight.grad = scaler.scale_loss(torch.full((3,), grad))
+        scaler.unscale(optimizer)
+        scaler.update(overflow, applied)
+
+    scaler = LossScaler(torch.device("cpu"), init_scale=16.0, window=2)
+    step(scaler, 1.0, False, True)  # one clean step of the two a doubling takes
+    for _ in range(3):  # bad steps (a non-finite loss): neither clean steps nor overflows
+        step(scaler, float("nan"), False, False)
+    assert scaler.scale == 16.0 and scaler.overflows == 0
+    step(scaler, 1.0, False, True)  # the second clean step
+    assert scaler.scale == 32.0
+    step(scaler, float("inf"), True, False)  # an overflow
+    assert scaler.scale == 16.0 and scaler.overflows == 1
+    resumed = LossScaler(torch.device("cpu"), init_scale=16.0, window=5)
+    resumed.load_state_dict(scaler.state_dict())  # saved with window 2
+    assert resumed.scale == 16.0 and resumed.overflows == 1 and resumed.scaler.get_growth_interval() == 5
+
+
 def test_an_overflow_is_the_scales_fault_only_above_a_scale_of_one():
     scaler = LossScaler(torch.device("cpu"), init_scale=8.0, window=10)
     assert scaler.is_overflow(2.0, float("inf"))
@@ -119,9 +145,9 @@ def test_an_overflow_is_the_scales_fault_only_above_a_scale_of_one():
 def test_layouts_loss_scaling_does_not_run_with_are_refused_in_one_line(micro_recipe_file, world, overrides, layout):
     recipe = load_recipe(str(micro_recipe_file), [*FP16, *overrides])
     with pytest.raises(UserError, match=f"amp-fp16 \\(loss scaling\\) does not run with {layout} yet") as e:
-        trainer._check_loss_scaling(recipe, world)
+        check_loss_scaling(recipe, world)
     assert "\n" not in str(e.value)
-    trainer._check_loss_scaling(load_recipe(str(micro_recipe_file), FP16), World(0, 2))  # ddp runs
+    check_loss_scaling(load_recipe(str(micro_recipe_file), FP16), World(0, 2))  # ddp runs
 
 
 def test_amp_fp16_on_an_xla_device_is_refused():

@@ -17,8 +17,8 @@ round-to-nearest (kept to show what stochastic rounding buys).
 `auto` (the default) is the fastest policy the hardware runs natively: bf16-sr where bf16
 products are native (AMX, AVX512-BF16, CUDA compute capability 8.0+), amp-fp16 on CUDA GPUs
 with fp16 tensor cores but no bf16 (compute capability 7.x: V100, T4, the cheapest cloud
-GPUs), fp32 elsewhere; see `frugality.hardware`. `amp-fp16` is what Hugging Face and
-Lightning call `16-mixed`; its loss scaling is `frugality.precision.loss_scale`.
+GPUs), fp32 elsewhere; see `frugality.hardware`. `amp-fp16` is Lightning's `16-mixed` and
+Hugging Face's `fp16=True`; its loss scaling is `frugality.precision.loss_scale`.
 
 On hardware without native bf16 products, `bf16-sr` and `bf16` keep their bf16 storage
 (and its memory saving) but compute each product in fp32 from the bf16 operands, and
@@ -175,11 +175,13 @@ def apply_tf32(device: torch.device, enabled: bool) -> str | None:
     """Set whether fp32 matrix products on `device` run in TF32 (`train.tf32`), where the
     GPU has TF32 (compute capability 8.0+); the header's line saying which, or None where
     TF32 does not exist. TF32 keeps fp32's range with a 10-bit mantissa; PyTorch leaves it
-    off by default for matmuls, JAX and TensorFlow turn it on."""
+    off by default for matmuls; JAX and TensorFlow turn it on."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         return None
-    torch.backends.cuda.matmul.fp32_precision = "tf32" if enabled else "ieee"
-    torch.backends.cudnn.conv.fp32_precision = "tf32" if enabled else "ieee"
+    # the API every torch >= 1.12 has, and that Inductor's autotuning reads (setting the newer
+    # `matmul.fp32_precision` alone makes `get_float32_matmul_precision` raise); cuDNN's
+    # convolutions keep PyTorch's default (TF32), and frugality's models have none
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
     if enabled:
         return "tf32: fp32 matrix products in TF32 (train.tf32 = false keeps full fp32, for parity runs)"
     return "tf32: off (train.tf32 = false): fp32 matrix products in full fp32"

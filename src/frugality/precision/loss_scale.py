@@ -10,7 +10,9 @@ global gradient norm, so that every rank decides alike (as it does for bad steps
   Megatron-LM, DeepSpeed and `GradScaler` itself do the same.
 - gradients not finite at a scale of 1 or less, or the loss not finite: the model's own
   values overflow, whatever the scale: a bad step (`train.on_nonfinite`).
-- `train.loss_scale_window` steps in a row without an overflow double the scale.
+- `train.loss_scale_window` steps in a row without an overflow double the scale. A bad
+  step (or a loss spike) is neither: it leaves the scale and the count of clean steps as
+  they were.
 
 The scale and its counters are part of the checkpoint, so a resumed run continues bit for bit.
 """
@@ -25,6 +27,7 @@ import torch
 class LossScaler:
     def __init__(self, device: torch.device, init_scale: float, window: int) -> None:
         self.scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=window)
+        self.window = window  # the recipe's, also after a resume (a checkpoint holds the one it ran with)
         self.overflows = 0  # steps skipped for an overflow, over the whole run (checkpointed)
         self.overflowed = False  # whether the last step was one
         self.scale_before = init_scale  # the last step's scale
@@ -45,12 +48,16 @@ class LossScaler:
         """Whether a step whose gradients are not finite is the scale's fault (see the module)."""
         return math.isfinite(loss) and not math.isfinite(norm) and self.scale_before > 1.0
 
-    def update(self, overflow: bool) -> None:
-        """After the step, applied or not: the scale halves after an overflow and grows after
-        a window of steps without one. An overflow is judged from the global norm; the scaler
-        is told the same, so its own per-rank check cannot disagree."""
+    def update(self, overflow: bool, applied: bool) -> None:
+        """After every step: the scale halves after an overflow and grows after a window of
+        applied steps; a step rejected for another reason (a bad step, a spike) changes
+        neither. An overflow is judged from the global norm; the scaler is told the same, so
+        its own per-rank check cannot disagree."""
         self.overflowed = overflow
         self.overflows += overflow
+        if not overflow and not applied:  # the scale and the count of clean steps stay as they were
+            self.scaler.update(new_scale=self.scale)
+            return
         state = self.scaler._per_optimizer_states
         for per_optimizer in state.values():  # the scaler's record of what unscale_ found
             for found in per_optimizer["found_inf_per_device"].values():
@@ -67,4 +74,5 @@ class LossScaler:
         state = dict(state)
         self.overflows = int(state.pop("overflows", 0))
         self.scaler.load_state_dict(state)
+        self.scaler.set_growth_interval(self.window)
         self.scale_before = self.scale

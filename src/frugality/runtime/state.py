@@ -28,6 +28,7 @@ from frugality.distributed import World, describe, gather_with_grad, world_mesh,
 from frugality.distributed.pipeline import Pipeline, build_pipeline
 from frugality.distributed.spmd import wrap_spmd
 from frugality.distributed.tensor_parallel import apply_tensor_parallel, loss_context
+from frugality.errors import UserError
 from frugality.interop.weights import placed_like
 from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.kernels.specialize import specialize
@@ -73,6 +74,27 @@ class TrainState:
         return loss_context(self.world.tensor > 1)
 
 
+def check_loss_scaling(recipe: Recipe, world: World) -> None:
+    """amp-fp16's loss scaling runs in one process and under DDP, where every rank holds the
+    whole gradients (and judges an overflow alike); one line for the layouts it does not run in yet."""
+    p = recipe.parallel
+    layout = (
+        "tensor parallel"
+        if world.tensor > 1
+        else "pipeline parallel"
+        if p.pipeline > 1
+        else f"parallel.data {p.data}"
+        if world.distributed and p.data != "ddp"
+        else None
+    )
+    if layout is not None:
+        chosen = " (what auto picks on this GPU)" if recipe.train.precision == "auto" else ""
+        raise UserError(
+            f"train.precision amp-fp16{chosen} (loss scaling) does not run with {layout} yet; it runs in one "
+            "process and under parallel.data ddp"
+        )
+
+
 def check_recipe(recipe: Recipe, device: torch.device) -> None:
     """The checks `build_state` makes first (task and model family, precision on this
     device), for callers that must refuse bad input before doing anything else."""
@@ -99,6 +121,8 @@ def build_state(
         unpad=recipe.compile.level == "O0",
     )
     policy, note = resolve_policy(recipe.train.precision, device)
+    if policy.loss_scaling:
+        check_loss_scaling(recipe, world)
     tf32 = apply_tf32(device, recipe.train.tf32)  # before any product (the compile cache keys on it)
     compiled = CompileSession.for_recipe(recipe, device, policy)  # on XLA, its executable cache opens before any graph
     torch.manual_seed(recipe.seed)

@@ -81,8 +81,9 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
         )
         if state.loss_scaler is not None:
             result.record["loss_scale"] = state.loss_scaler.scale_before  # the scale this step ran at
-            if state.loss_scaler.overflowed:
+            if state.loss_scaler.overflowed:  # logged at every step it happens (the train record: at log steps)
                 result.overflow = result.record["overflow"] = state.loss_scaler.describe_overflow()
+                result.logs["overflow"] = {"loss_scale": state.loss_scaler.scale_before, "message": result.overflow}
         callbacks.on_step_end(state, result)
         if result.rolled_back_to is not None:  # a policy restored the last checkpoint: go on from its step
             continue
@@ -168,7 +169,7 @@ def _clip_and_update(state: TrainState, mean: float, over_stages=None) -> tuple[
         optimizer.step()
         state.recent_losses.append(loss)
     if scaler is not None:
-        scaler.update(overflow)
+        scaler.update(overflow, applied=rejected is None and not overflow)
     optimizer.zero_grad(set_to_none=True)  # (BF16AdamW: drops a pending clip scale too)
     return loss, norm, rejected
 

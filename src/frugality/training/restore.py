@@ -23,7 +23,7 @@ def training_state(state: TrainState) -> dict:
         "precision": state.policy.name,
         "recent_losses": list(state.recent_losses),
         "tokens_seen": state.tokens_seen,
-        **({"loss_scale": state.loss_scaler.state_dict()} if state.loss_scaler is not None else {}),
+        **({"loss_scale": state.loss_scaler.state_dict()} if getattr(state, "loss_scaler", None) else {}),
         "recipe": state.recipe.model_dump(mode="json", exclude_none=True),
     }
 
@@ -49,7 +49,7 @@ def restore(state: TrainState, checkpoints: CheckpointManager, path: Path) -> di
     # came with it): seq_len tokens each.
     d = state.recipe.data
     state.tokens_seen = int(extra.get("tokens_seen", extra.get("step", 0) * d.global_batch_size * d.seq_len))
-    if state.loss_scaler is not None and "loss_scale" in extra:
+    if getattr(state, "loss_scaler", None) is not None and "loss_scale" in extra:
         state.loss_scaler.load_state_dict(extra["loss_scale"])
     state.step = step_of(path)
     return extra

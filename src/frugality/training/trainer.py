@@ -31,7 +31,7 @@ from frugality.runtime.data import open_training_data
 from frugality.runtime.device import names_xla, resolve_device
 from frugality.runtime.host_memory import keep_freed_memory
 from frugality.runtime.plan import check_fits
-from frugality.runtime.state import TrainState, build_state, check_recipe
+from frugality.runtime.state import TrainState, build_state, check_loss_scaling, check_recipe
 from frugality.tasks import get_task
 from frugality.training import rng
 from frugality.training import run_dir as rundir
@@ -123,7 +123,7 @@ def train(
         batch_note = f"{batch_note}; {line}" if batch_note else line
     policy = resolve_policy(recipe.train.precision, device)[0]
     if policy.loss_scaling:
-        _check_loss_scaling(recipe, world)
+        check_loss_scaling(recipe, world)
     check_fits(recipe, policy, world.world_size, device, world.tensor, world.pipeline)
     passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
     with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
@@ -278,26 +278,6 @@ def _check_tensor_parallel_run(recipe: Recipe, device) -> None:
     if not get_task(recipe.train.task).runs_model_parallel:
         raise UserError(
             f"parallel.tensor: train.task {recipe.train.task} does not run tensor parallel yet (causal_lm does)"
-        )
-
-
-def _check_loss_scaling(recipe: Recipe, world) -> None:
-    """amp-fp16's loss scaling runs in one process and under DDP, where every rank holds the
-    whole gradients (and judges an overflow alike); one line for the layouts it does not run in yet."""
-    p = recipe.parallel
-    layout = (
-        "tensor parallel"
-        if world.tensor > 1
-        else "pipeline parallel"
-        if p.pipeline > 1
-        else f"parallel.data {p.data}"
-        if world.distributed and p.data != "ddp"
-        else None
-    )
-    if layout is not None:
-        raise UserError(
-            f"train.precision amp-fp16 (loss scaling) does not run with {layout} yet; it runs in one process "
-            "and under parallel.data ddp"
         )
 
 

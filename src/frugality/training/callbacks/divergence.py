@@ -38,6 +38,8 @@ class DivergenceGuard(Callback):
         raise RunDiverged(message)
 
     def on_step_end(self, state, result) -> None:
+        if result.overflow is not None:  # amp-fp16's loss scale overflowed: neither a bad step nor a good one
+            return
         if result.rejected is None:
             self.in_a_row = 0
             return

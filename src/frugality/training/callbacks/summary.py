@@ -92,11 +92,9 @@ class Summary(Callback):
             "memory": end.summary.get("memory", {}),
             "compile": state.compiled.stats.as_dict(),
         }
-        if state.loss_scaler is not None:  # amp-fp16: over the whole run (the counts are checkpointed)
-            self.summary["loss_scale"] = {
-                "final": state.loss_scaler.scale,
-                "overflow_steps": state.loss_scaler.overflows,
-            }
+        scaler = getattr(state, "loss_scaler", None)
+        if scaler is not None:  # amp-fp16: over the whole run (the counts are checkpointed)
+            self.summary["loss_scale"] = {"final": scaler.scale, "overflow_steps": scaler.overflows}
         for section in ("cost", "parallel"):
             if section in end.summary:
                 self.summary[section] = end.summary[section]
