@@ -12,11 +12,10 @@ Sections:
 
 - `environment`: GPU, driver, torch, and what `auto` picks.
 - `cuda-tests`: the tests marked `cuda`. The dry run collects them.
-- `train-*`: `bench train` on Pythia-1B, Llama 1B, Pythia-410M and Pythia-160M.
-  - frugality in bf16-sr against transformers-compiled, liger-kernel and torchtitan
-    (each in amp-bf16, their usual way);
-  - then frugality alone in amp-bf16 and fp8;
-  - MFU against the measured dense peak of the dtype the products run in.
+- `train-RECIPE`: `bench train` of frugality in bf16-sr against transformers-compiled,
+  liger-kernel and torchtitan (each in amp-bf16, their usual way), on Pythia-1B, Llama 1B,
+  Pythia-410M and Pythia-160M; MFU against the measured dense peak of the dtype the
+  products run in. `train-RECIPE-precisions`: frugality alone in amp-bf16 and fp8.
 - `embed`: `bench infer` of an all-MiniLM-L6-v2-shaped encoder against
   sentence-transformers, in bf16.
 - `generate`: `bench infer --generate` of a Pythia-160M-shaped decoder against
@@ -36,8 +35,11 @@ import datetime
 import json
 import os
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,8 +80,8 @@ def frugality(*args: str) -> list[str]:
     return [sys.executable, "-m", "frugality", *args]
 
 
-def sections(out: Path, dry: bool, models: dict[str, Path]) -> list[Section]:
-    """What runs, in order of importance."""
+def sections(out: Path, scratch: Path, dry: bool, models: dict[str, Path]) -> list[Section]:
+    """What runs, in order of importance; the limits add up to about the default budget."""
     found = []
     marked = (p for p in (ROOT / "tests").rglob("test_*.py") if "mark.cuda" in p.read_text())
     tests = sorted(str(p.relative_to(ROOT)) for p in marked)
@@ -87,7 +89,7 @@ def sections(out: Path, dry: bool, models: dict[str, Path]) -> list[Section]:
     found.append(
         Section(
             "cuda-tests",
-            150,
+            90,
             [pytest + (["--collect-only"] if dry else ["--junitxml", str(out / "cuda-tests.xml")])],
             "collected only (no GPU)" if dry else "",
         )
@@ -99,132 +101,97 @@ def sections(out: Path, dry: bool, models: dict[str, Path]) -> list[Section]:
         # compiled peer still compiles
         sets = [a for s in ([*SMALL[family], "compile.level=O0"] if dry else []) for a in ("--set", s)]
         common = ["bench", "train", recipe, *shape, *sets, "--no-memory"]
-        peers = frugality(
-            *common,
-            "--precision",
-            "bf16-sr",
-            "--baseline",
-            PEERS,
-            "--markdown",
-            str(out / f"train-{recipe}.md"),
-            "--json",
-            str(out / f"train-{recipe}.json"),
-        )
-        alone = frugality(
-            *common,
-            "--only",
-            "frugality",
-            "--precision",
-            "amp-bf16" if dry else "amp-bf16,fp8",
-            "--markdown",
-            str(out / f"train-{recipe}-precisions.md"),
-            "--json",
-            str(out / f"train-{recipe}-precisions.json"),
-        )
+
+        # Llama 1B: the peers in two commands, so that no more than three models' training
+        # state (16 bytes a parameter each for the peers) shares the GPU at once
+        groups = [PEERS] if family == "gpt-neox" else [PEERS.rsplit(",", 1)[0], PEERS.rsplit(",", 1)[1]]
+        name = f"train-{recipe}"
+        names = [name] + [f"{name}-{i + 2}" for i in range(len(groups) - 1)]
         found.append(
             Section(
-                f"train-{recipe}",
-                150,
-                [peers, alone],
-                "fp8 left out (CUDA 8.9+ only); liger-kernel and torchtitan rows say they need CUDA" if dry else "",
-                [f"train-{recipe}.md", f"train-{recipe}-precisions.md"],
+                name,
+                150 if recipe.endswith("1b") else 75,
+                [
+                    frugality(*common, "--precision", "bf16-sr", "--baseline", peers, *_table(out, part))
+                    for peers, part in zip(groups, names)
+                ],
+                "liger-kernel and torchtitan rows say they need CUDA" if dry else "",
+                [f"{part}.md" for part in names],
             )
         )
-    embed_args = ["--texts", "64", "--batch", "16", "--rounds", "1", "--precision", "fp32"] if dry else []
+        precisions, alone = ("amp-bf16" if dry else "amp-bf16,fp8"), f"{name}-precisions"
+        found.append(
+            Section(
+                f"{name}-precisions",
+                60,
+                [frugality(*common, "--only", "frugality", "--precision", precisions, *_table(out, alone))],
+                "fp8 left out (CUDA 8.9+ only)" if dry else "",
+                [f"{name}-precisions.md"],
+            )
+        )
+    embed = ["--texts", "64", "--batch", "16", "--rounds", "1", "--precision", "fp32"]
+    embed = embed if dry else ["--texts", "20000", "--batch", "256", "--precision", "bf16"]
     found.append(
         Section(
             "embed",
-            60,
-            [
-                frugality(
-                    "bench",
-                    "infer",
-                    str(models["encoder"]),
-                    *(embed_args or ["--texts", "20000", "--batch", "256", "--precision", "bf16"]),
-                    "--markdown",
-                    str(out / "embed.md"),
-                    "--json",
-                    str(out / "embed.json"),
-                )
-            ],
+            45,
+            [frugality("bench", "infer", str(models["encoder"]), *embed, *_table(out, "embed"))],
             "fp32 (bf16 is slow on CPUs without native bf16)" if dry else "",
             ["embed.md"],
         )
     )
-    generate_args = ["--batch", "1", "--prompt-tokens", "16", "--new-tokens", "4", "--rounds", "1"]
+    generate = ["--batch", "1", "--prompt-tokens", "16", "--new-tokens", "4", "--rounds", "1"]
+    generate = generate if dry else ["--batch", "1,8,32", "--compile"]
     found.append(
         Section(
             "generate",
             60,
-            [
-                frugality(
-                    "bench",
-                    "infer",
-                    "--generate",
-                    str(models["decoder"]),
-                    *(generate_args if dry else ["--batch", "1,8,32", "--compile"]),
-                    "--markdown",
-                    str(out / "generate.md"),
-                    "--json",
-                    str(out / "generate.json"),
-                )
-            ],
-            "",
+            [frugality("bench", "infer", "--generate", str(models["decoder"]), *generate, *_table(out, "generate"))],
+            "eager, batch 1" if dry else "",
             ["generate.md"],
         )
     )
-    load = ["--concurrency", "2", "--duration", "1"] if dry else ["--concurrency", "1,8,64", "--rate", "200,800"]
+    load = ["--concurrency", "2", "--rate", "20", "--duration", "1", "--slo-ms", "1000"]
+    load = load if dry else ["--concurrency", "1,8,64", "--rate", "200,800", "--duration", "5", "--slo-ms", "100"]
     found.append(
         Section(
             "serve",
             60,
-            [
-                frugality(
-                    "bench",
-                    "serve",
-                    str(models["encoder"]),
-                    *load,
-                    *([] if dry else ["--duration", "5", "--slo-ms", "100"]),
-                    "--markdown",
-                    str(out / "serve.md"),
-                    "--json",
-                    str(out / "serve.json"),
-                )
-            ],
+            [frugality("bench", "serve", str(models["encoder"]), *load, *_table(out, "serve"))],
             "",
             ["serve.md"],
         )
     )
-    steps = "5" if dry else "300"
+    run = scratch / "runs" / "tiny"
+    steps = ["train.steps=5", "optim.warmup_steps=2"] if dry else ["train.steps=300"]
     found.append(
         Section(
             "energy",
-            60,
+            45,
             [
                 frugality(
                     "train",
                     "tiny",
-                    "--set",
-                    f"train.steps={steps}",
-                    "--set",
-                    "optim.warmup_steps=2",
-                    "--set",
-                    "train.eval_interval=1000",
+                    *(a for s in [*steps, "train.eval_interval=1000"] for a in ("--set", s)),
                     "--run-dir",
-                    str(out / "runs" / "tiny"),
+                    str(run),
                     "--fresh",
                     "--no-progress",
                 ),
-                [sys.executable, __file__, "energy-table", str(out / "runs" / "tiny"), str(out / "energy.md")],
+                [sys.executable, __file__, "energy-table", str(run), str(out / "energy.md")],
             ],
             "estimated energy (no NVML on a CPU)" if dry else "",
             ["energy.md"],
         )
     )
-    # the peers' sections first (the README's rows), then the rest, then the smaller recipes
+    # the README's rows first (the 1B recipes against the peers), then the rest
     order = ["cuda-tests", "train-pythia-1b", "train-llama-1b", "embed", "generate", "serve", "energy"]
-    ranked = sorted(found, key=lambda s: order.index(s.name) if s.name in order else len(order))
-    return ranked
+    order += ["train-pythia-1b-precisions", "train-llama-1b-precisions"]
+    return sorted(found, key=lambda s: order.index(s.name) if s.name in order else len(order))
+
+
+def _table(out: Path, name: str) -> list[str]:
+    return ["--markdown", str(out / f"{name}.md"), "--json", str(out / f"{name}.json")]
 
 
 def build_models(folder: Path, dry: bool) -> dict[str, Path]:
@@ -283,26 +250,56 @@ def build_models(folder: Path, dry: bool) -> dict[str, Path]:
 
 
 def run_section(section: Section, out: Path, deadline: float) -> Outcome:
+    """Its commands in turn, each in a process group of its own: past the time left, the
+    group gets SIGINT (a benchmark stops its server and writes what it can), then SIGKILL."""
     t0 = time.monotonic()
     log = out / f"{section.name}.log"
+    n = len(section.commands)
     with log.open("w") as f:
-        for command in section.commands:
+        for done, command in enumerate(section.commands):
             left = min(section.limit_s - (time.monotonic() - t0), deadline - time.monotonic() - RESERVE_S)
             if left < 5:
-                return Outcome("timed out" if time.monotonic() - t0 > 1 else "not run (no time left)", 0.0)
+                what = "not run (no time left)" if done == 0 else f"cut short: {done} of {n} commands run"
+                return Outcome(what, time.monotonic() - t0)
             f.write(f"$ {shlex.join(command)}\n")
             f.flush()
+            process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
             try:
-                done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=left, cwd=ROOT)
+                status = process.wait(timeout=left)
             except subprocess.TimeoutExpired:
-                return Outcome(f"timed out after {left:.0f} s", time.monotonic() - t0)
-            if done.returncode != 0:
-                return Outcome(f"failed (exit {done.returncode}; see {log.name})", time.monotonic() - t0)
+                _stop(process)
+                return Outcome(f"timed out after {left:.0f} s ({done} of {n} commands done)", time.monotonic() - t0)
+            if status != 0:
+                return Outcome(f"failed (exit {status}; see {log.name})", time.monotonic() - t0)
     return Outcome("ok", time.monotonic() - t0)
 
 
+def _stop(process: subprocess.Popen) -> None:
+    for sig, grace in ((signal.SIGINT, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(timeout=grace)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
+# What each part imports that a GPU image may lack (scripts/gpu-check.sh --fetch-wheels brings them)
+IMPORTS = {
+    "frugality": ["pydantic", "tomli_w", "zstandard"],
+    "serve": ["fastapi", "uvicorn", "prometheus_client"],
+    "fp8": ["torchao.float8"],
+    "liger-kernel": ["liger_kernel.transformers"],
+    "torchtitan": ["torchtitan.models.llama3"],
+    "peers and models": ["transformers", "sentence_transformers"],
+}
+
+
 def environment(out: Path, dry: bool) -> str:
-    """The machine, for the summary's first lines (also written to environment.log)."""
+    """The machine, and what does not import, for the summary's first lines (also written
+    to environment.log)."""
+    import importlib
+
     import torch
 
     from frugality import __version__
@@ -310,11 +307,14 @@ def environment(out: Path, dry: bool) -> str:
     from frugality.precision import resolve_policy
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+        commit = commit.stdout.strip() or "unknown"
+    except OSError:  # no git here
+        commit = "unknown"
     lines = [
         f"- machine: {probe(device).describe()}",
-        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, frugality {__version__} "
-        f"(commit {commit.stdout.strip() or 'unknown'})",
+        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, frugality {__version__} (commit {commit})",
         f"- auto: {resolve_policy('auto', device)[1]}",
     ]
     if device.type == "cuda":
@@ -326,6 +326,14 @@ def environment(out: Path, dry: bool) -> str:
         lines.append(f"- nvidia-smi: {smi.stdout.strip() or smi.stderr.strip()}")
     elif not dry:
         lines.append("- **no CUDA GPU is visible: this is not a GPU check** (use --dry-run on a CPU)")
+    missing = []
+    for part, modules in IMPORTS.items():
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except Exception as e:  # noqa: BLE001 - ImportError, or a package that fails as it imports
+                missing.append(f"{module} ({part}: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    lines.append(f"- does not import: {'; '.join(missing)}" if missing else "- every part imports")
     (out / "environment.log").write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
 
@@ -358,10 +366,18 @@ def main() -> int:
     out = args.out or ROOT / "benchmarks" / "results" / f"gpu-check-{'dry-run' if args.dry_run else 'gpu'}-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    machine = environment(out, args.dry_run)
+    # the models and the tiny run's checkpoints go to a scratch folder: `out` holds what comes back
+    scratch = Path(tempfile.mkdtemp(prefix="frugality-gpu-check-"))
+    try:
+        machine = environment(out, args.dry_run)
+        models = build_models(scratch / "models", args.dry_run)
+    except Exception as e:  # noqa: BLE001 - said in the summary, and the check ends
+        message = f"gpu_check: set-up failed: {type(e).__name__}: {e}"
+        (out / "README.md").write_text(f"# GPU check\n\n{message}\n")
+        print(message, file=sys.stderr)
+        return 1
     print(machine, flush=True)
-    models = build_models(out / "models", args.dry_run)
-    plan = sections(out, args.dry_run, models)
+    plan = sections(out, scratch, args.dry_run, models)
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {s.name for s in plan}
@@ -375,6 +391,7 @@ def main() -> int:
         outcomes[section.name] = run_section(section, out, deadline)
         print(f"   {outcomes[section.name].status} ({outcomes[section.name].seconds:.0f} s)", flush=True)
     write_summary(out, args.dry_run, machine, plan, outcomes, time.monotonic() - started)
+    shutil.rmtree(scratch, ignore_errors=True)
     failed = [name for name, o in outcomes.items() if o.status != "ok"]
     print(f"gpu_check: {len(plan) - len(failed)} of {len(plan)} sections ok; summary in {out / 'README.md'}")
     return 1 if failed else 0

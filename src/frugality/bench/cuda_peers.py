@@ -4,9 +4,11 @@ the way its own documentation sets it up, at amp-bf16 (their usual bf16 training
 - `liger-kernel`: transformers' LlamaForCausalLM with liger-kernel's RMSNorm, SwiGLU and
   fused linear cross-entropy (`apply_liger_kernel_to_llama(model=...)`), under bf16
   autocast, fused AdamW, not compiled (as `TrainingArguments(use_liger_kernel=True)` runs
-  it). Its RoPE patch is left off: it replaces transformers' `apply_rotary_pos_emb` for the
-  whole process, so the transformers rows beside it would run liger's RoPE too. liger-kernel
-  has no GPT-NeoX patch (its families: Llama, Mistral, Qwen, Gemma, ...).
+  it). liger-kernel patches transformers' Llama module for the whole process (its RMSNorm
+  and MLP classes, its RoPE function); the module is restored once this model is patched,
+  so the transformers rows beside it stay transformers'. Its RoPE patch is left off: the
+  model calls the module's function at run time, so it cannot be kept to this model.
+  liger-kernel has no GPT-NeoX patch (its families: Llama, Mistral, Qwen, Gemma, ...).
 - `torchtitan`: torchtitan's own Llama 3 model (`Llama3Model`, fused QKV, SDPA attention)
   and its training step: each transformer block compiled (`fullgraph=True`), as torchtitan's
   `apply_compile` does; bf16 parameters over fp32 master weights through FSDP2's
@@ -38,10 +40,18 @@ def liger(recipe: Recipe, device: torch.device, unavailable):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
     except ImportError as e:
         raise unavailable(f"liger-kernel is not installed ({e.name}; pip install liger-kernel)") from None
+    from transformers.models.llama import modeling_llama
+
     from frugality.bench.reference import build_transformers, transformers_step
 
     model, optimizer, autocast = build_transformers(recipe, "amp-bf16", device, fused_adamw=True)
-    apply_liger_kernel_to_llama(rope=False, model=model)  # rms_norm, swiglu, fused linear cross-entropy
+    names = ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb")
+    kept = {n: getattr(modeling_llama, n) for n in names}
+    try:  # this model's norms, MLPs and loss become liger's
+        apply_liger_kernel_to_llama(rope=False, model=model)
+    finally:  # ... and no other model's
+        for n, value in kept.items():
+            setattr(modeling_llama, n, value)
     clip = recipe.optim.grad_clip
     return (lambda b: transformers_step(model, optimizer, autocast, b, clip)), model, optimizer
 
@@ -109,7 +119,6 @@ def torchtitan(recipe: Recipe, device: torch.device, unavailable):
     _one_process_group(device)
     with torch.device("meta"):
         model = config.build()
-    torch._dynamo.config.capture_scalar_outputs = True  # as torchtitan's apply_compile sets it
     for block in model.layers.children():  # torchtitan's order: compile, then FSDP
         block.compile(backend="inductor", fullgraph=True)
     from torch.distributed.device_mesh import init_device_mesh
@@ -128,8 +137,10 @@ def torchtitan(recipe: Recipe, device: torch.device, unavailable):
 
     def step(batch: torch.Tensor) -> float:
         inputs, labels = batch[:, :-1], batch[:, 1:]
-        loss = loss_fn(model(inputs), labels) / labels.numel()  # summed, over the batch's tokens
-        loss.backward()
+        # as torchtitan's apply_compile sets it, for its blocks only (they compile at the first call)
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            loss = loss_fn(model(inputs), labels) / labels.numel()  # summed, over the batch's tokens
+            loss.backward()
         if o.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip, foreach=True)
         optimizer.step()
@@ -155,7 +166,8 @@ def _torch_2_11_stand_in() -> None:
 
 
 def _one_process_group(device: torch.device) -> None:
-    """torchtitan's FSDP2 wrapping needs a process group, one process here."""
+    """torchtitan's FSDP2 wrapping needs a process group, one process here. It stays for the
+    process: frugality's loss mean then runs a one-rank all-reduce a step (microseconds)."""
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -103,7 +103,12 @@ def _cuda_peer(name: str, recipe: Recipe, precision: str, device: torch.device) 
     from frugality.bench import cuda_peers
 
     build = cuda_peers.liger if name == "liger-kernel" else cuda_peers.torchtitan
-    step, model, optimizer = build(recipe, device, PeerUnavailable)
+    try:
+        step, model, optimizer = build(recipe, device, PeerUnavailable)
+    except PeerUnavailable:
+        raise
+    except Exception as e:  # noqa: BLE001 - a peer that fails to build is a row saying so, not the end of the bench
+        raise PeerUnavailable(f"failed to build: {type(e).__name__}: {str(e).splitlines()[0][:160]}") from None
     return PeerRunner(step, model, optimizer, name == "torchtitan")
 
 

@@ -119,7 +119,8 @@ def bench_train(
     compiled = [
         i
         for i in impls
-        if i in ("transformers-compiled", "litgpt") or (i == "frugality" and resolved.compile.level != "O0")
+        if i in ("transformers-compiled", "litgpt", "torchtitan", "liger-kernel")  # (liger: Triton's JIT)
+        or (i == "frugality" and resolved.compile.level != "O0")
     ]
     if warmup < 1 and compiled:
         raise UserError(
