@@ -164,6 +164,6 @@ def test_amp_fp16_on_a_gpu_trains_like_amp_bf16_with_tf32_on(micro_recipe_file, 
     trainer.train(bf16, run_dir=tmp_path / "bf16", progress=False, tensorboard=False)
     losses = [_records(tmp_path / d, "eval")[-1]["loss"] for d in ("fp16", "bf16")]
     assert losses[0] == pytest.approx(losses[1], rel=0.01)
-    assert fp16.summary["loss_scale"]["final"] >= 1.0
+    assert fp16.summary["loss_scale"]["overflow_steps"] < 16  # most steps applied
     if torch.cuda.get_device_capability() >= (8, 0):
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # train.tf32's default

@@ -149,7 +149,8 @@ def _bench_pass(
     rows = []
     peer_default = baseline or precision
     if peer_default == "auto":  # what `auto` picks, in the peers' usual form: amp-bf16 for bf16
-        peer_default = "fp32" if resolve_policy("auto", device)[0].name == "fp32" else "amp-bf16"
+        # (amp-fp16, on GPUs without bf16: the peers run fp32, which they have)
+        peer_default = "amp-bf16" if resolve_policy("auto", device)[0].compute_dtype == torch.bfloat16 else "fp32"
     impl_precision = {
         impl: precision if impl == "frugality" else (peer_precisions or {}).get(impl) or peer_default for impl in impls
     }
