@@ -123,7 +123,7 @@ class CheckpointManager:
                 short = f"cannot write checkpoint {final}: another rank lacks the space for it"
         if short:
             raise UserError(short)
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = _get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state, "extra": json.dumps(extra).encode()}
         try:
             with single_process_ok():
@@ -272,7 +272,7 @@ class CheckpointManager:
         """Restore model and optimizer in place; return the saved `extra` state. Nothing in
         the files can run code (`frugality.checkpoint.safe`)."""
         path = Path(path)
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = _get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state, "extra": b""}
         safe_load(state, path)
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
@@ -302,6 +302,22 @@ class CheckpointManager:
             stacklevel=2,
         )
         return legacy
+
+
+def _get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """DCP's `get_state_dict`. An optimizer that has not stepped yet (every step so far
+    skipped: amp-fp16's overflows, bad steps) is first given its state by a step at learning
+    rate 0, which counts as a step: Adam's first real update would then be its second,
+    with another bias correction. The counts are put back to 0 (in place: the live
+    optimizer's and the saved ones are the same tensors), so that a checkpoint taken before
+    any update resumes to the bits of a run that took none."""
+    fresh = not optimizer.state
+    model_state, optim_state = get_state_dict(model, optimizer)
+    if fresh:
+        for state in optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"].zero_()
+    return model_state, optim_state
 
 
 def safe_load(state: dict, path: Path, *, no_dist: bool | None = None) -> None:

@@ -42,11 +42,20 @@ def _run(ray, settings, inputs, size, pending, count, report) -> int:
         if settings.device.startswith("cuda") and not gpus:  # not CPU actors in its place, silently
             raise UserError("--device cuda: the Ray cluster has no GPU (ray.cluster_resources() lists none)")
         actors = max(1, min(gpus or int(resources.get("CPU", 1)), len(pending)))
+        options = {}
+        if settings.precision == "int8":  # every actor runs this process's engine: their vectors differ
+            import torch
+
+            from frugality.inference.encoder import int8_engine
+
+            engine = int8_engine(torch.device("cpu"))[0]
+            options["runtime_env"] = {"env_vars": {"FRUGALITY_INT8_ENGINE": engine}}
         kind = ray.remote(
             num_gpus=1 if gpus else 0,
             num_cpus=0 if gpus else 1,
             max_restarts=_ATTEMPTS,
             max_task_retries=_ATTEMPTS,
+            **options,
         )(_Embedder)
         pool = [kind.remote(settings, "cuda" if gpus else "cpu") for _ in range(actors)]
         load = {i: 0 for i in range(actors)}
