@@ -20,6 +20,12 @@ def _resolve(recipe, overrides, precisions, batch, seq):
 
     resolved = load_recipe(recipe, list(overrides))
     names = [p.strip() for p in precisions.split(",") if p.strip()]
+    if "auto" in names:  # what a run picks on this machine (bf16-sr where bf16 products are native, else fp32)
+        from frugality.precision import resolve_policy
+        from frugality.runtime.device import resolve_device
+
+        chosen = resolve_policy("auto", resolve_device(resolved.train.device, what="frugality bench"))[0].name
+        names = list(dict.fromkeys(chosen if name == "auto" else name for name in names))
     for name in names:
         get_policy(name)
     batch = batch or resolved.data.micro_batch_size
@@ -46,7 +52,7 @@ def _write(table: str, rows_json: str, markdown_path, json_path) -> None:
     "precisions",
     default="fp32,amp-bf16,bf16-sr,bf16",
     show_default=True,
-    help="Comma-separated precision policies.",
+    help="Comma-separated precision policies; auto: the one a run picks on this machine.",
 )
 @click.option("--batch", type=int, help="Sequences per step [default: the recipe's micro_batch_size].")
 @click.option("--seq", type=int, help="Tokens per sequence [default: the recipe's seq_len].")
@@ -174,7 +180,7 @@ def _bench_xla(recipe, precisions, batch, seq, steps, warmup, overrides, json_pa
     "precisions",
     default="fp32,amp-bf16,bf16-sr,bf16",
     show_default=True,
-    help="Comma-separated precision policies.",
+    help="Comma-separated precision policies; auto: the one a run picks on this machine.",
 )
 @click.option("--batch", type=int, help="Sequences per step [default: the recipe's micro_batch_size].")
 @click.option("--seq", type=int, help="Tokens per sequence [default: the recipe's seq_len].")
