@@ -38,18 +38,10 @@ from frugality.bench.results import machine_line, write_results
 from frugality.inference.embed import embed_texts
 from frugality.inference.encoder import load_encoder
 from frugality.inference.inputs import open_inputs
+from frugality.inference.onnx_int8 import export_fp32
 from frugality.precision.int8 import int8_products
 
 GLOSSES = Path(__file__).resolve().parents[2] / "shared" / "assets" / "pairs" / "wordnet-glosses.jsonl.gz"
-
-
-class _Hidden(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, mask)
 
 
 def onnx_forwards(model: torch.nn.Module, folder: Path) -> dict:
@@ -59,19 +51,8 @@ def onnx_forwards(model: torch.nn.Module, folder: Path) -> dict:
 
     for p in model.parameters():
         p.requires_grad_(False)
-    ids = torch.randint(1000, 2000, (4, 12))
     fp32, int8 = folder / "model.onnx", folder / "model.int8.onnx"
-    dims = {0: "batch", 1: "length"}
-    torch.onnx.export(
-        _Hidden(model),
-        (ids, torch.ones_like(ids)),
-        str(fp32),
-        input_names=["ids", "mask"],
-        output_names=["hidden"],
-        dynamic_axes={"ids": dims, "mask": dims, "hidden": dims},
-        dynamo=False,
-        opset_version=17,
-    )
+    export_fp32(model, fp32)  # as frugality's ONNX Runtime engine exports it
     quantize_dynamic(str(fp32), str(int8), per_channel=True, weight_type=QuantType.QInt8)
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1

@@ -116,6 +116,26 @@ def quantized_body(model: nn.Module) -> OnnxInt8Body:
     raise AssertionError("unreachable")
 
 
+def export_fp32(model: nn.Module, path: Path) -> None:
+    """The encoder's body as an fp32 ONNX graph, inputs `ids` and `mask`, output `hidden`,
+    batch and length dynamic (TorchScript exporter: no onnxscript needed)."""
+    config = model.config
+    ids = torch.randint(0, config.vocab_size, (2, min(8, config.max_seq_len)))  # values and size do not matter
+    dims = {0: "batch", 1: "length"}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's notes on the model's shape checks
+        torch.onnx.export(
+            _Body(model).eval(),
+            (ids, torch.ones_like(ids)),
+            str(path),
+            input_names=["ids", "mask"],
+            output_names=["hidden"],
+            dynamic_axes={"ids": dims, "mask": dims, "hidden": dims},
+            dynamo=False,
+            opset_version=17,
+        )
+
+
 def _export_quantized(model: nn.Module, path: Path) -> None:
     """Export (TorchScript exporter: dynamic batch and length, no onnxscript needed), quantize
     its MatMuls, and move the file into place, synced; concurrent processes each write their
@@ -125,26 +145,12 @@ def _export_quantized(model: nn.Module, path: Path) -> None:
     for stale in path.parent.glob(".partial-*"):
         if time.time() - stale.stat().st_mtime > 3600:  # an hour: no export takes that long
             shutil.rmtree(stale, ignore_errors=True)
-    config = model.config
-    ids = torch.randint(0, config.vocab_size, (2, min(8, config.max_seq_len)))  # values and size do not matter
-    dims = {0: "batch", 1: "length"}
     root = logging.getLogger()
     quiet = logging.NullHandler()  # the quantizer logs through the root logger, which would set up logging
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".partial-") as tmp:
         fp32, int8 = Path(tmp) / "model.onnx", Path(tmp) / "model.int8.onnx"
         try:
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the tracer's notes on the model's shape checks
-                torch.onnx.export(
-                    _Body(model).eval(),
-                    (ids, torch.ones_like(ids)),
-                    str(fp32),
-                    input_names=["ids", "mask"],
-                    output_names=["hidden"],
-                    dynamic_axes={"ids": dims, "mask": dims, "hidden": dims},
-                    dynamo=False,
-                    opset_version=17,
-                )
+            export_fp32(model, fp32)
             root.addHandler(quiet)
             # MatMuls alone: quantized too, the embedding tables would get one scale a table
             # (min cosine to fp32 0.974, against 0.980 with them in fp32, at the same speed)
