@@ -15,6 +15,10 @@ import torch
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (run where one is present; skipped elsewhere)")
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        import tempfile  # an xdist controller: its workers, started after this, inherit the folder
+
+        os.environ[FOLDER_VARIABLE] = tempfile.mkdtemp(prefix="xla-tests-")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,30 +33,92 @@ def pytest_collection_modifyitems(config, items):
 ROOT = Path(__file__).resolve().parents[1]
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
 XLA_BRIDGE = "test_the_xla_tests_pass_in_their_environment"
+FOLDER_VARIABLE = "FRUGALITY_XLA_TESTS_FOLDER"  # set by an xdist controller for its workers
 _xla_tests: dict = {}
 
 
-def start_xla_tests() -> dict | None:
-    """tests/xla in .venv-xla (tests/test_xla_environment.py checks the result), started once:
-    at the start of the session, at a low priority, they take the cores the main suite leaves
-    idle between its processes instead of two minutes of their own at the end."""
-    if not _xla_tests and XLA_PYTHON.exists():
-        import tempfile
+class XlaTests:
+    """tests/xla in .venv-xla (tests/test_xla_environment.py checks the result), run once a
+    session: started with it, at a low priority, they take the cores the main suite leaves
+    idle between its processes instead of minutes of their own at the end. The run writes
+    its output and then its exit status into `folder`, so that under pytest-xdist the
+    controller, which outlives every worker, owns it, and the bridge test reads it from
+    whichever worker it runs in."""
 
-        log = tempfile.NamedTemporaryFile("w+", prefix="xla-tests-", suffix=".log", delete=False)
-        _xla_tests["log"] = Path(log.name)
-        _xla_tests["stop"] = stop_xla_tests
-        _xla_tests["process"] = subprocess.Popen(
-            [str(XLA_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/xla"],
+    def __init__(self, folder: Path, process: subprocess.Popen | None = None):
+        self.folder, self.process = folder, process
+        self.log, self.status = folder / "log", folder / "status"
+
+    @classmethod
+    def start(cls, folder: Path) -> XlaTests:
+        folder.mkdir(parents=True, exist_ok=True)
+        script = '"$@" > "$0/log" 2>&1; echo $? > "$0/status.partial" && mv "$0/status.partial" "$0/status"'
+        command = [str(XLA_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/xla"]
+        process = subprocess.Popen(
+            ["bash", "-c", script, str(folder), *command],
             cwd=ROOT,
             env={**os.environ, "PJRT_DEVICE": "CPU"},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
+            stdin=subprocess.DEVNULL,
             preexec_fn=_background,
             start_new_session=True,  # its own process group: stopped with the processes it starts
         )
-    return _xla_tests or None
+        (folder / "group").write_text(str(process.pid))
+        return cls(folder, process)
+
+    def wait(self, timeout: float) -> int | str:
+        """The run's exit status, or why there is none."""
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.stop()
+                return f"killed after {timeout:.0f} s"
+        else:  # the controller's run: its status file is all this worker can wait on
+            import time
+
+            deadline = time.monotonic() + timeout
+            while not self.status.exists() and time.monotonic() < deadline:
+                time.sleep(0.5)
+        if not self.status.exists():
+            self.stop()
+            return f"no exit status after {timeout:.0f} s"
+        return int(self.status.read_text())
+
+    def stop(self) -> None:
+        """Stop the run and the processes it started (a suite that ends before the bridge
+        test, or a bridge test that times out)."""
+        import signal
+
+        if self.process is not None and self.process.poll() is not None:
+            return
+        try:
+            os.killpg(int((self.folder / "group").read_text()), signal.SIGKILL)
+        except (OSError, ValueError):  # ended already, or never started
+            pass
+        if self.process is not None:
+            self.process.wait()
+
+
+def start_xla_tests() -> XlaTests | None:
+    """This session's run of tests/xla, started here if no one has: by this process, or,
+    in an xdist worker, the controller's (FOLDER_VARIABLE)."""
+    if "run" not in _xla_tests and XLA_PYTHON.exists():
+        shared = os.environ.get(FOLDER_VARIABLE)
+        if shared and (Path(shared) / "group").exists():
+            _xla_tests["run"] = XlaTests(Path(shared))
+        else:
+            import tempfile
+
+            _xla_tests["run"] = XlaTests.start(Path(tempfile.mkdtemp(prefix="xla-tests-")))
+    return _xla_tests.get("run")
+
+
+def stop_xla_tests() -> None:
+    if "run" in _xla_tests and _xla_tests["run"].process is not None:  # (a worker's view is not its own)
+        _xla_tests["run"].stop()
+        import shutil
+
+        shutil.rmtree(_xla_tests["run"].folder, ignore_errors=True)
 
 
 def _background() -> None:
@@ -66,27 +132,34 @@ def _background() -> None:
         pass
 
 
-def stop_xla_tests() -> None:
-    """Stop the XLA tests and the processes they started (a suite that ends before the
-    bridge test, or a bridge test that times out)."""
-    import signal
-
-    if _xla_tests and _xla_tests["process"].poll() is None:
-        os.killpg(_xla_tests["process"].pid, signal.SIGKILL)
-        _xla_tests["process"].wait()
+def _wanted(config) -> bool:
+    return not config.option.collectonly and importlib.util.find_spec("torch_xla") is None
 
 
 def pytest_collection_finish(session):
-    if session.config.option.collectonly or importlib.util.find_spec("torch_xla") is not None:
-        return
-    if any(item.name == XLA_BRIDGE for item in session.items):
-        start_xla_tests()
+    """Without xdist: started once the bridge test is known to be among those that run. An
+    xdist worker leaves it to the controller (pytest_xdist_node_collection_finished)."""
+    if _wanted(session.config) and not hasattr(session.config, "workerinput"):
+        if any(item.name == XLA_BRIDGE for item in session.items):
+            start_xla_tests()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """The xdist controller, once a worker has collected: started once, into the folder
+    its workers know from their environment."""
+    if "run" not in _xla_tests and _wanted(node.config) and any(i.endswith(XLA_BRIDGE) for i in ids):
+        if XLA_PYTHON.exists():
+            _xla_tests["run"] = XlaTests.start(Path(os.environ[FOLDER_VARIABLE]))
 
 
 def pytest_sessionfinish(session):
     stop_xla_tests()
-    if _xla_tests:
-        _xla_tests["log"].unlink(missing_ok=True)
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        import shutil  # the xdist controller's folder, whether or not a run went into it
+
+        if folder := os.environ.pop(FOLDER_VARIABLE, None):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
