@@ -70,7 +70,9 @@ class XlaTests:
         return cls(folder, process)
 
     def wait(self, timeout: float) -> int | str:
-        """The run's exit status, or why there is none."""
+        """The run's exit status, or why there is none. While this process waits, the run
+        gets its share of the CPU: under xdist the other workers' tests would starve it."""
+        self._renice(0)
         if self.process is not None:
             try:
                 self.process.wait(timeout=timeout)
@@ -81,12 +83,31 @@ class XlaTests:
             import time
 
             deadline = time.monotonic() + timeout
-            while not self.status.exists() and time.monotonic() < deadline:
+            while not self.status.exists() and time.monotonic() < deadline and self._alive():
                 time.sleep(0.5)
         if not self.status.exists():
+            ended = not self._alive()
             self.stop()
-            return f"no exit status after {timeout:.0f} s"
+            return "it ended without an exit status" if ended else f"no exit status after {timeout:.0f} s"
         return int(self.status.read_text())
+
+    def _renice(self, nice: int) -> None:
+        try:
+            pid = int((self.folder / "group").read_text())
+            os.setpriority(os.PRIO_PGRP, pid, nice)
+            Path(f"/proc/{pid}/autogroup").write_text(str(nice))  # (see _background)
+        except (OSError, ValueError):  # ended, or raising a priority is not ours to do here
+            pass
+
+    def _alive(self) -> bool:
+        """Whether the run has not ended (its status is written before it ends); a run that
+        ended unreaped by the controller is a zombie."""
+        try:
+            pid = int((self.folder / "group").read_text())
+            os.kill(pid, 0)
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, ValueError, IndexError):
+            return False
 
     def stop(self) -> None:
         """Stop the run and the processes it started (a suite that ends before the bridge
@@ -107,7 +128,7 @@ def start_xla_tests() -> XlaTests | None:
     """This session's run of tests/xla, started here if no one has: by this process, or,
     in an xdist worker, the controller's (FOLDER_VARIABLE)."""
     if "run" not in _xla_tests and XLA_PYTHON.exists():
-        shared = os.environ.get(FOLDER_VARIABLE)
+        shared = os.environ.get(FOLDER_VARIABLE) if os.environ.get("PYTEST_XDIST_WORKER") else None
         if shared and (Path(shared) / "group").exists():
             _xla_tests["run"] = XlaTests(Path(shared))
         else:
@@ -153,7 +174,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     """The xdist controller, once a worker has collected: started once, into the folder
     its workers know from their environment."""
     if "run" not in _xla_tests and _wanted(node.config) and any(i.endswith(XLA_BRIDGE) for i in ids):
-        if XLA_PYTHON.exists():
+        if XLA_PYTHON.exists() and FOLDER_VARIABLE in os.environ:  # (not with `-d --tx` alone: no -n)
             _xla_tests["run"] = XlaTests.start(Path(os.environ[FOLDER_VARIABLE]))
 
 

@@ -254,3 +254,22 @@ def test_a_recipe_cannot_turn_verification_off(micro_recipe_file, monkeypatch):
     monkeypatch.setenv("HOME", "/root")
     with pytest.raises(UserError, match=r"the compile cache key in \$HOME has 5 characters"):
         session("HOME")  # a guessable "key" is refused
+
+
+def test_cpus_of_few_threads_build_a_graph_with_a_cpp_wrapper_and_key_it():
+    """The C++ wrapper (one library for a graph's kernels) up to CPP_WRAPPER_MAX_THREADS
+    threads; Inductor's per-kernel libraries beyond. The options are in the entry's key, as
+    the thread count is, so machines that share an entry chose alike."""
+    from frugality.compile.levels import CPP_WRAPPER_MAX_THREADS, inductor_options
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(CPP_WRAPPER_MAX_THREADS)
+        few = inductor_options(torch.device("cpu"), torch.float32)
+        torch.set_num_threads(CPP_WRAPPER_MAX_THREADS + 1)
+        many = inductor_options(torch.device("cpu"), torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert few["cpp_wrapper"] is True and "cpp_wrapper" not in many
+    assert entry_name(_fp(options=few)) != entry_name(_fp(options=many))
+    assert "cpp_wrapper" not in inductor_options(torch.device("meta"), torch.float32)  # CPUs only

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,7 +58,9 @@ class Server:
     def stop(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=60)
+        status = self.process.wait(timeout=60)
+        shutil.rmtree(self.runs, ignore_errors=True)
+        return status
 
 
 @pytest.fixture(scope="session")

@@ -45,6 +45,9 @@ def get_level(name: str) -> CompileLevel:
     return _LEVELS[name]
 
 
+CPP_WRAPPER_MAX_THREADS = 4  # measured better at 2; where parallel per-kernel builds win is not measured
+
+
 def inductor_options(device: torch.device, compute_dtype: torch.dtype) -> dict:
     """Inductor options by device and dtype (bf16 wherever the blocks hold bf16 tensors, also
     with fp32 products; part of the cache key through Inductor's own config hash).
@@ -54,15 +57,20 @@ def inductor_options(device: torch.device, compute_dtype: torch.dtype) -> dict:
     block are both the sum of the residual gradient): "conflicting declaration
     'auto at_BFloat16_tmp_acc0_vec'" (pytorch/pytorch#194706). Not fusing reductions
     horizontally keeps each one in its own kernel; it costs nothing measurable here.
-    On CPU, no precompiled header: see `frugality.compile.session`. And a C++ wrapper: each
-    graph's kernels and the code calling them build as one library, not one per kernel, where
-    every build pays for parsing the same vectorisation headers (the tiny recipe's cold
-    compile 32.5 -> 20.4 s, 30 -> 12 g++ runs; the same kernels, losses and step time).
+    On CPU, no precompiled header: see `frugality.compile.session`. And on CPUs of up to
+    CPP_WRAPPER_MAX_THREADS threads a C++ wrapper: each graph's kernels and the code calling
+    them build as a few libraries, not one per kernel, each build parsing the same
+    vectorisation headers (2 threads: the tiny recipe's cold compile 32.5 -> 20.4 s, 30 -> 12
+    g++ runs; the same kernels, losses and step time). With many cores Inductor builds the
+    per-kernel libraries in parallel, and a graph's one library would be the longest build:
+    not measured there, so left as Inductor has it. (The thread count is in the compile
+    cache's fingerprint already: machines that share an entry choose alike.)
     """
     options = {}
     if device.type == "cpu":
         options["cpp_cache_precompile_headers"] = False  # see frugality.compile.session
-        options["cpp_wrapper"] = True
+        if torch.get_num_threads() <= CPP_WRAPPER_MAX_THREADS:
+            options["cpp_wrapper"] = True
         if compute_dtype == torch.bfloat16:
             options["cpp.max_horizontal_fusion_size"] = 1
     return options
