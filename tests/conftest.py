@@ -22,9 +22,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The longest test first and the XLA bridge last: under xdist the bridge's worker only
-    # waits for the background XLA run, which has the cores once the rest are done.
-    items.sort(key=lambda item: {README_TEST: -1, XLA_BRIDGE: 1}.get(item.name, 0))  # (stable)
+    # In one process the XLA bridge comes last: the XLA run, in the background, has had the
+    # idle moments of every test before it. Under xdist the run goes at the suite's priority
+    # and the bridge first: its worker waits for the run, as for a long test, while the
+    # others go on. And the longest test early, so that no worker ends long after the rest.
+    bridge = -2 if hasattr(config, "workerinput") else 1
+    items.sort(key=lambda item: {README_TEST: -1, XLA_BRIDGE: bridge}.get(item.name, 0))  # (stable)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -43,8 +46,9 @@ _xla_tests: dict = {}
 
 class XlaTests:
     """tests/xla in .venv-xla (tests/test_xla_environment.py checks the result), run once a
-    session: started with it, at a low priority, they take the cores the main suite leaves
-    idle between its processes instead of minutes of their own at the end. The run writes
+    session and started with it: in one process at a low priority, taking the cores the main
+    suite leaves idle between its processes instead of minutes of their own at the end; under
+    xdist, where few are idle, at the suite's priority. The run writes
     its output and then its exit status into `folder`, so that under pytest-xdist the
     controller, which outlives every worker, owns it, and the bridge test reads it from
     whichever worker it runs in."""
@@ -54,7 +58,7 @@ class XlaTests:
         self.log, self.status = folder / "log", folder / "status"
 
     @classmethod
-    def start(cls, folder: Path) -> XlaTests:
+    def start(cls, folder: Path, background: bool = True) -> XlaTests:
         folder.mkdir(parents=True, exist_ok=True)
         script = '"$@" > "$0/log" 2>&1; echo $? > "$0/status.partial" && mv "$0/status.partial" "$0/status"'
         command = [str(XLA_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/xla"]
@@ -63,16 +67,14 @@ class XlaTests:
             cwd=ROOT,
             env={**os.environ, "PJRT_DEVICE": "CPU"},
             stdin=subprocess.DEVNULL,
-            preexec_fn=_background,
+            preexec_fn=_background if background else None,
             start_new_session=True,  # its own process group: stopped with the processes it starts
         )
         (folder / "group").write_text(str(process.pid))
         return cls(folder, process)
 
     def wait(self, timeout: float) -> int | str:
-        """The run's exit status, or why there is none. While this process waits, the run
-        gets its share of the CPU: under xdist the other workers' tests would starve it."""
-        self._renice(0)
+        """The run's exit status, or why there is none."""
         if self.process is not None:
             try:
                 self.process.wait(timeout=timeout)
@@ -90,14 +92,6 @@ class XlaTests:
             self.stop()
             return "it ended without an exit status" if ended else f"no exit status after {timeout:.0f} s"
         return int(self.status.read_text())
-
-    def _renice(self, nice: int) -> None:
-        try:
-            pid = int((self.folder / "group").read_text())
-            os.setpriority(os.PRIO_PGRP, pid, nice)
-            Path(f"/proc/{pid}/autogroup").write_text(str(nice))  # (see _background)
-        except (OSError, ValueError):  # ended, or raising a priority is not ours to do here
-            pass
 
     def _alive(self) -> bool:
         """Whether the run has not ended (its status is written before it ends); a run that
@@ -175,7 +169,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     its workers know from their environment."""
     if "run" not in _xla_tests and _wanted(node.config) and any(i.endswith(XLA_BRIDGE) for i in ids):
         if XLA_PYTHON.exists() and FOLDER_VARIABLE in os.environ:  # (not with `-d --tx` alone: no -n)
-            _xla_tests["run"] = XlaTests.start(Path(os.environ[FOLDER_VARIABLE]))
+            _xla_tests["run"] = XlaTests.start(Path(os.environ[FOLDER_VARIABLE]), background=False)
 
 
 def pytest_sessionfinish(session):
