@@ -45,17 +45,17 @@ def test_tensor_parallel_trains_as_one_process(
 def test_a_run_moves_between_layouts_and_exports_and_starts_from_hugging_face(
     layout_recipes, one_process_run, tmp_path
 ):
-    """TP 2, then DDP on 2 ranks, then one process, then pipeline parallel 2, then TP 2 x
-    PP 2, each resuming the last's checkpoint (DCP reshards; a stage holds the whole model's
-    names for its blocks): the straight run's losses, every sample consumed once. Its
+    """TP 2, then one process, then pipeline parallel 2, then TP 2 x PP 2, each resuming the
+    last's checkpoint (DCP reshards; a stage holds the whole model's names for its blocks; DDP
+    saves what one process does: test_data_parallel): the straight run's losses, every sample
+    consumed once. Its
     Hugging Face export (from TP 2 x PP 2's shards) holds the straight run's weights, and a
     TP 2 x PP 2 run started from that export evaluates them as the straight run did."""
     straight = one_process_run("micro")
     moved = tmp_path / "moved"
     recipe = layout_recipes / "micro.toml"
     for layout, nproc, until in [
-        ("parallel.tensor=2", 2, 3),
-        ("parallel.data=ddp", 2, 5),
+        ("parallel.tensor=2", 2, 4),
         ("parallel.tensor=1", 1, 7),
         ("parallel.pipeline=2", 2, 9),
         ("parallel.pipeline=2 parallel.tensor=2", 4, 10),
