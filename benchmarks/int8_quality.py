@@ -11,7 +11,10 @@ Decoders (`--decoder MODEL`: a Hugging Face folder, an imported folder or a run,
 documents of the bundled corpus) and the greedy tokens of prompts cut from it, fp32 against
 int8: how many of the new tokens and how many whole completions are the same.
 
-Written to benchmarks/results/int8_quality-minilm-<machine>-<date>.md and .json.
+Encoders run on the int8 engine this CPU gets (`frugality.inference.encoder.int8_engine`:
+PyTorch's where the CPU has AVX512-VNNI or AMX, ONNX Runtime's elsewhere); decoders need
+PyTorch's. Written to benchmarks/results/int8_quality-minilm[-onnxruntime]-<machine>-<date>.md
+and .json.
 
     .venv/bin/python benchmarks/int8_quality.py [--decoder runs/tiny] [--prompts 16] [--new 32]
 """
@@ -32,10 +35,10 @@ from frugality.bench.results import machine_line, write_results
 from frugality.config.recipe import load_recipe
 from frugality.data.bundled import bundled_pairs, corpus_files
 from frugality.data.pairs import PairSamples, read_pairs
+from frugality.errors import UserError
 from frugality.inference.embed import embed_texts
-from frugality.inference.encoder import load_encoder
+from frugality.inference.encoder import int8_engine, load_encoder
 from frugality.inference.generate import Engine, Sampling, cache_length, load_decoder
-from frugality.precision.int8 import int8_products
 
 PRECISIONS = ("fp32", "int8")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -112,9 +115,12 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new", type=int, default=32)
     args = parser.parse_args()
-    fast, why = int8_products()
-    if not fast:
-        sys.exit(f"int8 is refused on this CPU: {why}")
+    try:  # the engine this CPU's encoders get (ONNX Runtime's where PyTorch's int8 is slow); decoders: PyTorch's
+        engine = int8_engine(torch.device("cpu"))[0]
+        if args.decoder:
+            int8_engine(torch.device("cpu"), encoder=False)
+    except UserError as e:
+        sys.exit(f"int8 is refused on this CPU: {e}")
     words, glosses = held_out_pairs()
     encoders, cosine = encoder_rows(words, glosses)
     decoders = decoder_rows(args.decoder, args.prompts, args.new) if args.decoder else []
@@ -143,7 +149,8 @@ def main() -> int:
             ),
         ]
     data = {"encoders": encoders, "cosine": cosine, "decoders": decoders}
-    write_results(RESULTS, "int8_quality", "minilm", header, "\n".join(lines), json.dumps(data, indent=1))
+    name = "minilm" if engine == "torch" else f"minilm-{engine}"
+    write_results(RESULTS, "int8_quality", name, header, "\n".join(lines), json.dumps(data, indent=1))
     return 0
 
 

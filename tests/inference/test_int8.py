@@ -296,3 +296,79 @@ def test_a_decoder_under_the_onnxruntime_engine_variable_is_told_to_unset_it(mon
     monkeypatch.setattr(encoder, "int8_products", lambda: (True, "int8 products in oneDNN (AVX512-VNNI)"))
     with pytest.raises(UserError, match="^FRUGALITY_INT8_ENGINE=onnxruntime: ONNX Runtime's int8 serves encoders only"):
         encoder.int8_engine(torch.device("cpu"), encoder=False)
+
+
+@needs_onnxruntime
+def test_the_onnx_export_fuses_attention_and_computes_what_the_model_computes(tmp_path):
+    """Attention goes out as ONNX Runtime's MultiHeadAttention (no softmax, transposes or
+    masks of its own); in fp32 it matches the model at every real token of a padded batch,
+    and the model's own attention blocks are back in place after the export."""
+    import onnx
+    import onnxruntime as ort
+
+    from frugality.inference import onnx_int8
+    from frugality.models import build_model
+    from frugality.models.bert import Attention, BertConfig
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        family="bert", hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, vocab_size=50, max_seq_len=16
+    )
+    model = build_model(config).eval()
+    onnx_int8.export_fp32(model, tmp_path / "body.onnx")
+    kinds = {n.op_type for n in onnx.load(str(tmp_path / "body.onnx")).graph.node}
+    assert "MultiHeadAttention" in kinds and not kinds & {"Softmax", "Transpose", "Where"}
+    assert all(type(layer.attn) is Attention for layer in model.layers)
+    ids = torch.randint(0, 50, (3, 11))
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[1, 4:], mask[2, 1:] = 0, 0  # padding, and a row of a single token
+    session = ort.InferenceSession(str(tmp_path / "body.onnx"), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(session.run(["hidden"], {"ids": ids.numpy(), "mask": mask.numpy()})[0])
+    with torch.inference_mode():
+        exact = model(ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], exact[real], atol=2e-5, rtol=1e-4)
+
+
+@needs_onnxruntime
+def test_under_onnxruntime_torch_runs_its_part_on_one_thread_and_the_process_setting_is_kept(tmp_path, monkeypatch):
+    """torch's OpenMP threads spinning after each small op took cores from ONNX Runtime's:
+    its part of a batch runs on one thread, and the process's own setting is put back."""
+    from frugality.data.tokenizer import load_tokenizer
+    from frugality.inference import onnx_int8
+    from frugality.inference.embed import embed_texts
+    from frugality.inference.encoder import Encoder, Pooling
+    from frugality.models import build_model
+    from frugality.models.bert import BertConfig
+
+    monkeypatch.setenv("FRUGALITY_CACHE", str(tmp_path / "cache"))
+    tokenizer = load_tokenizer("pythia").tokenizer
+    config = BertConfig(
+        family="bert",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        intermediate_size=64,
+        vocab_size=tokenizer.get_vocab_size(),
+        max_seq_len=32,
+    )
+    model = build_model(config).eval()
+    body = onnx_int8.quantized_body(model)
+    seen = []
+
+    def forward(ids, mask):
+        seen.append(torch.get_num_threads())
+        return body(ids, mask)
+
+    model.forward = forward
+    encoder = Encoder(
+        model, tokenizer, Pooling(normalize=True), torch.device("cpu"), torch.float32, tmp_path, "onnxruntime"
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        vectors = embed_texts(encoder, ["a short text", "and a somewhat longer one than that"], 64, 1)
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert vectors.shape == (2, 32) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
