@@ -9,11 +9,9 @@ in one kernel, fp32), not as the dozen transposes, masks and products the export
 the head and normalisation stay frugality's, in fp32.
 
 Why a second runtime: PyTorch's `torch._int_mm` is fast only with AVX512-VNNI or AMX (a
-reference loop elsewhere, 35-40x slower than fp32; `frugality.precision.int8`). On the Zen 4
-EPYC (which has VNNI) ONNX Runtime's int8 ran all-MiniLM-L6-v2 at 1.89x torch fp32, cosine
-min 0.981 / mean 0.993, and under QEMU presenting an AVX2-only EPYC (Rome) its AVX2 kernels
-gave the same quality (min 0.979, mean 0.992): saturation of u8s8 on AVX2 did not show. Its
-speed on a real AVX2-only CPU is still to be measured (docs/benchmarks.md).
+reference loop elsewhere, 35-40x slower than fp32; `frugality.precision.int8`). On a 2-core
+AVX2-only EPYC (Zen 3) this engine embeds all-MiniLM-L6-v2 at 2.23x sentence-transformers'
+fp32 and 1.66x its own ONNX int8 backend, mean cosine to fp32 0.992 (docs/benchmarks.md).
 
 The quantized model is cached under the frugality cache (`int8-onnx/`), keyed by the
 weights' bytes and the versions of torch and ONNX Runtime, so the export (a few seconds)
