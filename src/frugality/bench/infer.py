@@ -115,6 +115,7 @@ def bench_embed(
                 "batch": batch,
                 "texts": len(texts),
                 "texts_per_s": round(len(texts) / best[name], 1) if run else None,
+                "rounds_texts_per_s": [round(len(texts) / t, 1) for t in seconds[name]] if run else None,
                 "vs_sentence_transformers": round(best["sentence-transformers"] / best[name], 3)
                 if run and not missing
                 else None,
@@ -137,7 +138,6 @@ def st_onnx_int8_model(model: str, log=print):
     optimum-onnx pins transformers below 4.58, which sentence-transformers 6 cannot use, so
     it installs in a venv of its own (benchmarks/embed_throughput.py says how)."""
     import platform
-    import shutil
 
     from frugality.hardware import cpu_flags
 
@@ -153,18 +153,33 @@ def st_onnx_int8_model(model: str, log=print):
     else:
         config = "avx512_vnni" if "avx512_vnni" in flags else "avx512" if "avx512f" in flags else "avx2"
     with tempfile.TemporaryDirectory(prefix="frugality-bench-st-onnx-") as tmp:
-        folder = Path(tmp) / "model"
-        shutil.copytree(model, folder)
-        exported = sentence_transformers.SentenceTransformer(str(folder), device="cpu", backend="onnx")
-        sentence_transformers.export_dynamic_quantized_onnx_model(exported, config, str(folder))
-        # model_qint8_<config>.onnx, or quint8 where the configuration's weights are uint8 (avx2's)
-        name = next(folder.glob(f"onnx/model_q*int8_{config}.onnx")).relative_to(folder).as_posix()
-        peer = sentence_transformers.SentenceTransformer(
-            str(folder), device="cpu", backend="onnx", model_kwargs={"file_name": name}
-        )
-        how = f"sentence-transformers {sentence_transformers.__version__}, backend onnx, {name} (optimum)"
+        try:  # an export that fails is a row saying so; the race goes on
+            peer, how = _st_onnx_int8(sentence_transformers, model, Path(tmp) / "model", config)
+        except Exception as e:  # noqa: BLE001
+            peer, how = (
+                None,
+                f"its ONNX int8 export failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})",
+            )
         log(f"{ST_ONNX_ROW}: {how}")
         yield peer, how
+
+
+def _st_onnx_int8(sentence_transformers, model: str, folder: Path, config: str):
+    import shutil
+
+    shutil.copytree(model, folder)
+    exported = sentence_transformers.SentenceTransformer(str(folder), device="cpu", backend="onnx")
+    sentence_transformers.export_dynamic_quantized_onnx_model(exported, config, str(folder))
+    del exported  # its fp32 session is not raced
+    # model_qint8_<config>.onnx, or quint8 where the configuration's weights are uint8 (avx2's)
+    found = sorted(folder.glob(f"onnx/model_q*int8_{config}.onnx"))
+    if not found:
+        raise FileNotFoundError(f"no onnx/model_q*int8_{config}.onnx after the export")
+    name = found[0].relative_to(folder).as_posix()
+    peer = sentence_transformers.SentenceTransformer(
+        str(folder), device="cpu", backend="onnx", model_kwargs={"file_name": name}
+    )
+    return peer, f"sentence-transformers {sentence_transformers.__version__}, backend onnx, {name} (optimum)"
 
 
 RAY_ROW = "frugality embed --engine ray"

@@ -109,7 +109,8 @@ class Encoder:
         """Under ONNX Runtime's engine, torch's part (the batch's tensors, pooling) runs on one
         thread: its OpenMP threads, spinning after each small parallel op, took cores from ONNX
         Runtime's own (torch's part of a batch 0.4-0.9 s on 3,000 glosses at 2 threads, 0.1-0.3 s
-        at one; 2-core EPYC, AVX2). The process's setting is put back after each batch."""
+        at one; 2-core EPYC, AVX2). The thread count is put back after each batch (torch keeps
+        it per process; the batches of one encoder run on one thread: serve's model thread)."""
         threads = torch.get_num_threads()
         if self.int8 != "onnxruntime" or threads == 1:
             yield

@@ -76,18 +76,23 @@ class _MultiHeadAttention(torch.autograd.Function):
     @staticmethod
     def symbolic(g, q, k, v, bias, keep, heads: int):
         keep = g.op("Flatten", g.op("Cast", keep, to_i=6), axis_i=1)  # (batch, keys) int32, as the kernel takes it
-        return g.op("com.microsoft::MultiHeadAttention", q, k, v, bias, keep, num_heads_i=heads).setType(q.type())
+        # a masked key's score gets -1e30, not the default -10000, which scores spread past 1e4 would outweigh
+        return g.op(
+            "com.microsoft::MultiHeadAttention", q, k, v, bias, keep, num_heads_i=heads, mask_filter_value_f=-1e30
+        ).setType(q.type())
 
 
 class _FusedAttention(nn.Module):
     """A BERT attention block as exported: the q, k, v products (plain MatMuls, quantized
-    like the others), then the fused kernel, then the output product."""
+    like the others), then the fused kernel, then the output product. Swapped into the
+    model for the export only: the model is the engine's own at that point (`load_encoder`)."""
 
     def __init__(self, attn: Attention) -> None:
         super().__init__()
         self.attn = attn
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, tokens=None) -> torch.Tensor:
+        assert tokens is None, "the export runs the padded layout (_Body never unpads)"
         a = self.attn
         q, k, v = (torch.nn.functional.linear(x, p.weight) for p in (a.query, a.key, a.value))
         bias = torch.cat([a.query.bias, a.key.bias, a.value.bias])
@@ -112,7 +117,7 @@ class OnnxInt8Body:
 
 # Bumped whenever the export or the quantization changes: the cached files of earlier ones
 # are not used (they keep their old names; `int8-onnx/` in the cache is safe to delete).
-FORMAT = 3  # 2: MatMuls alone quantized (the embedding tables stay fp32); 3: fused attention
+FORMAT = 4  # 2: MatMuls alone quantized (the embedding tables stay fp32); 3: fused attention; 4: its mask -1e30
 
 
 def quantized_body(model: nn.Module) -> OnnxInt8Body:
