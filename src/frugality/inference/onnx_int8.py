@@ -10,8 +10,9 @@ the head and normalisation stay frugality's, in fp32.
 
 Why a second runtime: PyTorch's `torch._int_mm` is fast only with AVX512-VNNI or AMX (a
 reference loop elsewhere, 35-40x slower than fp32; `frugality.precision.int8`). On a 2-core
-AVX2-only EPYC (Zen 3) this engine embeds all-MiniLM-L6-v2 at 2.23x sentence-transformers'
-fp32 and 1.66x its own ONNX int8 backend, mean cosine to fp32 0.992 (docs/benchmarks.md).
+AVX2-only EPYC (Zen 3) this engine embeds all-MiniLM-L6-v2 at 2.41x sentence-transformers'
+fp32 and, in a second run, 1.94x its own ONNX int8 backend; mean cosine to fp32 0.992
+(docs/benchmarks.md).
 
 The quantized model is cached under the frugality cache (`int8-onnx/`), keyed by the
 weights' bytes and the versions of torch and ONNX Runtime, so the export (a few seconds)
