@@ -69,24 +69,21 @@ def test_the_compiled_passes_give_the_eager_products_at_every_row_count():
             torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
 
 
+def _small_bert(**settings):
+    """A one-layer BERT config of width 32 (4 heads), with `settings` on top."""
+    from frugality.models.bert import BertConfig
+
+    return BertConfig(
+        **{"family": "bert", "hidden_size": 32, "num_layers": 1, "num_heads": 4, "intermediate_size": 64} | settings
+    )
+
+
 @needs_right_products
 def test_an_encoder_with_a_projection_head_keeps_its_vectors(tmp_path):
     from frugality.models import build_model
-    from frugality.models.bert import BertConfig
 
     torch.manual_seed(0)
-    config = BertConfig(
-        family="bert",
-        hidden_size=32,
-        num_layers=1,
-        num_heads=4,
-        intermediate_size=64,
-        vocab_size=100,
-        max_seq_len=16,
-        pooler=False,
-        head=(24, 16),
-    )
-    model = build_model(config).eval()
+    model = build_model(_small_bert(vocab_size=100, max_seq_len=16, pooler=False, head=(24, 16))).eval()
     ids, mask = torch.randint(0, 100, (3, 10)), torch.ones(3, 10, dtype=torch.long)
     with torch.inference_mode():
         before = model.project(model(ids, mask)[:, 0], normalize=True)
@@ -268,14 +265,12 @@ def test_the_int8_engine_is_chosen_by_the_cpu_and_refused_in_one_line_where_none
 def test_onnxruntime_int8_exports_any_vocabulary_and_makes_a_damaged_file_again(tmp_path, monkeypatch):
     from frugality.inference import onnx_int8
     from frugality.models import build_model
-    from frugality.models.bert import BertConfig
 
     monkeypatch.setenv("FRUGALITY_CACHE", str(tmp_path / "cache"))
     torch.manual_seed(0)
-    config = BertConfig(
-        family="bert", hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, vocab_size=30, max_seq_len=6
-    )
-    model = build_model(config).eval()  # 30 tokens, 6 positions: smaller than the export's example would be
+    model = build_model(
+        _small_bert(vocab_size=30, max_seq_len=6)
+    ).eval()  # 30 tokens, 6 positions: smaller than the export's example would be
     ids, mask = torch.randint(0, 30, (3, 5)), torch.ones(3, 5, dtype=torch.long)
     body = onnx_int8.quantized_body(model)
     with torch.inference_mode():
@@ -308,13 +303,10 @@ def test_the_onnx_export_fuses_attention_and_computes_what_the_model_computes(tm
 
     from frugality.inference import onnx_int8
     from frugality.models import build_model
-    from frugality.models.bert import Attention, BertConfig
+    from frugality.models.bert import Attention
 
     torch.manual_seed(0)
-    config = BertConfig(
-        family="bert", hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, vocab_size=50, max_seq_len=16
-    )
-    model = build_model(config).eval()
+    model = build_model(_small_bert(num_layers=2, vocab_size=50, max_seq_len=16)).eval()
     with torch.no_grad():  # BERT's initialisation zeroes the biases: the fused bias must be tested too
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -343,20 +335,10 @@ def test_under_onnxruntime_torch_runs_its_part_on_one_thread_and_the_process_set
     from frugality.inference.embed import embed_texts
     from frugality.inference.encoder import Encoder, Pooling
     from frugality.models import build_model
-    from frugality.models.bert import BertConfig
 
     monkeypatch.setenv("FRUGALITY_CACHE", str(tmp_path / "cache"))
     tokenizer = load_tokenizer("pythia").tokenizer
-    config = BertConfig(
-        family="bert",
-        hidden_size=32,
-        num_layers=1,
-        num_heads=4,
-        intermediate_size=64,
-        vocab_size=tokenizer.get_vocab_size(),
-        max_seq_len=32,
-    )
-    model = build_model(config).eval()
+    model = build_model(_small_bert(vocab_size=tokenizer.get_vocab_size(), max_seq_len=32)).eval()
     body = onnx_int8.quantized_body(model)
     seen = []
 
