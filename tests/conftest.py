@@ -459,3 +459,15 @@ def tiny_decoder(tmp_path_factory):
         return built[kind]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def frugality_cli():
+    """`frugality_cli(*args, cwd=, env=, timeout=, input=)`: the command line run as a user
+    runs it, its process forked from one that has imported torch and frugality already
+    (tests/forked_cli.py); a subprocess.CompletedProcess."""
+    from forked_cli import ForkedCLI
+
+    runner = ForkedCLI()
+    yield runner
+    runner.close()

@@ -12,3 +12,32 @@ def cache_dir() -> Path:
     if root := os.environ.get("FRUGALITY_CACHE"):
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "frugality"
+
+
+def check_output_folder(path: str | Path, what: str) -> None:
+    """An output folder (`what` names it: '--out', 'run directory'): absent (made later) or
+    a folder, and no folder above it a file; else a UserError before anything is written."""
+    from frugality.errors import UserError
+
+    path = Path(path)
+    for above in (path, *path.parents):
+        if not above.exists():
+            continue
+        if above.is_dir():
+            return
+        if above == path:
+            raise UserError(f"{what} {path}: a file, not a folder; give a folder's path")
+        raise UserError(f"{what} {path}: {above} is a file, so no folder can be made under it")
+
+
+def check_output_file(path: str | Path, what: str) -> None:
+    """An output file: not a folder, and in a folder that exists."""
+    from frugality.errors import UserError
+
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} {path}: a folder; give a file's path, e.g. {path / 'out.jsonl'}")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        what_it_is = "a file" if parent.exists() else "no such folder"
+        raise UserError(f"{what} {path}: {parent} is {what_it_is}; the file needs a folder to be written in")

@@ -1,7 +1,8 @@
 """`frugality serve` with a decoder: the `openai` client's greedy completions are the tokens
 `frugality generate` gives, streamed or not, for prompts that join and leave one decoding
 loop (continuous batching); completions' bad requests are their 4xx; SIGTERM with requests
-in flight answers them all and exits 0."""
+in flight answers them all and exits 0, and what the drain window cuts off is a 503 error
+object and a log line each."""
 
 from __future__ import annotations
 
@@ -212,3 +213,38 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(decoder_folder, gene
     assert max(answered) > signalled  # some were still decoding or queued when the signal came
     assert server.stop() == 0  # (it has stopped: its exit status)
     assert any("stopped (" in line for line in server.lines)
+
+
+def test_what_the_drain_window_cuts_off_gets_a_503_error_object_and_a_log_line_each(decoder_folder):
+    """SIGTERM with more decoding queued than a 0.5 s drain window lets finish (one row, 16
+    requests of 100 tokens): those answered in time are 200s, the rest OpenAI's error
+    object with 503 (a streamed one: its last event), each a line of the log, no traceback."""
+    server = Server(
+        str(decoder_folder), "--name", "tiny", "--precision", "fp32", "--rows", "1", "--max-tokens", "100",
+        "--drain-s", "0.5",
+    )  # fmt: skip
+    body = {"model": "tiny", "prompt": "w5 w17 w33", "max_tokens": 100, "temperature": 0}
+
+    before = _completion_tokens(server.url)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            sent = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(16)]
+            streamed = asyncio.create_task(client.post("/v1/completions", json={**body, "stream": True}))
+            while _completion_tokens(server.url) == before:  # decoding has begun
+                await asyncio.sleep(0.002)
+            server.process.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*sent), await streamed
+
+    responses, streamed = asyncio.run(run())
+    assert server.process.wait(timeout=60) == 0 and server.stop() == 0
+    cut = [r for r in responses if r.status_code == 503]
+    assert cut and {r.status_code for r in responses} <= {200, 503}
+    for r in cut:
+        assert r.headers["content-type"] == "application/json"
+        assert r.json()["error"]["type"] == "server_shutdown" and "retry" in r.json()["error"]["message"]
+    assert streamed.status_code == 200 and '"server_shutdown"' in streamed.text.strip().splitlines()[-1]
+    lines = server.lines
+    assert "Traceback" not in server.text() and "never retrieved" not in server.text()
+    assert sum("when the drain window ended: answered 503" in line for line in lines) == len(cut)
+    assert sum("(streamed) cut off when the drain window ended" in line for line in lines) == 1

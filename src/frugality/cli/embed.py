@@ -88,7 +88,9 @@ def embed(
     command again finishes the job."""
     from frugality.inference.embed import EmbedSettings, JobIncomplete, run_job
     from frugality.inference.inputs import open_inputs
+    from frugality.paths import check_output_folder
 
+    check_output_folder(out, "--out")
     if fmt == "parquet":
         _need_pyarrow()
     if nproc != "auto" and not (nproc.isdigit() and int(nproc) >= 1):

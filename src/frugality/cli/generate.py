@@ -95,10 +95,12 @@ def generate(
     if out and input_path and Path(out).exists() and Path(input_path).exists() and os.path.samefile(out, input_path):
         # however spelt (./X, a symlink, a hard link): --overwrite would replace the prompts with their completions
         raise UserError(f"--out {out}: is the --input file {input_path}; write the completions to another file")
+    if out:
+        from frugality.paths import check_output_file
+
+        check_output_file(out, "--out")  # before any prompt is generated
     if out and Path(out).exists() and not overwrite:
         raise UserError(f"--out {out}: already exists (--overwrite replaces it)")
-    if out and not Path(out).absolute().parent.is_dir():
-        raise UserError(f"--out {out}: no folder {Path(out).absolute().parent} to write it in")
     inputs = None if input_path is None else open_inputs([input_path], text_field, id_field)
     settings = dict(
         max_new_tokens=max_new_tokens,

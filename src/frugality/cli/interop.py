@@ -22,7 +22,9 @@ def import_hf_command(source, out) -> None:
     from frugality.config.recipe import Recipe
     from frugality.interop.hf import SENTENCE_TRANSFORMERS_FILES, import_hf
     from frugality.interop.weights import save_weights
+    from frugality.paths import check_output_folder
 
+    check_output_folder(out, "--out")
     config, state = import_hf(source)
     out = Path(out)
     files = {}
@@ -70,6 +72,8 @@ def export_hf_command(checkpoint, out) -> None:
     """Export CHECKPOINT (a run directory, one of its checkpoints, or an imported folder)
     as config.json + model.safetensors (+ tokenizer.json) for transformers."""
     from frugality.interop.export import export_checkpoint
+    from frugality.paths import check_output_folder
 
+    check_output_folder(out, "--out")
     path = export_checkpoint(checkpoint, out)
     click.echo(f"exported {checkpoint} -> {path}")

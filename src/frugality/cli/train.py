@@ -69,6 +69,13 @@ def train(
 
         own = run_of_recipe_file(recipe)
         run_dir = str(own) if own is not None else None
+    from pathlib import Path
+
+    from frugality.training.run_dir import check_run_dir
+
+    where = Path(run_dir) if run_dir else Path(resolved.train.runs_dir) / resolved.name
+    if not distributed.world_from_env().distributed:  # (a rank: its launcher checked)
+        check_run_dir(where, fresh)  # before any process starts or anything is written
     if nproc > 1:  # what would stop every rank is said once, here, before any starts
         _check_ranks(resolved, nproc)
     # The command as given, for the processes that run it again: a later option wins over an
@@ -76,12 +83,9 @@ def train(
     argv = click.get_current_context().find_root().obj["argv"]
     retries = resolved.train.retries if retries is None else retries
     if retries > 0:  # this process supervises; each attempt is the same command in a child
-        from pathlib import Path
-
         from frugality.training.supervisor import supervise
 
         child = [sys.executable, "-m", "frugality", *argv, "--retries", "0"]
-        where = Path(run_dir) if run_dir else Path(resolved.train.runs_dir) / resolved.name
         sys.exit(supervise(child, where, retries, resolved.train.retry_backoff_s, log=click.echo))
     if nproc > 1:  # the same command in N processes, started as torchrun starts them
         sys.exit(

@@ -17,6 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from frugality.serve.edge import Edge
 from frugality.serve.protocol import APIError, Limits, completions_request, embeddings_request, parse_json
 
 
@@ -28,6 +29,8 @@ class State:
         self.service = None  # EmbeddingService or CompletionService, once loaded and warmed
         self.created = int(time.time())
         self.problem: str | None = None  # why the model could not be loaded
+        self.stopping = lambda: False  # whether the server is draining (set by the server)
+        self.log = lambda line: None  # the server's log, a line at a time
 
 
 def build_app(state: State) -> FastAPI:
@@ -41,22 +44,7 @@ def build_app(state: State) -> FastAPI:
     async def http_error(request: Request, error: HTTPException):  # an unknown path or method
         return JSONResponse(APIError(error.status_code, str(error.detail)).body(), status_code=error.status_code)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        started = time.perf_counter()
-        endpoint = request.url.path
-        try:
-            response = await call_next(request)
-        except Exception as e:  # a fault of ours: a 500 with its name, the server goes on
-            response = JSONResponse(
-                APIError(500, f"internal error ({type(e).__name__}: {e})", None, "server_error").body(), 500
-            )
-        if endpoint.startswith("/v1/"):
-            route = request.scope.get("route")  # the route's path, not the client's: a bounded set of labels
-            endpoint = getattr(route, "path", "other")
-            state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-            state.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
-        return response
+    app.add_middleware(Edge, state=state)  # counts, 500s and the drain's end (frugality.serve.edge)
 
     def authorized(request: Request) -> None:
         if state.api_key is None:
@@ -150,6 +138,7 @@ def build_app(state: State) -> FastAPI:
             )
         futures = service.submit_all([(row, sampling, None) for row, sampling in zip(rows, samplings)])
         answers = asyncio.ensure_future(asyncio.gather(*map(asyncio.wrap_future, futures)))
+        answers.add_done_callback(_read)  # a gather cut short ends in CancelledError: read, not logged
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait([answers, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -159,6 +148,7 @@ def build_app(state: State) -> FastAPI:
                 return Response(status_code=499)
             done = answers.result()
         except BaseException:  # a prompt failed, or the drain ran out: the others stop too
+            answers.cancel()
             service.abandon(futures)
             raise
         finally:
@@ -179,6 +169,11 @@ def build_app(state: State) -> FastAPI:
         }
 
     return app
+
+
+def _read(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _disconnected(request: Request) -> None:

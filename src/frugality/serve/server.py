@@ -6,6 +6,7 @@ command exits 0."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from frugality.errors import UserError
 from frugality.serve.app import State, build_app
+from frugality.serve.edge import QuietCancel
 from frugality.serve.metrics import ServeMetrics
 from frugality.serve.protocol import Limits
 from frugality.training.run_dir import held
@@ -103,6 +105,8 @@ def _run(settings, family, device, state, sock, where, exposed, name, run_dir, l
         lifespan="off",
     )
     server = uvicorn.Server(config)
+    state.stopping, state.log = (lambda: server.should_exit), log
+    logging.getLogger("uvicorn.error").addFilter(QuietCancel())
     loader = threading.Thread(target=_load, args=(settings, family, device, state, log, where, server), daemon=True)
     loader.start()
     # uvicorn catches SIGTERM and SIGINT while it runs (stop accepting, drain) and raises

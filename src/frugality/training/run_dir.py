@@ -171,11 +171,45 @@ def plan_run(recipe: Recipe, run_dir: Path, fresh: bool) -> RunPlan:
                 number += 1
                 kept = run_dir / f"recipe.edited-{number}.toml"
         return RunPlan(run_dir, latest, None, changes, edits, kept)
-    has_files = run_dir.is_dir() and any(run_dir.iterdir())
+    check_run_dir(run_dir, fresh, resumable=latest is not None)
     aside = None
-    if has_files:  # starting over never deletes: the old run moves to a dated sibling
+    if run_dir.is_dir() and any(run_dir.iterdir()):  # --fresh never deletes: the old run moves to a dated sibling
         aside = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
     return RunPlan(run_dir, None, aside)
+
+
+# What `frugality train` (or its supervisor) writes into a run directory: a folder holding
+# one of them, or its recipe.toml (hash line first), is a run, and --fresh may move it aside;
+# any other folder is the user's (an imported model has a recipe.toml too, without the line).
+_RUN_FILES = (METRICS_FILE, SUMMARY_FILE, "attempts.jsonl", "checkpoints")
+
+
+def check_run_dir(run_dir: Path, fresh: bool, resumable: bool | None = None) -> None:
+    """Refuse, before anything is written, a run directory that is a file, a folder of
+    something else (an exported model, the user's files: never moved, --fresh or not), and
+    a run with no checkpoint to resume unless --fresh asks to start over. `resumable`:
+    whether a checkpoint verifies (default: whether a complete one exists, unhashed)."""
+    from frugality.paths import check_output_folder
+
+    check_output_folder(run_dir, "run directory")
+    if not run_dir.is_dir():
+        return
+    found = sorted(p.name for p in run_dir.iterdir())
+    if not found:
+        return
+    if not any(name in found for name in _RUN_FILES) and run_of_recipe_file(run_dir / RECIPE_FILE) is None:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise UserError(
+            f"run directory {run_dir} holds files that are not a frugality run ({shown}); "
+            "choose another --run-dir (nothing was moved)"
+        )
+    if resumable is None:
+        resumable = bool(CheckpointManager(run_dir / "checkpoints").complete())
+    if not fresh and not resumable:
+        raise UserError(
+            f"run directory {run_dir} holds a run with no usable checkpoint to resume; --fresh starts "
+            f"over (the old run is kept as {run_dir.name}.prev-DATE), or choose another --run-dir"
+        )
 
 
 def open_run(plan: RunPlan, recipe: Recipe, resume_step: int | None) -> None:

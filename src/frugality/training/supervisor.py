@@ -56,7 +56,7 @@ def supervise(command: list[str], run_dir: Path, retries: int, backoff_s: float,
     while True:
         before = _checkpoint_step(run_dir)
         started = time.time()
-        status = subprocess.run(command if not attempts else _without_fresh(command)).returncode
+        status = subprocess.run(command if not attempts else _rerun(command, run_dir)).returncode
         ended = time.time()
         after, logged = _checkpoint_step(run_dir), _last_logged_step(run_dir)
         cause = NOT_RETRIED.get(status) or (
@@ -102,9 +102,11 @@ def supervise(command: list[str], run_dir: Path, retries: int, backoff_s: float,
         waited += pause
 
 
-def _without_fresh(command: list[str]) -> list[str]:
-    """A rerun resumes: --fresh would move the progress aside."""
-    return [a for a in command if a != "--fresh"]
+def _rerun(command: list[str], run_dir: Path) -> list[str]:
+    """A rerun resumes (--fresh would move the progress aside); an attempt that saved no
+    checkpoint left nothing to resume, and its files go aside (--fresh) for a new start."""
+    resumed = [a for a in command if a != "--fresh"]
+    return resumed if CheckpointManager(run_dir / "checkpoints").complete() else [*resumed, "--fresh"]
 
 
 def _checkpoint_step(run_dir: Path) -> int:

@@ -86,6 +86,7 @@ def train(
     if until_step is not None and not 0 < until_step <= total:
         raise UserError(f"--until-step {until_step}: must lie in 1..train.steps ({total})")
     stop_at = until_step or total
+    rundir.check_run_dir(run_path, fresh)  # (again once locked: nothing moves under another run)
 
     # Everything that can fail on bad input fails here, before the run directory is touched.
     if recipe.parallel.spmd:

@@ -1,0 +1,186 @@
+"""`frugality ARGS` run as a user runs it (its own process, its own stdout, stderr and exit
+status, a working folder and an environment), without paying again for Python, torch and
+frugality's imports: a server process imports them once, then forks a child per command,
+as multiprocessing's forkserver does. The child points its standard streams at files, moves
+to the folder, takes the environment, and calls the console script's `frugality.cli.main`.
+
+A real `python -m frugality` is used instead where forking could differ from a fresh start:
+an environment that changes what torch or its libraries read when they load (OpenMP's and
+oneDNN's variables, `LD_*`, `PYTHON*`, `TORCH*`...), or `fresh=True` (a test of start-up
+itself). The server imports but never computes, so no thread pool exists when it forks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Variables read when torch and its libraries load (or by the interpreter): a command whose
+# environment changes one of them runs in a fresh process.
+IMPORT_TIME = ("OMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH", "PYTORCH", "CUDA", "LD_", "PYTHON")
+IMPORT_TIME_NAMES = ("FRUGALITY_NO_C_KERNEL", "PJRT_DEVICE", "XLA_FLAGS", "NVIDIA_VISIBLE_DEVICES")
+
+# The modules a command imports (its own and torch's heavy ones), loaded once by the server.
+PRELOAD = (
+    "torch",
+    "frugality.cli.main",
+    "frugality.cli.train",
+    "frugality.training.trainer",
+    "frugality.inference.embed",
+    "frugality.inference.encoder",
+    "frugality.inference.generate",
+    "frugality.interop.export",
+    "frugality.data.prepare",
+)
+
+_SERVER = r"""
+import atexit, importlib, json, os, signal, socket, sys, traceback
+from frugality.cli import main  # the console script's (before frugality.cli.main, the module, shadows it)
+for name in sys.argv[2].split(","):
+    importlib.import_module(name)
+
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(sys.argv[1])
+listener.listen(1)
+print("ready", flush=True)
+while True:
+    conn, _ = listener.accept()
+    with conn, conn.makefile("rwb") as stream:
+        request = json.loads(stream.readline())
+        if request is None:
+            break
+        pid = os.fork()
+        if pid == 0:  # the command
+            status = 1
+            try:
+                listener.close()
+                os.setsid()  # its own process group: a time-out stops it and what it started
+                for fd, path, mode in ((0, request["stdin"], os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
+                                       (2, request["stderr"], os.O_WRONLY)):
+                    opened = os.open(path, mode)
+                    os.dup2(opened, fd)
+                    os.close(opened)
+                os.chdir(request["cwd"])
+                os.environ.clear()
+                os.environ.update(request["env"])
+                sys.argv = ["frugality", *request["args"]]
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                status = main(request["args"])
+            except SystemExit as e:
+                status = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                try:
+                    atexit._run_exitfuncs()
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(status if isinstance(status, int) else 1)
+        stream.write((json.dumps({"pid": pid}) + "\n").encode())
+        stream.flush()
+        _, waited = os.waitpid(pid, 0)
+        stream.write((json.dumps({"status": os.waitstatus_to_exitcode(waited)}) + "\n").encode())
+        stream.flush()
+"""
+
+
+class ForkedCLI:
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="forked-cli-"))
+        self.address = str(self.folder / "socket")
+        self.env = dict(os.environ)  # what the server loaded with
+        self.server = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, self.address, ",".join(PRELOAD)],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        if self.server.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the forked CLI's server did not start (exit {self.server.wait()})")
+
+    def forkable(self, env: dict) -> bool:
+        """Whether `env` leaves what torch read at import as the server read it."""
+        names = set(env) | set(self.env)
+        return not any(
+            env.get(n) != self.env.get(n) for n in names if n.startswith(IMPORT_TIME) or n in IMPORT_TIME_NAMES
+        )
+
+    def __call__(
+        self,
+        *args,
+        cwd=None,
+        env: dict | None = None,
+        timeout: float = 300,
+        input: str | None = None,
+        fresh: bool = False,
+    ) -> subprocess.CompletedProcess:
+        """`frugality ARGS` (each str()'d) in `cwd` with `env` (default: this process's), as
+        `subprocess.run(..., capture_output=True, text=True)` returns it."""
+        args = [str(a) for a in args]
+        env = dict(os.environ if env is None else env)
+        if fresh or not self.forkable(env) or self.server.poll() is not None:
+            return subprocess.run(
+                [sys.executable, "-m", "frugality", *args],
+                cwd=cwd,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                input=input,
+            )
+        with tempfile.TemporaryDirectory(dir=self.folder) as scratch:
+            files = {name: Path(scratch) / name for name in ("stdin", "stdout", "stderr")}
+            files["stdin"].write_text(input or "")
+            files["stdout"].touch()
+            files["stderr"].touch()
+            request = {
+                "args": args,
+                "cwd": str(Path(cwd or os.getcwd()).absolute()),
+                "env": env,
+                **{name: str(path) for name, path in files.items()},
+            }
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(self.address)
+                stream = conn.makefile("rwb")
+                stream.write((json.dumps(request) + "\n").encode())
+                stream.flush()
+                pid = json.loads(stream.readline())["pid"]
+                conn.settimeout(timeout)
+                try:
+                    status = json.loads(stream.readline())["status"]
+                except (TimeoutError, socket.timeout):
+                    _stop_group(pid)
+                    stream.readline()  # the server reaps it
+                    raise subprocess.TimeoutExpired(["frugality", *args], timeout) from None
+                finally:
+                    stream.close()
+            read = lambda name: files[name].read_text(errors="replace")
+            return subprocess.CompletedProcess(["frugality", *args], status, read("stdout"), read("stderr"))
+
+    def close(self) -> None:
+        if self.server.poll() is None:
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                    conn.connect(self.address)
+                    conn.sendall(b"null\n")
+                self.server.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                _stop_group(self.server.pid)
+                self.server.wait()
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _stop_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
