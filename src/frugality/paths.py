@@ -41,3 +41,27 @@ def check_output_file(path: str | Path, what: str) -> None:
     if not parent.is_dir():
         what_it_is = "a file" if parent.exists() else "no such folder"
         raise UserError(f"{what} {path}: {parent} is {what_it_is}; the file needs a folder to be written in")
+
+
+def write_atomically(path: str | Path, data: bytes | str, overwrite: bool = True) -> None:
+    """`data` into `path` whole or not at all: written under a temporary name beside it,
+    synced, then renamed into place (or, with `overwrite=False`, linked: never over a file
+    that appeared meanwhile). On any failure (a full disk) the temporary file is removed,
+    and a filesystem error names `path` (a write's own error names no file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
+    except OSError as e:
+        if e.errno is not None and e.filename != str(path):
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)

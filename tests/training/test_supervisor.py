@@ -29,7 +29,8 @@ def step(state, batches, **kw):
         os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost node would
     return real(state, batches, **kw)
 loop.train_step = step
-trainer.train(load_recipe(recipe_file), run_dir=run_dir, progress=False, tensorboard=False)
+fresh = "--fresh" in sys.argv[5:]  # as `frugality train` takes it: the supervisor's rerun may add it
+trainer.train(load_recipe(recipe_file), run_dir=run_dir, fresh=fresh, progress=False, tensorboard=False)
 """
 
 
@@ -58,6 +59,17 @@ def test_a_killed_run_resumes_from_its_checkpoint_to_the_uninterrupted_bits(micr
     assert 0 < goodput["productive_s"] < goodput["wall_s"]
     # computed before the times were rounded for the file: equal to their ratio within that rounding
     assert goodput["goodput"] == pytest.approx(goodput["productive_s"] / goodput["wall_s"], abs=2e-4)
+
+
+def test_a_run_that_dies_before_its_first_checkpoint_starts_over_with_its_files_kept_aside(micro_recipe_file, tmp_path):
+    run = tmp_path / "run"
+    command = [sys.executable, str(_script(tmp_path)), str(micro_recipe_file), str(run), "2", str(tmp_path / "once")]
+    assert supervise(command, run, retries=2, backoff_s=0, log=lambda *a, **k: None) == 0
+    [aside] = [p for p in tmp_path.iterdir() if p.name.startswith("run.prev-")]
+    assert _train_losses(aside) == {1: _train_losses(run)[1]}  # the first attempt's one step, the same
+    assert not (aside / "checkpoints").exists() or not any((aside / "checkpoints").iterdir())
+    attempts = [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines()]
+    assert [(a["cause"], a["checkpoint_after"]) for a in attempts] == [("killed by signal 9", 0), ("finished", 8)]
 
 
 def test_a_run_that_dies_before_any_checkpoint_twice_is_given_up(micro_recipe_file, tmp_path):

@@ -17,7 +17,7 @@ def ckpt() -> None:
 def verify_command(path) -> None:
     """Check every checkpoint of PATH (a run directory, its checkpoints folder, or one
     checkpoint) against its manifest: each file's size and SHA-256. Exit status 1 when one
-    is unusable."""
+    is unusable, or cannot be verified (no manifest: only its files' sizes are checked)."""
     from frugality.checkpoint import MANIFEST, CheckpointManager, step_of, verify
     from frugality.errors import UserError
 
@@ -34,15 +34,23 @@ def verify_command(path) -> None:
         )
         if not found:
             raise UserError(f"{path}: holds no checkpoints (step_* folders)")
-    bad = 0
+    bad = unverified = 0
     for checkpoint in found:
         problem = verify(checkpoint)
-        if problem is None:
-            how = "verified" if (checkpoint / MANIFEST).is_file() else "no manifest (written before them): unverified"
-            click.echo(f"ok       {checkpoint}  {how}")
-        else:
+        if problem is not None:
             bad += 1
-            click.echo(f"unusable {checkpoint}  {problem}")
+            click.echo(f"unusable   {checkpoint}  {problem}")
+        elif not (checkpoint / MANIFEST).is_file():
+            unverified += 1
+            click.echo(
+                f"unverified {checkpoint}  no {MANIFEST} (written before manifests, or deleted): its files' sizes "
+                "match .metadata, their bytes cannot be checked"
+            )
+        else:
+            click.echo(f"ok         {checkpoint}  verified")
+    if unverified and not bad:
+        click.echo(f"{unverified} of {len(found)} checkpoint(s) could not be verified (no {MANIFEST})", err=True)
+        raise click.exceptions.Exit(1)
     if bad:
         usable = CheckpointManager(found[0].parent).complete() if len(found) > 1 else []
         newest = next((p for p in reversed(usable) if verify(p) is None), None)

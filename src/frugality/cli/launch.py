@@ -40,6 +40,7 @@ def slurm(
     from frugality.config.recipe import load_recipe
     from frugality.distributed.slurm import SlurmJob, render
     from frugality.errors import UserError
+    from frugality.paths import write_atomically
 
     resolved = load_recipe(recipe, list(overrides))  # checked here, before anything is written
     if gpus_per_node and procs_per_node and procs_per_node != gpus_per_node:
@@ -66,7 +67,7 @@ def slurm(
         raise UserError(f"--out {path}: exists; choose another path or remove it")
     path.parent.mkdir(parents=True, exist_ok=True)
     Path(run_dir).parent.mkdir(parents=True, exist_ok=True)  # SLURM writes its log beside the run
-    path.write_text(render(job))
+    write_atomically(path, render(job), overwrite=False)  # (a full disk leaves no empty script)
     click.echo(f"wrote {path} ({nodes} node(s) x {job.procs_per_node} rank(s))")
     if submit:
         if shutil.which("sbatch") is None:

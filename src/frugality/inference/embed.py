@@ -3,11 +3,12 @@
 The texts (in input order) are cut into shards of `shard_size`; each shard is written as
 `shard-NNNNN.npy` (float32, one row per text) and `shard-NNNNN.ids.json` (their ids, in
 the same order), or as one `shard-NNNNN.parquet` (id, embedding), each file under a
-temporary name and renamed into place, the embeddings last: a shard whose embeddings file
-exists is complete. A rerun after a crash or Ctrl-C checks that the job is the same
-(`job.json`: model, inputs with their sizes and times, settings) and redoes only the
-shards that are not complete, so no text is lost and none is written twice. When every
-shard is there, `manifest.json` lists them.
+temporary name and renamed into place, then `shard-NNNNN.sha256` (each file's SHA-256)
+last: a shard is complete when that file exists and its files match it. A rerun after a
+crash or Ctrl-C checks that the job is the same (`job.json`: model, inputs with their
+sizes and times, settings) and redoes only the shards that are not complete (damaged ones
+included), so no text is lost and none is written twice. When every shard is there,
+`manifest.json` lists them with their hashes, which `read_embeddings` checks.
 
 Inside a shard, texts are sorted by token length and batched by a token budget (many short
 texts or few long ones per batch), each batch padded to its longest text only; results go
@@ -24,10 +25,12 @@ A new job cuts its texts into at least as many shards as it has processes.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import signal
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from frugality.checkpoint import fsync_dir
-from frugality.errors import UserError
+from frugality.errors import FrugalityWarning, UserError
 from frugality.inference.inputs import Inputs
 
 JOB_FILE, MANIFEST_FILE = "job.json", "manifest.json"
@@ -72,11 +75,32 @@ def shard_names(k: int, fmt: str) -> tuple[str, ...]:
     return (f"{stem}.ids.json", f"{stem}.npy") if fmt == "npy" else (f"{stem}.parquet",)
 
 
-def is_complete(out: Path, k: int, fmt: str, rows: int) -> bool:
-    """Shard k's last file (written last, by a rename) is there and holds its `rows`."""
+def hashes_name(k: int) -> str:
+    """Shard k's last file: the SHA-256 of each of its files."""
+    return f"shard-{k:05d}.sha256"
+
+
+def is_complete(out: Path, k: int, fmt: str, rows: int, hashed: bool = True) -> bool:
+    """Shard k's hashes (written last, by a rename) are there and its files match them; its
+    embeddings hold its `rows`. `hashed=False`: a job begun before shards had hashes, whose
+    embeddings file (then written last) marks a complete shard."""
     path = out / shard_names(k, fmt)[-1]
     if not path.is_file():
         return False
+    if hashed:
+        try:
+            recorded = json.loads((out / hashes_name(k)).read_text())
+        except (OSError, ValueError):  # not written yet (a crash in between), or damaged: redo
+            return False
+        for name in shard_names(k, fmt):
+            if not isinstance(recorded, dict) or recorded.get(name) != _sha256(out / name):
+                warnings.warn(
+                    f"{out / name}: does not match its SHA-256 in {hashes_name(k)} (changed since it was "
+                    "written); embedding its shard again",
+                    FrugalityWarning,
+                    stacklevel=2,
+                )
+                return False
     try:
         if fmt == "npy":
             return np.load(path, mmap_mode="r").shape[0] == rows
@@ -85,6 +109,14 @@ def is_complete(out: Path, k: int, fmt: str, rows: int) -> bool:
         return pq.ParquetFile(path).metadata.num_rows == rows
     except Exception:  # unreadable: redo it
         return False
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
 
 
 def resolve_processes(nproc: int | str, count: int, device) -> int:
@@ -142,6 +174,7 @@ def prepare(
     count = _count_unique(inputs)
     job["count"] = count
     job["precision"] = encoder_line.get("precision")
+    job["hashed"] = True  # its shards carry their SHA-256 (jobs begun before: not)
     job["shard_size"] = min(settings.shard_size, -(-count // processes(count)))
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -185,9 +218,9 @@ def _first_difference(a, b, where: str = "") -> str | None:
     return None if a == b else where
 
 
-def pending_shards(out: Path, count: int, shard_size: int, fmt: str) -> list[int]:
+def pending_shards(out: Path, count: int, shard_size: int, fmt: str, hashed: bool = True) -> list[int]:
     shards = -(-count // shard_size)
-    return [k for k in range(shards) if not is_complete(out, k, fmt, min(shard_size, count - k * shard_size))]
+    return [k for k in range(shards) if not is_complete(out, k, fmt, min(shard_size, count - k * shard_size), hashed)]
 
 
 def run_shards(
@@ -261,19 +294,23 @@ def embed_rows(encoder, rows: list[list[int]], batch_tokens: int, max_batch: int
 
 def write_shard(out: Path, k: int, ids: list[str], vectors: np.ndarray, fmt: str) -> None:
     names = shard_names(k, fmt)
+    hashes = {}
     try:
+        (out / hashes_name(k)).unlink(missing_ok=True)  # (a damaged shard's: it is incomplete from here)
         if fmt == "npy":
-            _write_atomic(out / names[0], json.dumps(ids).encode())
+            hashes[names[0]] = _write_atomic(out / names[0], json.dumps(ids).encode())
             # through Python's write: numpy's own (fwrite) says a full disk without its errno
-            _write_atomic(out / names[1], lambda f: np.save(_Stream(f), vectors))
+            hashes[names[1]] = _write_atomic(out / names[1], lambda f: np.save(_Stream(f), vectors))
         else:
             import pyarrow as pa
             import pyarrow.parquet as pq
 
             embedding = pa.FixedSizeListArray.from_arrays(vectors.reshape(-1), vectors.shape[1])
-            _write_atomic(out / names[0], lambda f: pq.write_table(pa.table({"id": ids, "embedding": embedding}), f))
+            table = pa.table({"id": ids, "embedding": embedding})
+            hashes[names[0]] = _write_atomic(out / names[0], lambda f: pq.write_table(table, f))
+        _write_atomic(out / hashes_name(k), json.dumps(hashes, indent=1).encode())
     except BaseException:  # a full disk, Ctrl-C: none of the shard's files stay (its ids alone are no use)
-        for name in names:
+        for name in (*names, hashes_name(k)):
             (out / name).unlink(missing_ok=True)
         raise
     fsync_dir(out)  # the renames on disk: a power cut cannot undo a complete shard
@@ -286,17 +323,21 @@ class _Stream:
         self.write = f.write
 
 
-def _write_atomic(path: Path, content) -> None:
+def _write_atomic(path: Path, content) -> str:
     """`content` (bytes, or a function writing to a binary file) under a temporary name,
-    synced, then renamed to `path`. On failure the temporary file is removed, and a
-    filesystem error names `path` (a write's error names no file), for the CLI's one line."""
+    synced, then renamed to `path`; its SHA-256 (read back from the page cache). On failure
+    the temporary file is removed, and a filesystem error names `path` (a write's error
+    names no file), for the CLI's one line."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
             content(f) if callable(content) else f.write(content)
             f.flush()
             os.fsync(f.fileno())
+        with open(tmp, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
         os.replace(tmp, path)
+        return digest
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) and e.errno is not None:
@@ -311,6 +352,8 @@ def write_manifest(out: Path, job: dict, dim: int) -> dict:
         names = shard_names(k, fmt)
         entry = {"first": k * size, "count": min(size, count - k * size)}
         entry |= {"ids": names[0], "embeddings": names[1]} if fmt == "npy" else {"table": names[0]}
+        if job.get("hashed"):
+            entry["sha256"] = json.loads((out / hashes_name(k)).read_text())
         shards.append(entry)
     manifest = {
         "format": f"frugality-embeddings/1 ({fmt})",
@@ -334,11 +377,18 @@ def clean_partials(out: Path) -> None:
 
 
 def read_embeddings(out: str | Path) -> tuple[list[str], np.ndarray]:
-    """All ids and embeddings of a finished job, in input order (for users and tests)."""
+    """All ids and embeddings of a finished job, in input order (for users and tests); a
+    file that does not match its SHA-256 in the manifest is a UserError naming it."""
     out = Path(out)
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     ids, parts = [], []
     for shard in manifest["shards"]:
+        for name, digest in shard.get("sha256", {}).items():
+            if _sha256(out / name) != digest:
+                raise UserError(
+                    f"{out / name}: does not match its SHA-256 in {MANIFEST_FILE} (changed since it was written); "
+                    "rerun the embed command to embed its shard again"
+                )
         if "table" in shard:
             import pyarrow.parquet as pq
 
@@ -403,7 +453,8 @@ def run_job(
     out, count, size = Path(settings.out), job["count"], job["shard_size"]
     with _locked(out):
         clean_partials(out)
-        pending = pending_shards(out, count, size, settings.format)
+        hashed = job.get("hashed", False)
+        pending = pending_shards(out, count, size, settings.format, hashed)
         processes = min(resolve_processes(nproc, count, device), len(pending))
         todo = sum(min(size, count - k * size) for k in pending)
         t0 = time.perf_counter()
@@ -427,7 +478,7 @@ def run_job(
                 del encoder
                 _run_workers(workers, inputs, size, pending, count, processes, device, bar)
         seconds = time.perf_counter() - t0
-        missing = pending_shards(out, count, size, settings.format)
+        missing = pending_shards(out, count, size, settings.format, hashed)
         if missing:
             raise JobIncomplete(f"shards {missing[:5]} were not written; rerun the same command to finish")
         manifest = write_manifest(out, job, job["encoder"]["dim"])
