@@ -323,3 +323,16 @@ def test_a_published_recipe_runs_on_the_bundled_corpus(tmp_path):
     assert done.returncode == 0, done.stderr
     summary = _strict(run / "summary.json")
     assert summary["final_step"] == 1 and summary["first_val_loss"] > 10  # the whole split, evaluated at step 0
+
+
+def test_a_run_shorter_than_its_warmup_trains_with_the_warmup_cut_and_says_so(
+    frugality_cli, micro_recipe_file, tmp_path
+):
+    """`--set train.steps=N` alone, below the recipe's warm-up (the micro recipe's 2): the run
+    trains, and its header says what the warm-up became."""
+    done = frugality_cli(
+        "train", micro_recipe_file, "--run-dir", tmp_path / "run", "--no-progress", "--set", "train.steps=1"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "optim.warmup_steps 2 -> 1: the warm-up is cut to train.steps" in done.stdout
+    assert "warmup_steps = 2" in (tmp_path / "run" / "recipe.toml").read_text()  # the recipe as asked

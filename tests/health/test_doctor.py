@@ -176,3 +176,17 @@ except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 """
+
+
+def test_doctor_refuses_more_processes_than_train_would_run(frugality_cli, tmp_path):
+    """`doctor --nproc N` beyond this machine's cores is refused as `train --nproc N` is (it
+    passed before: the collectives ran, contending for the cores)."""
+    cores = len(os.sched_getaffinity(0))
+    for command in (["doctor", "--quick"], ["train"]):
+        done = frugality_cli(*command, "--nproc", cores + 2, "--run-dir", tmp_path / "runs", cwd=tmp_path)
+        [line] = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2 and line == (
+            f"error: --nproc {cores + 2}: this machine has {cores} CPU cores, and each CPU rank needs one; "
+            "more ranks than cores only contend for them (use torchrun across machines for more)"
+        )
+    assert not (tmp_path / "runs").exists()

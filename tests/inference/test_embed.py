@@ -7,8 +7,10 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +120,26 @@ def test_a_killed_job_finishes_on_a_rerun_with_every_id_once(tmp_path, texts_fil
     assert ids == [f"g{i}" for i in range(120)]  # every text, once, in input order
     straight_ids, straight_vectors = read_embeddings(tmp_path / "straight")
     assert ids == straight_ids and np.array_equal(vectors, straight_vectors)  # the same bits as one run
+
+    # SIGTERM (a scheduler's stop) once the first shard is written: as Ctrl-C, one line and 130
+    stopped = subprocess.Popen(
+        [FRUGALITY, "embed", MODEL, *common, "--out", str(tmp_path / "stopped"), "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"FRUGALITY_INJECT_FAULT": "stall@1"},  # it waits after its first shard
+    )
+    while not (tmp_path / "stopped" / "shard-00000.done.json").exists() and stopped.poll() is None:
+        time.sleep(0.01)
+    stopped.send_signal(signal.SIGTERM)
+    out, err = stopped.communicate(timeout=60)
+    assert stopped.returncode == 130 and out == ""
+    assert (
+        err.strip()
+        == f"stopped by SIGTERM; the shards written stay in {tmp_path / 'stopped'}: rerun the same command to finish"
+    )
+    assert _embed(*common, "--out", str(tmp_path / "stopped")).returncode == 0
+    assert np.array_equal(read_embeddings(tmp_path / "stopped")[1], straight_vectors)
 
 
 def test_a_changed_job_or_bad_input_is_one_line_and_writes_nothing(tmp_path, texts_file, capsys):
@@ -260,7 +282,7 @@ def test_a_rerun_redoes_damaged_shards_and_refuses_changed_input(tmp_path, texts
     assert main(common) == 0
     printed = capsys.readouterr()
     assert "resumed: 80 were done" in printed.out
-    assert "shard-00000.npy: does not match its SHA-256 in shard-00000.sha256" in printed.err
+    assert "shard-00000.npy: does not match its SHA-256 in shard-00000.done.json" in printed.err
     assert np.allclose(read_embeddings(out)[1], vectors, atol=1e-5)
     with open(texts_file, "a") as f:  # the input changed since the job began
         f.write(json.dumps({"key": "new", "body": "a late text"}) + "\n")
@@ -340,11 +362,14 @@ def test_a_full_disk_is_one_line_and_leaves_only_complete_shards(tmp_path):
     assert done.returncode == 2, done.stderr[-3000:]
     [line] = [line for line in done.stderr.splitlines() if line.strip()]
     assert re.fullmatch(
-        rf"error: cannot write {out}/shard-00001\.(ids\.json|npy|sha256): No space left on device "
+        rf"error: cannot write {out}/shard-00001\.(ids\.json|npy|done\.json): No space left on device "
         rf"\(\d+\.\d GiB free on the device holding {out}\)",
         line,
     ), line
     assert left == [
         str(out),
-        *(str(out / n) for n in (".lock", "job.json", "shard-00000.ids.json", "shard-00000.npy", "shard-00000.sha256")),
+        *(
+            str(out / n)
+            for n in (".lock", "job.json", "shard-00000.ids.json", "shard-00000.npy", "shard-00000.done.json")
+        ),
     ], left

@@ -64,3 +64,25 @@ def test_a_dense_module_frugality_cannot_run_is_refused_on_import(trained_run, t
     assert main(["import", "hf", str(tmp_path / "st"), "--out", str(tmp_path / "imported")]) == 2
     assert "none after the last" in capsys.readouterr().err
     assert not (tmp_path / "imported").exists()
+
+
+def test_a_run_started_from_an_embedding_model_keeps_the_length_it_cuts_texts_to(
+    frugality_cli, trained_run, tmp_path, micro_pairs_recipe_text
+):
+    """The model's sentence-transformers length (24 here; all-MiniLM-L6-v2's 256, under its
+    512 positions) goes with a run trained from it: `embed` and `export hf` of the run use it."""
+    assert main(["export", "hf", str(trained_run), "--out", str(tmp_path / "st")]) == 0
+    (tmp_path / "st" / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 24}))
+    recipe = tmp_path / "pairs.toml"
+    recipe.write_text(micro_pairs_recipe_text.replace("head = [24, 16]", 'head = [24, 16]\nhead_activation = "tanh"'))
+    run = tmp_path / "run"
+    trained = frugality_cli(
+        "train", recipe, "--init-from", tmp_path / "st", "--run-dir", run, "--no-progress", "--set", "train.steps=1"
+    )
+    assert trained.returncode == 0, trained.stderr
+    (tmp_path / "texts.txt").write_text("".join(t + "\n" for t in TEXTS))
+    embedded = frugality_cli("embed", run, tmp_path / "texts.txt", "--out", tmp_path / "emb", "--no-progress")
+    assert embedded.returncode == 0, embedded.stderr
+    assert json.loads((tmp_path / "emb" / "manifest.json").read_text())["encoder"]["max_length"] == 24
+    assert frugality_cli("export", "hf", run, "--out", tmp_path / "again").returncode == 0
+    assert json.loads((tmp_path / "again" / "sentence_bert_config.json").read_text())["max_seq_length"] == 24

@@ -16,3 +16,9 @@ def test_warmup_then_cosine_to_the_floor():
 
 def test_no_warmup():
     assert learning_rate(0, 100, 1.0, 0.0, 0) == pytest.approx(1.0)
+
+
+def test_a_warmup_longer_than_the_run_is_cut_to_it():
+    lr = lambda s: learning_rate(s, total_steps=6, lr=1.0, min_lr=0.1, warmup_steps=10)
+    assert [lr(s) for s in range(6)] == pytest.approx([learning_rate(s, 6, 1.0, 0.1, 6) for s in range(6)])
+    assert lr(5) == pytest.approx(1.0)  # the run reaches its peak rate at its last step

@@ -53,6 +53,10 @@ def doctor(recipe, nproc, max_mib, quick, overrides_thresholds, run_dir, overrid
     device = resolve_device(resolved.train.device, what="frugality doctor", xla_ok=True)
     if device.type == "xla" and nproc > 1:
         raise UserError("--nproc: doctor on an xla device checks that one device; drop --nproc")
+    if nproc > 1:
+        from frugality.runtime.device import check_local_processes
+
+        check_local_processes(device, nproc)  # as `train --nproc` refuses it
     limits = thresholds(threshold_kind(device), list(overrides_thresholds))
     if worker_out:
         _collectives_worker(device, resolved.parallel.timeout_s, limits, max_mib, Path(worker_out))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
@@ -108,14 +109,16 @@ def embed(
         max_length=max_length,
         format=fmt,
     )
+    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop ends the job as Ctrl-C does
     try:
         if address is not None and engine != "ray":
             raise click.UsageError("--address goes with --engine ray")
         result = run_job(
             settings, open_inputs(list(inputs), text_field, id_field), nproc, not no_progress, engine, address
         )
-    except KeyboardInterrupt:
-        click.echo(f"stopped; the shards written stay in {out}: rerun the same command to finish", err=True)
+    except KeyboardInterrupt as stop:
+        how = "stopped by SIGTERM" if stop.args == ("SIGTERM",) else "stopped"
+        click.echo(f"{how}; the shards written stay in {out}: rerun the same command to finish", err=True)
         sys.exit(130)
     except JobIncomplete as e:
         click.echo(f"error: {e}", err=True)
@@ -124,11 +127,17 @@ def embed(
     speed = f", {result['texts_per_s']:,.0f} texts/s" if result["texts_per_s"] else ""
     many = result["processes"] > 1
     workers = ("Ray actors" if many else "Ray actor") if engine == "ray" else ("processes" if many else "process")
+    cut = result["truncated"]
+    cut = f" ({cut:,} cut to {result['max_length']} tokens, the model's length or --max-length)" if cut else ""
     click.echo(
-        f"{out}: {result['count']:,} texts in {result['shards']} shards{resumed}; embedded "
+        f"{out}: {result['count']:,} texts{cut} in {result['shards']} shards{resumed}; embedded "
         f"{result['embedded']:,} in {result['seconds']:.1f} s{speed} ({result['processes']} {workers}); "
         f"{result['precision']}"
     )
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def _need_pyarrow() -> None:

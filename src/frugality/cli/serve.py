@@ -39,7 +39,13 @@ from frugality.cli.options import inference_precision
 @click.option(
     "--max-inputs", default=256, show_default=True, type=click.IntRange(min=1), help="Texts in one embeddings request."
 )
-@click.option("--max-input-tokens", type=click.IntRange(min=1), help="Tokens a text [default: the model's length].")
+@click.option(
+    "--max-length",
+    "--max-input-tokens",
+    "max_input_tokens",
+    type=click.IntRange(min=2),
+    help="Embeddings: cut texts to this many tokens, as `embed --max-length` does [default: the model's length].",
+)
 @click.option(
     "--max-tokens",
     default=512,

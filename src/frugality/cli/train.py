@@ -135,23 +135,10 @@ def train(
 def _check_ranks(recipe, nproc: int) -> None:
     """Refuse, in one line, --nproc beyond this machine's devices (CPU: its cores), and a
     global batch the ranks cannot share."""
-    import os
-
-    import torch
-
-    from frugality.errors import UserError
-    from frugality.runtime.device import resolve_device
+    from frugality.runtime.device import check_local_processes, resolve_device
     from frugality.tasks import get_task
 
-    device = resolve_device(recipe.train.device, xla_ok=True)
-    if device.type == "cuda" and nproc > torch.cuda.device_count():
-        raise UserError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} CUDA device(s), one per rank")
-    cores = len(os.sched_getaffinity(0))
-    if device.type == "cpu" and nproc > cores:
-        raise UserError(
-            f"--nproc {nproc}: this machine has {cores} CPU cores, and each CPU rank needs one; "
-            "more ranks than cores only contend for them (use torchrun across machines for more)"
-        )
+    check_local_processes(resolve_device(recipe.train.device, xla_ok=True), nproc)
     recipe.for_data_parallel(nproc, get_task(recipe.train.task).min_micro_batch)
 
 

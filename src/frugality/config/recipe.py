@@ -359,8 +359,6 @@ class Recipe(_Section):
     def _check(self) -> "Recipe":
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
-        if self.optim.warmup_steps > self.train.steps:
-            raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
         return self
 
     def to_toml(self) -> str:

@@ -3,8 +3,9 @@
 The texts (in input order) are cut into shards of `shard_size`; each shard is written as
 `shard-NNNNN.npy` (float32, one row per text) and `shard-NNNNN.ids.json` (their ids, in
 the same order), or as one `shard-NNNNN.parquet` (id, embedding), each file under a
-temporary name and renamed into place, then `shard-NNNNN.sha256` (each file's SHA-256)
-last: a shard is complete when that file exists and its files match it. A rerun after a
+temporary name and renamed into place, then `shard-NNNNN.done.json` (each file's SHA-256,
+and how many of its texts were cut to the model's length) last: a shard is complete when
+that file exists and its files match it. A rerun after a
 crash or Ctrl-C checks that the job is the same (`job.json`: model, inputs with their
 sizes and times, settings) and redoes only the shards that are not complete (damaged ones
 included), so no text is lost and none is written twice. When every shard is there,
@@ -42,7 +43,8 @@ from frugality.errors import FrugalityWarning, UserError
 from frugality.inference.inputs import Inputs
 
 JOB_FILE, MANIFEST_FILE = "job.json", "manifest.json"
-FAULT_ENV = "FRUGALITY_INJECT_FAULT"  # kill@N: the process kills itself after writing N shards (tests)
+# tests: kill@N, the process kills itself after writing N shards; stall@N, it waits there (for a signal)
+FAULT_ENV = "FRUGALITY_INJECT_FAULT"
 # (padded tokens, texts) per batch. On a CPU small batches keep an encoder's products in
 # cache: all-MiniLM-L6-v2 on WordNet glosses ran 225 texts/s at 2,048 tokens and 64 texts,
 # 114 at 16,384 and 512 (2-core EPYC, 2 threads); a GPU wants large ones.
@@ -75,9 +77,18 @@ def shard_names(k: int, fmt: str) -> tuple[str, ...]:
     return (f"{stem}.ids.json", f"{stem}.npy") if fmt == "npy" else (f"{stem}.parquet",)
 
 
-def hashes_name(k: int) -> str:
-    """Shard k's last file: the SHA-256 of each of its files."""
-    return f"shard-{k:05d}.sha256"
+def done_name(k: int) -> str:
+    """Shard k's last file: the SHA-256 of each of its files, and its texts cut short."""
+    return f"shard-{k:05d}.done.json"
+
+
+def read_done(out: Path, k: int) -> dict | None:
+    """Shard k's record, if it was written (and is JSON)."""
+    try:
+        record = json.loads((out / done_name(k)).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("sha256"), dict) else None
 
 
 def is_complete(out: Path, k: int, fmt: str, rows: int, hashed: bool = True) -> bool:
@@ -88,14 +99,13 @@ def is_complete(out: Path, k: int, fmt: str, rows: int, hashed: bool = True) -> 
     if not path.is_file():
         return False
     if hashed:
-        try:
-            recorded = json.loads((out / hashes_name(k)).read_text())
-        except (OSError, ValueError):  # not written yet (a crash in between), or damaged: redo
+        recorded = read_done(out, k)
+        if recorded is None:  # not written yet (a crash in between), or damaged: redo
             return False
         for name in shard_names(k, fmt):
-            if not isinstance(recorded, dict) or recorded.get(name) != _sha256(out / name):
+            if recorded["sha256"].get(name) != _sha256(out / name):
                 warnings.warn(
-                    f"{out / name}: does not match its SHA-256 in {hashes_name(k)} (changed since it was "
+                    f"{out / name}: does not match its SHA-256 in {done_name(k)} (changed since it was "
                     "written); embedding its shard again",
                     FrugalityWarning,
                     stacklevel=2,
@@ -258,10 +268,14 @@ def shard_texts(inputs: Inputs, size: int, count: int, wanted: set[int]):
 
 def _finish(encoder, settings, k, ids, texts, report, written_before) -> int:
     tokens, rows = BATCH_DEFAULTS.get(encoder.device.type, BATCH_DEFAULTS["cpu"])
-    vectors = embed_texts(encoder, texts, settings.batch_tokens or tokens, settings.max_batch or rows, report)
-    write_shard(Path(settings.out), k, ids, vectors, settings.format)
-    if os.environ.get(FAULT_ENV) == f"kill@{written_before + 1}":
+    encoded, cut = encoder.encode(texts)
+    vectors = embed_rows(encoder, encoded, settings.batch_tokens or tokens, settings.max_batch or rows, report)
+    write_shard(Path(settings.out), k, ids, vectors, settings.format, cut)
+    fault = os.environ.get(FAULT_ENV)
+    if fault == f"kill@{written_before + 1}":
         os.kill(os.getpid(), signal.SIGKILL)  # the reliability test's crash: right after a shard
+    if fault == f"stall@{written_before + 1}":
+        time.sleep(600)  # the signal test's stop: it comes while the job waits here
     return 1
 
 
@@ -292,11 +306,12 @@ def embed_rows(encoder, rows: list[list[int]], batch_tokens: int, max_batch: int
     return result
 
 
-def write_shard(out: Path, k: int, ids: list[str], vectors: np.ndarray, fmt: str) -> None:
+def write_shard(out: Path, k: int, ids: list[str], vectors: np.ndarray, fmt: str, truncated: int = 0) -> None:
+    """Shard k's files, then its record (`truncated`: its texts cut to the model's length)."""
     names = shard_names(k, fmt)
     hashes = {}
     try:
-        (out / hashes_name(k)).unlink(missing_ok=True)  # (a damaged shard's: it is incomplete from here)
+        (out / done_name(k)).unlink(missing_ok=True)  # (a damaged shard's: it is incomplete from here)
         if fmt == "npy":
             hashes[names[0]] = _write_atomic(out / names[0], json.dumps(ids).encode())
             # through Python's write: numpy's own (fwrite) says a full disk without its errno
@@ -308,9 +323,9 @@ def write_shard(out: Path, k: int, ids: list[str], vectors: np.ndarray, fmt: str
             embedding = pa.FixedSizeListArray.from_arrays(vectors.reshape(-1), vectors.shape[1])
             table = pa.table({"id": ids, "embedding": embedding})
             hashes[names[0]] = _write_atomic(out / names[0], lambda f: pq.write_table(table, f))
-        _write_atomic(out / hashes_name(k), json.dumps(hashes, indent=1).encode())
+        _write_atomic(out / done_name(k), json.dumps({"sha256": hashes, "truncated": truncated}, indent=1).encode())
     except BaseException:  # a full disk, Ctrl-C: none of the shard's files stay (its ids alone are no use)
-        for name in (*names, hashes_name(k)):
+        for name in (*names, done_name(k)):
             (out / name).unlink(missing_ok=True)
         raise
     fsync_dir(out)  # the renames on disk: a power cut cannot undo a complete shard
@@ -353,7 +368,8 @@ def write_manifest(out: Path, job: dict, dim: int) -> dict:
         entry = {"first": k * size, "count": min(size, count - k * size)}
         entry |= {"ids": names[0], "embeddings": names[1]} if fmt == "npy" else {"table": names[0]}
         if job.get("hashed"):
-            entry["sha256"] = json.loads((out / hashes_name(k)).read_text())
+            done = read_done(out, k) or {"sha256": {}}
+            entry |= {"sha256": done["sha256"], "truncated": done.get("truncated", 0)}
         shards.append(entry)
     manifest = {
         "format": f"frugality-embeddings/1 ({fmt})",
@@ -363,6 +379,8 @@ def write_manifest(out: Path, job: dict, dim: int) -> dict:
         "dtype": "float32",
         "encoder": job["encoder"] | {"precision": job.get("precision")},
         "inputs": job["inputs"],
+        # texts longer than encoder.max_length, cut to it (as sentence-transformers cuts them)
+        "truncated": sum(s.get("truncated", 0) for s in shards) if job.get("hashed") else None,
         "shards": shards,
         "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -488,6 +506,8 @@ def run_job(
         "seconds": seconds,
         "texts_per_s": todo / seconds if seconds else None,
         "shards": len(manifest["shards"]),
+        "truncated": manifest["truncated"],
+        "max_length": job["encoder"]["max_length"],
         "resumed_from": count - todo,
         "precision": why,
         "out": str(out),

@@ -95,7 +95,13 @@ class Encoder:
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids with the model's special tokens ([CLS] ... [SEP]), cut to max_length."""
-        return [e.ids for e in self.tokenizer.encode_batch(texts)]
+        return self.encode(texts)[0]
+
+    def encode(self, texts: list[str]) -> tuple[list[list[int]], int]:
+        """`tokenize`, and how many of the texts were cut to max_length (`embed` and `serve`
+        cut longer texts, as sentence-transformers does, and report how many)."""
+        encodings = self.tokenizer.encode_batch(texts)
+        return [e.ids for e in encodings], sum(1 for e in encodings if e.overflowing)
 
     def embed_tokens(self, rows: list[list[int]], pad_to: int, fill: int | None = None) -> np.ndarray:
         """Embeddings of token rows padded to `pad_to`: (len(rows), dim) float32. `fill`

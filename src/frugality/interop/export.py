@@ -10,8 +10,18 @@ from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 from frugality.interop.hf import export_hf
 from frugality.interop.sentence_transformers import module_files
-from frugality.interop.weights import load_weights, recipe_beside, resolve_source, stored_dtype
+from frugality.interop.weights import file_beside, load_weights, recipe_beside, resolve_source, stored_dtype
 from frugality.models import build_model
+
+
+def embedding_length(source) -> int | None:
+    """The length texts are cut to, as the sentence-transformers config beside the weights
+    says (one the run carried from the model it started from)."""
+    from frugality.interop.sentence_transformers import read_json
+
+    found = file_beside(source, "sentence_bert_config.json")
+    length = (read_json(found) or {}).get("max_seq_length") if found is not None else None
+    return length if isinstance(length, int) else None
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
@@ -30,6 +40,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
         files = {}  # the recipe's tokenizer is gone: export the weights alone
     state = model.state_dict()
     if recipe.model.family == "bert":  # an embedding model: sentence-transformers loads it as it embeds
-        files.update(module_files(recipe.model, state, recipe.model.max_seq_len))
+        files.update(module_files(recipe.model, state, embedding_length(source) or recipe.model.max_seq_len))
     # Buffers (rotary tables) are not exported; only the loaded parameters are.
     return export_hf(recipe.model, state, out, files)

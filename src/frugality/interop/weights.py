@@ -188,10 +188,31 @@ def _no_room(final: Path, need: int) -> str | None:
 def recipe_beside(source: WeightsSource) -> Recipe:
     """The recipe.toml beside a checkpoint: in the folder itself (imported) or in the run
     directory two levels up (runs/<name>/checkpoints/step_N)."""
-    for folder in (source.path, source.path.parent.parent):
-        if (folder / "recipe.toml").is_file():
-            return Recipe.model_validate(tomllib.loads((folder / "recipe.toml").read_text()))
-    raise UserError(f"{source.path}: no recipe.toml beside the checkpoint to describe the model")
+    found = file_beside(source, "recipe.toml")
+    if found is None:
+        raise UserError(f"{source.path}: no recipe.toml beside the checkpoint to describe the model")
+    return Recipe.model_validate(tomllib.loads(found.read_text()))
+
+
+def file_beside(source: WeightsSource, name: str) -> Path | None:
+    """A file that describes the weights (recipe.toml, sentence-transformers'
+    sentence_bert_config.json): in the source's folder, or, for a run's checkpoint, in its
+    run directory."""
+    folders = (source.path,) if source.kind == "hf" else (source.path, source.path.parent.parent)
+    return next((f / name for f in folders if (f / name).is_file()), None)
+
+
+# What a run started from an embedding model keeps of its sentence-transformers files: the
+# length texts are cut to (`embed` and `export hf` of the run read it from the run directory).
+CARRIED = ("sentence_bert_config.json",)
+
+
+def carry_description(source: WeightsSource, run_dir: Path) -> None:
+    """Copy CARRIED from beside `source` into a new run's directory."""
+    for name in CARRIED:
+        found = file_beside(source, name)
+        if found is not None:
+            shutil.copyfile(found, run_dir / name)
 
 
 def stored_dtype(source: WeightsSource) -> torch.dtype | None:

@@ -41,3 +41,19 @@ def resolve_device(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"{key}: {name!r} requested but this torch build sees no CUDA device")
     return device
+
+
+def check_local_processes(device: torch.device, nproc: int, flag: str = "--nproc") -> None:
+    """Refuse, in one line, more local processes than this machine has devices for: a GPU
+    each on CUDA, a core each on a CPU (more only contend for them). `train --nproc` and
+    `doctor --nproc` alike."""
+    import os
+
+    if device.type == "cuda" and nproc > torch.cuda.device_count():
+        raise UserError(f"{flag} {nproc}: this machine has {torch.cuda.device_count()} CUDA device(s), one per rank")
+    cores = len(os.sched_getaffinity(0))
+    if device.type == "cpu" and nproc > cores:
+        raise UserError(
+            f"{flag} {nproc}: this machine has {cores} CPU cores, and each CPU rank needs one; "
+            "more ranks than cores only contend for them (use torchrun across machines for more)"
+        )

@@ -103,7 +103,7 @@ def build_app(state: State) -> FastAPI:
         service = ready("embeddings")
         req = embeddings_request(await body(request), state.limits, state.name)
         # tokenizing and rendering run in threads: the event loop keeps serving the others
-        rows = await run_in_threadpool(service.tokenize, req.texts, state.limits.max_input_tokens)
+        rows, cut = await run_in_threadpool(service.tokenize, req.texts)
         vectors = await asyncio.wrap_future(service.submit(rows))
 
         def reply() -> JSONResponse:
@@ -114,7 +114,8 @@ def build_app(state: State) -> FastAPI:
                 data.append({"object": "embedding", "index": i, "embedding": encoded})
             tokens = sum(map(len, rows))
             usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-            return JSONResponse({"object": "list", "data": data, "model": state.name, "usage": usage})
+            cut_to = {"X-Truncated-Inputs": str(cut)} if cut else None  # texts cut to the model's length
+            return JSONResponse({"object": "list", "data": data, "model": state.name, "usage": usage}, headers=cut_to)
 
         return await run_in_threadpool(reply)
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from frugality.inference.embed import embed_rows
 from frugality.serve.completions import settle
-from frugality.serve.protocol import APIError, overloaded
+from frugality.serve.protocol import overloaded
 
 _STOP = object()
 
@@ -45,15 +45,13 @@ class EmbeddingService:
         self._thread = threading.Thread(target=self._loop, name="frugality-embeddings", daemon=True)
         self._thread.start()
 
-    def tokenize(self, texts: list[str], max_tokens: int | None) -> list[list[int]]:
-        """The texts' token rows; one longer than the model takes (or `max_tokens`) is a 400."""
-        limit = min(max_tokens or self.encoder.max_length, self.encoder.max_length)
-        encodings = self.encoder.tokenizer.encode_batch(texts)
-        for i, e in enumerate(encodings):
-            length = len(e.ids) + sum(len(o.ids) for o in e.overflowing)
-            if e.overflowing or len(e.ids) > limit:
-                raise APIError(400, f"'input[{i}]' is about {length} tokens, more than the limit of {limit}", "input")
-        return [e.ids for e in encodings]
+    def tokenize(self, texts: list[str]) -> tuple[list[list[int]], int]:
+        """The texts' token rows, each cut to the encoder's length (as `embed` cuts them, and
+        sentence-transformers), and how many were cut: counted in /metrics."""
+        rows, cut = self.encoder.encode(texts)
+        if cut:
+            self.metrics.truncated.labels(self.endpoint).inc(cut)
+        return rows, cut
 
     def submit(self, rows: list[list[int]]) -> Future:
         pending = _Pending(rows, Future())

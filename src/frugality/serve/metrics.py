@@ -41,6 +41,12 @@ class ServeMetrics:
         self.tokens = Counter(
             "frugality_tokens", "Tokens processed, by endpoint and kind", ["endpoint", "kind"], registry=r
         )
+        self.truncated = Counter(
+            "frugality_truncated_inputs",
+            "Texts cut to the model's length, as embed cuts them",
+            ["endpoint"],
+            registry=r,
+        )
         self.depth = Gauge("frugality_queue_depth", "Requests waiting for the model", ["endpoint"], registry=r)
         self._meter, self._lock = meter, threading.Lock()
         if meter is not None:

@@ -29,7 +29,7 @@ def overloaded(retry_after_s: int = 1) -> APIError:
 class Limits:
     max_body_bytes: int = 1 << 20  # a request's body
     max_inputs: int = 256  # texts in one embeddings request
-    max_input_tokens: int | None = None  # None: the model's own length
+    max_input_tokens: int | None = None  # embeddings: texts are cut to it (None: the model's own length)
     max_tokens: int = 512  # a completion's new tokens
     max_prompts: int = 16  # prompts in one completions request
 

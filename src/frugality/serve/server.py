@@ -154,12 +154,14 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
             from frugality.inference.encoder import load_encoder
             from frugality.serve.embeddings import EmbeddingService
 
-            encoder, why = load_encoder(settings.model, device, settings.precision)
+            encoder, why = load_encoder(
+                settings.model, device, settings.precision, max_length=settings.limits.max_input_tokens
+            )
             tokens, rows = BATCH_DEFAULTS.get(device.type, BATCH_DEFAULTS["cpu"])
             service = EmbeddingService(
                 encoder, state.metrics, settings.max_wait_ms, settings.max_queue, settings.batch_tokens or tokens, rows
             )
-            service.submit(service.tokenize(["warm-up"], None)).result()
+            service.submit(service.tokenize(["warm-up"])[0]).result()
         else:
             from frugality.inference.generate import Sampling, load_decoder
             from frugality.serve.completions import CompletionService

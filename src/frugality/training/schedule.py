@@ -9,7 +9,9 @@ import math
 
 
 def learning_rate(step: int, total_steps: int, lr: float, min_lr: float, warmup_steps: int) -> float:
-    """Learning rate for the update that completes step `step + 1` (steps count from 0)."""
+    """Learning rate for the update that completes step `step + 1` (steps count from 0). A
+    warm-up longer than the run is cut to it (the run header says so)."""
+    warmup_steps = min(warmup_steps, total_steps)
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     decay_steps = max(1, total_steps - warmup_steps)

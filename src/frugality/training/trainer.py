@@ -25,7 +25,14 @@ from frugality.distributed.tensor_parallel import check_tensor_parallel
 from frugality.errors import UserError
 from frugality.hardware import probe
 from frugality.health.preflight import preflight
-from frugality.interop.weights import WeightsSource, check_compatible, load_weights, resolve_source, stored_dtype
+from frugality.interop.weights import (
+    WeightsSource,
+    carry_description,
+    check_compatible,
+    load_weights,
+    resolve_source,
+    stored_dtype,
+)
 from frugality.precision import resolve_policy
 from frugality.runtime.data import open_training_data
 from frugality.runtime.device import names_xla, resolve_device
@@ -155,6 +162,11 @@ def train(
         state = build_state(recipe, device, data, world)
         if batch_note:
             state.choices.append(batch_note)
+        if recipe.optim.warmup_steps > recipe.train.steps:  # (training.schedule cuts it)
+            state.choices.append(
+                f"optim.warmup_steps {recipe.optim.warmup_steps} -> {recipe.train.steps}: the warm-up is cut to "
+                "train.steps"
+            )
         if passed is not None:
             each = " on each rank" if world.distributed else ""
             state.choices.append(f"preflight: {passed} checks passed{each}")
@@ -162,6 +174,8 @@ def train(
         _restore(state, plan, source, checkpoints, resume_optimizer, stop_at)
         if world.is_main:
             rundir.open_run(plan, recipe, state.step if plan.resume_from is not None else None)
+            if source is not None:  # e.g. the length an embedding model cuts texts to
+                carry_description(source, run_path)
         distributed.barrier()
 
         # The callbacks, in the order each hook calls them. One rank (the first) writes the log,
