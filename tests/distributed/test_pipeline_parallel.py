@@ -15,7 +15,7 @@ import pytest
 from torchrun import KILLED, STEPS, assert_close, losses, train
 
 from frugality.config.recipe import load_recipe
-from frugality.distributed.pipeline import check_pipeline
+from frugality.distributed.pipeline import check_pipeline, fit_microbatches
 from frugality.errors import UserError
 
 
@@ -25,9 +25,9 @@ from frugality.errors import UserError
         ("micro4", 2, ["parallel.pipeline_schedule=gpipe"], "fp32", 1e-5),
         ("micro4", 2, ["parallel.pipeline_schedule=interleaved-1f1b"], "fp32", 1e-5),
         ("micro8", 4, ["parallel.data=fsdp"], "amp-bf16", 1e-3),
-        ("micro", 2, [], "bf16-sr", 1e-4),
+        ("micro", 2, ["data.micro_batch_size=4"], "bf16-sr", 1e-4),  # one micro-batch of 4: fitted to 2 of 2
     ],
-    ids=["gpipe", "interleaved-1f1b", "1f1b-fsdp2-amp-short-validation", "1f1b-bf16sr"],
+    ids=["gpipe", "interleaved-1f1b", "1f1b-fsdp2-amp-short-validation", "1f1b-bf16sr-fitted-micro-batch"],
 )
 def test_pipeline_trains_as_one_process(layout_recipes, one_process_run, tmp_path, name, nproc, layout, precision, rel):
     straight = one_process_run(name, precision)
@@ -41,6 +41,10 @@ def test_pipeline_trains_as_one_process(layout_recipes, one_process_run, tmp_pat
         *layout,
     )
     assert "pipeline parallel over 2 ranks" in done.stdout
+    if "data.micro_batch_size=4" in layout:  # the global batch kept, in the micro-batches the stages need
+        assert (
+            "data.micro_batch_size 4 -> 2: a step of parallel.pipeline 2 needs at least 2 micro-batches" in done.stdout
+        )
     assert_close(losses(tmp_path / "run"), losses(straight), rel)
     assert_close(losses(tmp_path / "run", "eval"), losses(straight, "eval"), rel)
     # the bubble measured (the stages' time not computing), beside the schedule's ideal
@@ -84,12 +88,54 @@ def _parallel(**keys):
         ),
         (_parallel(pipeline=4), 4, 8, "the model's 6 layers do not divide into 4 stages"),
         (_parallel(pipeline=2, pipeline_schedule="interleaved-1f1b"), 2, 8, "do not divide into 4 stages (2 a rank"),
-        (_parallel(pipeline=2), 2, 1, "a step has 1 micro-batch(es) per data-parallel rank, fewer than the stages"),
+        (_parallel(pipeline=2), 2, 1, "raise data.global_batch_size to at least 2 per data-parallel rank"),
+        (_parallel(pipeline=2, pipeline_microbatches=1), 2, 1, "parallel.pipeline_microbatches 1 is fewer than"),
     ],
 )
 def test_bad_combinations_are_one_line(parallel, world, micro_batches, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_pipeline(load_recipe("pythia-70m").model, parallel, world, micro_batches)
+
+
+@pytest.mark.parametrize(
+    "schedule, global_batch, micro, data_ranks, fitted",
+    [
+        ("1f1b", 8, 8, 1, 4),  # 1 micro-batch of 8 -> 2 of 4
+        ("1f1b", 8, 2, 1, 2),  # 4 of 2 already: kept
+        ("interleaved-1f1b", 12, 4, 1, 3),  # 3 of 4 is not a multiple of 2 stages -> 4 of 3
+        ("1f1b", 8, 4, 2, 2),  # 4 a data-parallel rank: 2 of 2
+        ("1f1b", 2, 2, 2, 2),  # 1 a rank: nothing fits, left for check_pipeline to refuse
+    ],
+)
+def test_the_micro_batch_is_fitted_to_the_stages_keeping_the_global_batch(
+    schedule, global_batch, micro, data_ranks, fitted
+):
+    recipe = load_recipe(
+        "pythia-70m",
+        [
+            "parallel.pipeline=2",
+            f"parallel.pipeline_schedule={schedule}",
+            f"data.global_batch_size={global_batch}",
+            f"data.micro_batch_size={micro}",
+        ],
+    )
+    after, note = fit_microbatches(recipe, data_ranks)
+    assert after.data.micro_batch_size == fitted and after.data.global_batch_size == global_batch
+    assert (note is None) == (fitted == micro)
+
+
+def test_a_pipeline_no_micro_batch_can_feed_is_refused_once_before_any_rank_starts(
+    frugality_cli, layout_recipes, tmp_path
+):
+    done = frugality_cli(
+        "train", layout_recipes / "micro.toml", "--nproc", 2, "--run-dir", tmp_path / "run",
+        "--set", "parallel.pipeline=2", "--set", "data.global_batch_size=1", "--set", "data.micro_batch_size=1",
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: parallel.pipeline 2: a step has 1 micro-batch(es) per data-parallel rank, fewer than the stages, "
+        "even of one sample each; raise data.global_batch_size to at least 2 per data-parallel rank"
+    ]
+    assert not (tmp_path / "run").exists()
 
 
 def test_tied_embeddings_and_encoders_are_not_pipelined():

@@ -133,13 +133,27 @@ def train(
 
 
 def _check_ranks(recipe, nproc: int) -> None:
-    """Refuse, in one line, --nproc beyond this machine's devices (CPU: its cores), and a
-    global batch the ranks cannot share."""
+    """Refuse, in one line, --nproc beyond this machine's devices (CPU: its cores), a global
+    batch the data-parallel ranks cannot share, and a pipeline its ranks cannot run."""
+    from frugality.distributed.pipeline import check_pipeline, fit_microbatches
+    from frugality.errors import UserError
     from frugality.runtime.device import check_local_processes, resolve_device
     from frugality.tasks import get_task
 
     check_local_processes(resolve_device(recipe.train.device, xla_ok=True), nproc)
-    recipe.for_data_parallel(nproc, get_task(recipe.train.task).min_micro_batch)
+    p = recipe.parallel
+    if nproc % (p.pipeline * p.tensor):
+        raise UserError(
+            f"parallel.pipeline {p.pipeline} x parallel.tensor {p.tensor}: must divide the number of processes "
+            f"({nproc})"
+        )
+    data_ranks = nproc // (p.pipeline * p.tensor)
+    fitted, _ = recipe.for_data_parallel(data_ranks, get_task(recipe.train.task).min_micro_batch)
+    if p.pipeline > 1:
+        fitted, _ = fit_microbatches(fitted, data_ranks)
+        d = fitted.data
+        steps = p.pipeline_microbatches or d.global_batch_size // (d.micro_batch_size * data_ranks)
+        check_pipeline(fitted.model, p, nproc, steps)
 
 
 def _retrieval(metrics: dict) -> str:

@@ -39,6 +39,35 @@ def resolve_schedule(schedule: str) -> str:
     return "1f1b" if schedule == "auto" else schedule
 
 
+def fit_microbatches(recipe, data_ranks: int):
+    """The recipe with a micro-batch small enough that a step has the micro-batches its
+    schedule needs (at least one a stage; interleaved: a multiple of the stages), keeping
+    the global batch, as `--nproc` keeps it; and the header's note (None when nothing
+    changed). Where no micro-batch gives enough, the recipe as it was: `check_pipeline`
+    then says what to raise. An explicit `parallel.pipeline_microbatches` is left alone."""
+    p, d = recipe.parallel, recipe.data
+    if p.pipeline == 1 or p.pipeline_microbatches or d.global_batch_size % data_ranks:
+        return recipe, None
+    per_rank = d.global_batch_size // data_ranks
+    interleaved = resolve_schedule(p.pipeline_schedule) == "interleaved-1f1b"
+
+    def enough(micro: int) -> bool:
+        n = per_rank // micro
+        return per_rank % micro == 0 and n >= p.pipeline and (not interleaved or n % p.pipeline == 0)
+
+    if enough(d.micro_batch_size):
+        return recipe, None
+    micro = next((m for m in range(d.micro_batch_size, 0, -1) if enough(m)), None)
+    if micro is None:
+        return recipe, None
+    note = (
+        f"data.micro_batch_size {d.micro_batch_size} -> {micro}: a step of parallel.pipeline {p.pipeline} needs "
+        f"{'a multiple of' if interleaved else 'at least'} {p.pipeline} micro-batches; the global batch of "
+        f"{d.global_batch_size} over {data_ranks} data-parallel rank(s) is {per_rank // micro} of {micro}"
+    )
+    return recipe.model_copy(update={"data": d.model_copy(update={"micro_batch_size": micro})}), note
+
+
 def check_pipeline(model_config, parallel, world_size: int, micro_batches: int) -> None:
     """Bad combinations, one line each, before anything starts. `micro_batches`: those of
     a step on each data-parallel rank."""
@@ -69,7 +98,11 @@ def check_pipeline(model_config, parallel, world_size: int, micro_batches: int) 
     if micro_batches < pipeline:
         raise UserError(
             f"parallel.pipeline {pipeline}: a step has {micro_batches} micro-batch(es) per data-parallel rank, "
-            f"fewer than the stages; lower data.micro_batch_size or set parallel.pipeline_microbatches"
+            f"fewer than the stages, even of one sample each; raise data.global_batch_size to at least "
+            f"{pipeline} per data-parallel rank"
+            if parallel.pipeline_microbatches is None
+            else f"parallel.pipeline {pipeline}: parallel.pipeline_microbatches {micro_batches} is fewer than the "
+            "stages; raise it (or leave it unset: the micro-batch is then fitted to the stages)"
         )
     if schedule == "interleaved-1f1b" and micro_batches % pipeline:
         raise UserError(

@@ -20,7 +20,7 @@ from frugality import distributed, xla
 from frugality.checkpoint import CheckpointManager, step_of
 from frugality.config.recipe import Recipe
 from frugality.data.device_loader import DevicePrefetchStream
-from frugality.distributed.pipeline import check_pipeline
+from frugality.distributed.pipeline import check_pipeline, fit_microbatches
 from frugality.distributed.tensor_parallel import check_tensor_parallel
 from frugality.errors import UserError
 from frugality.hardware import probe
@@ -123,6 +123,8 @@ def train(
     ranks = world.devices if recipe.parallel.spmd else world.data_size
     recipe, batch_note = recipe.for_data_parallel(ranks, min_micro)
     if p.pipeline > 1:
+        recipe, fitted = fit_microbatches(recipe, world.data_size)
+        batch_note = "; ".join(n for n in (batch_note, fitted) if n) or None
         accumulated = recipe.data.global_batch_size // (recipe.data.micro_batch_size * world.data_size)
         check_pipeline(recipe.model, p, world.world_size, accumulated)
     loads = recipe  # what this process's data stream loads
