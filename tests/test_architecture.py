@@ -19,7 +19,8 @@ LAYERS = (
     ("config", "checkpoint", "data"),
     ("models", "hardware"),
     ("xla",),
-    ("errors", "paths", ""),  # "": the root package (frugality.__version__)
+    ("paths",),
+    ("errors", ""),  # "": the root package (frugality.__version__)
 )
 ROOT = Path(frugality.__file__).parent
 REPO = ROOT.parent.parent

@@ -307,10 +307,10 @@ def _read_json(path: Path) -> dict:
 
 
 def _write_json(path: Path, data: dict) -> None:
+    from frugality.paths import write_atomically
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    write_atomically(path, json.dumps(data, indent=1))
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:

@@ -1,8 +1,10 @@
-"""Where frugality caches what it can rebuild: tokenized corpora, measured device peaks,
-compiled kernels."""
+"""Where frugality caches what it can rebuild (tokenized corpora, measured device peaks,
+compiled kernels), and how it writes: output paths checked before any work, files written
+whole or not at all, and a failed write (a full disk) naming its file."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -60,8 +62,49 @@ def write_atomically(path: str | Path, data: bytes | str, overwrite: bool = True
         else:
             os.link(tmp, path)
     except OSError as e:
-        if e.errno is not None and e.filename != str(path):
+        if e.errno is not None and e.filename in (None, str(tmp)):  # (the temporary name means nothing to users)
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def naming(path: str | Path):
+    """Inside, an OSError that names no file (a write's or a flush's: a full disk) names
+    `path`, so that the command's one line says where it could not write."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+
+
+class NamedFile:
+    """An open file whose write, flush and close errors name `path` (see `naming`): for a
+    file written a piece at a time (a dataset's tokens, a log)."""
+
+    def __init__(self, f, path: str | Path) -> None:
+        self.file, self.path = f, path
+
+    def write(self, data):
+        with naming(self.path):
+            return self.file.write(data)
+
+    def flush(self) -> None:
+        with naming(self.path):
+            self.file.flush()
+
+    def close(self) -> None:
+        with naming(self.path):
+            self.file.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

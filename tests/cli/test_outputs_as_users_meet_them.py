@@ -91,3 +91,28 @@ def test_an_output_that_is_a_file_or_a_folder_where_the_other_goes_is_one_line_b
         assert said in _error(done), args
         assert "Traceback" not in done.stderr and done.stdout == ""  # (generate: not one prompt was completed)
     assert _snapshot(tmp_path) == before
+
+
+def test_a_full_disk_names_the_file_it_could_not_write(micro_recipe_file, tmp_path):
+    """A real full disk (tests/fulldisk.py) under a run's first file and a dataset's parts:
+    the one line names the file (a write's own error names none: it said "a file")."""
+    import fulldisk
+
+    from frugality.data.bundled import corpus_files
+
+    disk = tmp_path / "disk"
+    cases = [
+        (4096, ["train", micro_recipe_file, "--run-dir", disk / "run", "--no-progress"], disk / "run" / "recipe.toml"),
+        (
+            64 << 10,
+            ["data", "prepare", corpus_files()[0], "--tokenizer", "pythia", "--out", disk / "books"],
+            disk / "books.parts" / "00000.bin",
+        ),
+    ]
+    for size, args, named in cases:
+        done = fulldisk.run_on_small_disk(disk, size, [str(a) for a in args], cwd=tmp_path)
+        lines = [line for line in done.stderr.splitlines() if line.strip() and "\r" not in line]
+        assert done.returncode == 2 and lines[-1].startswith(f"error: cannot write {named}: No space left on device"), (
+            done.stderr[-2000:]
+        )
+        assert "GiB free on the device holding" in lines[-1]

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from frugality.hardware import device_name
+from frugality.paths import write_atomically
 
 
 def machine_line() -> str:
@@ -32,8 +33,8 @@ def write_results(folder: Path, kind: str, recipe: str, header: str, table: str,
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
     stem = folder / f"{kind}-{recipe}-{slug}-{datetime.date.today().isoformat()}"
-    stem.with_suffix(".md").write_text(header + table + "\n")
-    stem.with_suffix(".json").write_text(rows_json + "\n")
+    write_atomically(stem.with_suffix(".md"), header + table + "\n")
+    write_atomically(stem.with_suffix(".json"), rows_json + "\n")
     print(header + table)
     print(f"\nwrote {stem}.md and .json", file=sys.stderr)
     return stem

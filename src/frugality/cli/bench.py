@@ -39,10 +39,12 @@ def _resolve(recipe, overrides, precisions, batch, seq):
 
 def _write(table: str, rows_json: str, markdown_path, json_path) -> None:
     click.echo(table)
+    from frugality.paths import write_atomically
+
     if markdown_path:
-        Path(markdown_path).write_text(table + "\n")
+        write_atomically(markdown_path, table + "\n")
     if json_path:
-        Path(json_path).write_text(rows_json + "\n")
+        write_atomically(json_path, rows_json + "\n")
 
 
 @bench.command("train")

@@ -71,7 +71,9 @@ def doctor(recipe, nproc, max_mib, quick, overrides_thresholds, run_dir, overrid
     click.echo(markdown_table(checks))
     bad = failed(checks)
     if json_path:
-        Path(json_path).write_text(json.dumps([c.as_dict() for c in checks], indent=1) + "\n")
+        from frugality.paths import write_atomically
+
+        write_atomically(json_path, json.dumps([c.as_dict() for c in checks], indent=1) + "\n", overwrite=False)
     if bad:
         click.echo(f"doctor: {len(bad)} check(s) failed: " + "; ".join(f"{c.name} ({c.detail})" for c in bad), err=True)
         raise click.exceptions.Exit(1)

@@ -143,6 +143,7 @@ def _to_jsonl(decoder, items, sampling, batch, compile_backend, out) -> dict:
     """Completions as JSON lines: to stdout, or to `out` through a temporary file renamed
     into place at the end (an interrupted job leaves no half file under that name)."""
     from frugality.inference.generate import generate_all
+    from frugality.paths import NamedFile, naming
 
     if not out:
         return generate_all(
@@ -156,7 +157,7 @@ def _to_jsonl(decoder, items, sampling, batch, compile_backend, out) -> dict:
     final = Path(out)
     partial = final.with_name(f".{final.name}.partial")
     try:
-        with open(partial, "w", encoding="utf-8") as f:
+        with NamedFile(open(partial, "w", encoding="utf-8"), final) as f:
             result = generate_all(
                 decoder,
                 items,
@@ -166,7 +167,8 @@ def _to_jsonl(decoder, items, sampling, batch, compile_backend, out) -> dict:
                 on_row=lambda row: f.write(json.dumps(row, ensure_ascii=False) + "\n"),
             )
             f.flush()
-            os.fsync(f.fileno())
+            with naming(final):
+                os.fsync(f.fileno())
         partial.replace(final)
     finally:
         partial.unlink(missing_ok=True)

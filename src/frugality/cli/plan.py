@@ -62,7 +62,9 @@ def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, overrides, js
         "PyTorch's, without checkpointing; hsdp shards over parallel.shard_size ranks (all when unset)"
     )
     if json_path:
-        Path(json_path).write_text(json.dumps([p.as_dict() for p in plans], indent=1) + "\n")
+        from frugality.paths import write_atomically
+
+        write_atomically(json_path, json.dumps([p.as_dict() for p in plans], indent=1) + "\n")
 
 
 def _device_memory(nproc: int) -> int:

@@ -13,11 +13,12 @@ order and one sorted copy; tracemalloc over 10^6 digests): about 9 GB for 210 M 
 from __future__ import annotations
 
 import hashlib
-import os
 import unicodedata
 from pathlib import Path
 
 import numpy as np
+
+from frugality.paths import write_atomically
 
 DIGEST_BYTES = 16
 SUFFIX = ".hashes"  # PREFIX.parts/NNNNN.hashes: a part's documents' digests, in order
@@ -33,10 +34,9 @@ def digest(text: str) -> bytes:
 
 
 def write_digests(path: Path, digests: bytearray) -> None:
-    """Whole or not at all: a temporary name renamed into place."""
-    partial = path.with_name(f"{path.name}.partial{os.getpid()}")  # (a retried task may race another)
-    partial.write_bytes(bytes(digests))
-    partial.replace(path)
+    """Whole or not at all: a temporary name (of this process: a retried task may race
+    another) renamed into place."""
+    write_atomically(path, bytes(digests))
 
 
 def first_occurrences(paths: list[Path]) -> list[np.ndarray]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from frugality.errors import UserError
+from frugality.paths import NamedFile, naming
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -58,7 +59,8 @@ class IndexedDatasetWriter:
         _remove_stale(self.bin_path, self.idx_path)
         self._tmp_bin = self.bin_path.with_name(self.bin_path.name + f".tmp{os.getpid()}")
         self._tmp_idx = self.idx_path.with_name(self.idx_path.name + f".tmp{os.getpid()}")
-        self._bin = open(self._tmp_bin, "wb")
+        with naming(self.bin_path):
+            self._bin = NamedFile(open(self._tmp_bin, "wb"), self.bin_path)  # (a full disk names the dataset)
         fcntl.flock(self._bin, fcntl.LOCK_EX)  # held until renamed: this file is a live writer's
         # sequence lengths and document ends: arrays (whole appended datasets), then the
         # documents added one by one since the last array
@@ -142,7 +144,7 @@ class IndexedDatasetWriter:
         ends = np.concatenate(self._end_arrays)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        with open(self._tmp_idx, "wb") as f:
+        with naming(self.idx_path), open(self._tmp_idx, "wb") as f:
             fcntl.flock(f, fcntl.LOCK_EX)  # as the .bin's, until both are renamed
             f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(lengths), len(ends)))
             f.write(lengths.tobytes(order="C"))

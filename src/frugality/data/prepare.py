@@ -43,6 +43,7 @@ from frugality.data.ray_cluster import joined, ray_module
 from frugality.data.sources import absolute, expand, found, is_url
 from frugality.data.tokenizer import LoadedTokenizer
 from frugality.errors import UserError
+from frugality.paths import write_atomically
 
 _BATCH_CHARS = 4_000_000  # documents encoded together: the library's batches, bounded memory
 PIECE_BYTES = 64 << 20  # a plain .jsonl is cut into pieces of about this much
@@ -441,9 +442,7 @@ def _open_parts(folder: Path, job: dict, overwrite: bool) -> dict:
         else:
             return {k: v for k, v in _recorded(folder).items() if _whole(folder, int(k), v, job["dedup"])}
     folder.mkdir(parents=True)
-    partial = folder / (JOB + ".partial")
-    partial.write_text(json.dumps(job, indent=1) + "\n")
-    os.replace(partial, folder / JOB)
+    write_atomically(folder / JOB, json.dumps(job, indent=1) + "\n")
     return {}
 
 

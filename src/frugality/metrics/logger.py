@@ -7,10 +7,14 @@ import json
 import math
 from pathlib import Path
 
+from frugality.paths import NamedFile, naming
+
 
 class RunLogger:
     def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        path = run_dir / "metrics.jsonl"
+        with naming(path):
+            self._jsonl = NamedFile(open(path, "a", buffering=1), path)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: ~1 s

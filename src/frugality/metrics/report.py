@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from frugality.metrics.compare import Trajectory, load_trajectory
+from frugality.paths import write_atomically
 
 # The x axes of loss.png: (title, the train/eval record's field, scale to the unit shown)
 AXES = (
@@ -29,7 +30,7 @@ def write_report(runs: list[str | Path], out: str | Path, names: list[str] | Non
         _plot_loss(trajectories, names, out / "loss.png"),
         _plot_throughput(trajectories, names, out / "throughput.png"),
     ]
-    (out / "report.md").write_text(_markdown(trajectories, names, [p.name for p in written]))
+    write_atomically(out / "report.md", _markdown(trajectories, names, [p.name for p in written]))
     return [out / "report.md", *written]
 
 

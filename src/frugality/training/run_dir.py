@@ -25,6 +25,7 @@ from frugality import distributed
 from frugality.checkpoint import CheckpointManager, read_extra
 from frugality.config.recipe import Recipe
 from frugality.errors import FrugalityWarning, UserError
+from frugality.paths import write_atomically
 
 RECIPE_FILE = "recipe.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -222,16 +223,14 @@ def open_run(plan: RunPlan, recipe: Recipe, resume_step: int | None) -> None:
         recipe_file.rename(plan.edited_kept_as)
     body = recipe.to_toml()
     header = _RECIPE_HEADER.format(path=recipe_file)
-    recipe_file.write_text(f"{_HASH_PREFIX}{_sha256(body)}\n{header}{body}")
+    write_atomically(recipe_file, f"{_HASH_PREFIX}{_sha256(body)}\n{header}{body}")
     if resume_step is not None:
         _truncate_metrics(plan.path / METRICS_FILE, resume_step)
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
     """summary.json, atomically; a value that is not a finite number is written as null."""
-    tmp = run_dir / f".{SUMMARY_FILE}.tmp"
-    tmp.write_text(json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
-    tmp.replace(run_dir / SUMMARY_FILE)
+    write_atomically(run_dir / SUMMARY_FILE, json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
 
 
 def read_summary(run_dir: Path) -> dict:
@@ -355,9 +354,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines(keepends=True) if _record_step(line, step + 1) <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(kept))
-    tmp.replace(path)
+    write_atomically(path, "".join(kept))
 
 
 def active_runs(root: Path) -> list[dict]:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from frugality.checkpoint import CheckpointManager, step_of
 from frugality.errors import DIVERGED_EXIT
+from frugality.paths import write_atomically
 
 GAVE_UP_EXIT = 4
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -129,9 +130,7 @@ def _write(run_dir: Path, attempts: list[Attempt]) -> None:
     """All attempts so far, written whole: a rerun without a checkpoint starts over and moves
     the run's files (this one included) aside."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{ATTEMPTS_FILE}.tmp"
-    tmp.write_text("".join(json.dumps(asdict(a)) + "\n" for a in attempts))
-    tmp.replace(run_dir / ATTEMPTS_FILE)
+    write_atomically(run_dir / ATTEMPTS_FILE, "".join(json.dumps(asdict(a)) + "\n" for a in attempts))
 
 
 def _summarise(run_dir: Path, attempts: list[Attempt], waited: float) -> None:
@@ -153,4 +152,4 @@ def _summarise(run_dir: Path, attempts: list[Attempt], waited: float) -> None:
         "recomputed_steps": sum(a.recomputed_steps for a in attempts),
         "backoff_s": round(waited, 3),
     }
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomically(path, json.dumps(summary, indent=2) + "\n")
