@@ -275,3 +275,14 @@ def test_a_glob_of_s3_urls_prepares_the_local_files_bytes(s3_bucket, tmp_path, t
     )
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [f"error: input {s3_bucket}/corpus/none.jsonl: no such file"]
+
+
+def test_a_rerun_that_finds_every_part_written_says_so_not_a_rate_of_nothing(frugality_cli, tmp_path):
+    (tmp_path / "docs.txt").write_text("A first document.\n\nAnd a second one.\n")
+    command = ["data", "prepare", tmp_path / "docs.txt", "--tokenizer", "pythia", "--out", tmp_path / "out"]
+    killed = frugality_cli(*command, env=os.environ | {"FRUGALITY_PREPARE_STOP_AFTER": "1"})  # after its one part
+    assert killed.returncode == 9 and not (tmp_path / "out.bin").exists()
+    finished = frugality_cli(*command)
+    assert finished.returncode == 0, finished.stderr
+    assert "(1 worker: every part from the interrupted run (1), nothing tokenized again)" in finished.stdout
+    assert "0.00 MB/s" not in finished.stdout

@@ -373,3 +373,38 @@ def test_a_full_disk_is_one_line_and_leaves_only_complete_shards(tmp_path):
             for n in (".lock", "job.json", "shard-00000.ids.json", "shard-00000.npy", "shard-00000.done.json")
         ),
     ], left
+
+
+def test_a_missing_model_or_input_and_inputs_without_text_are_said_before_torch_loads(tmp_path):
+    """What a user gets wrong most is one line at once: answered before `import torch` (which
+    took 4-10 s to get to these lines), the empty inputs named."""
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    (tmp_path / "blank.jsonl").write_text("")
+    cases = [
+        ([MODEL, tmp_path / "nothere.txt"], f"error: input {tmp_path / 'nothere.txt'}: no such file"),
+        ([tmp_path / "nomodel", tmp_path / "empty.txt"], f"error: model {tmp_path / 'nomodel'}: no such folder"),
+        (
+            [MODEL, tmp_path / "empty.txt", tmp_path / "blank.jsonl"],
+            f"error: input {tmp_path / 'empty.txt'}, {tmp_path / 'blank.jsonl'}: hold no text (empty, or blank lines only)",
+        ),
+    ]
+    for args, said in cases:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-X",
+                "importtime",
+                "-m",
+                "frugality",
+                "embed",
+                *map(str, args),
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        timings = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+        assert done.returncode == 2 and [line for line in done.stderr.splitlines() if line not in timings] == [said]
+        assert timings and not any(line.rstrip().endswith("| torch") for line in timings)
+    assert not (tmp_path / "o").exists()

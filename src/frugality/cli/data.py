@@ -82,10 +82,12 @@ def prepare(inputs, tokenizer_name, out_prefix, field, overwrite, workers, piece
     )
     dropped = f" ({stats.duplicates:,} duplicates dropped)" if dedup else ""
     reused = f"; {stats.reused_parts} parts from the interrupted run" if stats.reused_parts else ""
+    work = f"{stats.rates()}{reused}"
+    if stats.reused_parts and not stats.run_documents:  # (no rate: nothing was tokenized now)
+        work = f"every part from the interrupted run ({stats.reused_parts}), nothing tokenized again"
     click.echo(
         f"wrote {stats.bin_path} and {stats.idx_path}: {stats.documents:,} documents{dropped}, {stats.tokens:,} tokens "
-        f"({'Ray tasks' if engine == 'ray' else f'{stats.workers} worker' + 's' * (stats.workers > 1)}: "
-        f"{stats.rates()}{reused})"
+        f"({'Ray tasks' if engine == 'ray' else f'{stats.workers} worker' + 's' * (stats.workers > 1)}: {work})"
     )
 
 

@@ -87,17 +87,24 @@ def embed(
     sentence-transformers folder, a folder from `frugality import hf`, or a run) into
     shards under --out. Ctrl-C or a crash loses only the shard in progress: the same
     command again finishes the job."""
-    from frugality.inference.embed import EmbedSettings, JobIncomplete, run_job
+    from pathlib import Path
+
+    from frugality.errors import UserError
     from frugality.inference.inputs import open_inputs
     from frugality.paths import check_output_folder
 
+    # what a user gets wrong most is said before torch and the model load (seconds)
     check_output_folder(out, "--out")
+    if nproc != "auto" and not (nproc.isdigit() and int(nproc) >= 1):
+        raise UserError(f"--nproc {nproc!r}: a number of processes (1 or more) or auto")
+    if not Path(model).exists():
+        raise UserError(f"model {model}: no such folder")
+    texts = open_inputs(list(inputs), text_field, id_field)
+    texts.check_not_empty()
+    from frugality.inference.embed import EmbedSettings, JobIncomplete, run_job
+
     if fmt == "parquet":
         _need_pyarrow()
-    if nproc != "auto" and not (nproc.isdigit() and int(nproc) >= 1):
-        from frugality.errors import UserError
-
-        raise UserError(f"--nproc {nproc!r}: a number of processes (1 or more) or auto")
     settings = EmbedSettings(
         model=model,
         out=out,
@@ -113,9 +120,7 @@ def embed(
     try:
         if address is not None and engine != "ray":
             raise click.UsageError("--address goes with --engine ray")
-        result = run_job(
-            settings, open_inputs(list(inputs), text_field, id_field), nproc, not no_progress, engine, address
-        )
+        result = run_job(settings, texts, nproc, not no_progress, engine, address)
     except KeyboardInterrupt as stop:
         how = "stopped by SIGTERM" if stop.args == ("SIGTERM",) else "stopped"
         click.echo(f"{how}; the shards written stay in {out}: rerun the same command to finish", err=True)

@@ -208,7 +208,7 @@ def _count_unique(inputs: Inputs) -> int:
             )
         seen.add(text_id)
     if not seen:
-        raise UserError("the inputs hold no text")
+        raise UserError(f"input {', '.join(map(str, inputs.paths))}: no text (empty, or blank lines only)")
     return len(seen)
 
 

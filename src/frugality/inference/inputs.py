@@ -32,6 +32,13 @@ class Inputs:
             {"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in self.paths
         ]
 
+    def check_not_empty(self) -> None:
+        """A UserError naming the files when not one of them holds a text (reads up to the first)."""
+        if next(iter(self), None) is None:
+            names = ", ".join(map(str, self.paths))
+            held = "holds" if len(self.paths) == 1 else "hold"
+            raise UserError(f"input {names}: {held} no text (empty, or blank lines only)")
+
     def __iter__(self) -> Iterator[tuple[str, str]]:
         """(id, text) for every text of every file, in order."""
         for path in self.paths:
