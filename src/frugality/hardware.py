@@ -81,7 +81,8 @@ class Hardware:
             where = f"{self.name} ({self.torch_isa}, {self.cores} SMs)"
         else:
             isa = ", ".join(self.features) or "no vector extensions found"
-            where = f"{self.name} ({self.cores} cores, {self.threads} threads; {isa})"
+            threads = f"{self.threads} thread{'s' * (self.threads != 1)} in this process"  # (a rank's, under --nproc)
+            where = f"{self.name} ({self.cores} cores, {threads}; {isa})"
         return f"{where}; bf16 products {'native' if self.native_bf16 else 'not native'}: {self.why}"
 
 

@@ -116,6 +116,25 @@ def test_recipes_lists_and_shows(capsys):
     assert "hidden_size = 512" in capsys.readouterr().out
 
 
+def test_a_shown_recipe_reads_as_written_and_as_it_loads(tmp_path, capsys):
+    """`recipes NAME` for every shipped recipe: no float spelt as its binary rounding
+    (min_lr = 2.9999999999999997e-05), no key only another task reads (a decoder's
+    data.fields), and what it shows loads back as the same recipe."""
+    import re
+
+    from frugality.config.recipe import load_recipe, shipped_recipes
+
+    for name in shipped_recipes():
+        assert main(["recipes", name]) == 0
+        shown = capsys.readouterr().out
+        assert not re.search(r"\d\.\d{9,}", shown), (name, re.search(r".*\d\.\d{9,}.*", shown)[0])
+        task = load_recipe(name).train.task
+        for key, only in (("fields", "contrastive"), ("buckets", "contrastive"), ("mask_prob", "masked_lm")):
+            assert (f"\n{key} = " in shown) == (task == only), (name, key)
+        (tmp_path / f"{name}.toml").write_text(shown)
+        assert load_recipe(str(tmp_path / f"{name}.toml")) == load_recipe(name)
+
+
 def test_a_filesystem_fault_outside_checkpoints_is_one_line_naming_the_path(
     micro_recipe_file, tmp_path, capsys, monkeypatch
 ):

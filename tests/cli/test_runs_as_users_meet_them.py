@@ -127,6 +127,8 @@ def test_nproc_keeps_the_global_batch_and_refuses_what_cannot_run_once(micro_rec
     assert done.returncode == 0, done.stderr
     assert "data.micro_batch_size 4 -> 2: the global batch of 4 over 2 ranks is 2 each" in done.stdout
     assert "OMP_NUM_THREADS" not in done.stderr  # torchrun's banner: the threads are set for it
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)  # each rank's share, said as a rank's
+    assert f"{threads} thread{'s' * (threads != 1)} in this process;" in done.stdout
     assert _strict(run / "summary.json")["final_step"] == 2
     odd = frugality(
         "train",

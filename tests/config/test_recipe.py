@@ -136,6 +136,15 @@ def test_bad_override_names_the_flag():
         load_recipe("tiny", ["train.steps=0"])
     with pytest.raises(UserError, match="expected KEY=VALUE"):
         load_recipe("tiny", ["optim.lr"])
+    # an item of a list the flag set: the flag, not the recipe file
+    with pytest.raises(
+        UserError, match=r"^--set optim\.betas=\[0\.9\]: optim\.betas: too few values \(item 1 is missing\)$"
+    ):
+        load_recipe("tiny", ["optim.betas=[0.9]"])
+    with pytest.raises(
+        UserError, match=r"^--set optim\.betas=\[0\.9, 'x'\]: optim\.betas\.1: Input should be a valid number"
+    ):
+        load_recipe("tiny", ["optim.betas=[0.9, 'x']"])
 
 
 def test_unknown_recipe_lists_shipped_ones(tmp_path):

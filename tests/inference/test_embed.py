@@ -385,7 +385,8 @@ def test_a_missing_model_or_input_and_inputs_without_text_are_said_before_torch_
         ([tmp_path / "nomodel", tmp_path / "empty.txt"], f"error: model {tmp_path / 'nomodel'}: no such folder"),
         (
             [MODEL, tmp_path / "empty.txt", tmp_path / "blank.jsonl"],
-            f"error: input {tmp_path / 'empty.txt'}, {tmp_path / 'blank.jsonl'}: hold no text (empty, or blank lines only)",
+            f"error: input {tmp_path / 'empty.txt'}, {tmp_path / 'blank.jsonl'}: hold no text "
+            "(empty, or blank lines only)",
         ),
     ]
     for args, said in cases:

@@ -267,5 +267,9 @@ def test_refusals_are_one_error_line(neox_folder, tmp_path, capsys):
     assert f"{bad} line 2" in error(str(neox_folder), "--input", str(bad), "--out", str(tmp_path / "o.jsonl"))
     assert not (tmp_path / "o.jsonl").exists()
     assert "--max-new-tokens" in error(str(neox_folder), "--prompt", "w1", "--max-new-tokens", "500")
+    assert error(str(neox_folder), "--prompt", "") == "error: --prompt is empty: give the text to complete"
+    (tmp_path / "empty.jsonl").write_text('{"prompt": "w1"}\n{"prompt": ""}\n')
+    said = error(str(neox_folder), "--input", str(tmp_path / "empty.jsonl"))
+    assert said == f"error: prompt {tmp_path / 'empty.jsonl'}:2: no tokens (an empty prompt)"
     with pytest.raises(UserError, match="top-p"):
         Sampling(top_p=0.0)

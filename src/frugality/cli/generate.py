@@ -90,6 +90,8 @@ def generate(
 
     if (prompt is None) == (input_path is None):
         raise UserError("give either --prompt or --input (a file of prompts)")
+    if prompt == "":
+        raise UserError("--prompt is empty: give the text to complete")
     if out and prompt is not None:
         raise UserError("--out goes with --input; a --prompt's completion streams to the terminal")
     if out and input_path and Path(out).exists() and Path(input_path).exists() and os.path.samefile(out, input_path):

@@ -13,7 +13,7 @@ def recipes(name) -> None:
     from frugality.config.recipe import load_recipe, recipe_variants, shipped_recipes
 
     if name:
-        click.echo(load_recipe(name).to_toml(), nl=False)
+        click.echo(load_recipe(name).to_toml(shown=True), nl=False)
         return
     for recipe_name in sorted(shipped_recipes(), key=_size_order):
         r = load_recipe(recipe_name)

@@ -59,13 +59,21 @@ class DataConfig(_Section):
     fields: tuple[str, str] | tuple[str, str, str] = Field(
         default=("query", "text"),
         description="contrastive: the JSONL fields of the query, the positive and (optionally) a hard negative",
+        json_schema_extra={"task": "contrastive"},
     )
     buckets: tuple[PositiveInt, ...] = Field(
         default=(),
         description="contrastive: the padded lengths a batch may take besides seq_len (the "
         "longest); each is one compiled shape",
+        json_schema_extra={"task": "contrastive"},
     )
-    mask_prob: float = Field(default=0.15, gt=0.0, lt=1.0, description="masked_lm: share of tokens predicted")
+    mask_prob: float = Field(
+        default=0.15,
+        gt=0.0,
+        lt=1.0,
+        description="masked_lm: share of tokens predicted",
+        json_schema_extra={"task": "masked_lm"},
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
@@ -294,6 +302,7 @@ class ParallelConfig(_Section):
         description="contrastive training: each query is scored against every rank's documents "
         "(gathered, gradients flowing back), not only its own rank's: world-size times the in-batch negatives, "
         "as one process with world-size times the micro-batch",
+        json_schema_extra={"task": "contrastive"},
     )
 
 
@@ -361,8 +370,20 @@ class Recipe(_Section):
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         return self
 
-    def to_toml(self) -> str:
-        return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
+    def to_toml(self, shown: bool = False) -> str:
+        """The recipe as TOML; `shown`: for reading (`frugality recipes NAME`), without the
+        keys only another train.task reads (contrastive's data.fields, masked_lm's mask_prob)."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        if shown:
+            for section_name, section in data.items():
+                fields = getattr(type(getattr(self, section_name, None)), "model_fields", {})
+                for key, info in fields.items():
+                    only = (
+                        (info.json_schema_extra or {}).get("task") if isinstance(info.json_schema_extra, dict) else None
+                    )
+                    if only is not None and only != self.train.task and isinstance(section, dict):
+                        section.pop(key, None)
+        return tomli_w.dumps(data)
 
     def for_data_parallel(self, ranks: int, min_micro: int = 1) -> tuple["Recipe", str | None]:
         """This recipe over `ranks` data-parallel ranks, keeping its global batch: where
@@ -527,6 +548,9 @@ def _describe_one(problem: dict, path: Path, from_cli: dict[str, str]) -> str:
         message = f"unknown model family {problem['input'].get('family')!r} (have: {', '.join(FAMILIES)})"
     elif problem["type"] == "extra_forbidden":
         message = "unknown key"
+    elif problem["type"] == "missing" and loc and isinstance(loc[-1], int):  # an item of a list, e.g. betas
+        key = ".".join(str(p) for p in loc[:-1])
+        message = f"too few values (item {loc[-1]} is missing)"
     elif problem["type"] == "missing":
         message = "missing required key"
     elif "input" in problem and problem["type"] not in ("value_error", "assertion_error"):
@@ -534,8 +558,8 @@ def _describe_one(problem: dict, path: Path, from_cli: dict[str, str]) -> str:
     flags = _flags_behind(key, message, problem["type"], from_cli)
     if not flags:
         source = f"recipe {path}"
-    elif key in from_cli:
-        source = f"--set {from_cli[key]}"
+    elif key in from_cli or any(key.startswith(k + ".") for k in from_cli):  # the flag's value, or in it
+        source = f"--set {flags[0]}"
     else:  # a check across fields, one of them (or an unknown table) set on the command line
         source = " ".join(f"--set {item}" for item in flags) + f" (with recipe {path})"
     return f"{source}: {key}: {message}" if key else f"{source}: {message}"
@@ -546,10 +570,12 @@ def _flags_behind(key: str, message: str, kind: str, from_cli: dict[str, str]) -
     unknown table, or a field that a check across fields names in its message."""
     found = []
     for flag_key, item in from_cli.items():
-        if key and flag_key != key and not flag_key.startswith(key + "."):
+        inside = key.startswith(flag_key + ".")  # an item of the value the flag set (optim.betas.1)
+        if key and flag_key != key and not flag_key.startswith(key + ".") and not inside:
             continue
         if (
             flag_key == key
+            or inside
             or kind == "extra_forbidden"
             or flag_key in message
             or re.search(rf"\b{re.escape(flag_key.rsplit('.', 1)[-1])}\b", message)

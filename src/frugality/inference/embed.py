@@ -476,9 +476,21 @@ def run_job(
         processes = min(resolve_processes(nproc, count, device), len(pending))
         todo = sum(min(size, count - k * size) for k in pending)
         t0 = time.perf_counter()
+        # int8 (PyTorch's) compiles its fused passes in the first batches: tens of seconds on a
+        # machine whose Inductor cache is cold, said on the bar until the first texts are done
+        first = "int8: compiling its fused passes (Inductor; cached after)" if encoder.int8 == "torch" else None
         with tqdm(
-            total=count, initial=count - todo, unit="text", disable=not progress, dynamic_ncols=True, mininterval=1.0
+            total=count,
+            initial=count - todo,
+            unit="text",
+            disable=not progress,
+            dynamic_ncols=True,
+            mininterval=1.0,
+            desc=first,
         ) as bar:
+            if first:
+                bar.refresh()  # (shown now, not at the first update)
+                bar.update = _then_clear(bar)
             if engine == "ray" and pending:  # actors on the cluster load the weights this process resolved
                 from frugality.inference.embed_ray import run_on_ray
 
@@ -513,6 +525,18 @@ def run_job(
         "out": str(out),
         "processes": max(1, processes),
     }
+
+
+def _then_clear(bar):
+    """The bar's update, which clears its description at the first texts done."""
+    update = bar.update
+
+    def counted(n=1):
+        if bar.desc:
+            bar.set_description_str("", refresh=False)
+        return update(n)
+
+    return counted
 
 
 @contextmanager
