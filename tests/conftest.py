@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
 ROOT = Path(__file__).resolve().parents[1]
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
 XLA_BRIDGE = "test_the_xla_tests_pass_in_their_environment"
-README_TEST = "test_every_readme_command_runs_as_written"
+README_TEST = "test_every_readme_command_runs_as_written_in_order"
 FOLDER_VARIABLE = "FRUGALITY_XLA_TESTS_FOLDER"  # set by an xdist controller for its workers
 _xla_tests: dict = {}
 

@@ -99,6 +99,13 @@ def serve(
 ) -> None:
     """Serve MODEL (an encoder: POST /v1/embeddings; a decoder: POST /v1/completions) as
     the OpenAI API does, with GET /v1/models, /health and /metrics. Needs the [serve] extra."""
+    import importlib.util
+
+    from frugality.errors import UserError
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:  # (before the server's modules, which import them)
+        raise UserError(f"frugality serve needs its extra ({', '.join(missing)} missing): pip install -e '.[serve]'")
     from frugality.serve.protocol import Limits
     from frugality.serve.server import ServeSettings
     from frugality.serve.server import serve as run

@@ -64,10 +64,8 @@ def model_family(path: str) -> str:
 
 
 def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr, flush=True)) -> int:
-    try:
-        import uvicorn
-    except ImportError:
-        raise UserError("frugality serve needs its extra: pip install 'frugality[serve]'") from None
+    import uvicorn  # (the command checked the extra is installed)
+
     api_key = None
     if settings.api_key_env:
         api_key = os.environ.get(settings.api_key_env)
