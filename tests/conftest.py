@@ -14,14 +14,32 @@ import torch
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (run where one is present; skipped elsewhere)")
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         import tempfile  # an xdist controller: its workers, started after this, inherit the folder
 
         os.environ[FOLDER_VARIABLE] = tempfile.mkdtemp(prefix="xla-tests-")
 
 
+TIERS = ("slow", "distributed", "readme", "cuda", "xla")  # pyproject's markers; `fast` is none of them
+
+
+def _mark_tiers(items) -> None:
+    """Marks a test's folder or name implies (tests/distributed: distributed; the README and
+    XLA tests), then `fast` on every test with none of TIERS."""
+    for item in items:
+        path = Path(str(item.fspath))
+        if "distributed" in path.parts:
+            item.add_marker(pytest.mark.distributed)
+        if item.name == README_TEST:
+            item.add_marker(pytest.mark.readme)
+        if item.name == XLA_BRIDGE or "xla" in path.parts:
+            item.add_marker(pytest.mark.xla)
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(pytest.mark.fast)
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_tiers(items)
     # In one process the XLA bridge comes last: the XLA run, in the background, has had the
     # idle moments of every test before it. Under xdist the run goes at the suite's priority
     # and the bridge first: its worker waits for the run, as for a long test, while the

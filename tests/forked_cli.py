@@ -5,9 +5,12 @@ as multiprocessing's forkserver does. The child points its standard streams at f
 to the folder, takes the environment, and calls the console script's `frugality.cli.main`.
 
 A real `python -m frugality` is used instead where forking could differ from a fresh start:
-an environment that changes what torch or its libraries read when they load (OpenMP's and
-oneDNN's variables, `LD_*`, `PYTHON*`, `TORCH*`...), or `fresh=True` (a test of start-up
-itself). The server imports but never computes, so no thread pool exists when it forks."""
+an environment that changes what torch or its libraries read when they load (OpenMP's,
+OpenBLAS's and oneDNN's variables, `LD_*`, `PYTHON*`, `TORCH*`, the temporary folder...),
+`fresh=True` (a test of start-up itself), or a server that could not start. The server
+imports but never computes: no OpenMP pool exists when it forks (numpy's OpenBLAS starts
+its threads at import, and re-creates them in a forked child, as it is built to). What the
+imports printed to stderr (a warning a user would see) is put before each command's own."""
 
 from __future__ import annotations
 
@@ -22,8 +25,19 @@ from pathlib import Path
 
 # Variables read when torch and its libraries load (or by the interpreter): a command whose
 # environment changes one of them runs in a fresh process.
-IMPORT_TIME = ("OMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH", "PYTORCH", "CUDA", "LD_", "PYTHON")
-IMPORT_TIME_NAMES = ("FRUGALITY_NO_C_KERNEL", "PJRT_DEVICE", "XLA_FLAGS", "NVIDIA_VISIBLE_DEVICES")
+IMPORT_TIME = (
+    *("OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "ONEDNN_", "DNNL_", "ATEN_", "TORCH", "PYTORCH", "CUDA"),
+    *("LD_", "PYTHON"),
+)
+IMPORT_TIME_NAMES = (
+    "FRUGALITY_NO_C_KERNEL",
+    "PJRT_DEVICE",
+    "XLA_FLAGS",
+    "NVIDIA_VISIBLE_DEVICES",
+    "TMPDIR",
+    "TMP",
+    "TEMP",
+)
 
 # The modules a command imports (its own and torch's heavy ones), loaded once by the server.
 PRELOAD = (
@@ -61,7 +75,7 @@ while True:
                 listener.close()
                 os.setsid()  # its own process group: a time-out stops it and what it started
                 for fd, path, mode in ((0, request["stdin"], os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
-                                       (2, request["stderr"], os.O_WRONLY)):
+                                       (2, request["stderr"], os.O_WRONLY | os.O_APPEND)):
                     opened = os.open(path, mode)
                     os.dup2(opened, fd)
                     os.close(opened)
@@ -95,15 +109,18 @@ class ForkedCLI:
         self.folder = Path(tempfile.mkdtemp(prefix="forked-cli-"))
         self.address = str(self.folder / "socket")
         self.env = dict(os.environ)  # what the server loaded with
-        self.server = subprocess.Popen(
-            [sys.executable, "-c", _SERVER, self.address, ",".join(PRELOAD)],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-        )
-        if self.server.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"the forked CLI's server did not start (exit {self.server.wait()})")
+        self.imports_said = self.folder / "imports.stderr"
+        with open(self.imports_said, "w") as said:
+            self.server = subprocess.Popen(
+                [sys.executable, "-c", _SERVER, self.address, ",".join(PRELOAD)],
+                stdout=subprocess.PIPE,
+                stderr=said,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+            )
+        if self.server.stdout.readline().strip() != "ready":  # (a socket path too long, ...): fresh processes
+            self.server.wait()
 
     def forkable(self, env: dict) -> bool:
         """Whether `env` leaves what torch read at import as the server read it."""
@@ -139,7 +156,7 @@ class ForkedCLI:
             files = {name: Path(scratch) / name for name in ("stdin", "stdout", "stderr")}
             files["stdin"].write_text(input or "")
             files["stdout"].touch()
-            files["stderr"].touch()
+            files["stderr"].write_text(self.imports_said.read_text())  # (what a fresh start prints first)
             request = {
                 "args": args,
                 "cwd": str(Path(cwd or os.getcwd()).absolute()),
@@ -147,12 +164,12 @@ class ForkedCLI:
                 **{name: str(path) for name, path in files.items()},
             }
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(timeout)  # (the server runs one command at a time)
                 conn.connect(self.address)
                 stream = conn.makefile("rwb")
                 stream.write((json.dumps(request) + "\n").encode())
                 stream.flush()
                 pid = json.loads(stream.readline())["pid"]
-                conn.settimeout(timeout)
                 try:
                     status = json.loads(stream.readline())["status"]
                 except (TimeoutError, socket.timeout):

@@ -5,7 +5,10 @@ whole or not at all, and a failed write (a full disk) naming its file."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import os
+import shutil
 from pathlib import Path
 
 
@@ -45,28 +48,58 @@ def check_output_file(path: str | Path, what: str) -> None:
         raise UserError(f"{what} {path}: {parent} is {what_it_is}; the file needs a folder to be written in")
 
 
-def write_atomically(path: str | Path, data: bytes | str, overwrite: bool = True) -> None:
-    """`data` into `path` whole or not at all: written under a temporary name beside it,
-    synced, then renamed into place (or, with `overwrite=False`, linked: never over a file
-    that appeared meanwhile). On any failure (a full disk) the temporary file is removed,
-    and a filesystem error names `path` (a write's own error names no file)."""
+def write_atomically(path: str | Path, data, overwrite: bool = True, digest: bool = False) -> str | None:
+    """`data` (bytes, str, or a function writing to a binary file) into `path` whole or not
+    at all: written under a temporary name beside it, synced, then renamed into place (or,
+    with `overwrite=False`, never over a file that appeared meanwhile). With `digest`, the
+    file's SHA-256 (read back from the page cache). On any failure (a full disk) the
+    temporary file is removed, and a filesystem error names `path` (a write's own error
+    names no file)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
+        sha256 = None
+        if digest:
+            with open(tmp, "rb") as f:
+                sha256 = hashlib.file_digest(f, "sha256").hexdigest()
         if overwrite:
             os.replace(tmp, path)
         else:
-            os.link(tmp, path)
+            _link_new(tmp, path)
+        return sha256
     except OSError as e:
         if e.errno is not None and e.filename in (None, str(tmp)):  # (the temporary name means nothing to users)
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _link_new(tmp: Path, path: Path) -> None:
+    """`tmp` as `path`, which must not exist: a hard link (atomic), or where the file system
+    has none, a copy into a file created exclusively."""
+    try:
+        os.link(tmp, path)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as out, open(tmp, "rb") as src:
+            shutil.copyfileobj(src, out)
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
 
 
 @contextlib.contextmanager

@@ -5,7 +5,11 @@ line before any work, and nothing there changes."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -30,12 +34,23 @@ def test_a_folder_that_is_not_a_run_is_never_moved_and_a_run_with_nothing_to_res
     exported.mkdir()
     (exported / "config.json").write_text("{}")
     (exported / "model.safetensors").write_bytes(b"weights")
-    before = _snapshot(exported)
-    for fresh in ([], ["--fresh"]):
-        done = frugality_cli("train", micro_recipe_file, "--run-dir", exported, *TWO_STEPS, *fresh, cwd=tmp_path)
-        assert "holds files that are not a frugality run (config.json, model.safetensors)" in _error(done)
-        assert "nothing was moved" in _error(done)
-    assert _snapshot(exported) == before and sorted(p.name for p in tmp_path.iterdir()) == ["exported", "micro.toml"]
+    other = tmp_path / "lightning"  # another tool's run: names frugality's runs have too
+    (other / "checkpoints" / "epoch=0").mkdir(parents=True)
+    (other / "metrics.jsonl").write_text("{}\n")
+    before = {folder: _snapshot(folder) for folder in (exported, other)}
+    for folder, listed in ((exported, "config.json, model.safetensors"), (other, "checkpoints, metrics.jsonl")):
+        for fresh in ([], ["--fresh"]):
+            done = frugality_cli("train", micro_recipe_file, "--run-dir", folder, *TWO_STEPS, *fresh, cwd=tmp_path)
+            assert f"holds files that are not a frugality run ({listed})" in _error(done)
+            assert "nothing was moved" in _error(done)
+        assert _snapshot(folder) == before[folder]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "lightning", "micro.toml"]
+
+    mount = tmp_path / "mount"  # a fresh mount point, a folder kept in git: empty for a run
+    (mount / "lost+found").mkdir(parents=True)
+    (mount / ".gitkeep").write_text("")
+    done = frugality_cli("train", micro_recipe_file, "--run-dir", mount, *TWO_STEPS)
+    assert done.returncode == 0 and "starting over" not in done.stdout, done.stderr
 
     (tmp_path / "afile").write_text("mine")
     for where, said in (("afile", "run directory afile: a file, not a folder"), ("afile/run", "afile is a file")):
@@ -44,16 +59,24 @@ def test_a_folder_that_is_not_a_run_is_never_moved_and_a_run_with_nothing_to_res
     assert (tmp_path / "afile").read_text() == "mine"
 
     crashed = tmp_path / "crashed"  # what a run that died before its first checkpoint leaves
-    crashed.mkdir()
-    (crashed / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 9.0}) + "\n")
+    shutil.copytree(mount, crashed)
+    shutil.rmtree(crashed / "checkpoints")
+    left = _snapshot(crashed)
     done = frugality_cli("train", micro_recipe_file, "--run-dir", crashed, *TWO_STEPS)
     assert "holds a run with no usable checkpoint to resume; --fresh starts over" in _error(done)
-    assert [p.name for p in crashed.iterdir()] == ["metrics.jsonl"]
+    assert _snapshot(crashed) == left
     done = frugality_cli("train", micro_recipe_file, "--run-dir", crashed, *TWO_STEPS, "--fresh")
     assert done.returncode == 0, done.stderr
     [aside] = [p for p in tmp_path.iterdir() if p.name.startswith("crashed.prev-")]
     assert f"starting over: the previous run in {crashed} was moved to {aside}" in done.stdout
-    assert (aside / "metrics.jsonl").read_text().startswith('{"kind": "train", "step": 1, "loss": 9.0}')
+    assert _snapshot(aside) == left
+    # a run of it still before its first checkpoint holds its lock: named, not "--fresh starts over"
+    with open(aside.with_name(f".{aside.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "2026-11-27T11:00:00"}))
+        lock.flush()
+        done = frugality_cli("train", micro_recipe_file, "--run-dir", aside, *TWO_STEPS)
+    assert f"is in use by PID {os.getpid()} on {socket.gethostname()}" in _error(done)
 
 
 @pytest.fixture(scope="module")

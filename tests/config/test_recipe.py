@@ -223,3 +223,11 @@ def test_older_recipes_eval_batches_are_read_as_the_samples_they_meant(tmp_path)
     assert recipe.train.eval_samples == 15 and "eval_batches" not in recipe.to_toml()
     with pytest.raises(UserError, match="train.eval_batches"):
         load_recipe(str(old), ["train.eval_batches=0"])
+
+
+def test_a_list_with_too_few_values_is_one_line_naming_the_flag_as_a_user_meets_it(frugality_cli, tmp_path):
+    done = frugality_cli("train", "tiny", "--set", "optim.betas=[0.9]", "--run-dir", tmp_path / "run")
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "error: --set optim.betas=[0.9]: optim.betas: too few values (item 1 is missing)"
+    ]
+    assert not (tmp_path / "run").exists()

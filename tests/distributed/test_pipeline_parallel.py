@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -88,8 +89,7 @@ def _parallel(**keys):
         ),
         (_parallel(pipeline=4), 4, 8, "the model's 6 layers do not divide into 4 stages"),
         (_parallel(pipeline=2, pipeline_schedule="interleaved-1f1b"), 2, 8, "do not divide into 4 stages (2 a rank"),
-        (_parallel(pipeline=2), 2, 1, "raise data.global_batch_size to at least 2 per data-parallel rank"),
-        (_parallel(pipeline=2, pipeline_microbatches=1), 2, 1, "parallel.pipeline_microbatches 1 is fewer than"),
+        (_parallel(pipeline=2), 2, 1, "a step has 1 micro-batch(es) per data-parallel rank, fewer than the stages"),
     ],
 )
 def test_bad_combinations_are_one_line(parallel, world, micro_batches, message):
@@ -104,7 +104,8 @@ def test_bad_combinations_are_one_line(parallel, world, micro_batches, message):
         ("1f1b", 8, 2, 1, 2),  # 4 of 2 already: kept
         ("interleaved-1f1b", 12, 4, 1, 3),  # 3 of 4 is not a multiple of 2 stages -> 4 of 3
         ("1f1b", 8, 4, 2, 2),  # 4 a data-parallel rank: 2 of 2
-        ("1f1b", 2, 2, 2, 2),  # 1 a rank: nothing fits, left for check_pipeline to refuse
+        ("1f1b", 2, 2, 2, "1 sample(s) each, which no micro-batch makes into at least 2 micro-batches"),
+        ("interleaved-1f1b", 3, 3, 1, "3 sample(s) each, which no micro-batch makes into a multiple of 2"),
     ],
 )
 def test_the_micro_batch_is_fitted_to_the_stages_keeping_the_global_batch(
@@ -119,6 +120,10 @@ def test_the_micro_batch_is_fitted_to_the_stages_keeping_the_global_batch(
             f"data.micro_batch_size={micro}",
         ],
     )
+    if isinstance(fitted, str):  # none fits: what the global batch needs, in one line
+        with pytest.raises(UserError, match=re.escape(fitted)):
+            fit_microbatches(recipe, data_ranks)
+        return
     after, note = fit_microbatches(recipe, data_ranks)
     assert after.data.micro_batch_size == fitted and after.data.global_batch_size == global_batch
     assert (note is None) == (fitted == micro)
@@ -132,8 +137,9 @@ def test_a_pipeline_no_micro_batch_can_feed_is_refused_once_before_any_rank_star
         "--set", "parallel.pipeline=2", "--set", "data.global_batch_size=1", "--set", "data.micro_batch_size=1",
     )  # fmt: skip
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "error: parallel.pipeline 2: a step has 1 micro-batch(es) per data-parallel rank, fewer than the stages, "
-        "even of one sample each; raise data.global_batch_size to at least 2 per data-parallel rank"
+        "error: parallel.pipeline 2: the global batch of 1 over 1 data-parallel rank(s) is 1 sample(s) each, which "
+        "no micro-batch makes into at least 2 micro-batches (one a stage); raise data.global_batch_size to at "
+        "least 2 per data-parallel rank"
     ]
     assert not (tmp_path / "run").exists()
 

@@ -183,7 +183,8 @@ def test_doctor_refuses_more_processes_than_train_would_run(frugality_cli, tmp_p
     passed before: the collectives ran, contending for the cores)."""
     cores = len(os.sched_getaffinity(0))
     for command in (["doctor", "--quick"], ["train"]):
-        done = frugality_cli(*command, "--nproc", cores + 2, "--run-dir", tmp_path / "runs", cwd=tmp_path)
+        args = [*command, "--nproc", cores + 2, "--run-dir", tmp_path / "runs", "--set", "train.device=cpu"]
+        done = frugality_cli(*args, cwd=tmp_path)
         [line] = [line for line in done.stderr.splitlines() if line.strip()]
         assert done.returncode == 2 and line == (
             f"error: --nproc {cores + 2}: this machine has {cores} CPU cores, and each CPU rank needs one; "

@@ -81,8 +81,9 @@ def test_a_run_started_from_an_embedding_model_keeps_the_length_it_cuts_texts_to
     )
     assert trained.returncode == 0, trained.stderr
     (tmp_path / "texts.txt").write_text("".join(t + "\n" for t in TEXTS))
-    embedded = frugality_cli("embed", run, tmp_path / "texts.txt", "--out", tmp_path / "emb", "--no-progress")
-    assert embedded.returncode == 0, embedded.stderr
-    assert json.loads((tmp_path / "emb" / "manifest.json").read_text())["encoder"]["max_length"] == 24
+    for model, out in ((run, "emb"), (run / "checkpoints" / "step_00000001", "emb-of-its-checkpoint")):
+        embedded = frugality_cli("embed", model, tmp_path / "texts.txt", "--out", tmp_path / out, "--no-progress")
+        assert embedded.returncode == 0, embedded.stderr
+        assert json.loads((tmp_path / out / "manifest.json").read_text())["encoder"]["max_length"] == 24
     assert frugality_cli("export", "hf", run, "--out", tmp_path / "again").returncode == 0
     assert json.loads((tmp_path / "again" / "sentence_bert_config.json").read_text())["max_seq_length"] == 24

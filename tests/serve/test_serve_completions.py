@@ -221,7 +221,7 @@ def test_what_the_drain_window_cuts_off_gets_a_503_error_object_and_a_log_line_e
     object with 503 (a streamed one: its last event), each a line of the log, no traceback."""
     server = Server(
         str(decoder_folder), "--name", "tiny", "--precision", "fp32", "--rows", "1", "--max-tokens", "100",
-        "--drain-s", "0.5",
+        "--drain-s", "0.5", "--device", "cpu",  # (a GPU might finish the work in the window)
     )  # fmt: skip
     body = {"model": "tiny", "prompt": "w5 w17 w33", "max_tokens": 100, "temperature": 0}
 

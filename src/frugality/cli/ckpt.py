@@ -48,9 +48,10 @@ def verify_command(path) -> None:
             )
         else:
             click.echo(f"ok         {checkpoint}  verified")
-    if unverified and not bad:
+    if unverified:
         click.echo(f"{unverified} of {len(found)} checkpoint(s) could not be verified (no {MANIFEST})", err=True)
-        raise click.exceptions.Exit(1)
+        if not bad:
+            raise click.exceptions.Exit(1)
     if bad:
         usable = CheckpointManager(found[0].parent).complete() if len(found) > 1 else []
         newest = next((p for p in reversed(usable) if verify(p) is None), None)

@@ -116,7 +116,7 @@ def embed(
         max_length=max_length,
         format=fmt,
     )
-    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop ends the job as Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop ends the job as Ctrl-C does
     try:
         if address is not None and engine != "ray":
             raise click.UsageError("--address goes with --engine ray")
@@ -128,6 +128,8 @@ def embed(
     except JobIncomplete as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     resumed = f" (resumed: {result['resumed_from']:,} were done)" if result["resumed_from"] else ""
     speed = f", {result['texts_per_s']:,.0f} texts/s" if result["texts_per_s"] else ""
     many = result["processes"] > 1

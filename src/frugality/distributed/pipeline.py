@@ -43,8 +43,8 @@ def fit_microbatches(recipe, data_ranks: int):
     """The recipe with a micro-batch small enough that a step has the micro-batches its
     schedule needs (at least one a stage; interleaved: a multiple of the stages), keeping
     the global batch, as `--nproc` keeps it; and the header's note (None when nothing
-    changed). Where no micro-batch gives enough, the recipe as it was: `check_pipeline`
-    then says what to raise. An explicit `parallel.pipeline_microbatches` is left alone."""
+    changed). Where no micro-batch gives enough, a UserError saying what the global batch
+    needs. An explicit `parallel.pipeline_microbatches` is left alone (`check_pipeline`)."""
     p, d = recipe.parallel, recipe.data
     if p.pipeline == 1 or p.pipeline_microbatches or d.global_batch_size % data_ranks:
         return recipe, None
@@ -59,7 +59,13 @@ def fit_microbatches(recipe, data_ranks: int):
         return recipe, None
     micro = next((m for m in range(d.micro_batch_size, 0, -1) if enough(m)), None)
     if micro is None:
-        return recipe, None
+        need = f"a multiple of {p.pipeline}" if interleaved else f"at least {p.pipeline}"
+        raise UserError(
+            f"parallel.pipeline {p.pipeline}: the global batch of {d.global_batch_size} over {data_ranks} "
+            f"data-parallel rank(s) is {per_rank} sample(s) each, which no micro-batch makes into {need} "
+            f"micro-batches (one a stage{', two stages a rank' if interleaved else ''}); raise "
+            f"data.global_batch_size to {need} per data-parallel rank"
+        )
     note = (
         f"data.micro_batch_size {d.micro_batch_size} -> {micro}: a step of parallel.pipeline {p.pipeline} needs "
         f"{'a multiple of' if interleaved else 'at least'} {p.pipeline} micro-batches; the global batch of "
@@ -98,11 +104,8 @@ def check_pipeline(model_config, parallel, world_size: int, micro_batches: int) 
     if micro_batches < pipeline:
         raise UserError(
             f"parallel.pipeline {pipeline}: a step has {micro_batches} micro-batch(es) per data-parallel rank, "
-            f"fewer than the stages, even of one sample each; raise data.global_batch_size to at least "
-            f"{pipeline} per data-parallel rank"
-            if parallel.pipeline_microbatches is None
-            else f"parallel.pipeline {pipeline}: parallel.pipeline_microbatches {micro_batches} is fewer than the "
-            "stages; raise it (or leave it unset: the micro-batch is then fitted to the stages)"
+            "fewer than the stages; raise parallel.pipeline_microbatches (or leave it unset: the micro-batch is "
+            "then fitted to the stages)"
         )
     if schedule == "interleaved-1f1b" and micro_batches % pipeline:
         raise UserError(

@@ -41,6 +41,7 @@ import numpy as np
 from frugality.checkpoint import fsync_dir
 from frugality.errors import FrugalityWarning, UserError
 from frugality.inference.inputs import Inputs
+from frugality.paths import write_atomically
 
 JOB_FILE, MANIFEST_FILE = "job.json", "manifest.json"
 # tests: kill@N, the process kills itself after writing N shards; stall@N, it waits there (for a signal)
@@ -91,10 +92,11 @@ def read_done(out: Path, k: int) -> dict | None:
     return record if isinstance(record, dict) and isinstance(record.get("sha256"), dict) else None
 
 
-def is_complete(out: Path, k: int, fmt: str, rows: int, hashed: bool = True) -> bool:
-    """Shard k's hashes (written last, by a rename) are there and its files match them; its
-    embeddings hold its `rows`. `hashed=False`: a job begun before shards had hashes, whose
-    embeddings file (then written last) marks a complete shard."""
+def is_complete(out: Path, k: int, fmt: str, rows: int, hashed: bool = True, verify: bool = True) -> bool:
+    """Shard k's record (written last, by a rename) is there and its files match their
+    hashes in it (`verify=False`: for shards just written, whose hashes were taken as they
+    were); its embeddings hold its `rows`. `hashed=False`: a job begun before shards had
+    hashes, whose embeddings file (then written last) marks a complete shard."""
     path = out / shard_names(k, fmt)[-1]
     if not path.is_file():
         return False
@@ -102,7 +104,7 @@ def is_complete(out: Path, k: int, fmt: str, rows: int, hashed: bool = True) -> 
         recorded = read_done(out, k)
         if recorded is None:  # not written yet (a crash in between), or damaged: redo
             return False
-        for name in shard_names(k, fmt):
+        for name in shard_names(k, fmt) if verify else ():
             if recorded["sha256"].get(name) != _sha256(out / name):
                 warnings.warn(
                     f"{out / name}: does not match its SHA-256 in {done_name(k)} (changed since it was "
@@ -189,7 +191,7 @@ def prepare(
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        _write_atomic(out / JOB_FILE, json.dumps(job, indent=2).encode())
+        write_atomically(out / JOB_FILE, json.dumps(job, indent=2).encode())
     except BaseException:  # a full disk: no empty --out left behind
         if made:
             out.rmdir()
@@ -208,7 +210,7 @@ def _count_unique(inputs: Inputs) -> int:
             )
         seen.add(text_id)
     if not seen:
-        raise UserError(f"input {', '.join(map(str, inputs.paths))}: no text (empty, or blank lines only)")
+        inputs.check_not_empty()  # (its line names the files)
     return len(seen)
 
 
@@ -228,9 +230,15 @@ def _first_difference(a, b, where: str = "") -> str | None:
     return None if a == b else where
 
 
-def pending_shards(out: Path, count: int, shard_size: int, fmt: str, hashed: bool = True) -> list[int]:
+def pending_shards(
+    out: Path, count: int, shard_size: int, fmt: str, hashed: bool = True, verify: bool = True
+) -> list[int]:
     shards = -(-count // shard_size)
-    return [k for k in range(shards) if not is_complete(out, k, fmt, min(shard_size, count - k * shard_size), hashed)]
+    return [
+        k
+        for k in range(shards)
+        if not is_complete(out, k, fmt, min(shard_size, count - k * shard_size), hashed, verify)
+    ]
 
 
 def run_shards(
@@ -313,17 +321,17 @@ def write_shard(out: Path, k: int, ids: list[str], vectors: np.ndarray, fmt: str
     try:
         (out / done_name(k)).unlink(missing_ok=True)  # (a damaged shard's: it is incomplete from here)
         if fmt == "npy":
-            hashes[names[0]] = _write_atomic(out / names[0], json.dumps(ids).encode())
+            hashes[names[0]] = write_atomically(out / names[0], json.dumps(ids).encode(), digest=True)
             # through Python's write: numpy's own (fwrite) says a full disk without its errno
-            hashes[names[1]] = _write_atomic(out / names[1], lambda f: np.save(_Stream(f), vectors))
+            hashes[names[1]] = write_atomically(out / names[1], lambda f: np.save(_Stream(f), vectors), digest=True)
         else:
             import pyarrow as pa
             import pyarrow.parquet as pq
 
             embedding = pa.FixedSizeListArray.from_arrays(vectors.reshape(-1), vectors.shape[1])
             table = pa.table({"id": ids, "embedding": embedding})
-            hashes[names[0]] = _write_atomic(out / names[0], lambda f: pq.write_table(table, f))
-        _write_atomic(out / done_name(k), json.dumps({"sha256": hashes, "truncated": truncated}, indent=1).encode())
+            hashes[names[0]] = write_atomically(out / names[0], lambda f: pq.write_table(table, f), digest=True)
+        write_atomically(out / done_name(k), json.dumps({"sha256": hashes, "truncated": truncated}, indent=1).encode())
     except BaseException:  # a full disk, Ctrl-C: none of the shard's files stay (its ids alone are no use)
         for name in (*names, done_name(k)):
             (out / name).unlink(missing_ok=True)
@@ -338,28 +346,6 @@ class _Stream:
         self.write = f.write
 
 
-def _write_atomic(path: Path, content) -> str:
-    """`content` (bytes, or a function writing to a binary file) under a temporary name,
-    synced, then renamed to `path`; its SHA-256 (read back from the page cache). On failure
-    the temporary file is removed, and a filesystem error names `path` (a write's error
-    names no file), for the CLI's one line."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            content(f) if callable(content) else f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(tmp, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-        os.replace(tmp, path)
-        return digest
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.errno is not None:
-            raise OSError(e.errno, e.strerror, str(path)) from None
-        raise
-
-
 def write_manifest(out: Path, job: dict, dim: int) -> dict:
     count, size, fmt = job["count"], job["shard_size"], job["format"]
     shards = []
@@ -368,7 +354,9 @@ def write_manifest(out: Path, job: dict, dim: int) -> dict:
         entry = {"first": k * size, "count": min(size, count - k * size)}
         entry |= {"ids": names[0], "embeddings": names[1]} if fmt == "npy" else {"table": names[0]}
         if job.get("hashed"):
-            done = read_done(out, k) or {"sha256": {}}
+            done = read_done(out, k)
+            if done is None:  # (every shard was found complete just before)
+                raise JobIncomplete(f"shard {k} has no record {done_name(k)}; rerun the same command to finish")
             entry |= {"sha256": done["sha256"], "truncated": done.get("truncated", 0)}
         shards.append(entry)
     manifest = {
@@ -384,13 +372,13 @@ def write_manifest(out: Path, job: dict, dim: int) -> dict:
         "shards": shards,
         "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    _write_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=2).encode())
+    write_atomically(out / MANIFEST_FILE, json.dumps(manifest, indent=2).encode())
     return manifest
 
 
 def clean_partials(out: Path) -> None:
     """Temporary files of a shard a crash cut short: their shard is redone."""
-    for tmp in out.glob(".shard-*.tmp"):
+    for tmp in out.glob(".shard-*.tmp*"):
         tmp.unlink(missing_ok=True)
 
 
@@ -508,7 +496,7 @@ def run_job(
                 del encoder
                 _run_workers(workers, inputs, size, pending, count, processes, device, bar)
         seconds = time.perf_counter() - t0
-        missing = pending_shards(out, count, size, settings.format, hashed)
+        missing = pending_shards(out, count, size, settings.format, hashed, verify=False)  # (hashed as written)
         if missing:
             raise JobIncomplete(f"shards {missing[:5]} were not written; rerun the same command to finish")
         manifest = write_manifest(out, job, job["encoder"]["dim"])

@@ -26,7 +26,7 @@ from frugality.hardware import cpu_flags
 from frugality.inference import onnx_int8
 from frugality.interop.hf import import_hf
 from frugality.interop.sentence_transformers import pooling_mode, read_json
-from frugality.interop.weights import load_weights, recipe_beside, resolve_source
+from frugality.interop.weights import WeightsSource, file_beside, load_weights, recipe_beside, resolve_source
 from frugality.models import build_empty
 from frugality.models.bert import Bert, pool
 from frugality.precision import bf16_is_native
@@ -248,9 +248,13 @@ def load_encoder(
     st_folder = next((f for f in (weights, folder) if (f / "modules.json").is_file()), None)
     if st_folder is not None:
         pooling = read_pooling(st_folder)
-    else:
+    else:  # a run's, with the length its starting model cut texts to where it carried one
+        kind = "hf" if (weights / "config.json").is_file() else "dcp"
+        beside = file_beside(WeightsSource(weights, kind), "sentence_bert_config.json")
         pooling = replace(
-            read_pooling(folder), mode=loaded.model.config.pooling, normalize=loaded.model.config.normalize
+            read_pooling(beside.parent if beside else folder),
+            mode=loaded.model.config.pooling,
+            normalize=loaded.model.config.normalize,
         )
     if normalize is not None:
         pooling = replace(pooling, normalize=normalize)

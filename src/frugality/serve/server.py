@@ -104,7 +104,9 @@ def _run(settings, family, device, state, sock, where, exposed, name, run_dir, l
     )
     server = uvicorn.Server(config)
     state.stopping, state.log = (lambda: server.should_exit), log
-    logging.getLogger("uvicorn.error").addFilter(QuietCancel())
+    quiet = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, QuietCancel) for f in quiet.filters):  # (once a process)
+        quiet.addFilter(QuietCancel())
     loader = threading.Thread(target=_load, args=(settings, family, device, state, log, where, server), daemon=True)
     loader.start()
     # uvicorn catches SIGTERM and SIGINT while it runs (stop accepting, drain) and raises

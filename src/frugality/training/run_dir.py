@@ -25,7 +25,7 @@ from frugality import distributed
 from frugality.checkpoint import CheckpointManager, read_extra
 from frugality.config.recipe import Recipe
 from frugality.errors import FrugalityWarning, UserError
-from frugality.paths import write_atomically
+from frugality.paths import check_output_folder, write_atomically
 
 RECIPE_FILE = "recipe.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -172,33 +172,53 @@ def plan_run(recipe: Recipe, run_dir: Path, fresh: bool) -> RunPlan:
                 number += 1
                 kept = run_dir / f"recipe.edited-{number}.toml"
         return RunPlan(run_dir, latest, None, changes, edits, kept)
-    check_run_dir(run_dir, fresh, resumable=latest is not None)
+    check_run_dir(run_dir, fresh, resumable=latest is not None, locked_here=True)
     aside = None
-    if run_dir.is_dir() and any(run_dir.iterdir()):  # --fresh never deletes: the old run moves to a dated sibling
+    if _contents(run_dir):  # --fresh never deletes: the old run moves to a dated sibling
         aside = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+        number = 1
+        while aside.exists():  # (a second start within the second: never over the first)
+            number += 1
+            aside = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}-{number}")
     return RunPlan(run_dir, None, aside)
 
 
-# What `frugality train` (or its supervisor) writes into a run directory: a folder holding
-# one of them, or its recipe.toml (hash line first), is a run, and --fresh may move it aside;
-# any other folder is the user's (an imported model has a recipe.toml too, without the line).
-_RUN_FILES = (METRICS_FILE, SUMMARY_FILE, "attempts.jsonl", "checkpoints")
+# What a folder may hold and still count as empty for a new run: what file systems and
+# desktops leave (dot files, lost+found) and the supervisor's record of this run's attempts.
+SUPERVISOR_FILES = ("attempts.jsonl",)
 
 
-def check_run_dir(run_dir: Path, fresh: bool, resumable: bool | None = None) -> None:
+def _contents(run_dir: Path) -> list[str]:
+    """The names in `run_dir` that a new run would have to move aside ([] if it is absent)."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(
+        p.name
+        for p in run_dir.iterdir()
+        if not p.name.startswith(".") and p.name != "lost+found" and p.name not in SUPERVISOR_FILES
+    )
+
+
+def is_run(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a frugality run: its recipe.toml as `train` writes it (the
+    hash line first), or checkpoints of its own (step folders with DCP's index). Another
+    tool's folder (an exported model, a Lightning run with its checkpoints/) is not one."""
+    return run_of_recipe_file(run_dir / RECIPE_FILE) is not None or bool(
+        CheckpointManager(run_dir / "checkpoints").complete()
+    )
+
+
+def check_run_dir(run_dir: Path, fresh: bool, resumable: bool | None = None, locked_here: bool = False) -> None:
     """Refuse, before anything is written, a run directory that is a file, a folder of
     something else (an exported model, the user's files: never moved, --fresh or not), and
     a run with no checkpoint to resume unless --fresh asks to start over. `resumable`:
-    whether a checkpoint verifies (default: whether a complete one exists, unhashed)."""
-    from frugality.paths import check_output_folder
-
+    whether a checkpoint verifies (default: whether a complete one exists, unhashed);
+    `locked_here`: this process holds the run's lock (else another that does is named first)."""
     check_output_folder(run_dir, "run directory")
-    if not run_dir.is_dir():
-        return
-    found = sorted(p.name for p in run_dir.iterdir())
+    found = _contents(run_dir)
     if not found:
         return
-    if not any(name in found for name in _RUN_FILES) and run_of_recipe_file(run_dir / RECIPE_FILE) is None:
+    if not is_run(run_dir):
         shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
         raise UserError(
             f"run directory {run_dir} holds files that are not a frugality run ({shown}); "
@@ -207,10 +227,29 @@ def check_run_dir(run_dir: Path, fresh: bool, resumable: bool | None = None) -> 
     if resumable is None:
         resumable = bool(CheckpointManager(run_dir / "checkpoints").complete())
     if not fresh and not resumable:
+        if not locked_here:
+            _check_not_held(run_dir)  # (a run still before its first checkpoint: not to be started over)
         raise UserError(
             f"run directory {run_dir} holds a run with no usable checkpoint to resume; --fresh starts "
             f"over (the old run is kept as {run_dir.name}.prev-DATE), or choose another --run-dir"
         )
+
+
+def _check_not_held(run_dir: Path) -> None:
+    """A UserError naming the process that holds the run's lock, if one does."""
+    try:
+        f = open(lock_path(run_dir))
+    except OSError:
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(
+                f"run directory {run_dir} is in use by {_holder(f.read())} (lock {lock_path(run_dir)}); wait for it "
+                "to end, or train into another --run-dir"
+            ) from None
+        fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def open_run(plan: RunPlan, recipe: Recipe, resume_step: int | None) -> None:
