@@ -242,7 +242,8 @@ def test_a_decoder_is_refused(tmp_path, texts_file, capsys):
         max_position_embeddings=64,
     )
     transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "decoder")
-    assert main(["embed", str(tmp_path / "decoder"), str(texts_file), "--out", str(tmp_path / "o")]) == 2
+    args = ["embed", str(tmp_path / "decoder"), str(texts_file), "--text-field", "body", "--out", str(tmp_path / "o")]
+    assert main(args) == 2
     assert "a gpt-neox model; `embed` takes an encoder (BERT family)" in capsys.readouterr().err
 
 
@@ -370,7 +371,7 @@ def test_a_full_disk_is_one_line_and_leaves_only_complete_shards(tmp_path):
         str(out),
         *(
             str(out / n)
-            for n in (".lock", "job.json", "shard-00000.ids.json", "shard-00000.npy", "shard-00000.done.json")
+            for n in (".lock", "job.json", "shard-00000.done.json", "shard-00000.ids.json", "shard-00000.npy")
         ),
     ], left
 

@@ -97,6 +97,8 @@ def embed(
     check_output_folder(out, "--out")
     if nproc != "auto" and not (nproc.isdigit() and int(nproc) >= 1):
         raise UserError(f"--nproc {nproc!r}: a number of processes (1 or more) or auto")
+    if address is not None and engine != "ray":
+        raise click.UsageError("--address goes with --engine ray")
     if not Path(model).exists():
         raise UserError(f"model {model}: no such folder")
     texts = open_inputs(list(inputs), text_field, id_field)
@@ -118,8 +120,6 @@ def embed(
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop ends the job as Ctrl-C does
     try:
-        if address is not None and engine != "ray":
-            raise click.UsageError("--address goes with --engine ray")
         result = run_job(settings, texts, nproc, not no_progress, engine, address)
     except KeyboardInterrupt as stop:
         how = "stopped by SIGTERM" if stop.args == ("SIGTERM",) else "stopped"
