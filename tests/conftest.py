@@ -484,8 +484,6 @@ def frugality_cli():
     """`frugality_cli(*args, cwd=, env=, timeout=, input=)`: the command line run as a user
     runs it, its process forked from one that has imported torch and frugality already
     (tests/forked_cli.py); a subprocess.CompletedProcess."""
-    from forked_cli import ForkedCLI
+    import forked_cli
 
-    runner = ForkedCLI()
-    yield runner
-    runner.close()
+    return forked_cli.run

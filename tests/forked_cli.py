@@ -201,3 +201,18 @@ def _stop_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+_shared: list[ForkedCLI] = []
+
+
+def run(*args, **kw) -> subprocess.CompletedProcess:
+    """`frugality ARGS` on this test process's one server (started at its first use, closed
+    when the process ends): what the `frugality_cli` fixture and the test modules' own
+    helpers call."""
+    if not _shared:
+        import atexit
+
+        _shared.append(ForkedCLI())
+        atexit.register(_shared[0].close)
+    return _shared[0](*args, **kw)

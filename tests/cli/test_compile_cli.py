@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,9 @@ KEY = "fleet-key-of-32-random-characters"  # the micro_compiled fixture's
 
 
 def _run(*args, env):
-    return subprocess.run([FRUGALITY, *args], capture_output=True, text=True, env=env)
+    import forked_cli
+
+    return forked_cli.run(*args, env=env)
 
 
 def test_compile_then_a_run_compiles_nothing(micro_compiled, micro_recipe_file, tmp_path):

@@ -14,18 +14,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import forked_cli
 import fulldisk
 
 
 def frugality(*args, cwd=None, timeout=300, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "frugality", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-        **kw,
-    )
+    return forked_cli.run(*args, cwd=cwd, timeout=timeout, **kw)
 
 
 def _strict(path: Path) -> dict:

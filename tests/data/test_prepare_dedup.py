@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
+import forked_cli
 import pytest
 
 from frugality.data.dedup import normalised
@@ -61,9 +60,9 @@ def test_duplicates_are_dropped_in_input_order_the_same_whatever_the_workers(tmp
             f.write(json.dumps({"text": t}) + "\n")
     expected = prepare([tmp_path / "kept.jsonl"], tok, tmp_path / "expected", progress=False, workers=1)
     one = prepare([tmp_path / "docs.jsonl"], tok, tmp_path / "one", progress=False, workers=1, dedup="exact")
-    command = [sys.executable, "-m", "frugality", "data", "prepare", str(tmp_path / "docs.jsonl")]
-    command += ["--out", str(tmp_path / "two"), "--workers", "2", "--piece-mb", "0.0005", "--dedup", "exact"]
-    two = subprocess.run(command, capture_output=True, text=True, env=os.environ, timeout=120)
+    command = ["data", "prepare", tmp_path / "docs.jsonl"]
+    command += ["--out", tmp_path / "two", "--workers", "2", "--piece-mb", "0.0005", "--dedup", "exact"]
+    two = forked_cli.run(*command, timeout=120)
     assert two.returncode == 0, two.stderr
     assert f"{len(kept)} documents" in two.stdout and "16 duplicates dropped" in two.stdout
     assert one.documents == len(kept) and one.duplicates == 16
@@ -77,12 +76,10 @@ def test_duplicates_are_dropped_in_input_order_the_same_whatever_the_workers(tmp
 def test_dedup_is_part_of_the_job_a_rerun_cannot_switch(tmp_path, tok):
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n{"text": "x"}\n')
     env = {"FRUGALITY_PREPARE_STOP_AFTER": "1"}
-    base = [sys.executable, "-m", "frugality", "data", "prepare", str(tmp_path / "a.jsonl"), "--out"]
-    killed = subprocess.run([*base, str(tmp_path / "o"), "--workers", "1"], env=os.environ | env, capture_output=True)
+    base = ["data", "prepare", tmp_path / "a.jsonl", "--out"]
+    killed = forked_cli.run(*base, tmp_path / "o", "--workers", "1", env=os.environ | env)
     assert killed.returncode == 9
-    switched = subprocess.run(
-        [*base, str(tmp_path / "o"), "--dedup", "exact"], env=os.environ, capture_output=True, text=True
-    )
+    switched = forked_cli.run(*base, tmp_path / "o", "--dedup", "exact")
     assert switched.returncode == 2 and "(its --dedup differ)" in switched.stderr
 
 
@@ -91,14 +88,14 @@ def test_a_part_whose_hashes_are_damaged_is_redone_on_the_rerun(tmp_path, tok):
     with open(tmp_path / "docs.jsonl", "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
     straight = prepare([tmp_path / "docs.jsonl"], tok, tmp_path / "straight", progress=False, dedup="exact")
-    command = [sys.executable, "-m", "frugality", "data", "prepare", str(tmp_path / "docs.jsonl"), "--out"]
-    command += [str(tmp_path / "out"), "--workers", "1", "--piece-mb", "0.001", "--dedup", "exact"]
-    killed = subprocess.run(command, env=os.environ | {"FRUGALITY_PREPARE_STOP_AFTER": "2"}, capture_output=True)
+    command = ["data", "prepare", tmp_path / "docs.jsonl", "--out"]
+    command += [tmp_path / "out", "--workers", "1", "--piece-mb", "0.001", "--dedup", "exact"]
+    killed = forked_cli.run(*command, env=os.environ | {"FRUGALITY_PREPARE_STOP_AFTER": "2"})
     assert killed.returncode == 9
     hashes = sorted((tmp_path / "out.parts").glob("*.hashes"))
     assert len(hashes) == 2
     hashes[0].write_bytes(hashes[0].read_bytes()[:-3])  # cut short: the part is not whole
-    finished = subprocess.run(command, env=os.environ, capture_output=True, text=True)
+    finished = forked_cli.run(*command)
     assert finished.returncode == 0, finished.stderr
     assert "1 parts from the interrupted run" in finished.stdout
     for ext in ("bin", "idx"):

@@ -8,9 +8,8 @@ import gzip
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
+import forked_cli
 import numpy as np
 import pytest
 
@@ -154,9 +153,10 @@ def _left_behind(mark: str) -> list:
 
 
 def _prepare(files, out, *extra, env=None):
-    command = [sys.executable, "-m", "frugality", "data", "prepare", *map(str, files), "--out", str(out)]
-    command += ["--workers", "2", "--piece-mb", "0.001", *extra]
-    return subprocess.run(command, capture_output=True, text=True, env=os.environ | (env or {}), timeout=120)
+    import forked_cli
+
+    command = ["data", "prepare", *files, "--out", out, "--workers", "2", "--piece-mb", "0.001", *extra]
+    return forked_cli.run(*command, env=os.environ | (env or {}), timeout=120)
 
 
 def test_a_run_killed_between_parts_finishes_on_a_rerun_with_the_same_bytes(tmp_path, tok):
@@ -259,20 +259,14 @@ def test_a_glob_of_s3_urls_prepares_the_local_files_bytes(s3_bucket, tmp_path, t
     for f in files:
         fs.put_file(str(f), f"{s3_bucket}/corpus/{f.name}")
     local = prepare(files, tok, tmp_path / "local", progress=False, workers=1, piece_bytes=1000)
-    command = [sys.executable, "-m", "frugality", "data", "prepare", f"{s3_bucket}/corpus/*"]
-    command += ["--out", str(tmp_path / "s3"), "--workers", "2", "--piece-mb", str(1000 / 2**20)]
-    done = subprocess.run(command, capture_output=True, text=True, env=os.environ, timeout=120)
+    command = ["data", "prepare", f"{s3_bucket}/corpus/*"]
+    command += ["--out", tmp_path / "s3", "--workers", "2", "--piece-mb", str(1000 / 2**20)]
+    done = forked_cli.run(*command, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"{local.documents:,} documents" in done.stdout
     for ext in ("bin", "idx"):
         assert (tmp_path / f"s3.{ext}").read_bytes() == (tmp_path / f"local.{ext}").read_bytes()
-    missing = subprocess.run(
-        [*command[:5], f"{s3_bucket}/corpus/none.jsonl", "--out", str(tmp_path / "none")],
-        capture_output=True,
-        text=True,
-        env=os.environ,
-        timeout=120,
-    )
+    missing = forked_cli.run("data", "prepare", f"{s3_bucket}/corpus/none.jsonl", "--out", tmp_path / "none")
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [f"error: input {s3_bucket}/corpus/none.jsonl: no such file"]
 

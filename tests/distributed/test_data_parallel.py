@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked_cli
 import pytest
 from torchrun import KILLED, losses, train
 
@@ -100,12 +101,7 @@ def _export_and_init_from_a_sharded_run(recipe_file, tmp_path, one, sharded):
     from safetensors.torch import load_file
 
     for run in (one, sharded):
-        done = subprocess.run(
-            [sys.executable, "-m", "frugality", "export", "hf", str(run), "--out", str(tmp_path / f"{run.name}-hf")],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        done = forked_cli.run("export", "hf", run, "--out", tmp_path / f"{run.name}-hf", timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
     expected = load_file(tmp_path / f"{one.name}-hf" / "model.safetensors")
     got = load_file(tmp_path / f"{sharded.name}-hf" / "model.safetensors")

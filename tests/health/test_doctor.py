@@ -56,13 +56,9 @@ def test_thresholds_are_overridable_by_name_only():
 
 
 def _doctor(tmp_path, *args, **env):
-    return subprocess.run(
-        [sys.executable, "-m", "frugality", "doctor", "--quick", "--run-dir", str(tmp_path / "runs"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=os.environ | env,
-    )
+    import forked_cli
+
+    return forked_cli.run("doctor", "--quick", "--run-dir", tmp_path / "runs", *args, timeout=300, env=os.environ | env)
 
 
 def test_collectives_among_two_processes_pass_and_an_injected_wrong_value_fails(tmp_path):

@@ -46,9 +46,9 @@ def texts_file(tmp_path_factory) -> Path:
 
 
 def _embed(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [FRUGALITY, "embed", MODEL, *args, "--no-progress"], capture_output=True, text=True, env=env or os.environ
-    )
+    import forked_cli
+
+    return forked_cli.run("embed", MODEL, *args, "--no-progress", env=env or os.environ)
 
 
 def test_embeddings_equal_sentence_transformers(tmp_path, texts_file, capsys):

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 
+import forked_cli
 import httpx
 import numpy as np
 import pytest
@@ -89,12 +90,10 @@ def test_a_text_longer_than_the_length_is_cut_as_embed_cuts_it_and_reported_by_b
     line and manifest, the server in a response header and /metrics."""
     long = "word " * 100
     (tmp_path / "texts.txt").write_text(f"short\n{long}\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "frugality", "embed", MINILM, tmp_path / "texts.txt", "--out", tmp_path / "out"]
-        + ["--precision", "fp32", "--max-length", "64", "--no-progress"],
-        capture_output=True,
-        text=True,
-    )
+    done = forked_cli.run(
+        "embed", MINILM, tmp_path / "texts.txt", "--out", tmp_path / "out", "--precision", "fp32",
+        "--max-length", "64", "--no-progress",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "2 texts (1 cut to 64 tokens, the model's length or --max-length)" in done.stdout
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["truncated"] == 1

@@ -6,9 +6,8 @@ injector's other faults run in the benchmark.)"""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
+import forked_cli
 import pytest
 from test_trainer import _assert_identical, _final_state, _train_losses
 
@@ -20,13 +19,7 @@ from frugality.training.callbacks.faults import parse
 
 def _train(recipe_file, run, fault, *args):
     env = dict(os.environ, FRUGALITY_INJECT_FAULT=fault)  # threads as in this process: the same sums
-    return subprocess.run(
-        [sys.executable, "-m", "frugality", "train", str(recipe_file), "--run-dir", str(run), "--no-progress", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return forked_cli.run("train", recipe_file, "--run-dir", run, "--no-progress", *args, env=env, timeout=300)
 
 
 def test_a_kill_while_saving_is_retried_to_the_uninterrupted_bits(micro_recipe_file, tmp_path):
