@@ -140,6 +140,22 @@ def test_compiled_update_matches_eager(monkeypatch):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
 
+def test_the_compiled_update_rounds_stochastically_only_where_inductors_vectors_do_it_right(monkeypatch):
+    """Inductor's AVX2 code for the update rounds wrongly (half the elements differ): CPUs
+    whose Inductor vectors are narrower than AVX-512 take eager ops (under AVX2 emulation
+    the test above then compares eager with eager: the same bits)."""
+    from torch._inductor import cpu_vec_isa
+
+    from frugality.precision.bf16_adamw import _compiled_rounding_is_right
+
+    for bits, right in ((256, False), (512, True)):
+        monkeypatch.setattr(
+            cpu_vec_isa, "pick_vec_isa", lambda bits=bits: type("ISA", (), {"bit_width": lambda s: bits})()
+        )
+        assert _compiled_rounding_is_right(torch.device("cpu")) is right
+    assert _compiled_rounding_is_right(torch.device("meta"))  # (not a CPU: Triton, XLA)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 def test_eager_update_on_cuda_gives_the_cpu_kernels_bits(rounding):

@@ -5,6 +5,7 @@ loss spike counts as a bad step, a diverging run stops with one line and exit st
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -64,7 +65,11 @@ def test_a_diverging_run_stops_in_one_line_with_exit_status_3(micro_recipe_file,
     ]
     assert main(args) == 3
     [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
-    assert line.startswith("error: step 2: the gradient of embed.weight is not finite; stopping before applying it")
+    # where lr=1e6 first overflows (the step, the loss or which gradient) depends on the CPU's
+    # arithmetic: step 2 and embed.weight on AMD Zen 3 and Zen 4, another on an Intel Xeon with AMX
+    assert re.fullmatch(r"error: step \d+: the (loss|gradient) .*is not finite; stopping before applying it.*", line), (
+        line
+    )
 
 
 def _bad_step(monkeypatch, at: int, times: int, spoil):

@@ -106,6 +106,23 @@ def _update(
     v.copy_(round_to_bf16(v32, noise[2]))
 
 
+def _compiled_rounding_is_right(device: torch.device) -> bool:
+    """Whether `torch.compile` of `_update` rounds stochastically as the C kernel and eager ops
+    do on `device`. Inductor's AVX2 code for it does not: about half of a step's elements
+    differ (and a run's losses drift: 4.56 against 5.13 after 8 steps in
+    tests/kernels/test_dispatch.py), found under ONEDNN_MAX_CPU_ISA=AVX2
+    ATEN_CPU_CAPABILITY=avx2 on a Zen 4, while its AVX-512 code gives the same bits, and the
+    noise hash, the rounding and the index arithmetic compiled alone are right under AVX2 too.
+    A CPU whose Inductor vectors are narrower than AVX-512 takes eager ops (only where the C
+    kernel is off or cannot build: CPUs run the kernel)."""
+    if device.type != "cpu":
+        return True
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    return not isa or isa.bit_width() >= 512
+
+
 class BF16AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected) over bf16 storage.
 
@@ -361,7 +378,7 @@ class BF16AdamW(torch.optim.Optimizer):
         if "_tensors" not in scalars:  # once per group and step: on a GPU each is a host-to-device copy
             scalars["_tensors"] = _scalar_tensors(scalars, device)
         tensors = scalars["_tensors"]
-        if self._fused:
+        if self._fused and (not stochastic or _compiled_rounding_is_right(device)):
             if self._compiled is None:
                 self._compiled = torch.compile(_update, dynamic=True, fullgraph=True)
             try:
