@@ -53,6 +53,7 @@ def _train_on_xla(micro_recipe_file, tmp_path, **env):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is installed here")
 def test_an_xla_device_without_torch_xla_or_with_a_mismatched_one_is_one_line(micro_recipe_file, tmp_path):
     missing = _train_on_xla(micro_recipe_file, tmp_path)

@@ -9,6 +9,7 @@ import torch
 from frugality.cli.main import main
 
 
+@pytest.mark.slow
 def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp_path, capsys):
     out = tmp_path / "rows.json"
     args = [
@@ -151,6 +152,7 @@ def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
     assert "litgpt compile in their first step" in capsys.readouterr().err
 
 
+@pytest.mark.distributed
 def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp_path):
     out = tmp_path / "scale.json"
     args = [

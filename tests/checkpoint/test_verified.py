@@ -82,6 +82,7 @@ def test_a_checkpoint_whose_metadata_was_deleted_is_named_when_skipped(two_check
         assert two_checkpoints.latest().name == "step_00000001"
 
 
+@pytest.mark.slow
 def test_a_resume_past_a_damaged_checkpoint_without_manifest_says_so(micro_recipe_file, tmp_path):
     import subprocess
     import sys

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from frugality.cli.main import main
 
 FRUGALITY = str(Path(sys.executable).with_name("frugality"))
@@ -20,6 +22,7 @@ def _run(*args, env):
     return forked_cli.run(*args, env=env)
 
 
+@pytest.mark.slow
 def test_compile_then_a_run_compiles_nothing(micro_compiled, micro_recipe_file, tmp_path):
     cache, printed = micro_compiled  # `frugality compile` run once for the session, with a fleet key
     # The block's forward and backward and the evaluation forward.

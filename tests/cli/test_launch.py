@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 
+import pytest
+
 from frugality.cli.main import main
 from frugality.config.recipe import load_recipe
 from frugality.distributed.slurm import SlurmJob, render, torchrun_command
@@ -88,6 +90,7 @@ def test_eager_recipes_skip_the_compile_step_and_bad_ranks_are_refused(micro_rec
     assert not (tmp_path / "x.sbatch").exists()
 
 
+@pytest.mark.distributed
 def test_its_training_command_runs_here_with_two_processes(micro_recipe_file, tmp_path):
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import forked_cli
 import fulldisk
+import pytest
 
 
 def frugality(*args, cwd=None, timeout=300, **kw) -> subprocess.CompletedProcess:
@@ -37,6 +38,7 @@ def _error(result) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_changes_nothing_and_a_resumed_summary_covers_the_whole_run(
     micro_recipe_file, tmp_path
 ):
@@ -102,6 +104,7 @@ def test_hand_edits_of_the_run_recipe_are_kept_and_honoured_from_the_file(micro_
     assert f"train.steps (5): {run} is already at step 6; raise train.steps" in _error(behind)
 
 
+@pytest.mark.distributed
 def test_nproc_keeps_the_global_batch_and_refuses_what_cannot_run_once(micro_recipe_file, tmp_path):
     run = tmp_path / "run"
     done = frugality(
@@ -199,6 +202,7 @@ def _long_run(micro_recipe_file, run: Path, *extra):
         job.wait()
 
 
+@pytest.mark.distributed
 def test_ctrl_c_under_nproc_saves_and_exits_130_without_a_traceback(micro_recipe_file, tmp_path):
     run = tmp_path / "run"
     with _long_run(micro_recipe_file, run, "--nproc", "2") as job:
@@ -228,6 +232,7 @@ def test_ctrl_c_while_starting_exits_130_without_a_traceback(tmp_path):
     assert err.strip().splitlines()[-1] == "interrupted"
 
 
+@pytest.mark.distributed
 def test_ranks_end_with_a_launcher_that_is_killed(micro_recipe_file, tmp_path):
     import psutil
 
@@ -297,6 +302,7 @@ def test_the_run_header_and_a_contrastive_runs_metrics_are_printed_without_progr
     assert "recall@1 " in closing and "recall@10 " in closing and "mrr " in closing
 
 
+@pytest.mark.slow
 def test_a_published_recipe_runs_on_the_bundled_corpus(tmp_path):
     """pythia-14m as shipped (2048-token samples: a validation split of a few samples, fewer
     than its eval_samples and than one of its micro-batches), on a laptop-sized batch."""

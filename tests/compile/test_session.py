@@ -105,6 +105,7 @@ def _batch(recipe, rows):
     return torch.randint(0, 1000, (rows, recipe.data.seq_len + 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["error", "warn"])
 def test_a_changed_batch_shape_after_warm_up_is_reported_with_its_reason(micro_recipe_file, shared_cache, mode):
     recipe = _recipe(micro_recipe_file, shared_cache, f"compile.on_recompile={mode}")

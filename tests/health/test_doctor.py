@@ -61,6 +61,7 @@ def _doctor(tmp_path, *args, **env):
     return forked_cli.run("doctor", "--quick", "--run-dir", tmp_path / "runs", *args, timeout=300, env=os.environ | env)
 
 
+@pytest.mark.distributed
 def test_collectives_among_two_processes_pass_and_an_injected_wrong_value_fails(tmp_path):
     done = _doctor(tmp_path, "--nproc", "2", "--max-size", "1", "--json", str(tmp_path / "doctor.json"))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -109,6 +110,7 @@ def test_a_read_only_run_directory_is_a_failed_check(tmp_path):
     assert left == []
 
 
+@pytest.mark.slow
 def test_preflight_runs_before_step_one_and_refuses_a_broken_device(micro_recipe_file, tmp_path, monkeypatch):
     from frugality.training import trainer
 

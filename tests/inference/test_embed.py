@@ -93,6 +93,7 @@ def test_embeddings_equal_sentence_transformers(tmp_path, texts_file, capsys):
     ]
 
 
+@pytest.mark.slow
 def test_a_killed_job_finishes_on_a_rerun_with_every_id_once(tmp_path, texts_file):
     common = [
         str(texts_file),

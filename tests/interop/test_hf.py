@@ -185,6 +185,7 @@ def test_a_config_that_disagrees_with_its_weights_or_a_cut_file_is_refused_at_im
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_export_or_import_is_one_line_and_leaves_nothing(tmp_path):
     """A real full disk (a 1 MiB tmpfs, tests/fulldisk.py) for a model of 12 MiB: export runs
     out of space while writing model.safetensors; import finds it will not fit before it

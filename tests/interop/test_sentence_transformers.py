@@ -66,6 +66,7 @@ def test_a_dense_module_frugality_cannot_run_is_refused_on_import(trained_run, t
     assert not (tmp_path / "imported").exists()
 
 
+@pytest.mark.slow
 def test_a_run_started_from_an_embedding_model_keeps_the_length_it_cuts_texts_to(
     frugality_cli, trained_run, tmp_path, micro_pairs_recipe_text
 ):

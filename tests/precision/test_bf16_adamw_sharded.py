@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 SCRIPT = """
@@ -71,6 +72,7 @@ def train(model, batch) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.distributed
 def test_two_ranks_update_their_shards_to_the_one_process_bits(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__))))

@@ -181,6 +181,7 @@ def test_a_client_that_leaves_frees_its_rows(decoder_server):
     assert _completion_tokens(decoder_server.url) - before < 16 * 64  # the 16 prompts did not all run to the end
 
 
+@pytest.mark.slow
 def test_sigterm_answers_the_requests_in_flight_and_exits_0(decoder_folder, generated):
     """A server of its own (under pytest-xdist a test of this file may run after it), with a
     drain window that outlasts its requests on a loaded machine (30 s ran out under -n 2)."""
@@ -215,6 +216,7 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(decoder_folder, gene
     assert any("stopped (" in line for line in server.lines)
 
 
+@pytest.mark.slow
 def test_what_the_drain_window_cuts_off_gets_a_503_error_object_and_a_log_line_each(decoder_folder):
     """SIGTERM with more decoding queued than a 0.5 s drain window lets finish (one row, 16
     requests of 100 tokens): those answered in time are 200s, the rest OpenAI's error

@@ -218,6 +218,7 @@ def test_the_listening_socket_says_it_is_tcp_so_connections_get_nodelay():
         sock.close()
 
 
+@pytest.mark.slow
 def test_an_int8_server_answers_within_int8s_measured_cosine_or_is_refused_in_one_line(reference):
     from frugality.errors import UserError
     from frugality.inference.encoder import int8_engine

@@ -22,6 +22,7 @@ def _train(recipe_file, run, fault, *args):
     return forked_cli.run("train", recipe_file, "--run-dir", run, "--no-progress", *args, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_kill_while_saving_is_retried_to_the_uninterrupted_bits(micro_recipe_file, tmp_path):
     recipe = load_recipe(str(micro_recipe_file))  # 8 steps, checkpoints at 4 and 8
     trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)

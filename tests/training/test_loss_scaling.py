@@ -83,6 +83,7 @@ def _final(recipe, run_dir):
     return model.state_dict(), optimizer.state_dict()
 
 
+@pytest.mark.slow
 def test_stop_and_resume_is_bit_identical_with_the_scale_and_its_counters(micro_recipe_file, tmp_path):
     # window 3 and overflows at the start: the checkpoint at step 3 is taken before any update
     # (Adam's step counts must stay 0 in it), then a window and a back-off follow

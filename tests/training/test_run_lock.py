@@ -18,6 +18,7 @@ from frugality.training import loop, trainer
 from frugality.training.run_dir import lock_path
 
 
+@pytest.mark.slow
 def test_a_second_train_on_a_directory_in_use_exits_2_naming_the_first(micro_recipe_file, tmp_path, monkeypatch):
     recipe = load_recipe(str(micro_recipe_file))
     trainer.train(recipe, run_dir=tmp_path / "alone", progress=False, tensorboard=False)

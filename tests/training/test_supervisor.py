@@ -40,6 +40,7 @@ def _script(tmp_path):
     return script
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_from_its_checkpoint_to_the_uninterrupted_bits(micro_recipe_file, tmp_path):
     recipe = load_recipe(str(micro_recipe_file))  # 8 steps, checkpoints at 4 and 8
     trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
@@ -61,6 +62,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_to_the_uninterrupted_bits(micr
     assert goodput["goodput"] == pytest.approx(goodput["productive_s"] / goodput["wall_s"], abs=2e-4)
 
 
+@pytest.mark.slow
 def test_a_run_that_dies_before_its_first_checkpoint_starts_over_with_its_files_kept_aside(micro_recipe_file, tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, str(_script(tmp_path)), str(micro_recipe_file), str(run), "2", str(tmp_path / "once")]
@@ -72,6 +74,7 @@ def test_a_run_that_dies_before_its_first_checkpoint_starts_over_with_its_files_
     assert [(a["cause"], a["checkpoint_after"]) for a in attempts] == [("killed by signal 9", 0), ("finished", 8)]
 
 
+@pytest.mark.slow
 def test_a_run_that_dies_before_any_checkpoint_twice_is_given_up(micro_recipe_file, tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, str(_script(tmp_path)), str(micro_recipe_file), str(run), "2", str(tmp_path / "always")]
@@ -79,6 +82,7 @@ def test_a_run_that_dies_before_any_checkpoint_twice_is_given_up(micro_recipe_fi
     assert len((run / "attempts.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_train_retries_supervises_the_same_command(micro_recipe_file, tmp_path):
     done = subprocess.run(
         [

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HANGS = """
 import sys, threading
 from frugality.config.recipe import load_recipe
@@ -22,6 +24,7 @@ trainer.train(load_recipe(sys.argv[1], ["train.step_timeout_s=4"]), run_dir=sys.
 """
 
 
+@pytest.mark.distributed
 def test_a_rank_stuck_in_a_step_ends_both_with_their_stacks(micro_recipe_file, tmp_path):
     script = tmp_path / "hangs.py"
     script.write_text(HANGS)
