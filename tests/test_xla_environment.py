@@ -71,6 +71,7 @@ def test_an_xla_device_without_torch_xla_or_with_a_mismatched_one_is_one_line(mi
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_commands_that_do_not_run_on_xla_yet_say_so_in_one_line(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "frugality", "bench", "train", "tiny", "--set", "train.device=xla"],
@@ -85,6 +86,7 @@ def test_commands_that_do_not_run_on_xla_yet_say_so_in_one_line(tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is installed here")
 def test_bench_train_on_xla_outside_its_environment_is_one_line():
     done = subprocess.run(

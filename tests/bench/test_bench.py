@@ -90,6 +90,7 @@ def test_bench_train_baseline_runs_transformers_at_another_precision(micro_recip
     assert rows[1]["state_bytes_per_param"] == 16 and rows[0]["speedup"] > 0
 
 
+@pytest.mark.slow
 def test_bench_train_races_every_peer_and_names_those_that_cannot_run(micro_recipe_file, tmp_path, monkeypatch):
     import functools
 
@@ -188,6 +189,7 @@ def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp
     assert main(["bench", "scale", str(micro_recipe_file), "--nproc", "1,2", "--tensor", "4"]) == 2
 
 
+@pytest.mark.slow
 def test_bench_infer_times_both_and_compares_their_outputs(tmp_path, capsys):
     import pytest
 

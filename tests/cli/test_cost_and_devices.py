@@ -183,6 +183,7 @@ def test_top_once_finds_a_running_job_and_ignores_a_dead_one(tmp_path, capsys):
     assert main(["top", "--json"]) == 2  # a live view is not for scripts
 
 
+@pytest.mark.slow
 def test_top_refreshes_in_a_terminal_and_quits_on_q(tmp_path):
     import pty
     import subprocess

@@ -131,6 +131,7 @@ def test_shipped_scale_recipes_compile_first_for_the_jobs_ranks(tmp_path):
     assert script.index("frugality compile") < script.index("frugality train")
 
 
+@pytest.mark.slow
 def test_a_full_disk_leaves_no_script_and_the_rerun_writes_it(micro_recipe_file, tmp_path):
     """A real full disk (a 4 KiB tmpfs, tests/fulldisk.py) for a 6 KB script: one line, no
     empty or partial script left that a rerun would find "exists"."""

@@ -116,6 +116,7 @@ def test_an_output_that_is_a_file_or_a_folder_where_the_other_goes_is_one_line_b
     assert _snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_a_full_disk_names_the_file_it_could_not_write(micro_recipe_file, tmp_path):
     """A real full disk (tests/fulldisk.py) under a run's first file and a dataset's parts:
     the one line names the file (a write's own error names none: it said "a file")."""

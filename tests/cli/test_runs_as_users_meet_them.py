@@ -264,6 +264,7 @@ def test_memory_a_batch_cannot_have_is_one_line_before_anything_is_written(micro
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_the_first_checkpoint_is_one_line(micro_recipe_file, tmp_path):
     disk = tmp_path / "disk"
     result = fulldisk.run_on_small_disk(

@@ -48,6 +48,7 @@ def _recipe(micro_recipe_file, cache, *extra):
     )
 
 
+@pytest.mark.slow
 def test_an_altered_signed_entry_is_refused_and_the_run_completes(
     micro_recipe_file, compiled_cache, tmp_path, monkeypatch, broken_compiler
 ):

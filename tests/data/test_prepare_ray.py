@@ -15,6 +15,7 @@ from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 
 
+@pytest.mark.slow
 def test_two_nodes_prepare_one_process_bytes_and_a_lost_worker_loses_nothing(ray_cluster, tmp_path):
     import ray
 

@@ -249,6 +249,7 @@ def test_parquet_row_groups_are_pieces_and_give_the_jsonl_bytes(tmp_path, tok):
         prepare([tmp_path / "b.parquet"], tok, tmp_path / "null", progress=False)
 
 
+@pytest.mark.slow
 def test_a_glob_of_s3_urls_prepares_the_local_files_bytes(s3_bucket, tmp_path, tok):
     """Inputs on S3 (a real endpoint on loopback): a glob of URLs, plain `.jsonl` read in
     ranges by two workers, gives the local files' bytes; a missing object is one line."""

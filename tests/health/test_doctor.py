@@ -176,6 +176,7 @@ except UserError as e:
 """
 
 
+@pytest.mark.slow
 def test_doctor_refuses_more_processes_than_train_would_run(frugality_cli, tmp_path):
     """`doctor --nproc N` beyond this machine's cores is refused as `train --nproc N` is (it
     passed before: the collectives ran, contending for the cores)."""

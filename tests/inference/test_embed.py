@@ -248,6 +248,7 @@ def test_a_decoder_is_refused(tmp_path, texts_file, capsys):
     assert "a gpt-neox model; `embed` takes an encoder (BERT family)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_rerun_redoes_damaged_shards_and_refuses_changed_input(tmp_path, texts_file, capsys):
     common = [
         "embed",
@@ -328,6 +329,7 @@ def test_a_directory_or_a_text_that_is_not_a_string_is_said_as_such(tmp_path, ca
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_leaves_only_complete_shards(tmp_path):
     """A real full disk (a 32 KiB tmpfs, tests/fulldisk.py): the job starts, writes its
     first shard (15 KiB of embeddings) and runs out of space in the second. One line naming

@@ -5,12 +5,14 @@ mid-shard (its shard goes back to the queue; nothing is lost)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from test_embed import MODEL, texts_file  # noqa: F401 - the module's inputs fixture
 
 from frugality.cli.main import main
 from frugality.inference.embed import read_embeddings
 
 
+@pytest.mark.slow
 def test_two_nodes_embed_as_one_machine_and_a_lost_actor_loses_nothing(ray_cluster, tmp_path, texts_file):  # noqa: F811
     common = [MODEL, str(texts_file), "--text-field", "body", "--id-field", "key", "--precision", "fp32"]
     common += ["--shard-size", "40", "--no-progress"]
@@ -32,6 +34,7 @@ def test_address_without_the_ray_engine_is_a_usage_error(tmp_path, texts_file, c
     assert "--address goes with --engine ray" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_infer_adds_the_ray_jobs_row(ray_cluster, tmp_path, capsys):
     import json
 

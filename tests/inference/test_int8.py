@@ -206,6 +206,7 @@ needs_onnxruntime = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @needs_onnxruntime
 def test_onnxruntime_int8_keeps_the_cosine_measured_to_fp32_and_is_exported_once(tmp_path, capsys, monkeypatch):
     """The engine for CPUs without AVX512-VNNI, asked for by name here (this CPU may have VNNI)."""

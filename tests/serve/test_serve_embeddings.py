@@ -84,6 +84,7 @@ def test_200_concurrent_requests_are_each_answered_with_their_own_vector(encoder
     assert calls < len(TEXTS)  # requests were batched together
 
 
+@pytest.mark.slow
 def test_a_text_longer_than_the_length_is_cut_as_embed_cuts_it_and_reported_by_both(encoder_server, tmp_path):
     """One policy for texts longer than the model's length (or --max-length; the server's is
     64): cut to it, as sentence-transformers cuts them, and reported: `embed` in its closing
@@ -155,6 +156,7 @@ def test_each_bad_request_is_its_4xx_and_the_server_goes_on(encoder_server, what
     assert ok.status_code == 200
 
 
+@pytest.mark.slow
 def test_a_full_queue_is_a_503_with_retry_after_and_the_server_recovers():
     server = Server(MINILM, "--name", "minilm", "--precision", "fp32", "--max-queue", "1", "--batch-tokens", "8")
     try:

@@ -65,6 +65,7 @@ def test_a_skipped_step_leaves_the_weights_and_the_optimizer_as_they_were(micro_
     assert state.loss_scaler.scale == 2.0**39
 
 
+@pytest.mark.slow
 def test_the_scale_doubles_after_a_window_without_an_overflow_and_training_matches_fp32(micro_recipe_file, tmp_path):
     _train(micro_recipe_file, tmp_path / "fp16", "train.loss_scale=16", "train.loss_scale_window=2")
     assert [r["loss_scale"] for r in _records(tmp_path / "fp16")] == [16, 16, 32, 32, 64, 64, 128, 128]
