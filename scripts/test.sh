@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite, in tiers (pyproject's markers):
+# The test suite, in tiers (pyproject's markers; docs/testing.md):
 #   ./scripts/test.sh        everything: the README's test command and CI's. The main tier in
 #                            .venv, and tests/xla in .venv-xla as a step of its own, started
 #                            first at the lowest priority so that it takes the cores the main
@@ -16,32 +16,45 @@ if [ "${1:-}" = "fast" ]; then
 fi
 [ "${1:-}" = "full" ] && shift
 
-xla_log="$(mktemp -d)"
-trap 'rm -rf "$xla_log"' EXIT
+xla="$(mktemp -d)"
 xla_pid=""
+stop_xla() {  # (its own session: stopped with what it started, on any end of this script)
+    [ -n "$xla_pid" ] && kill -- "-$xla_pid" 2>/dev/null
+    rm -rf "$xla"
+}
+trap stop_xla EXIT
+trap 'exit 130' INT TERM
 if .venv-xla/bin/python -c "import torch_xla" 2>/dev/null; then
-    (
-        PJRT_DEVICE=CPU nice -n 19 .venv-xla/bin/python -m pytest -q -p no:cacheprovider tests/xla \
-            >"$xla_log/out" 2>&1
-        echo $? >"$xla_log/status"
-    ) &
+    # the bridge test's checks (tests/test_xla_environment.py), as a step: a time limit, and
+    # every XLA test passed, none skipped
+    setsid -w bash -c 'PJRT_DEVICE=CPU nice -n 19 timeout 1800 "$1" -m pytest -q -p no:cacheprovider tests/xla \
+        >"$2/out" 2>&1; echo $? >"$2/status"' _ .venv-xla/bin/python "$xla" &
     xla_pid=$!
 elif [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
-    echo "tests/xla: .venv-xla has no torch_xla; ./scripts/setup.sh --test (or --xla) makes it" >"$xla_log/out"
-    echo 1 >"$xla_log/status"
+    echo "tests/xla: .venv-xla has no torch_xla; ./scripts/setup.sh --test (or --xla) makes it" >"$xla/out"
+    echo 1 >"$xla/status"
 else  # torch-xla has wheels for Linux x86-64 only
-    echo "tests/xla: skipped (torch-xla has wheels for Linux x86-64 only)" >"$xla_log/out"
-    echo 0 >"$xla_log/status"
+    echo "tests/xla: not run (torch-xla has wheels for Linux x86-64 only)" >"$xla/out"
+    echo 0 >"$xla/status"
 fi
 
-# the XLA bridge test deselected: the step above runs what it would start
+# the XLA bridge test deselected: the step above runs what it would start, as it checks it
 .venv/bin/python -m pytest -q -m "not xla" --durations=25 "$@"
 main=$?
 
 [ -n "$xla_pid" ] && wait "$xla_pid"
+xla_pid=""
+status="$(cat "$xla/status" 2>/dev/null || echo 1)"
+last="$(grep -v '^\s*$' "$xla/out" | tail -n 1)"
+if [ "$status" -eq 0 ] && { [ ! -s "$xla/out" ] || ! grep -q " passed" <<<"$last" || grep -q "skipped" <<<"$last"; }; then
+    case "$last" in "tests/xla: not run"*) ;; *) status="1 (not every XLA test ran and passed)" ;; esac
+fi
 echo
-echo "--- tests/xla in .venv-xla (the XLA step):"
-tail -n 40 "$xla_log/out"
-xla="$(cat "$xla_log/status" 2>/dev/null || echo 1)"
-echo "main tier: exit $main; XLA step: exit $xla"
-[ "$main" -eq 0 ] && [ "$xla" -eq 0 ]
+if [ "$status" = 0 ]; then
+    echo "--- tests/xla in .venv-xla (the XLA step): $last"
+else
+    echo "--- tests/xla in .venv-xla (the XLA step) failed, exit $status:"
+    cat "$xla/out"
+fi
+echo "main tier: exit $main; XLA step: exit $status"
+[ "$main" -eq 0 ] && [ "$status" = 0 ]

@@ -27,7 +27,7 @@ def _mark_tiers(items) -> None:
     """Marks a test's folder or name implies (tests/distributed: distributed; the README and
     XLA tests), then `fast` on every test with none of TIERS."""
     for item in items:
-        path = Path(str(item.fspath))
+        path = Path(str(item.fspath)).relative_to(ROOT)  # (a clone under a folder named xla marks nothing)
         if "distributed" in path.parts:
             item.add_marker(pytest.mark.distributed)
         if item.name == README_TEST:

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # Variables read when torch and its libraries load (or by the interpreter): a command whose
@@ -53,7 +54,7 @@ PRELOAD = (
 )
 
 _SERVER = r"""
-import atexit, importlib, json, os, signal, socket, sys, traceback
+import atexit, importlib, json, os, random, select, signal, socket, sys, threading, traceback
 from frugality.cli import main  # the console script's (before frugality.cli.main, the module, shadows it)
 for name in sys.argv[2].split(","):
     importlib.import_module(name)
@@ -62,12 +63,23 @@ listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 listener.bind(sys.argv[1])
 listener.listen(1)
 print("ready", flush=True)
+
+
+def answer(conn, message):
+    try:
+        conn.sendall((json.dumps(message) + "\n").encode())
+    except OSError:  # the client gave up (a time-out): it stops the command itself
+        pass
+
+
 while True:
+    # the test process holds our stdin: its end (however it ends) ends this server
+    ready, _, _ = select.select([listener, sys.stdin], [], [])
+    if sys.stdin in ready:
+        break
     conn, _ = listener.accept()
-    with conn, conn.makefile("rwb") as stream:
-        request = json.loads(stream.readline())
-        if request is None:
-            break
+    with conn:
+        request = json.loads(conn.makefile("rb").readline())
         pid = os.fork()
         if pid == 0:  # the command
             status = 1
@@ -83,24 +95,26 @@ while True:
                 os.environ.clear()
                 os.environ.update(request["env"])
                 sys.argv = ["frugality", *request["args"]]
+                random.seed()  # (not the server's sequence in every command)
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 status = main(request["args"])
-            except SystemExit as e:
+            except SystemExit as e:  # as the interpreter ends on it
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
                 status = e.code if isinstance(e.code, int) else int(e.code is not None)
             except BaseException:
                 traceback.print_exc()
             finally:
-                try:
+                try:  # what a process's end does: its threads joined, then the exit functions
+                    threading._shutdown()
                     atexit._run_exitfuncs()
                     sys.stdout.flush()
                     sys.stderr.flush()
                 finally:
                     os._exit(status if isinstance(status, int) else 1)
-        stream.write((json.dumps({"pid": pid}) + "\n").encode())
-        stream.flush()
+        answer(conn, {"pid": pid})
         _, waited = os.waitpid(pid, 0)
-        stream.write((json.dumps({"status": os.waitstatus_to_exitcode(waited)}) + "\n").encode())
-        stream.flush()
+        answer(conn, {"status": os.waitstatus_to_exitcode(waited)})
 """
 
 
@@ -115,12 +129,14 @@ class ForkedCLI:
                 [sys.executable, "-c", _SERVER, self.address, ",".join(PRELOAD)],
                 stdout=subprocess.PIPE,
                 stderr=said,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,  # closed when this process ends, however: the server then ends
                 text=True,
                 start_new_session=True,
             )
         if self.server.stdout.readline().strip() != "ready":  # (a socket path too long, ...): fresh processes
             self.server.wait()
+        self.said_at_import = self.imports_said.read_text()  # (what the server prints later is its own)
+        self.running: int | None = None  # the command's process group while one runs
 
     def forkable(self, env: dict) -> bool:
         """Whether `env` leaves what torch read at import as the server read it."""
@@ -156,37 +172,39 @@ class ForkedCLI:
             files = {name: Path(scratch) / name for name in ("stdin", "stdout", "stderr")}
             files["stdin"].write_text(input or "")
             files["stdout"].touch()
-            files["stderr"].write_text(self.imports_said.read_text())  # (what a fresh start prints first)
+            files["stderr"].write_text(self.said_at_import)  # (what a fresh start prints first)
             request = {
                 "args": args,
                 "cwd": str(Path(cwd or os.getcwd()).absolute()),
                 "env": env,
                 **{name: str(path) for name, path in files.items()},
             }
+            deadline = time.monotonic() + timeout
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                conn.settimeout(timeout)  # (the server runs one command at a time)
+                conn.settimeout(timeout)
                 conn.connect(self.address)
-                stream = conn.makefile("rwb")
-                stream.write((json.dumps(request) + "\n").encode())
-                stream.flush()
-                pid = json.loads(stream.readline())["pid"]
+                conn.sendall((json.dumps(request) + "\n").encode())
+                replies = _Replies(conn, deadline)
                 try:
-                    status = json.loads(stream.readline())["status"]
-                except (TimeoutError, socket.timeout):
-                    _stop_group(pid)
-                    stream.readline()  # the server reaps it
-                    raise subprocess.TimeoutExpired(["frugality", *args], timeout) from None
+                    self.running = replies.next()["pid"]
+                    status = replies.next()["status"]
+                except BaseException as e:  # a time-out (ours or pytest's), an interrupt: the command stops too
+                    if self.running is not None:
+                        _stop_group(self.running)
+                    if isinstance(e, TimeoutError):
+                        raise subprocess.TimeoutExpired(["frugality", *args], timeout) from None
+                    raise
                 finally:
-                    stream.close()
+                    self.running = None
             read = lambda name: files[name].read_text(errors="replace")
             return subprocess.CompletedProcess(["frugality", *args], status, read("stdout"), read("stderr"))
 
     def close(self) -> None:
+        if self.running is not None:
+            _stop_group(self.running)
         if self.server.poll() is None:
             try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                    conn.connect(self.address)
-                    conn.sendall(b"null\n")
+                self.server.stdin.close()  # (the server ends at its stdin's end)
                 self.server.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):
                 _stop_group(self.server.pid)
@@ -194,6 +212,29 @@ class ForkedCLI:
         import shutil
 
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class _Replies:
+    """The server's JSON lines on `conn`, each awaited until `deadline` (TimeoutError past it)."""
+
+    def __init__(self, conn: socket.socket, deadline: float) -> None:
+        self.conn, self.deadline, self.buffer = conn, deadline, b""
+
+    def next(self) -> dict:
+        while b"\n" not in self.buffer:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self.conn.settimeout(left)
+            try:
+                chunk = self.conn.recv(4096)
+            except socket.timeout:
+                raise TimeoutError from None
+            if not chunk:
+                raise ConnectionError("the forked CLI's server ended")
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return json.loads(line)
 
 
 def _stop_group(pid: int) -> None:

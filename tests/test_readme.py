@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from readme_env import ReaderEnvironment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,6 +181,7 @@ def test_the_readme_lists_what_this_test_runs():
     assert all(not c.startswith("tensorboard") for c in commands)  # prose, not a block
 
 
+@pytest.mark.timeout(1800)  # (the slowest CPU kind, with empty caches)
 def test_every_readme_command_runs_as_written_in_order(tmp_path):
     root = tmp_path / "clone"
     root.mkdir()

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
 
 
+@pytest.mark.timeout(1800)  # (the slowest CPU kind, with empty caches)
 def test_the_xla_tests_pass_in_their_environment(xla_tests):
     if importlib.util.find_spec("torch_xla") is not None:
         pytest.skip("this is the XLA environment: tests/xla run here directly")
