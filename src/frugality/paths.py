@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from frugality.errors import UserError
+
 
 def cache_dir() -> Path:
     """$FRUGALITY_CACHE, else $XDG_CACHE_HOME/frugality, else ~/.cache/frugality."""
@@ -22,8 +24,6 @@ def cache_dir() -> Path:
 def check_output_folder(path: str | Path, what: str) -> None:
     """An output folder (`what` names it: '--out', 'run directory'): absent (made later) or
     a folder, and no folder above it a file; else a UserError before anything is written."""
-    from frugality.errors import UserError
-
     path = Path(path)
     for above in (path, *path.parents):
         if not above.exists():
@@ -37,8 +37,6 @@ def check_output_folder(path: str | Path, what: str) -> None:
 
 def check_output_file(path: str | Path, what: str) -> None:
     """An output file: not a folder, and in a folder that exists."""
-    from frugality.errors import UserError
-
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{what} {path}: a folder; give a file's path, e.g. {path / 'out.jsonl'}")

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 from frugality.cli.main import main
 
-FRUGALITY = str(Path(sys.executable).with_name("frugality"))
 KEY = "fleet-key-of-32-random-characters"  # the micro_compiled fixture's
 
 
