@@ -9,11 +9,14 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     """The console script: the commands (`frugality.cli.main`), with a Ctrl-C that comes
     while they are still being imported ending as one mid-command does (exit 130, no
-    traceback)."""
-    try:
-        from frugality.cli.main import main as run
+    traceback), once the import is over (`interrupts`)."""
+    from frugality.cli.interrupts import InterruptsAfterImports
 
-        status = run(argv)
+    try:
+        with InterruptsAfterImports():
+            from frugality.cli.main import main as run
+
+            status = run(argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         status = 130
