@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -39,6 +40,17 @@ IMPORT_TIME_NAMES = (
     "TMP",
     "TEMP",
 )
+
+
+def import_time(env: dict) -> dict:
+    """The part of `env` that torch, its libraries or the interpreter read when they load
+    (torchrun's TORCHELASTIC_* variables are read later, by the rank)."""
+    return {
+        name: value
+        for name, value in env.items()
+        if (name.startswith(IMPORT_TIME) and not name.startswith("TORCHELASTIC_")) or name in IMPORT_TIME_NAMES
+    }
+
 
 # The modules a command imports (its own and torch's heavy ones), loaded once by the server.
 PRELOAD = (
@@ -72,57 +84,62 @@ def answer(conn, message):
         pass
 
 
+def waited(conn, pid):
+    with conn:
+        _, status = os.waitpid(pid, 0)
+        answer(conn, {"status": os.waitstatus_to_exitcode(status)})
+
+
 while True:
     # the test process holds our stdin: its end (however it ends) ends this server
     ready, _, _ = select.select([listener, sys.stdin], [], [])
     if sys.stdin in ready:
         break
     conn, _ = listener.accept()
-    with conn:
-        request = json.loads(conn.makefile("rb").readline())
-        pid = os.fork()
-        if pid == 0:  # the command
-            status = 1
-            try:
-                listener.close()
-                os.setsid()  # its own process group: a time-out stops it and what it started
-                for fd, path, mode in ((0, request["stdin"], os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
-                                       (2, request["stderr"], os.O_WRONLY | os.O_APPEND)):
-                    opened = os.open(path, mode)
-                    os.dup2(opened, fd)
-                    os.close(opened)
-                os.chdir(request["cwd"])
-                os.environ.clear()
-                os.environ.update(request["env"])
-                sys.argv = ["frugality", *request["args"]]
-                random.seed()  # (not the server's sequence in every command)
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                status = main(request["args"])
-            except SystemExit as e:  # as the interpreter ends on it
-                if isinstance(e.code, str):
-                    print(e.code, file=sys.stderr)
-                status = e.code if isinstance(e.code, int) else int(e.code is not None)
-            except BaseException:
-                traceback.print_exc()
+    request = json.loads(conn.makefile("rb").readline())
+    pid = os.fork()
+    if pid == 0:  # the command
+        status = 1
+        try:
+            listener.close()
+            os.setsid()  # its own process group: a time-out stops it and what it started
+            for fd, path, mode in ((0, request["stdin"], os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
+                                   (2, request["stderr"], os.O_WRONLY | os.O_APPEND)):
+                opened = os.open(path, mode)
+                os.dup2(opened, fd)
+                os.close(opened)
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update(request["env"])
+            sys.argv = ["frugality", *request["args"]]
+            random.seed()  # (not the server's sequence in every command)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            status = main(request["args"])
+        except SystemExit as e:  # as the interpreter ends on it
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            status = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            try:  # what a process's end does: its threads joined, then the exit functions
+                threading._shutdown()
+                atexit._run_exitfuncs()
+                sys.stdout.flush()
+                sys.stderr.flush()
             finally:
-                try:  # what a process's end does: its threads joined, then the exit functions
-                    threading._shutdown()
-                    atexit._run_exitfuncs()
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(status if isinstance(status, int) else 1)
-        answer(conn, {"pid": pid})
-        _, waited = os.waitpid(pid, 0)
-        answer(conn, {"status": os.waitstatus_to_exitcode(waited)})
+                os._exit(status if isinstance(status, int) else 1)
+    answer(conn, {"pid": pid})
+    # several commands at once (the ranks of a run): a thread waits for each
+    threading.Thread(target=waited, args=(conn, pid), daemon=True).start()
 """
 
 
 class ForkedCLI:
-    def __init__(self) -> None:
+    def __init__(self, env: dict | None = None) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="forked-cli-"))
         self.address = str(self.folder / "socket")
-        self.env = dict(os.environ)  # what the server loaded with
+        self.env = dict(os.environ if env is None else env)  # what the server loads with
         self.imports_said = self.folder / "imports.stderr"
         with open(self.imports_said, "w") as said:
             self.server = subprocess.Popen(
@@ -131,19 +148,17 @@ class ForkedCLI:
                 stderr=said,
                 stdin=subprocess.PIPE,  # closed when this process ends, however: the server then ends
                 text=True,
+                env=self.env,
                 start_new_session=True,
             )
         if self.server.stdout.readline().strip() != "ready":  # (a socket path too long, ...): fresh processes
             self.server.wait()
         self.said_at_import = self.imports_said.read_text()  # (what the server prints later is its own)
-        self.running: int | None = None  # the command's process group while one runs
+        self.running: set[int] = set()  # the process groups of the commands running
 
     def forkable(self, env: dict) -> bool:
         """Whether `env` leaves what torch read at import as the server read it."""
-        names = set(env) | set(self.env)
-        return not any(
-            env.get(n) != self.env.get(n) for n in names if n.startswith(IMPORT_TIME) or n in IMPORT_TIME_NAMES
-        )
+        return import_time(env) == import_time(self.env)
 
     def __call__(
         self,
@@ -168,40 +183,34 @@ class ForkedCLI:
                 timeout=timeout,
                 input=input,
             )
-        with tempfile.TemporaryDirectory(dir=self.folder) as scratch:
-            files = {name: Path(scratch) / name for name in ("stdin", "stdout", "stderr")}
-            files["stdin"].write_text(input or "")
-            files["stdout"].touch()
-            files["stderr"].write_text(self.said_at_import)  # (what a fresh start prints first)
-            request = {
-                "args": args,
-                "cwd": str(Path(cwd or os.getcwd()).absolute()),
-                "env": env,
-                **{name: str(path) for name, path in files.items()},
-            }
-            deadline = time.monotonic() + timeout
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                conn.settimeout(timeout)
-                conn.connect(self.address)
-                conn.sendall((json.dumps(request) + "\n").encode())
-                replies = _Replies(conn, deadline)
-                try:
-                    self.running = replies.next()["pid"]
-                    status = replies.next()["status"]
-                except BaseException as e:  # a time-out (ours or pytest's), an interrupt: the command stops too
-                    if self.running is not None:
-                        _stop_group(self.running)
-                    if isinstance(e, TimeoutError):
-                        raise subprocess.TimeoutExpired(["frugality", *args], timeout) from None
-                    raise
-                finally:
-                    self.running = None
-            read = lambda name: files[name].read_text(errors="replace")
-            return subprocess.CompletedProcess(["frugality", *args], status, read("stdout"), read("stderr"))
+        command = self.start(args, cwd, env, input, time.monotonic() + timeout)
+        with command:
+            return command.wait(timeout)
+
+    def start(self, args: list[str], cwd, env: dict, input: str | None, deadline: float) -> _Command:
+        """A command forked and started: its pid known, its end not awaited."""
+        command = _Command(self, args, input)
+        request = {
+            "args": args,
+            "cwd": str(Path(cwd or os.getcwd()).absolute()),
+            "env": env,
+            **{name: str(path) for name, path in command.files.items()},
+        }
+        command.conn.settimeout(max(0.1, deadline - time.monotonic()))
+        command.conn.connect(self.address)
+        command.conn.sendall((json.dumps(request) + "\n").encode())
+        command.replies = _Replies(command.conn, deadline)
+        try:
+            command.pid = command.replies.next()["pid"]
+        except BaseException:
+            command.close()
+            raise
+        self.running.add(command.pid)
+        return command
 
     def close(self) -> None:
-        if self.running is not None:
-            _stop_group(self.running)
+        for pid in list(self.running):
+            _stop_group(pid)
         if self.server.poll() is None:
             try:
                 self.server.stdin.close()  # (the server ends at its stdin's end)
@@ -212,6 +221,65 @@ class ForkedCLI:
         import shutil
 
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class _Command:
+    """One forked command: its standard streams in files, its status read from the server."""
+
+    def __init__(self, server: ForkedCLI, args: list[str], input: str | None) -> None:
+        self.server, self.args = server, args
+        self.scratch = tempfile.mkdtemp(dir=server.folder)
+        self.files = {name: Path(self.scratch) / name for name in ("stdin", "stdout", "stderr")}
+        self.files["stdin"].write_text(input or "")
+        self.files["stdout"].touch()
+        self.files["stderr"].write_text(server.said_at_import)  # (what a fresh start prints first)
+        self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.pid: int | None = None
+        self.replies: _Replies | None = None
+        self.status: int | None = None
+
+    def __enter__(self) -> _Command:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def poll(self, until: float) -> int | None:
+        """Its exit status once it ended, waiting until `until` (monotonic) at most."""
+        if self.status is None:
+            self.replies.deadline = until
+            try:
+                self.status = self.replies.next()["status"]
+            except TimeoutError:
+                return None
+            self.server.running.discard(self.pid)
+        return self.status
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        """Its end (stopped past `timeout`, or on an interrupt), as subprocess.run returns it."""
+        try:
+            if self.poll(time.monotonic() + timeout) is None:
+                raise subprocess.TimeoutExpired(["frugality", *self.args], timeout)
+        except BaseException:  # a time-out (ours or pytest's), an interrupt: the command stops too
+            self.stop()
+            raise
+        return self.result()
+
+    def result(self) -> subprocess.CompletedProcess:
+        read = lambda name: self.files[name].read_text(errors="replace")
+        return subprocess.CompletedProcess(["frugality", *self.args], self.status, read("stdout"), read("stderr"))
+
+    def stop(self) -> None:
+        if self.pid is not None and self.status is None:
+            _stop_group(self.pid)
+
+    def close(self) -> None:
+        self.stop()
+        self.server.running.discard(self.pid)
+        self.conn.close()
+        import shutil
+
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 class _Replies:
@@ -244,16 +312,97 @@ def _stop_group(pid: int) -> None:
         pass
 
 
-_shared: list[ForkedCLI] = []
+_servers: dict[frozenset, ForkedCLI] = {}
+MAX_SERVERS = 4  # (an environment beyond them: fresh processes)
 
 
-def run(*args, **kw) -> subprocess.CompletedProcess:
-    """`frugality ARGS` on this test process's one server (started at its first use, closed
-    when the process ends): what the `frugality_cli` fixture and the test modules' own
-    helpers call."""
-    if not _shared:
+def _server(env: dict) -> ForkedCLI:
+    """This test process's server for `env`'s import-time variables (started at its first use,
+    closed when the process ends); past MAX_SERVERS, the first one (which then starts fresh
+    processes for `env`)."""
+    key = frozenset(import_time(env).items())
+    if key not in _servers and len(_servers) < MAX_SERVERS:
         import atexit
 
-        _shared.append(ForkedCLI())
-        atexit.register(_shared[0].close)
-    return _shared[0](*args, **kw)
+        loads_with = {n: v for n, v in os.environ.items() if n not in import_time(os.environ)} | import_time(env)
+        _servers[key] = ForkedCLI(loads_with)
+        atexit.register(_servers[key].close)
+    return _servers.get(key) or next(iter(_servers.values()))
+
+
+def run(*args, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """`frugality ARGS` forked from a server that imported with `env`'s import-time variables
+    (default: this process's environment): what the `frugality_cli` fixture and the test
+    modules' own helpers call."""
+    return _server(os.environ if env is None else env)(*args, env=env, **kw)
+
+
+def ranks(nproc: int, *args, cwd=None, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=NPROC -m frugality ARGS`, its ranks forked
+    from a server: each rank gets the variables torchrun's agent sets (ranks, world sizes, the
+    rendezvous address, rank 0 hosting the store, OMP_NUM_THREADS=1 unless set) and the
+    others are stopped when one fails, as torchrun does. Their outputs come one after the
+    other in rank order (torchrun's ranks write to its streams as they go); the exit status
+    is 0, or 1 as torchrun's after a failed rank, with a line per failed rank in stderr.
+    What torchrun itself does (its agent, its messages, a rank killed by a signal) is tested
+    through torchrun: `frugality train --nproc`, tests/distributed/test_process_exit.py."""
+    args = [str(a) for a in args]
+    env = {**(os.environ if env is None else env)}
+    env.setdefault("OMP_NUM_THREADS", "1")  # (torchrun's default for several ranks a node)
+    server = _server(env)
+    if not server.forkable(env) or server.server.poll() is not None:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+            + ["-m", "frugality", *args],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    import uuid
+
+    with socket.socket() as free:  # (rank 0's store binds it again at once)
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    launcher = {
+        **{"GROUP_RANK": "0", "ROLE_NAME": "default", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"},
+        **{"LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc)},
+        **{"MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": uuid.uuid4().hex},
+        **{
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+        },
+    }
+    deadline = time.monotonic() + timeout
+    commands: list[_Command] = []
+    try:
+        for rank in range(nproc):
+            rank_env = env | launcher | {"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+            commands.append(server.start(args, cwd, rank_env, None, deadline))
+        while any(c.status is None for c in commands):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["torchrun", *args], timeout)
+            running = [c for c in commands if c.status is None]
+            readable, _, _ = select.select([c.conn for c in running], [], [], 0.2)
+            for c in running:
+                c.poll(time.monotonic() + (0.2 if c.conn in readable else 0))
+            if any(c.status not in (None, 0) for c in commands):
+                for c in commands:  # torchrun stops the others: they would wait in collectives
+                    c.stop()
+                for c in commands:
+                    c.poll(time.monotonic() + 10)
+                break
+        results = [c.result() for c in commands]
+    finally:
+        for c in commands:
+            c.close()
+    failed = [(rank, r.returncode) for rank, r in enumerate(results) if r.returncode not in (None, 0)]
+    said = "".join(f"rank {rank} of {nproc} failed with exit status {status}\n" for rank, status in failed)
+    return subprocess.CompletedProcess(
+        ["torchrun", *args],
+        1 if failed or any(r.returncode is None for r in results) else 0,
+        "".join(r.stdout for r in results),
+        "".join(r.stderr for r in results) + said,
+    )

@@ -1,20 +1,21 @@
 """Runs of `frugality train` for the multi-process tests: in one process, or in several
-started by torchrun (gloo on CPU), and the losses a run logged."""
+started as torchrun starts them (gloo on CPU), and the losses a run logged."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
+
+import forked_cli
 
 STEPS = "train.steps=10"  # a model-parallel test's runs, and the one-process run each is compared with
 
 
 def train(recipe_file, run_dir, nproc: int, *overrides: str, extra=()) -> subprocess.CompletedProcess:
-    frugality = [
-        "-m",
-        "frugality",
+    """`frugality train` in one process, or in `nproc` ranks as torchrun starts them, each
+    forked from a process that has imported torch and frugality (tests/forked_cli.py)."""
+    args = [
         "train",
         str(recipe_file),
         "--run-dir",
@@ -23,13 +24,11 @@ def train(recipe_file, run_dir, nproc: int, *overrides: str, extra=()) -> subpro
         *(a for o in overrides for a in ("--set", o)),
         *extra,
     ]
-    launch = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        if nproc > 1
-        else [sys.executable]
-    )
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    done = subprocess.run(launch + frugality, capture_output=True, text=True, env=env, timeout=600)
+    if nproc > 1:
+        done = forked_cli.ranks(nproc, *args, env=env, timeout=600)
+    else:
+        done = forked_cli.run(*args, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
