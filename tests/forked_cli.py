@@ -39,6 +39,7 @@ IMPORT_TIME_NAMES = (
     "TMPDIR",
     "TMP",
     "TEMP",
+    "FRUGALITY_README_HIDDEN",  # (what the README test's sitecustomize hides, read at start-up)
 )
 
 
@@ -312,22 +313,26 @@ def _stop_group(pid: int) -> None:
         pass
 
 
-_servers: dict[frozenset, ForkedCLI] = {}
-MAX_SERVERS = 4  # (an environment beyond them: fresh processes)
+_servers: dict[frozenset, ForkedCLI] = {}  # (in the order of their last use)
+MAX_SERVERS = 4  # (past them the one used least lately, if idle, is closed)
 
 
 def _server(env: dict) -> ForkedCLI:
     """This test process's server for `env`'s import-time variables (started at its first use,
-    closed when the process ends); past MAX_SERVERS, the first one (which then starts fresh
-    processes for `env`)."""
+    closed when the process ends or when MAX_SERVERS others were used after it)."""
     key = frozenset(import_time(env).items())
-    if key not in _servers and len(_servers) < MAX_SERVERS:
-        import atexit
-
+    if key not in _servers:
+        idle = [k for k, server in _servers.items() if not server.running]
+        if len(_servers) >= MAX_SERVERS and idle:
+            _servers.pop(idle[0]).close()
         loads_with = {n: v for n, v in os.environ.items() if n not in import_time(os.environ)} | import_time(env)
         _servers[key] = ForkedCLI(loads_with)
-        atexit.register(_servers[key].close)
-    return _servers.get(key) or next(iter(_servers.values()))
+        if len(_servers) == 1:
+            import atexit
+
+            atexit.register(lambda: [server.close() for server in _servers.values()])
+    _servers[key] = _servers.pop(key)  # (the last used, last)
+    return _servers[key]
 
 
 def run(*args, env: dict | None = None, **kw) -> subprocess.CompletedProcess:

@@ -92,6 +92,7 @@ class ReaderEnvironment:
         self.hook = folder / "sitecustomize"
         self.hook.mkdir(parents=True, exist_ok=True)
         (self.hook / "sitecustomize.py").write_text(_HOOK)
+        self.written = 0
         self._write()
 
     def follow(self, command: str) -> bool:
@@ -127,11 +128,15 @@ class ReaderEnvironment:
         for module, dists in metadata.packages_distributions().items():
             if not any(_key(d) in self.installed for d in dists):
                 hidden.add(module)
-        (self.folder / "hidden.json").write_text(json.dumps(sorted(hidden)))
+        # a file of its own each time: the hook reads it at start-up, and a process that
+        # started with one state (tests/forked_cli.py's servers) keeps it
+        self.written += 1
+        self.hidden_file = self.folder / f"hidden-{self.written}.json"
+        self.hidden_file.write_text(json.dumps(sorted(hidden)))
 
     def env(self, base: dict) -> dict:
         path = base.get("PYTHONPATH")
         return base | {
             "PYTHONPATH": str(self.hook) + (f":{path}" if path else ""),
-            "FRUGALITY_README_HIDDEN": str(self.folder / "hidden.json"),
+            "FRUGALITY_README_HIDDEN": str(self.hidden_file),
         }

@@ -6,6 +6,9 @@ own install commands give (tests/readme_env.py hides the rest of the test enviro
 Each command must keep its promise: the file, figure or line it says it gives.
 
 What differs from a reader's session, and only that:
+- a `frugality` command's process is forked from one that imported torch and frugality with
+  the reader's environment (tests/forked_cli.py), after bash expanded its words; `serve`
+  and what the commands start themselves (`--nproc`'s ranks) are fresh processes;
 - each `train` trains two steps (`--set train.steps=2`: the warm-up is cut to them, as for a
   reader), and so evaluates at its end, over at most 64 held-out samples;
 - caches (frugality's, Inductor's) start empty in a folder of the test's, as on a new machine;
@@ -173,6 +176,21 @@ def _serve(command: str, root: Path, env: dict) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, server.returncode, out, log.read_text())
 
 
+def _run(command: str, root: Path, env: dict) -> subprocess.CompletedProcess:
+    """`command` through bash; a `frugality` command's words as bash expands them (globs,
+    quotes), its process forked from one that imported torch and frugality in the reader's
+    environment (tests/forked_cli.py: a server per state of the reader's packages)."""
+    words = shlex.split(command)
+    if not words[0].endswith("frugality"):
+        return subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    expanded = subprocess.run(
+        ["bash", "-c", f"printf '%s\\0' {command}"], cwd=root, env=env, capture_output=True, text=True, check=True
+    )
+    import forked_cli
+
+    return forked_cli.run(*expanded.stdout.split("\0")[1:-1], cwd=root, env=env, timeout=900)
+
+
 def test_the_readme_lists_what_this_test_runs():
     commands = readme_commands(README.read_text())
     assert commands[0] == "./scripts/setup.sh" and commands[1] == ".venv/bin/frugality train"
@@ -203,9 +221,7 @@ def test_every_readme_command_runs_as_written_in_order(tmp_path):
         if shlex.split(command)[1:2] == ["serve"]:
             done = _serve(tested, root, env)
         else:
-            done = subprocess.run(
-                ["bash", "-c", tested], cwd=root, env=env, capture_output=True, text=True, timeout=900
-            )
+            done = _run(tested, root, env)
         allowed = (0, 1) if shlex.split(command)[1:2] == ["compare"] else (0,)
         assert done.returncode in allowed and "Traceback" not in done.stderr, (
             f"{tested}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
