@@ -267,6 +267,20 @@ def micro_recipe_file(tmp_path) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def micro_reference_run(tmp_path_factory) -> Path:
+    """The micro recipe trained straight through (8 steps, checkpoints at 4 and 8) in this
+    process, once a session: the run that resumed, retried and recovered runs must equal to
+    the bit. Read only: a test that changes a run copies it first."""
+    from frugality.config.recipe import load_recipe
+    from frugality.training import trainer
+
+    folder = tmp_path_factory.mktemp("micro-reference")
+    (folder / "micro.toml").write_text(MICRO_RECIPE)
+    trainer.train(load_recipe(str(folder / "micro.toml")), run_dir=folder / "run", progress=False, tensorboard=False)
+    return folder / "run"
+
+
 # An encoder trained contrastively on WordNet pairs, a step in milliseconds.
 MICRO_PAIRS_RECIPE = """
 name = "micro-pairs"

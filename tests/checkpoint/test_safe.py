@@ -146,7 +146,7 @@ def _legacy_rng(state):
     }
 
 
-def test_a_checkpoint_from_before_json_state_resumes_bit_identically(trained, tmp_path):
+def test_a_checkpoint_from_before_json_state_resumes_bit_identically(trained, tmp_path, micro_reference_run):
     """Rewrite step 4 the way frugality wrote checkpoints before (training state pickled, no
     manifest), resume to step 8, and compare with an uninterrupted run."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -155,7 +155,6 @@ def test_a_checkpoint_from_before_json_state_resumes_bit_identically(trained, tm
     from frugality.runtime.optim import build_optimizer
 
     recipe = load_recipe(str(trained / "micro.toml"))
-    trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
     run, checkpoint = _copy(trained, tmp_path)
     model = build_model(recipe.model)
     optimizer = build_optimizer(model, recipe.optim)
@@ -174,13 +173,13 @@ def test_a_checkpoint_from_before_json_state_resumes_bit_identically(trained, tm
         resumed = trainer.train(recipe, run_dir=run, progress=False, tensorboard=False)
     assert resumed.start_step == 4 and resumed.final_step == 8
     (weights_a, extra_a), (weights_b, extra_b) = (
-        _final_weights(recipe, tmp_path / "straight"),
+        _final_weights(recipe, micro_reference_run),
         _final_weights(recipe, run),
     )
     for name, tensor in weights_a.items():
         assert torch.equal(tensor, weights_b[name]), name
     assert extra_a == extra_b  # data position and every RNG state
-    assert _train_losses(tmp_path / "straight") == _train_losses(run)
+    assert _train_losses(micro_reference_run) == _train_losses(run)
 
 
 def test_read_metadata_refuses_what_is_not_dcp_metadata(tmp_path):

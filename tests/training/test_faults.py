@@ -13,7 +13,6 @@ from test_trainer import _assert_identical, _final_state, _train_losses
 
 from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
-from frugality.training import trainer
 from frugality.training.callbacks.faults import parse
 
 
@@ -23,16 +22,15 @@ def _train(recipe_file, run, fault, *args):
 
 
 @pytest.mark.slow
-def test_a_kill_while_saving_is_retried_to_the_uninterrupted_bits(micro_recipe_file, tmp_path):
+def test_a_kill_while_saving_is_retried_to_the_uninterrupted_bits(micro_recipe_file, tmp_path, micro_reference_run):
     recipe = load_recipe(str(micro_recipe_file))  # 8 steps, checkpoints at 4 and 8
-    trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
     done = _train(
         micro_recipe_file, tmp_path / "run", "kill_in_save@8", "--retries", "1", "--set", "train.retry_backoff_s=0"
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "killed by signal 9" in done.stderr
-    _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, tmp_path / "run"))
-    assert _train_losses(tmp_path / "straight") == _train_losses(tmp_path / "run")
+    _assert_identical(_final_state(recipe, micro_reference_run), _final_state(recipe, tmp_path / "run"))
+    assert _train_losses(micro_reference_run) == _train_losses(tmp_path / "run")
 
 
 def test_a_malformed_fault_is_named():

@@ -13,7 +13,6 @@ import pytest
 from test_trainer import _assert_identical, _final_state, _train_losses
 
 from frugality.config.recipe import load_recipe
-from frugality.training import trainer
 from frugality.training.supervisor import GAVE_UP_EXIT, supervise
 
 DIES = """
@@ -41,14 +40,15 @@ def _script(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumes_from_its_checkpoint_to_the_uninterrupted_bits(micro_recipe_file, tmp_path):
+def test_a_killed_run_resumes_from_its_checkpoint_to_the_uninterrupted_bits(
+    micro_recipe_file, tmp_path, micro_reference_run
+):
     recipe = load_recipe(str(micro_recipe_file))  # 8 steps, checkpoints at 4 and 8
-    trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
     run = tmp_path / "run"
     command = [sys.executable, str(_script(tmp_path)), str(micro_recipe_file), str(run), "6", str(tmp_path / "once")]
     assert supervise(command, run, retries=2, backoff_s=0) == 0
-    _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, run))
-    assert _train_losses(tmp_path / "straight") == _train_losses(run)
+    _assert_identical(_final_state(recipe, micro_reference_run), _final_state(recipe, run))
+    assert _train_losses(micro_reference_run) == _train_losses(run)
     attempts = [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines()]
     assert [
         (a["cause"], a["checkpoint_before"], a["checkpoint_after"], a["last_logged_step"], a["recomputed_steps"])

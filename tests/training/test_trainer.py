@@ -107,9 +107,9 @@ def test_loss_falls_and_the_run_directory_has_everything(micro_recipe_file, tmp_
     assert len(events.Scalars("train/loss")) == 12
 
 
-def test_stop_and_resume_is_bit_identical(micro_recipe_file, tmp_path):
+def test_stop_and_resume_is_bit_identical(micro_recipe_file, tmp_path, micro_reference_run):
     recipe = load_recipe(str(micro_recipe_file))  # 8 steps, checkpoints every 4
-    trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
+    straight = micro_reference_run
 
     first = trainer.train(recipe, run_dir=tmp_path / "split", until_step=3, progress=False, tensorboard=False)
     assert first.final_step == 3
@@ -125,30 +125,33 @@ def test_stop_and_resume_is_bit_identical(micro_recipe_file, tmp_path):
     assert second.summary["cost"]["device_energy_j"] > step3["energy_j"] > 0  # the first session's last record
     assert step3["kwh"] > 0 and step3["tokens_per_dollar"] > 0  # the cost figures reach TensorBoard too
 
-    _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, tmp_path / "split"))
-    assert _train_losses(tmp_path / "straight") == _train_losses(tmp_path / "split")
+    _assert_identical(_final_state(recipe, straight), _final_state(recipe, tmp_path / "split"))
+    assert _train_losses(straight) == _train_losses(tmp_path / "split")
 
 
-def test_a_corrupt_newest_checkpoint_resumes_from_the_one_before_to_the_same_bits(micro_recipe_file, tmp_path):
+def test_a_corrupt_newest_checkpoint_resumes_from_the_one_before_to_the_same_bits(
+    micro_recipe_file, tmp_path, micro_reference_run
+):
     import shutil
 
     from frugality.checkpoint import CorruptCheckpointWarning
 
     recipe = load_recipe(str(micro_recipe_file))  # 8 steps, checkpoints at 4 and 8
-    trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
-    shutil.copytree(tmp_path / "straight", tmp_path / "cut")
+    straight = micro_reference_run
+    shutil.copytree(straight, tmp_path / "cut")
     shard = next((tmp_path / "cut" / "checkpoints" / "step_00000008").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a crash mid-write of the disk
     with pytest.warns(CorruptCheckpointWarning, match="step_00000008 is unusable"):
         again = trainer.train(recipe, run_dir=tmp_path / "cut", progress=False, tensorboard=False)
     assert again.start_step == 4 and again.final_step == 8
-    _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, tmp_path / "cut"))
-    assert _train_losses(tmp_path / "straight") == _train_losses(tmp_path / "cut")
+    _assert_identical(_final_state(recipe, straight), _final_state(recipe, tmp_path / "cut"))
+    assert _train_losses(straight) == _train_losses(tmp_path / "cut")
 
 
-def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(micro_recipe_file, tmp_path, monkeypatch):
+def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(
+    micro_recipe_file, tmp_path, monkeypatch, micro_reference_run
+):
     recipe = load_recipe(str(micro_recipe_file))
-    trainer.train(recipe, run_dir=tmp_path / "straight", progress=False, tensorboard=False)
 
     real_step = loop.train_step
     calls = []
@@ -166,7 +169,7 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(micro_recipe_file, tm
     monkeypatch.setattr(loop, "train_step", real_step)
     resumed = trainer.train(recipe, run_dir=tmp_path / "killed", progress=False, tensorboard=False)
     assert resumed.start_step == 5 and resumed.final_step == 8
-    _assert_identical(_final_state(recipe, tmp_path / "straight"), _final_state(recipe, tmp_path / "killed"))
+    _assert_identical(_final_state(recipe, micro_reference_run), _final_state(recipe, tmp_path / "killed"))
     # The steps after the checkpoint are logged once, not twice.
     assert sorted(_train_losses(tmp_path / "killed")) == list(range(1, 9))
 
