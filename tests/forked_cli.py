@@ -112,10 +112,16 @@ while True:
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
-            sys.argv = ["frugality", *request["args"]]
             random.seed()  # (not the server's sequence in every command)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            status = main(request["args"])
+            if request.get("script"):  # python SCRIPT ARGS
+                import runpy
+                sys.argv = [request["script"], *request["args"]]
+                runpy.run_path(request["script"], run_name="__main__")
+                status = 0
+            else:
+                sys.argv = ["frugality", *request["args"]]
+                status = main(request["args"])
         except SystemExit as e:  # as the interpreter ends on it
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
@@ -169,14 +175,16 @@ class ForkedCLI:
         timeout: float = 300,
         input: str | None = None,
         fresh: bool = False,
+        script=None,
     ) -> subprocess.CompletedProcess:
-        """`frugality ARGS` (each str()'d) in `cwd` with `env` (default: this process's), as
-        `subprocess.run(..., capture_output=True, text=True)` returns it."""
+        """`frugality ARGS` (each str()'d), or `python SCRIPT ARGS`, in `cwd` with `env`
+        (default: this process's), as `subprocess.run(..., capture_output=True, text=True)`
+        returns it."""
         args = [str(a) for a in args]
         env = dict(os.environ if env is None else env)
         if fresh or not self.forkable(env) or self.server.poll() is not None:
             return subprocess.run(
-                [sys.executable, "-m", "frugality", *args],
+                [sys.executable, *([str(script)] if script else ["-m", "frugality"]), *args],
                 cwd=cwd,
                 env=env,
                 capture_output=True,
@@ -184,15 +192,16 @@ class ForkedCLI:
                 timeout=timeout,
                 input=input,
             )
-        command = self.start(args, cwd, env, input, time.monotonic() + timeout)
+        command = self.start(args, cwd, env, input, time.monotonic() + timeout, script)
         with command:
             return command.wait(timeout)
 
-    def start(self, args: list[str], cwd, env: dict, input: str | None, deadline: float) -> _Command:
+    def start(self, args: list[str], cwd, env: dict, input: str | None, deadline: float, script=None) -> _Command:
         """A command forked and started: its pid known, its end not awaited."""
         command = _Command(self, args, input)
         request = {
             "args": args,
+            "script": str(Path(script).absolute()) if script else None,
             "cwd": str(Path(cwd or os.getcwd()).absolute()),
             "env": env,
             **{name: str(path) for name, path in command.files.items()},
@@ -270,9 +279,9 @@ class _Command:
         read = lambda name: self.files[name].read_text(errors="replace")
         return subprocess.CompletedProcess(["frugality", *self.args], self.status, read("stdout"), read("stderr"))
 
-    def stop(self) -> None:
+    def stop(self, how: int = signal.SIGKILL) -> None:
         if self.pid is not None and self.status is None:
-            _stop_group(self.pid)
+            _stop_group(self.pid, how)
 
     def close(self) -> None:
         self.stop()
@@ -306,9 +315,9 @@ class _Replies:
         return json.loads(line)
 
 
-def _stop_group(pid: int) -> None:
+def _stop_group(pid: int, how: int = signal.SIGKILL) -> None:
     try:
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(pid, how)
     except ProcessLookupError:
         pass
 
@@ -342,8 +351,10 @@ def run(*args, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
     return _server(os.environ if env is None else env)(*args, env=env, **kw)
 
 
-def ranks(nproc: int, *args, cwd=None, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=NPROC -m frugality ARGS`, its ranks forked
+def ranks(
+    nproc: int, *args, cwd=None, env: dict | None = None, timeout: float = 600, script=None
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=NPROC -m frugality ARGS` (or `SCRIPT ARGS`), its ranks forked
     from a server: each rank gets the variables torchrun's agent sets (ranks, world sizes, the
     rendezvous address, rank 0 hosting the store, OMP_NUM_THREADS=1 unless set) and the
     others are stopped when one fails, as torchrun does. Their outputs come one after the
@@ -358,7 +369,8 @@ def ranks(nproc: int, *args, cwd=None, env: dict | None = None, timeout: float =
     if not server.forkable(env) or server.server.poll() is not None:
         return subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-            + ["-m", "frugality", *args],
+            + ([str(script)] if script else ["-m", "frugality"])
+            + args,
             cwd=cwd,
             env=env,
             capture_output=True,
@@ -385,7 +397,7 @@ def ranks(nproc: int, *args, cwd=None, env: dict | None = None, timeout: float =
     try:
         for rank in range(nproc):
             rank_env = env | launcher | {"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-            commands.append(server.start(args, cwd, rank_env, None, deadline))
+            commands.append(server.start(args, cwd, rank_env, None, deadline, script))
         while any(c.status is None for c in commands):
             if time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(["torchrun", *args], timeout)
@@ -394,10 +406,14 @@ def ranks(nproc: int, *args, cwd=None, env: dict | None = None, timeout: float =
             for c in running:
                 c.poll(time.monotonic() + (0.2 if c.conn in readable else 0))
             if any(c.status not in (None, 0) for c in commands):
-                for c in commands:  # torchrun stops the others: they would wait in collectives
-                    c.stop()
+                # torchrun stops the others (they would wait in collectives): SIGTERM, and
+                # SIGKILL after a grace (its --shutdown-timeout, 30 s; 5 s here)
                 for c in commands:
-                    c.poll(time.monotonic() + 10)
+                    c.stop(signal.SIGTERM)
+                for c in commands:
+                    if c.poll(time.monotonic() + 5) is None:
+                        c.stop()
+                        c.poll(time.monotonic() + 10)
                 break
         results = [c.result() for c in commands]
     finally:

@@ -6,9 +6,8 @@ bad combination one line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+import forked_cli
 import pytest
 from torchrun import STEPS, assert_close, losses, train
 
@@ -118,12 +117,7 @@ def test_bf16_sr_rounds_each_shard_with_the_noise_of_its_place_in_the_whole(tmp_
     hashed from that index, is the one-process run's."""
     script = tmp_path / "runs.py"
     script.write_text(NOISE_RUNS)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = forked_cli.ranks(4, script=script, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("ok") == 4  # every rank (their lines may interleave)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
 
@@ -118,21 +118,8 @@ def test_preflight_runs_before_step_one_and_refuses_a_broken_device(micro_recipe
     # an all-reduce that corrupts its result, in 2 processes over gloo: every rank stops, nothing written
     script = tmp_path / "corrupt.py"
     script.write_text(CORRUPT_ALL_REDUCE)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(script),
-            str(micro_recipe_file),
-            str(tmp_path / "two"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    done = forked_cli.ranks(
+        2, micro_recipe_file, tmp_path / "two", script=script, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=300
     )
     assert done.returncode != 0
     # the wrong values are counted over the ranks: each rank names the failed collective

@@ -5,9 +5,8 @@ size), with gradient clipping over the shards."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
+import forked_cli
 import pytest
 import torch
 
@@ -77,26 +76,9 @@ def test_two_ranks_update_their_shards_to_the_one_process_bits(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__))))
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    one = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "one.pt")], env=env, capture_output=True, text=True, timeout=300
-    )
+    one = forked_cli.run(tmp_path / "one.pt", script=script, env=env, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(script),
-            str(tmp_path / "two.pt"),
-            "sharded",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    two = forked_cli.ranks(2, tmp_path / "two.pt", "sharded", script=script, env=env, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     expected, got = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert expected.keys() == got.keys() and len(expected) == 18
