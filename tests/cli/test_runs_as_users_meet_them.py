@@ -222,6 +222,9 @@ def test_ctrl_c_while_starting_exits_130_without_a_traceback(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as at a terminal: a suite started in the background by a script (`pytest &`) passes
+        # its children SIGINT ignored, and Python then never raises KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # while torch is being imported: the window in which a Ctrl-C used to end in a traceback
     maps = Path(f"/proc/{job.pid}/maps")
