@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -358,29 +357,29 @@ CACHE_KEY = "fleet-key-of-32-random-characters"  # signs the compile cache entri
 @pytest.fixture(scope="session")
 def micro_compiled(tmp_path_factory, micro_recipe_text) -> tuple[Path, str]:
     """The micro recipe compiled ahead of time at O1 on the CPU by `frugality compile`, a
-    separate process as a user runs it, once per session (Inductor's cold compile is the
+    process of its own as a user runs it (forked: tests/forked_cli.py), once per session (Inductor's cold compile is the
     suite's most expensive step): the cache folder, with signed entries, and what the
     command printed. Tests copy the folder before they change anything in it."""
     folder = tmp_path_factory.mktemp("micro-compiled")
     recipe = folder / "micro.toml"
     recipe.write_text(micro_recipe_text)
-    done = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("frugality")),
+    import forked_cli
+
+    done = forked_cli.run(
+        *(
             "compile",
-            str(recipe),
+            recipe,
             "--level",
             "O1",
             "--cache",
-            str(folder / "cache"),
+            folder / "cache",
             "--set",
             "train.device=cpu",
             "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
+        ),
         env=os.environ | {"FRUGALITY_CACHE_KEY": CACHE_KEY},
         cwd=folder,
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr
     return folder / "cache", done.stdout

@@ -83,26 +83,14 @@ def test_a_checkpoint_whose_metadata_was_deleted_is_named_when_skipped(two_check
 
 
 @pytest.mark.slow
-def test_a_resume_past_a_damaged_checkpoint_without_manifest_says_so(micro_recipe_file, tmp_path):
-    import subprocess
-    import sys
-
+def test_a_resume_past_a_damaged_checkpoint_without_manifest_says_so(micro_recipe_file, tmp_path, frugality_cli):
     run = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "frugality",
-        "train",
-        str(micro_recipe_file),
-        "--run-dir",
-        str(run),
-        "--no-progress",
-    ]
-    assert subprocess.run([*command, "--until-step", "8"], capture_output=True).returncode == 0
+    command = ["train", micro_recipe_file, "--run-dir", run, "--no-progress"]
+    assert frugality_cli(*command, "--until-step", "8").returncode == 0
     newest = run / "checkpoints" / "step_00000008"
     (newest / MANIFEST).unlink()
     _distcp(newest).write_bytes(_distcp(newest).read_bytes()[:1000])
-    resumed = subprocess.run([*command, "--set", "train.steps=9"], capture_output=True, text=True)
+    resumed = frugality_cli(*command, "--set", "train.steps=9")
     assert resumed.returncode == 0, resumed.stderr
     assert f"warning: checkpoint {newest} is unusable" in resumed.stderr
     assert "resuming" in resumed.stdout and "from step 4 (step_00000004)" in resumed.stdout
