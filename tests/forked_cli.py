@@ -427,3 +427,62 @@ def ranks(
         "".join(r.stdout for r in results),
         "".join(r.stderr for r in results) + said,
     )
+
+
+class Popen:
+    """`frugality ARGS` left running, forked (a fresh process where `env` needs one), as tests
+    use subprocess.Popen: `pid`, `poll()`, `wait(timeout)`, `send_signal(sig)`, `returncode`;
+    its output in the files `stdout_path` and `stderr_path`."""
+
+    def __init__(self, *args, cwd=None, env: dict | None = None) -> None:
+        args = [str(a) for a in args]
+        env = dict(os.environ if env is None else env)
+        server = _server(env)
+        self.command: _Command | None = None
+        self.process: subprocess.Popen | None = None
+        if server.forkable(env) and server.server.poll() is None:
+            self.command = server.start(args, cwd, env, None, time.monotonic() + 60)
+            self.pid = self.command.pid
+            self.stdout_path, self.stderr_path = self.command.files["stdout"], self.command.files["stderr"]
+        else:
+            self.folder = Path(tempfile.mkdtemp(prefix="frugality-popen-"))
+            self.stdout_path, self.stderr_path = self.folder / "stdout", self.folder / "stderr"
+            with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "frugality", *args], cwd=cwd, env=env, stdout=out, stderr=err
+                )
+            self.pid = self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode if self.process else self.command.status
+
+    def poll(self) -> int | None:
+        return self.process.poll() if self.process else self.command.poll(time.monotonic())
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.process:
+            return self.process.wait(timeout)
+        status = self.command.poll(time.monotonic() + (1e9 if timeout is None else timeout))
+        if status is None:
+            raise subprocess.TimeoutExpired(["frugality", *self.command.args], timeout)
+        return status
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        """Its files removed, and the process killed if it still runs."""
+        if self.poll() is None:
+            self.kill()
+            self.wait(60)
+        if self.command:
+            self.command.close()
+        else:
+            import shutil
+
+            shutil.rmtree(self.folder, ignore_errors=True)

