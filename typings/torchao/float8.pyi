@@ -1,0 +1,4 @@
+# torchao: precision fp8's (pip install torchao), not in .venv: untyped for pyright (pyproject.toml [tool.pyright]).
+from _typeshed import Incomplete
+
+def __getattr__(name: str) -> Incomplete: ...
