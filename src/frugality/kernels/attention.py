@@ -335,6 +335,8 @@ class ProductRotaryEmbedding(RotaryEmbedding):
     4 x 512 tokens (2-core Xeon, forward + backward of a compiled block, median of 30 paired
     runs). Only where the product's dtype is fast (float32, or bf16 with native products)."""
 
+    swap: torch.Tensor  # a buffer, registered by specialize
+
     def specialize(self) -> None:
         head_size = self.cos.shape[1]
         half = self.dim // 2

@@ -57,7 +57,9 @@ def _check(code: int) -> None:
 def gelu_op(x: torch.Tensor) -> torch.Tensor:
     """Exact GELU of a contiguous bf16 CPU tensor."""
     out = torch.empty_like(x)
-    _check(kernels.gelu_bf16()(x.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads()))
+    kernel = kernels.gelu_bf16()
+    assert kernel is not None  # kernel_runs() found it before KernelGELU was swapped in
+    _check(kernel(x.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads()))
     return out
 
 
@@ -71,9 +73,9 @@ def gelu_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """grad times GELU's derivative at x (contiguous bf16 CPU tensors of one shape)."""
     grad = grad.contiguous()
     out = torch.empty_like(x)
-    _check(
-        kernels.gelu_backward_bf16()(grad.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads())
-    )
+    kernel = kernels.gelu_backward_bf16()
+    assert kernel is not None  # (as gelu_op's)
+    _check(kernel(grad.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads()))
     return out
 
 

@@ -109,7 +109,9 @@ def amx_product_into(
     bias = None if bias is None else bias.contiguous()
     n = weight.shape[0] if transposed else weight.shape[1]
     if a.shape[1] > _PRODUCT_MAX_K:
-        code = kernels.matmul_long_bf16()(
+        kernel = kernels.matmul_long_bf16()
+        assert kernel is not None  # amx_product_applies checked first: the AMX kernels build here
+        code = kernel(
             a.data_ptr(),
             a.stride(0),
             weight.data_ptr(),
@@ -122,7 +124,9 @@ def amx_product_into(
             torch.get_num_threads(),
         )
     else:
-        code = kernels.matmul_bf16()(
+        kernel = kernels.matmul_bf16()
+        assert kernel is not None  # (as above)
+        code = kernel(
             a.data_ptr(),
             a.stride(0),
             weight.data_ptr(),

@@ -11,6 +11,8 @@ device, the precision policy and the instruction sets found at run time
 
 from __future__ import annotations
 
+from typing import TypeVar, cast
+
 import torch
 from torch import nn
 
@@ -23,6 +25,8 @@ from frugality.kernels.linear import amx_kernel_runs as amx_linear_runs
 from frugality.kernels.output_loss import FusedOutputLayer
 from frugality.models.layers import CausalAttention, OutputLayer, RotaryEmbedding
 
+M = TypeVar("M", bound=nn.Module)
+
 
 def specialize(model: nn.Module, device: torch.device, policy, training: bool = True) -> list[str]:
     """Swap the faster layers in, in place; returns one phrase per kind of choice made.
@@ -31,20 +35,21 @@ def specialize(model: nn.Module, device: torch.device, policy, training: bool = 
     bf16 = policy.storage_dtype == torch.bfloat16
     counts: dict[str, int] = {}
 
-    def swap(module: nn.Module, cls: type, label: str) -> None:
+    def swap(module: nn.Module, cls: type[M], label: str) -> M:
         module.__class__ = cls
         counts[label] = counts.get(label, 0) + 1
+        return cast(M, module)  # the same module, now of `cls`
 
     for module in model.modules():
         kind = type(module)
         if kind is OutputLayer and training and device.type != "xla":  # XLA fuses the plain loss itself
-            swap(module, FusedOutputLayer, "fused output-layer loss")
-            module.compute_dtype = torch.float32 if policy.fp32_products else None
+            fused = swap(module, FusedOutputLayer, "fused output-layer loss")
+            fused.compute_dtype = torch.float32 if policy.fp32_products else None
         elif kind is nn.Linear and policy.fp32_products:  # any device without native bf16 products
             swap(module, Fp32ProductLinear, "linear layers: fp32 products from bf16 operands")
         elif kind is CausalAttention and policy.fp32_products:
-            swap(module, CPUCausalAttention, "attention: fp32 from bf16 operands")
-            module.fp32_products = True
+            attention = swap(module, CPUCausalAttention, "attention: fp32 from bf16 operands")
+            attention.fp32_products = True
         elif not cpu:
             continue
         elif kind is nn.Linear:
@@ -61,6 +66,5 @@ def specialize(model: nn.Module, device: torch.device, policy, training: bool = 
                 "attention: AMX kernel" if amx else "attention: SDPA, blocked backward when compiled",
             )
         elif kind is RotaryEmbedding and not policy.fp32_products:
-            swap(module, ProductRotaryEmbedding, "rotary: half swap as a product")
-            module.specialize()
+            swap(module, ProductRotaryEmbedding, "rotary: half swap as a product").specialize()
     return [f"{label} ({n})" if n > 1 else label for label, n in counts.items()]

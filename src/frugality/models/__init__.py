@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias, Union
 
 from pydantic import Discriminator, Tag
-from torch import nn
 
 from frugality.models.bert import Bert, BertConfig
 from frugality.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 from frugality.models.llama import Llama, LlamaConfig
+
+if TYPE_CHECKING:
+    import torch
+
+# The model classes, for code that reaches into a model's own attributes (`config`, `layers`).
+Model: TypeAlias = GPTNeoX | Llama | Bert
+Decoder: TypeAlias = GPTNeoX | Llama  # the causal LMs: an output layer, a KV cache
 
 FAMILIES = {"gpt-neox": (GPTNeoXConfig, GPTNeoX), "llama": (LlamaConfig, Llama), "bert": (BertConfig, Bert)}
 
@@ -32,7 +38,7 @@ ModelConfig = Annotated[
 ]
 
 
-def build_empty(cfg, device="cpu") -> nn.Module:
+def build_empty(cfg, device: torch.device | str = "cpu") -> Model:
     """The model's structure to load weights into, without the cost of initialising them:
     built on the meta device, its parameters then allocated (uninitialised) on `device`,
     and the buffers no checkpoint holds (rotary tables) computed there."""
@@ -45,7 +51,7 @@ def build_empty(cfg, device="cpu") -> nn.Module:
     return allocate(model, device)
 
 
-def build_model(cfg) -> nn.Module:
+def build_model(cfg) -> Model:
     """Instantiate the model a config describes, initialised on the current default device."""
     try:
         return FAMILIES[cfg.family][1](cfg)
@@ -57,10 +63,12 @@ __all__ = [
     "FAMILIES",
     "Bert",
     "BertConfig",
+    "Decoder",
     "GPTNeoX",
     "GPTNeoXConfig",
     "Llama",
     "LlamaConfig",
+    "Model",
     "ModelConfig",
     "build_empty",
     "build_model",

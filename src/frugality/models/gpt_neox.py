@@ -168,6 +168,7 @@ class GPTNeoX(nn.Module):
         if cache is None:
             return self.output.logits_or_loss(self.hidden_states(input_ids), targets)
         check_length(input_ids, self.config.max_seq_len)
+        assert positions is not None, "decoding with a cache needs the tokens' positions"
         h = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             h = layer(h, cache.layer(i, positions))

@@ -28,6 +28,9 @@ class RotaryEmbedding(nn.Module):
     non-persistent buffers, so they never appear in checkpoints.
     """
 
+    cos: torch.Tensor  # (max_seq_len, head_size) buffers, registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, dim: int, max_seq_len: int, base: float = 10000.0, head_size: int | None = None) -> None:
         super().__init__()
         head_size = dim if head_size is None else head_size

@@ -12,25 +12,30 @@ same seed gives every layout, and one process, the same weights, bit for bit."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TypeVar, cast
 
 import torch
 from torch import nn
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def draw_parameters(cfg, device: torch.device | str, take: Callable[[str, torch.Tensor], None]) -> None:
     """Draw the values `build_model(cfg)` gives each parameter under the generator's
     current state, calling `take(name, value)` for each (float32, on `device`, whole);
     at most one layer's parameters exist at a time."""
-    from frugality.models import build_model
+    from frugality.models import Decoder, build_model
 
     with torch.device("meta"):
-        shadow = build_model(cfg)  # the structure: names, shapes, and the order layers were built in
+        # the structure: names, shapes, and the order layers were built in (tensor and pipeline
+        # parallel, the only callers, run decoders)
+        shadow = cast(Decoder, build_model(cfg))
     names = [(name, p.shape) for name, p in shadow.named_parameters()]  # before any tie is undone below
     with torch.no_grad():
         for module in _built_order(shadow):  # what the layers' constructors drew, in their order
             if module is not shadow and hasattr(module, "reset_parameters"):
                 module.to_empty(device=device, recurse=False)
-                module.reset_parameters()
+                cast(Callable[[], None], module.reset_parameters)()
                 module.to_empty(device="meta", recurse=False)
         for name, shape in names:  # the model's own initialisation, a parameter at a time
             value = torch.empty(shape, device=device)
@@ -46,7 +51,7 @@ def _built_order(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
-def allocate(model: nn.Module, device: torch.device | str) -> nn.Module:
+def allocate(model: M, device: torch.device | str) -> M:
     """`model` (built on the meta device, or a part of it) given uninitialised storage on
     `device`, its tied parameters tied again and the buffers no checkpoint holds (rotary
     tables) computed there."""
@@ -59,5 +64,5 @@ def allocate(model: nn.Module, device: torch.device | str) -> nn.Module:
             setattr(model.get_submodule(owner), leaf, model.get_parameter(source))
     for module in model.modules():
         if hasattr(module, "reset_tables"):
-            module.reset_tables()
+            cast(Callable[[], None], module.reset_tables)()
     return model

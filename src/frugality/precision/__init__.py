@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
@@ -37,6 +38,11 @@ from torch import nn
 from frugality.config.recipe import PRECISIONS as RECIPE_PRECISIONS
 from frugality.errors import UserError
 from frugality.hardware import probe
+
+if TYPE_CHECKING:
+    from frugality.precision.bf16_adamw import Rounding
+
+M = TypeVar("M", bound=nn.Module)
 
 AUTO = "auto"  # resolved by `resolve_policy` from what the hardware runs natively
 PRECISIONS = tuple(name for name in RECIPE_PRECISIONS if name != AUTO)  # the policies themselves
@@ -48,7 +54,7 @@ class PrecisionPolicy:
     storage_dtype: torch.dtype  # weights, gradients and optimizer moments
     compute_dtype: torch.dtype  # what the matrix products run in (the MFU peak's dtype)
     autocast: bool  # autocast to compute_dtype over higher-precision storage
-    rounding: str | None  # for bf16 storage: "stochastic" or "nearest"
+    rounding: Rounding | None  # for bf16 storage: "stochastic" or "nearest"
     # bf16 storage on hardware without native bf16 products: each product upcasts its bf16
     # operands and runs in float32 (compute_dtype is then float32)
     fp32_products: bool = False
@@ -87,7 +93,7 @@ class PrecisionPolicy:
                 "use auto or amp-bf16"
             )
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def prepare_model(self, model: M) -> M:
         """Cast (bf16 storage) or convert (fp8 linears) a model built in float32."""
         if self.storage_dtype != torch.float32:
             model = model.to(self.storage_dtype)
@@ -205,7 +211,7 @@ def _check_fp8(device: torch.device) -> None:
         raise UserError("precision fp8 uses torchao's float8 training: pip install torchao") from None
 
 
-def _to_float8(model: nn.Module) -> nn.Module:
+def _to_float8(model: M) -> M:
     from torchao.float8 import convert_to_float8_training
 
     def eligible(module: nn.Module, fqn: str) -> bool:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, Literal
+from typing import Any, Callable, Literal, cast
 
 import numpy as np
 import torch
@@ -152,7 +152,8 @@ class BF16AdamW(torch.optim.Optimizer):
         self._index_of = index_of
         self._compiled: Callable | None = None
         self._fused = fused
-        self._grad_scale = 1.0  # set by clip_grad_norm_, applied and reset by the next step
+        # set by clip_grad_norm_ (a tensor on XLA: no host read), applied and reset by the next step
+        self._grad_scale: float | torch.Tensor = 1.0
         self._flat: list[dict[str, torch.Tensor]] = []  # per group; empty for sharded groups
         # each contiguous run of a rank's shard: (its first element's index in the group, in the shard, its length)
         self._shard_runs: dict[torch.Tensor, list[tuple[int, int, int]]] = {}
@@ -267,7 +268,7 @@ class BF16AdamW(torch.optim.Optimizer):
             for g in grads:
                 by_split.setdefault(tuple(i for i, pl in enumerate(g.placements) if pl.is_shard()), []).append(g)
             squares = sum(_sum_over_shards(self._norm(gs).square(), gs[0]) for _, gs in sorted(by_split.items()))
-            total = squares.sqrt()
+            total = cast(torch.Tensor, squares).sqrt()  # a sum of one or more tensors
         else:
             total = self._norm(grads)
         if sum_squares is not None:
@@ -305,7 +306,7 @@ class BF16AdamW(torch.optim.Optimizer):
                     p.grad = g.redistribute(p.device_mesh, p.placements)
 
     @staticmethod
-    def _scalars(group: dict, index: int, step: int, grad_scale: float = 1.0) -> dict[str, float]:
+    def _scalars(group: dict, index: int, step: int, grad_scale: float | torch.Tensor = 1.0) -> dict[str, Any]:
         """Every scalar of the update, rounded to float32 once, so that all paths (C,
         compiled, eager) compute with identical values."""
         f32 = np.float32
@@ -345,7 +346,12 @@ class BF16AdamW(torch.optim.Optimizer):
         return kernels.adamw_bf16_step() if self._fused and device.type == "cpu" else None
 
     def _update_buffers(
-        self, buffers: list[torch.Tensor], start: int, scalars: dict, stochastic: bool, rows=None
+        self,
+        buffers: list[torch.Tensor],
+        start: int,
+        scalars: dict,
+        stochastic: bool,
+        rows: tuple[int, int] | None = None,
     ) -> None:
         """One pass over 1-D contiguous (weight, gradient, first and second moment) buffers
         whose first element is element `start` of the group; `rows` (cols, stride): they
@@ -371,10 +377,12 @@ class BF16AdamW(torch.optim.Optimizer):
                     torch.get_num_threads(),
                 )
             return
+        rows_on_device = None  # (cols, stride) as 0-dim int64 tensors, as _update takes them
         if rows is not None and stochastic:
-            rows = tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in rows)
-        else:
-            rows = None
+            rows_on_device = (
+                torch.tensor(rows[0], dtype=torch.int64, device=device),
+                torch.tensor(rows[1], dtype=torch.int64, device=device),
+            )
         if "_tensors" not in scalars:  # once per group and step: on a GPU each is a host-to-device copy
             scalars["_tensors"] = _scalar_tensors(scalars, device)
         tensors = scalars["_tensors"]
@@ -387,7 +395,7 @@ class BF16AdamW(torch.optim.Optimizer):
                     torch.tensor(start, dtype=torch.int64, device=device),
                     **tensors,
                     stochastic=stochastic,
-                    rows=rows,
+                    rows=rows_on_device,
                 )
                 return
             except Exception as e:  # e.g. an Inductor C++ build failure on this machine
@@ -397,17 +405,21 @@ class BF16AdamW(torch.optim.Optimizer):
                 )
                 self._fused = False
         size = n if device.type == "xla" else _EAGER_CHUNK  # XLA traces one pass and fuses it: no chunks
-        if rows is not None:  # chunks of whole rows
-            cols, stride = (int(x) for x in rows)
+        if rows_on_device is not None:  # chunks of whole rows
+            cols, stride = (int(x) for x in rows_on_device)
             size = max(cols, size // cols * cols)
         for chunk in range(0, n, size):
-            first = start + chunk if rows is None else start + chunk // cols * stride
+            first = start + chunk if rows_on_device is None else start + chunk // cols * stride
+            p, g, m, v = (b[chunk : chunk + size] for b in buffers)
             _update(
-                *(b[chunk : chunk + size] for b in buffers),
+                p,
+                g,
+                m,
+                v,
                 torch.tensor(first, dtype=torch.int64, device=device),
                 **tensors,
                 stochastic=stochastic,
-                rows=rows,
+                rows=rows_on_device,
             )
 
     def _run_shards(self, group: dict, scalars: dict, stochastic: bool) -> None:

@@ -67,7 +67,8 @@ def _quantized_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     plus `bias` (zeros for a layer without one: one kind of call, one graph)."""
     scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127  # per token
     rows = (x / scale).round().clamp(-127, 127).to(torch.int8)
-    return torch._int_mm(rows, weight).float() * scale * weight_scale + bias
+    # torch re-exports its ops without an __all__ that names this one
+    return torch._int_mm(rows, weight).float() * scale * weight_scale + bias  # pyright: ignore[reportPrivateImportUsage]
 
 
 _compiled = None  # the fused product, compiled once per process; or the eager one
@@ -98,6 +99,10 @@ def _compiled_or_eager(*args: torch.Tensor) -> torch.Tensor:
 
 class Int8Linear(nn.Module):
     """An nn.Linear's weights as int8 (one scale per output channel) and its bias in float32."""
+
+    qweight: torch.Tensor  # buffers, registered in __init__
+    weight_scale: torch.Tensor
+    bias: torch.Tensor
 
     def __init__(self, linear: nn.Linear, compiled: bool = True) -> None:
         super().__init__()
