@@ -28,13 +28,16 @@ import os
 import re
 import shutil
 import warnings
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+
+# DCP's save and load from the modules that export them (its package re-exports them without an __all__)
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -60,8 +63,9 @@ class CheckpointManager:
         # Called (step, partial folder) between a save's shard files and its manifest: the
         # seam where the fault-injection suite kills a rank or fills the disk mid-save.
         self.on_files_written = None
-        self._pending = None  # (step, final, partial, future) of an asynchronous save in flight
-        self._groups = None  # gloo groups: the training thread's agreements, asynchronous saves
+        # (step, final, partial, future) of an asynchronous save in flight
+        self._pending: tuple[int, Path, Path, Future] | None = None
+        self._groups: dict[str, dist.ProcessGroup] | None = None  # gloo: the training thread's, asynchronous saves
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -76,7 +80,7 @@ class CheckpointManager:
             for p in self.folder.iterdir()
             if _NAME.match(p.name) and p.is_dir() and (not marks or any((p / m).is_file() for m in marks))
         ]
-        return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+        return sorted(found, key=step_of)
 
     def latest(self) -> Path | None:
         """The newest checkpoint whose files verify; newer step folders that do not (one
@@ -128,16 +132,16 @@ class CheckpointManager:
         try:
             with single_process_ok():
                 if asynchronous:
-                    response = dcp.async_save(
+                    response = state_dict_saver.async_save(
                         state,
                         checkpoint_id=partial,
                         process_group=self._host_group("async"),
                         no_dist=not dist.is_initialized(),
                     )
-                    upload = getattr(response, "upload_completion", response)
+                    upload = cast(Future, getattr(response, "upload_completion", response))
                     self._pending = (step, final, partial, upload)
                     return final
-                dcp.save(state, checkpoint_id=partial, no_dist=not dist.is_initialized())
+                state_dict_saver.save(state, checkpoint_id=partial, no_dist=not dist.is_initialized())
         except (OSError, CheckpointException) as e:
             raise self._failed(final, partial, e) from None
         self._finish(step, final, partial)
@@ -176,7 +180,7 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - the run is failing already; its error is the one to report
                 pass
 
-    def _host_group(self, purpose: str = "agree"):
+    def _host_group(self, purpose: str = "agree") -> dist.ProcessGroup | None:
         """Gloo groups of all ranks for host-memory collectives, one per thread that uses
         them (collectives of two threads on one group can pair up wrongly and hang): "agree"
         for the small agreements of the training thread (the default group may be NCCL,
@@ -184,7 +188,11 @@ class CheckpointManager:
         if not dist.is_initialized():
             return None
         if self._groups is None:  # made once, by every rank at its first save
-            self._groups = {"agree": dist.new_group(backend="gloo"), "async": dist.new_group(backend="gloo")}
+            # every rank is in both: new_group gives each a group, never its non-member mark
+            self._groups = {
+                "agree": cast(dist.ProcessGroup, dist.new_group(backend="gloo")),
+                "async": cast(dist.ProcessGroup, dist.new_group(backend="gloo")),
+            }
         return self._groups[purpose]
 
     def _finish(self, step: int, final: Path, partial: Path) -> None:
@@ -203,7 +211,8 @@ class CheckpointManager:
         else:
             gathered = [mine]
         if _is_main():
-            files = {name: record for part in gathered for name, record in part.items()}
+            parts = cast(list[dict], gathered)  # filled in by all_gather_object
+            files = {name: record for part in parts for name, record in part.items()}
             try:
                 files[".metadata"] = _file_record(partial / ".metadata")
                 _write_synced(partial / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
@@ -329,7 +338,7 @@ def safe_load(state: dict, path: Path, *, no_dist: bool | None = None) -> None:
         no_dist = not dist.is_initialized()
     try:
         with single_process_ok():
-            dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(path), no_dist=no_dist)
+            state_dict_loader.load(state, storage_reader=SafeReader(path), planner=SafePlanner(path), no_dist=no_dist)
     except CheckpointException as e:  # DCP wraps what each rank raised: ours is the message
         ours = next((f[0] for f in e.failures.values() if isinstance(f[0], UserError)), None)
         if ours is None:
@@ -415,10 +424,11 @@ def _out_of_space(folder: Path) -> bool:
 def _human(size: float) -> str:
     if size < 1024:
         return f"{size:,.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
+    for unit in ("KiB", "MiB"):
         size /= 1024
-        if size < 1024 or unit == "GiB":
+        if size < 1024:
             return f"{size:,.1f} {unit}"
+    return f"{size / 1024:,.1f} GiB"
 
 
 def _sha256(path: Path) -> str:
@@ -450,7 +460,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def step_of(path: Path) -> int:
-    return int(_NAME.match(path.name).group(1))
+    match = _NAME.match(path.name)
+    assert match is not None, f"{path} is not a checkpoint folder"  # (callers pass those only)
+    return int(match.group(1))
 
 
 def _is_main() -> bool:

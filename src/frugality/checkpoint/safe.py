@@ -27,15 +27,16 @@ import io
 import pathlib
 import pickle
 import re
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+import torch._utils
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from frugality.errors import UserError
@@ -90,7 +91,9 @@ class _RestrictedUnpickler(pickle._Unpickler):
     state, and on a class or function would rewrite it for the whole process — applies only
     to instances that `_build` accepts."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    # opcode -> method (typeshed types them as pickle.Unpickler's, which has no such table)
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # the pure-Python unpickler's, which typeshed leaves out
 
     def _load_build(self) -> None:
         inst = self.stack[-2]
@@ -101,7 +104,8 @@ class _RestrictedUnpickler(pickle._Unpickler):
         if verdict == "as built":
             self.stack.pop()  # the state it already has
             return
-        pickle._Unpickler.load_build(self)
+        # typeshed's _Unpickler omits the opcode methods
+        pickle._Unpickler.load_build(self)  # pyright: ignore[reportAttributeAccessIssue]
 
     dispatch[pickle.BUILD[0]] = _load_build
 
@@ -124,14 +128,14 @@ class _MetadataUnpickler(_RestrictedUnpickler):
         raise _Refused(f"{module}.{name}")
 
 
-def _refusal(path: Path, what: str, error: Exception) -> UnsafeCheckpointError:
+def _refusal(path: Path, what: str, error: Exception | str) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(
         f"checkpoint {path}: {what} asks to build {error}, which a checkpoint may not hold; "
         f"refused without running it (see {SECURITY_DOC})"
     )
 
 
-def _unpickle(unpickler: pickle.Unpickler, path: Path, what: str) -> Any:
+def _unpickle(unpickler: pickle._Unpickler, path: Path, what: str) -> Any:
     """Run a restricted unpickler: a refused global or state is an UnsafeCheckpointError,
     a damaged pickle one line saying so."""
     try:
@@ -168,9 +172,10 @@ class SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         file = Path(self._get_metadata_path(kwargs.get("rank")))  # per-rank files too, if asked
         metadata = read_metadata(file.parent, file.name)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -241,15 +246,15 @@ class _LegacyUnpickler(_RestrictedUnpickler):
         import numpy as np
 
         try:
-            from numpy._core.multiarray import _reconstruct
+            from numpy._core import multiarray
         except ImportError:  # NumPy 1
-            from numpy.core.multiarray import _reconstruct
+            from numpy.core import multiarray
         allowed = {
             ("collections", "OrderedDict"): dict,
             ("numpy", "dtype"): _plain_dtype,
             ("numpy", "ndarray"): np.ndarray,
-            ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
-            ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+            ("numpy._core.multiarray", "_reconstruct"): multiarray._reconstruct,
+            ("numpy.core.multiarray", "_reconstruct"): multiarray._reconstruct,
             ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
             ("torch.storage", "_load_from_bytes"): _tensor_from_bytes,  # torch's is weights_only=False
         }

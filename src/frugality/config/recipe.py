@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import tomli_w
 from pydantic import (
@@ -29,12 +30,20 @@ from pydantic import (
 from frugality.errors import UserError
 from frugality.models import FAMILIES, ModelConfig
 
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
+
 # The allowed values of each setting, listed once: the packages that implement them
 # (frugality.precision, frugality.compile.levels, frugality.tasks) read them from here.
-PRECISIONS = ("auto", "fp32", "amp-bf16", "amp-fp16", "bf16-sr", "bf16", "fp8")
-COMPILE_LEVELS = ("O0", "O1", "O2")
-TASKS = ("causal_lm", "masked_lm", "contrastive")
-DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
+Precision = Literal["auto", "fp32", "amp-bf16", "amp-fp16", "bf16-sr", "bf16", "fp8"]
+CompileLevel = Literal["O0", "O1", "O2"]
+TaskName = Literal["causal_lm", "masked_lm", "contrastive"]
+DataParallel = Literal["ddp", "fsdp", "hsdp"]
+# their values, in order, for choices and messages
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+COMPILE_LEVELS: tuple[str, ...] = get_args(CompileLevel)
+TASKS: tuple[str, ...] = get_args(TaskName)
+DATA_PARALLEL: tuple[str, ...] = get_args(DataParallel)
 
 
 class _Section(BaseModel):
@@ -175,7 +184,7 @@ class TrainConfig(_Section):
         "stochastic rounding, disk, and the collectives' values); refuse to start on a failure",
     )
     log_interval: PositiveInt = 1
-    precision: Literal[PRECISIONS] = Field(
+    precision: Precision = Field(
         default="auto",
         description="auto: bf16-sr where bf16 products are native (AMX, AVX512-BF16, CUDA 8.0+), amp-fp16 on "
         "CUDA GPUs of compute capability 7.x (T4, V100), fp32 elsewhere; see frugality.precision and "
@@ -195,7 +204,7 @@ class TrainConfig(_Section):
         description="CUDA GPUs of compute capability 8.0+: fp32 matrix products in TF32 (10-bit mantissa, "
         "several times faster); false keeps them in full fp32, for parity runs",
     )
-    task: Literal[TASKS] = Field(default="causal_lm", description="what is trained: see frugality.tasks")
+    task: TaskName = Field(default="causal_lm", description="what is trained: see frugality.tasks")
     fused_optimizer: bool = Field(
         default=True,
         description="one fused update pass: bf16 policies' BF16AdamW (a C kernel on CPU, torch.compile "
@@ -209,7 +218,7 @@ class TrainConfig(_Section):
 class CompileConfig(_Section):
     """Ahead-of-time compilation with torch.compile; see frugality.compile and docs/compile.md."""
 
-    level: Literal[COMPILE_LEVELS] = Field(
+    level: CompileLevel = Field(
         default="O0",
         description="O0 eager; O1 each transformer block compiled once (Inductor defaults); "
         "O2 the same with autotuned matrix products (longer compile)",
@@ -248,7 +257,7 @@ class ParallelConfig(_Section):
     """How a run launched on several processes (torchrun) shares the work; see
     frugality.distributed and docs/distributed.md. One process ignores it."""
 
-    data: Literal[DATA_PARALLEL] = Field(
+    data: DataParallel = Field(
         default="ddp",
         description="ddp: replicas, gradients all-reduced; fsdp: FSDP2, parameters, "
         "gradients and optimizer state sharded per transformer block; hsdp: FSDP2 sharded within "
@@ -356,7 +365,7 @@ class Recipe(_Section):
         own check to name)."""
         if not isinstance(raw, dict) or not isinstance(raw.get("train"), dict):
             return raw
-        train, data = raw["train"], raw.get("data") if isinstance(raw.get("data"), dict) else {}
+        train, data = raw["train"], found if isinstance(found := raw.get("data"), dict) else {}
         batches = train.get("eval_batches")
         micro = data.get("micro_batch_size", DataConfig.model_fields["micro_batch_size"].default)
         if isinstance(batches, int) and batches > 0 and isinstance(micro, int) and micro > 0:
@@ -438,7 +447,7 @@ def find_recipe(name_or_path: str | None) -> Path:
     return shipped[name_or_path]
 
 
-def load_recipe(name_or_path: str | None = None, overrides: list[str] = ()) -> Recipe:
+def load_recipe(name_or_path: str | None = None, overrides: Sequence[str] = ()) -> Recipe:
     """Read, override and validate a recipe; problems are a UserError, a line each.
     `NAME:VARIANT` applies the recipe's `[variants.VARIANT]` table over it first (a
     parallel layout, say), then the overrides."""
@@ -538,7 +547,7 @@ def _describe(error: ValidationError, path: Path, from_cli: dict[str, str]) -> s
     return "\n".join(_describe_one(problem, path, from_cli) for problem in error.errors())
 
 
-def _describe_one(problem: dict, path: Path, from_cli: dict[str, str]) -> str:
+def _describe_one(problem: ErrorDetails, path: Path, from_cli: dict[str, str]) -> str:
     # A discriminated union puts the chosen family in the location: model.llama.hidden_size.
     loc = [p for i, p in enumerate(problem["loc"]) if not (i == 1 and problem["loc"][0] == "model" and p in FAMILIES)]
     key = ".".join(str(p) for p in loc)

@@ -47,7 +47,8 @@ def first_occurrences(paths: list[Path]) -> list[np.ndarray]:
     at = 0
     for p, n in zip(paths, counts):
         with open(p, "rb") as f:
-            f.readinto(memoryview(digests[at : at + n]).cast("B"))
+            # numpy declares ndarray.__buffer__ for Python 3.12 on only; the buffer is there on 3.11 too
+            f.readinto(memoryview(digests[at : at + n]).cast("B"))  # pyright: ignore[reportArgumentType]
         at += n
     order = np.lexsort((digests[:, 1], digests[:, 0]))  # stable: equal digests stay in input order
     ordered = digests[order]

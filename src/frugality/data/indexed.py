@@ -61,7 +61,7 @@ class IndexedDatasetWriter:
         self._tmp_idx = self.idx_path.with_name(self.idx_path.name + f".tmp{os.getpid()}")
         with naming(self.bin_path):
             self._bin = NamedFile(open(self._tmp_bin, "wb"), self.bin_path)  # (a full disk names the dataset)
-        fcntl.flock(self._bin, fcntl.LOCK_EX)  # held until renamed: this file is a live writer's
+        fcntl.flock(self._bin.fileno(), fcntl.LOCK_EX)  # held until renamed: this file is a live writer's
         # sequence lengths and document ends: arrays (whole appended datasets), then the
         # documents added one by one since the last array
         self._length_arrays: list[np.ndarray] = []

@@ -17,11 +17,16 @@ draws the same batches.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import numpy as np
 import torch
 
 from frugality.data.indexed import IndexedDataset
 from frugality.errors import UserError
+
+if TYPE_CHECKING:
+    from frugality.data.pairs import PairSamples, TextBatch
 
 
 class PackedSamples:
@@ -53,7 +58,7 @@ class TrainStream:
 
     def __init__(
         self,
-        samples: PackedSamples,
+        samples: PackedSamples | PairSamples,
         global_batch_size: int,
         micro_batch_size: int,
         rank: int = 0,
@@ -84,7 +89,7 @@ class TrainStream:
         ids = [self._ids(start + (m * w + self.rank) * b, b) for m in range(self.grad_accum)]
         self.consumed_samples += self.global_batch_size
         if hasattr(self.samples, "gather_step"):
-            return self.samples.gather_step(ids)
+            return cast("PairSamples", self.samples).gather_step(ids)
         return [self.samples.gather(i) for i in ids]
 
     def _ids(self, position: int, count: int) -> np.ndarray:
@@ -116,7 +121,7 @@ class TrainStream:
         self._epoch = -1  # recomputed with the new order
 
     def state_dict(self) -> dict:
-        state = {"consumed_samples": self.consumed_samples}
+        state: dict[str, object] = {"consumed_samples": self.consumed_samples}
         if self.reshuffles:
             state["reshuffles"] = [list(r) for r in self.reshuffles]
         return state
@@ -128,12 +133,12 @@ class TrainStream:
 
 
 def validation_batches(
-    samples: PackedSamples,
+    samples: PackedSamples | PairSamples,
     count: int,
     micro_batch_size: int,
     rank: int = 0,
     world_size: int = 1,
-) -> tuple[list[torch.Tensor], int]:
+) -> tuple[list[torch.Tensor | TextBatch], int]:
     """The same validation samples at every evaluation, whatever the micro-batch and the
     world size: the first `count` of the split, or the whole split where it is smaller. They
     go in micro-batches dealt round-robin to the ranks; the last is short where the samples

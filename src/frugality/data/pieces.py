@@ -191,11 +191,12 @@ def _line(f: str, piece: Piece, first_line: int | None, offset: int) -> int:
     """The file's line number of the piece's line `offset` (from 0): the lines before the
     piece are counted only when one is to be named."""
     if first_line is None:
-        first_line, left = 1, piece.start
+        counted, left = 1, piece.start
         with open_input(f) as raw:
             while left and (chunk := raw.read(min(left, 16 << 20))):  # in chunks: a piece may start at 50 GB
-                first_line += chunk.count(b"\n")
+                counted += chunk.count(b"\n")
                 left -= len(chunk)
+        return counted + offset
     return first_line + offset
 
 

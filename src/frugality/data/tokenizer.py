@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from tokenizers import Tokenizer
-from tokenizers.implementations import ByteLevelBPETokenizer
+from tokenizers.implementations.byte_level_bpe import ByteLevelBPETokenizer
 
 from frugality.errors import UserError
 

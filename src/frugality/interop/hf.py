@@ -11,7 +11,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -32,7 +32,7 @@ ADAPTERS = {adapter.MODEL_TYPE: adapter for adapter in (hf_gpt_neox, hf_llama, h
 BY_FAMILY = {adapter.FAMILY: adapter for adapter in ADAPTERS.values()}
 
 
-def config_from_hf(config: dict[str, Any], where: Path, state_keys: set[str] = frozenset()):
+def config_from_hf(config: dict[str, Any], where: Path, state_keys: Set[str] = frozenset()):
     """frugality's model config from a transformers `config.json` (4.x or 5.x keys); for
     BERT, which heads exist is read from the checkpoint's tensor names."""
     adapter = ADAPTERS.get(config.get("model_type"))

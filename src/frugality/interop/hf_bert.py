@@ -4,6 +4,7 @@ it) or `BertForMaskedLM` (`bert.` prefix and `cls.predictions.*`)."""
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 import torch
@@ -96,7 +97,7 @@ def config_to_hf(cfg: BertConfig) -> dict[str, Any]:
     }
 
 
-def config_from_hf(config: dict[str, Any], state_keys: set[str] = frozenset()) -> BertConfig:
+def config_from_hf(config: dict[str, Any], state_keys: Set[str] = frozenset()) -> BertConfig:
     if config.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type {config['position_embedding_type']!r} is not supported")
     if config.get("hidden_act", "gelu") != "gelu":

@@ -7,6 +7,7 @@ head_size]), so the mapping is a renaming; nothing is permuted.
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 import torch
@@ -87,7 +88,7 @@ def config_to_hf(cfg: GPTNeoXConfig) -> dict[str, Any]:
     }
 
 
-def config_from_hf(config: dict[str, Any], state_keys: set[str] = frozenset()) -> GPTNeoXConfig:
+def config_from_hf(config: dict[str, Any], state_keys: Set[str] = frozenset()) -> GPTNeoXConfig:
     """From a transformers `config.json` (4.x or 5.x keys)."""
     if config.get("tie_word_embeddings"):
         raise ValueError("tied input/output embeddings are not supported for GPT-NeoX")

@@ -4,6 +4,7 @@ in rotate-half order), so the mapping is a renaming."""
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 import torch
@@ -72,7 +73,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     }
 
 
-def config_from_hf(config: dict[str, Any], state_keys: set[str] = frozenset()) -> LlamaConfig:
+def config_from_hf(config: dict[str, Any], state_keys: Set[str] = frozenset()) -> LlamaConfig:
     rope = config.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", (config.get("rope_scaling") or {}).get("rope_type", "default"))
     if rope_type not in ("default", None):

@@ -13,8 +13,9 @@ from pathlib import Path
 from types import MappingProxyType
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import state_dict_saver  # (dcp.save, which dcp re-exports without an __all__)
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from frugality.checkpoint import CheckpointManager, safe_load, single_process_ok
 from frugality.checkpoint.safe import read_metadata
@@ -89,7 +90,11 @@ def _optional(model: nn.Module) -> tuple[str, ...]:
 
 def _their_shapes(source: WeightsSource) -> dict[str, tuple]:
     meta = _metadata(source.path)
-    return {k.removeprefix("model."): m.size for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
+    return {
+        k.removeprefix("model."): m.size
+        for k, m in meta.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)  # (not a non-tensor value's)
+    }
 
 
 def check_compatible(source: WeightsSource, model: nn.Module) -> None:
@@ -149,7 +154,7 @@ def save_weights(
         raise UserError(problem)
     try:
         with single_process_ok():
-            dcp.save({"model": state}, checkpoint_id=partial, no_dist=True)
+            state_dict_saver.save({"model": state}, checkpoint_id=partial, no_dist=True)
         for name, data in files.items():
             (partial / name).parent.mkdir(parents=True, exist_ok=True)  # e.g. 1_Pooling/config.json
             (partial / name).write_bytes(data)
@@ -220,6 +225,6 @@ def stored_dtype(source: WeightsSource) -> torch.dtype | None:
     if source.kind != "dcp":
         return None
     for key, meta in _metadata(source.path).items():
-        if key.startswith("model.") and hasattr(meta, "properties"):
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
             return meta.properties.dtype
     return None
