@@ -80,7 +80,7 @@ def device_fingerprint(device: torch.device) -> dict:
             "capability": f"{props.major}.{props.minor}",
             "cuda": torch.version.cuda,
         }
-    info = {"type": device.type, "machine": platform.machine()}
+    info: dict[str, object] = {"type": device.type, "machine": platform.machine()}
     if device.type == "cpu":
         # The instruction sets Inductor's C++ may be built for (AMX, AVX-512, ...), and the
         # thread count, which Inductor writes into its OpenMP pragmas. Probing the ISA the way
@@ -166,7 +166,7 @@ class CompileCache:
             if manifest.get("fingerprint") != self.fingerprint:
                 self._warn("was written for another configuration (foreign or stale entry)")
                 return FetchResult(False)
-            if self.signed and (problem := self._signature_problem(manifest)):
+            if self._key is not None and (problem := self._signature_problem(manifest, self._key)):  # signed
                 self._warn(problem)
                 return FetchResult(False)
             data = self.fs.cat_file(f"{self.entry}/{manifest['archive']}")
@@ -203,7 +203,7 @@ class CompileCache:
                 "files": {name: hashlib.sha256(content).hexdigest() for name, content in _read_archive(data).items()},
                 "frugality": __version__,
             }
-            if self.signed:
+            if self._key is not None:  # signed
                 manifest["signature"] = {
                     "alg": "hmac-sha256",
                     "key_id": key_id(self._key),
@@ -219,13 +219,13 @@ class CompileCache:
             self._warn(f"could not be written ({type(e).__name__}: {e})")
             return None
 
-    def _signature_problem(self, manifest: dict) -> str | None:
+    def _signature_problem(self, manifest: dict, key: bytes) -> str | None:
         signature = manifest.get("signature")
         if not isinstance(signature, dict) or "value" not in signature:
             return f"is unsigned, and {KEY_ENV_VAR} asks for signed entries"
-        if signature.get("key_id") != key_id(self._key):
+        if signature.get("key_id") != key_id(key):
             return "is signed with another key"
-        if not hmac.compare_digest(str(signature["value"]), _mac(self._key, manifest)):
+        if not hmac.compare_digest(str(signature["value"]), _mac(key, manifest)):
             return "was altered after it was signed"
         return None
 
@@ -271,7 +271,9 @@ def _read_archive(data: bytes) -> dict[str, bytes]:
                 continue
             if not member.isfile():
                 raise ValueError(f"{member.name} is not a regular file")
-            files[member.name] = tar.extractfile(member).read()
+            extracted = tar.extractfile(member)
+            assert extracted is not None  # a regular file's
+            files[member.name] = extracted.read()
     return files
 
 

@@ -29,7 +29,8 @@ import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Callable, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 
@@ -43,6 +44,9 @@ from frugality.compile.levels import (
     revert_to_eager,
 )
 from frugality.errors import FrugalityWarning, UserError
+
+if TYPE_CHECKING:
+    from frugality.compile.xla import XlaCompileSession
 
 T = TypeVar("T")
 
@@ -161,16 +165,16 @@ class CompileSession:
             self.cache = CompileCache(cache_url(cache), fp, key)
             self.stats.cache = repr(self.cache)
             self.stats.signed = self.cache.signed
-        self._local = None
-        self._previous_dir = None
-        self._base = None  # the cache counters at the start
+        self._local: Path | None = None
+        self._previous_dir: str | None = None
+        self._base: tuple[int, int] | None = None  # the cache counters at the start
         self.warmed: set[str] = set()  # phases past their first call
         self._seen_metrics: list = []
         self._start_metrics: list = []
         self._published_misses = 0
 
     @classmethod
-    def for_recipe(cls, recipe, device: torch.device, policy) -> "CompileSession":
+    def for_recipe(cls, recipe, device: torch.device, policy) -> CompileSession | XlaCompileSession:
         """The session `recipe` asks for, under the resolved precision `policy` (on an XLA
         device, the guard of XLA's own compilations: `frugality.compile.xla`)."""
         c = recipe.compile
@@ -206,7 +210,8 @@ class CompileSession:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self._local)
             clear_caches()  # in-memory caches remember the previous directory's modules
         torch._dynamo.reset()  # code compiled for an earlier model in this process
-        self.stats.fetched = self.cache.fetch(self._local).found if self.cache else False
+        # (the directory is made with the cache, above)
+        self.stats.fetched = self.cache.fetch(self._local).found if self.cache and self._local else False
         self._base = _counters()
         self._start_metrics = self._seen_metrics = list(_metrics())
         apply_level(model, self.level, self.options, self.backend)
@@ -312,6 +317,7 @@ class CompileSession:
             self._seen_metrics = self._seen_metrics + theirs
             self._start_metrics = self._start_metrics + theirs  # out of compile_s too
             after_hits, after_misses = _counters()
+            assert self._base is not None  # set by start(): this runs within a started session
             self._base = (self._base[0] + after_hits - hits, self._base[1] + after_misses - misses)
 
     # -- 4. close ---------------------------------------------------------------------------
@@ -319,7 +325,8 @@ class CompileSession:
         """Publish the local directory when it holds graphs the cache lacks (not after a
         failed compile: the next run would only fail the same way)."""
         if self.cache and self.stats.cache_misses > self._published_misses and not self.stats.fallbacks:
-            if self.cache.publish(self._local) is not None:
+            # (the directory is there: made at start with the cache, removed by cleanup, after close)
+            if self._local is not None and self.cache.publish(self._local) is not None:
                 self.stats.published = True
                 self._published_misses = self.stats.cache_misses
 
@@ -340,6 +347,7 @@ class CompileSession:
             self._local = None
 
     def _account(self) -> None:
+        assert self._base is not None  # set by start()
         hits, misses = _counters()
         self.stats.cache_hits = hits - self._base[0]
         self.stats.cache_misses = misses - self._base[1]

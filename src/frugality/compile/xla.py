@@ -168,7 +168,8 @@ class XlaCompileSession:
             self._account()
         # what this process compiled and stored beside what it fetched: the entry grows
         if self.cache is not None and xla.persistent_cache_misses() > self._misses and not self.stats.published:
-            self.stats.published = self.cache.publish(self._local) is not None
+            # (the folder is there: made with the cache, removed by cleanup, after close)
+            self.stats.published = self._local is not None and self.cache.publish(self._local) is not None
 
     def cleanup(self) -> None:
         if self._local is not None:

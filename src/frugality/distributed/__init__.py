@@ -14,6 +14,7 @@ import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -177,7 +178,9 @@ def wrap(module: nn.Module, blocks, parallel: ParallelConfig, world: World, devi
     for i, block in enumerate(blocks):
         # the last block's parameters are the first that backward needs: keep them gathered
         fully_shard(block, mesh=mesh, reshard_after_forward=parallel.reshard_after_forward and i < len(blocks) - 1)
-    return fully_shard(module, mesh=mesh)  # the root: embeddings, final norm, output layer, the task's parameters
+    # the root: embeddings, final norm, output layer, the task's parameters (fully_shard returns
+    # `module` itself, its class now also an FSDPModule)
+    return cast(nn.Module, fully_shard(module, mesh=mesh))
 
 
 def data_parallel_mesh(parallel: ParallelConfig, world: World, device: torch.device) -> DeviceMesh:
@@ -289,7 +292,7 @@ def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
         return rows
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
-    return torch.cat(gathered)
+    return torch.cat(cast(list[torch.Tensor], gathered))  # filled in by all_gather_object
 
 
 class _GatherWithGrad(torch.autograd.Function):

@@ -17,14 +17,28 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from frugality.config.recipe import ParallelConfig
 from frugality.errors import UserError
+from frugality.models import Decoder
 from frugality.models.layers import check_length
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import ScheduleGPipe, ScheduleLoopedBFS
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+    from torch.distributed.tensor import DTensor
+
+    from frugality.distributed import World
+
+# a new context around each forward and loss (the precision policy's autocast)
+Autocast = Callable[[], contextlib.AbstractContextManager]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -118,7 +132,9 @@ class Stage(nn.Module):
     """Blocks [start, stop) of a decoder, with the embedding on the first stage and the
     final norm and output layer on the last; the whole model's parameter names."""
 
-    def __init__(self, model: nn.Module, start: int, stop: int, first: bool, last: bool, autocast=None) -> None:
+    def __init__(
+        self, model: Decoder, start: int, stop: int, first: bool, last: bool, autocast: Autocast | None = None
+    ) -> None:
         super().__init__()
         self.config = model.config
         self._autocast = autocast or contextlib.nullcontext  # the precision policy's, around forward and loss
@@ -137,6 +153,7 @@ class Stage(nn.Module):
             return self.final_norm(x) if self.final_norm is not None else x
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert self.output is not None  # the schedule's loss function is the last stage's (`Pipeline`)
         with self._autocast():
             return self.output.loss(hidden, targets)
 
@@ -155,7 +172,7 @@ class StageGroup(nn.Module):
         self.output = next((s.output for s in stages if s.output is not None), None)
 
 
-def cut(model: nn.Module, rank: int, size: int, schedule: str, autocast=None) -> list[Stage]:
+def cut(model: Decoder, rank: int, size: int, schedule: str, autocast: Autocast | None = None) -> list[Stage]:
     """This pipeline rank's stages of `model`: stage s holds an equal share of the blocks;
     rank r holds stages r, r + size, ... (the looped order interleaved schedules use)."""
     per = stages_per_rank(schedule)
@@ -171,7 +188,12 @@ class Pipeline:
     """The schedule that drives a rank's stages through each step's micro-batches, and the
     same stages' forward-only schedule for evaluation."""
 
-    def __init__(self, stages: list, modules: list[Stage], mesh: DeviceMesh, schedule: str, micro_batches: int) -> None:
+    parameters: int  # the whole model's parameter counts, set by `frugality.runtime.state.build_state`
+    non_embedding_parameters: int
+
+    def __init__(
+        self, stages: list[nn.Module], modules: list[Stage], mesh: DeviceMesh, schedule: str, micro_batches: int
+    ) -> None:
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -185,7 +207,7 @@ class Pipeline:
         per = stages_per_rank(schedule)
         total = self.size * per
         self.rank = rank = mesh.get_local_rank()  # this rank's place along the pipeline
-        self.stages = [
+        self.stages: list[_PipelineStageBase] = [
             PipelineStage(m, rank + k * self.size, total, _device(m), group=self.group) for k, m in enumerate(stages)
         ]
         self.first = any(s.is_first for s in self.stages)
@@ -215,7 +237,7 @@ class Pipeline:
         self.micro_batches = micro_batches
         self._runs, self._loss, self._rank, self._total = stages, loss, rank, total
         self.device = _device(modules[0])
-        self._evaluations: dict[tuple, object] = {}
+        self._evaluations: dict[tuple, ScheduleGPipe | ScheduleLoopedBFS] = {}
 
     def step(self, batch: torch.Tensor) -> torch.Tensor:
         """Forward and backward of a step's micro-batches (rows of `batch`, inputs and next
@@ -272,7 +294,7 @@ class Pipeline:
         if shape not in self._evaluations:
             from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
 
-            stages = [
+            stages: list[_PipelineStageBase] = [
                 PipelineStage(m, self._rank + k * self.size, self._total, _device(m), group=self.group)
                 for k, m in enumerate(self._runs)
             ]
@@ -308,12 +330,12 @@ class Pipeline:
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor (under tensor parallel, a replicated DTensor)."""
-    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    return cast("DTensor", loss).full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
 def _device(module: nn.Module) -> torch.device:
     p = next(module.parameters())
-    return p.to_local().device if hasattr(p, "to_local") else p.device
+    return cast("DTensor", p).to_local().device if hasattr(p, "to_local") else p.device
 
 
 def _no_loss(hidden, targets):  # a rank without the last stage never calls it
@@ -321,8 +343,14 @@ def _no_loss(hidden, targets):  # a rank without the last stage never calls it
 
 
 def build_pipeline(
-    model: nn.Module, parallel, world, device: torch.device, micro_batches: int, autocast=None, materialize=None
-):
+    model: nn.Module,
+    parallel: ParallelConfig,
+    world: World,
+    device: torch.device,
+    micro_batches: int,
+    autocast: Autocast | None = None,
+    materialize: Callable[[list[Stage]], None] | None = None,
+) -> tuple[Pipeline, StageGroup]:
     """This rank's stages of `model` (whole: built from the seed, or on the meta device and
     `materialize(stages)` giving the stages their values), each wrapped for data parallel
     over the ranks left over (DDP, or FSDP2 per block), and the schedule over them;
@@ -331,7 +359,8 @@ def build_pipeline(
 
     mesh = world_mesh(parallel, world, device)
     schedule = resolve_schedule(parallel.pipeline_schedule)
-    stages = cut(model, mesh["pipeline"].get_local_rank(), world.pipeline, schedule, autocast)
+    # `check_pipeline` admitted decoders only
+    stages = cut(cast(Decoder, model), mesh["pipeline"].get_local_rank(), world.pipeline, schedule, autocast)
     if materialize is not None:
         materialize(stages)
     whole = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # (a DTensor's: its global shape)
@@ -339,7 +368,7 @@ def build_pipeline(
     return Pipeline(runs, stages, mesh["pipeline"], schedule, micro_batches), StageGroup(stages, whole)
 
 
-def _data_parallel(stage: Stage, parallel, world, mesh) -> nn.Module:
+def _data_parallel(stage: Stage, parallel: ParallelConfig, world: World, mesh: DeviceMesh) -> nn.Module:
     """A stage for data parallel over the ranks left over: FSDP2 per block and at the
     stage's root on the mesh's data-parallel part (ddp there is FSDP2's replication, shard
     groups of one: DDP's reducer does not follow a schedule's interleaved backwards)."""
@@ -350,4 +379,4 @@ def _data_parallel(stage: Stage, parallel, world, mesh) -> nn.Module:
     dp = mesh["replicate", "shard"]
     for block in stage.layers.values():
         fully_shard(block, mesh=dp, reshard_after_forward=parallel.reshard_after_forward)
-    return fully_shard(stage, mesh=dp)
+    return cast(nn.Module, fully_shard(stage, mesh=dp))  # the stage itself, its class now also an FSDPModule

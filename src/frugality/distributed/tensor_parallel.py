@@ -22,6 +22,7 @@ on a rank's share of the heads.
 from __future__ import annotations
 
 import contextlib
+from typing import cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from frugality.errors import UserError
+from frugality.models import Decoder
 
 
 def check_tensor_parallel(model_config, tensor: int, sequence: bool, world_size: int, seq_len: int) -> None:
@@ -100,6 +102,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence: bool) ->
     """Split `model`'s layers over `mesh` (one dimension: the tensor-parallel ranks), in
     place; a line for the run header. The weights each rank starts from are the slices of
     the same full weights (every rank built the model from the recipe's seed)."""
+    model = cast(Decoder, model)  # a family of PLANS (`check_tensor_parallel`)
     family = model.config.family
     seq = Shard(1) if sequence else Replicate()  # the residual stream between the split layers
     top = {
@@ -141,7 +144,8 @@ def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
     def to_local(module, output, mesh):
         return output.to_local()
 
-    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+    # torch types input_fn as returning None; a pre-hook's return value replaces the inputs, as here
+    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)  # pyright: ignore[reportArgumentType]
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ held-out validation batches."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from frugality.config.recipe import Recipe
 from frugality.data.bundled import BUNDLED_PREFIX, bundled_dataset, bundled_pairs
@@ -16,11 +17,14 @@ from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 from frugality.tasks import get_task
 
+if TYPE_CHECKING:
+    from frugality.data.device_loader import DevicePrefetchStream
+
 
 @dataclass
 class TrainingData:
     samples: PackedSamples | PairSamples
-    stream: TrainStream  # the training batches, in a resumable order (on XLA, a DevicePrefetchStream around it)
+    stream: TrainStream | DevicePrefetchStream  # the training batches, in a resumable order (on XLA, prefetched)
     val_batches: list  # this rank's forwards at each evaluation (tensors, or TextBatches of pairs)
     val_counted: int  # how many of them count (the rest keep the ranks in step)
     description: str  # for the run header: samples and tokens

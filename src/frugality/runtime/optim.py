@@ -57,6 +57,7 @@ def build_optimizer(
                     offset += p.numel()
             index_of = lambda p: places[id(p)]  # noqa: E731
         # One fused pass per group over flat bf16 buffers, float32 math, rounded back.
+        assert policy.rounding is not None  # every policy with bf16 storage names its rounding
         return BF16AdamW(
             groups,
             lr=cfg.lr,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ from torch import nn
 from frugality.config.recipe import Recipe
 from frugality.errors import UserError
 from frugality.hardware import device_memory
-from frugality.models import build_model
+from frugality.models import Decoder, build_model
 from frugality.models.layers import OutputLayer
 from frugality.precision import AUTO_POLICY, PrecisionPolicy, get_policy
 from frugality.tasks import task_for
@@ -159,7 +160,8 @@ def plan_model_parallel(
     policy = policy or get_policy(AUTO_POLICY[True] if auto else recipe.train.precision)
     dp = nproc // (tensor * pipeline)
     with torch.device("meta"):
-        model = policy.prepare_model(build_model(recipe.model))
+        # tensor and pipeline parallel split decoders only: their embedding, blocks and output layer
+        model = cast(Decoder, policy.prepare_model(build_model(recipe.model)))
     item = policy.storage_dtype.itemsize
     block = _numel(model.layers[0])
     per_stage = recipe.model.num_layers // pipeline
@@ -228,7 +230,7 @@ def saved_activation_bytes(model: nn.Module, recipe: Recipe, fused_output: torch
     sdpa, output_loss = F.scaled_dot_product_attention, OutputLayer.loss
     F.scaled_dot_product_attention = lambda q, k, v, **_: _FlashAttentionSaves.apply(q, k, v)
     if fused_output is not None:
-        OutputLayer.loss = lambda layer, hidden, targets: _FusedOutputSaves.apply(hidden, layer.weight, fused_output)
+        OutputLayer.loss = lambda self, hidden, targets: _FusedOutputSaves.apply(hidden, self.weight, fused_output)
     try:
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             task.training_module(model)(batch)
@@ -280,7 +282,7 @@ def markdown_rows(plans: list[MemoryPlan]) -> str:
         "|" + "---|" * 13,
     ]
     for p in plans:
-        fits = "n/a" if p.fits is None else f"{'yes' if p.fits else 'no'} ({p.device_memory / gib:.1f})"
+        fits = "n/a" if p.device_memory is None else f"{'yes' if p.fits else 'no'} ({p.device_memory / gib:.1f})"
         lines.append(
             f"| {p.recipe} | {p.parameters / 1e6:,.0f}M | {p.precision} | {_layout(p)} | {p.nproc} | "
             f"{p.shard_over} | "

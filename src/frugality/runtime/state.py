@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -42,6 +43,11 @@ from frugality.runtime.data import TrainingData
 from frugality.runtime.optim import build_optimizer, fused_update
 from frugality.tasks import Task, freeze_unused, task_for
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+    from frugality.compile.xla import XlaCompileSession
+
 
 @dataclass
 class TrainState:
@@ -54,13 +60,13 @@ class TrainState:
     model: nn.Module  # the plain model (specialized, sharded in place under FSDP2): weights, names, checkpoints
     wrapped: nn.Module  # the task's training module around it, as the parallel strategy wraps it: what runs
     optimizer: torch.optim.Optimizer
-    compiled: CompileSession
+    compiled: CompileSession | XlaCompileSession
     choices: list[str] = field(default_factory=list)  # what was picked for this machine, and why
     data: TrainingData | None = None
     world: World = World()
     step: int = 0
     stop_requested: bool = False  # set by a signal or a policy: stop after this step, saved
-    recent_losses: deque = field(default_factory=deque)  # applied steps' losses, for spike detection
+    recent_losses: deque[float] = field(default_factory=deque)  # applied steps' losses, for spike detection
     tokens_seen: int = 0  # every rank's tokens of every step so far (checkpointed: buckets make steps differ)
     pipeline: Pipeline | None = None  # pipeline parallel: the schedule that runs the steps and evaluations
     loss_scaler: LossScaler | None = None  # amp-fp16: the dynamic loss scale
@@ -218,11 +224,13 @@ def _materialize(recipe: Recipe, device: torch.device, policy, whole: nn.Module,
 
     def keep(name: str, value: torch.Tensor) -> None:
         target = targets.get(name)
-        local = target.to_local() if hasattr(target, "to_local") else target
-        if local is None or local.is_meta:
+        if target is None:
+            return  # another rank's
+        local = cast("DTensor", target).to_local() if hasattr(target, "to_local") else target
+        if local.is_meta:
             return  # another rank's
         placed = placed_like(value, target)
-        local.copy_(placed.to_local() if hasattr(placed, "to_local") else placed)
+        local.copy_(cast("DTensor", placed).to_local() if hasattr(placed, "to_local") else placed)
 
     torch.manual_seed(recipe.seed)
     draw_parameters(recipe.model, device, keep)

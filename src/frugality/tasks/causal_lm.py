@@ -5,17 +5,20 @@ swaps in the fused output-layer loss, which never builds float32 logits)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
 from frugality.errors import UserError
+from frugality.models import Decoder
 from frugality.tasks.base import Evaluated, PackedBlocks, Task
 
 
 class CausalLMModule(nn.Module):
     """The decoder and its next-token loss: what DDP and FSDP2 wrap."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Decoder) -> None:
         super().__init__()
         self.model = model
 
@@ -43,7 +46,7 @@ class CausalLM(Task):
             ) from None
 
     def training_module(self, model: nn.Module) -> nn.Module:
-        return CausalLMModule(model)
+        return CausalLMModule(cast(Decoder, model))  # of `families`, as check() admitted
 
     def tokens(self, batch: torch.Tensor) -> int:
         return self.blocks.tokens(batch)

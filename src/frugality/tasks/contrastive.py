@@ -6,12 +6,14 @@ by cosine similarity."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from frugality.data.pairs import TextBatch
-from frugality.models.bert import pool
+from frugality.models.bert import Bert, pool
 from frugality.tasks.base import Evaluated, RunSetup, Task
 
 RECALL_AT = (1, 10)
@@ -22,7 +24,7 @@ class ContrastiveModule(nn.Module):
     (with every rank's documents as candidates when `setup.gather` is given): what DDP and
     FSDP2 wrap, so that the temperature is used inside their forward."""
 
-    def __init__(self, model: nn.Module, setup: RunSetup) -> None:
+    def __init__(self, model: Bert, setup: RunSetup) -> None:
         super().__init__()
         self.model, self.setup = model, setup
 
@@ -73,7 +75,7 @@ class Contrastive(Task):
     perplexity = False
 
     def training_module(self, model: nn.Module) -> nn.Module:
-        return ContrastiveModule(model, self.setup)
+        return ContrastiveModule(cast(Bert, model), self.setup)  # of `families`, as check() admitted
 
     def tokens(self, batch) -> int:
         """The step's real tokens, the texts' own: the same count whether the layers skip

@@ -15,12 +15,14 @@ are batched."""
 from __future__ import annotations
 
 import zlib
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from frugality.errors import UserError
+from frugality.models.bert import Bert
 from frugality.tasks.base import Evaluated, PackedBlocks, RunSetup, Task, rank
 
 EVAL_SEED = 0xB3E7
@@ -29,7 +31,7 @@ EVAL_SEED = 0xB3E7
 class MaskedLMModule(nn.Module):
     """The encoder with its masked-LM head and loss: what DDP and FSDP2 wrap."""
 
-    def __init__(self, model: nn.Module, setup: RunSetup) -> None:
+    def __init__(self, model: Bert, setup: RunSetup) -> None:
         super().__init__()
         self.model, self.setup = model, setup
 
@@ -92,7 +94,7 @@ class MaskedLM(Task):
             raise UserError("train.task masked_lm needs model.mlm_head = true (the masked-LM head)")
 
     def training_module(self, model: nn.Module) -> nn.Module:
-        return MaskedLMModule(model, self.setup)
+        return MaskedLMModule(cast(Bert, model), self.setup)  # of `families`, as check() admitted
 
     def tokens(self, batch: torch.Tensor) -> int:
         return self.blocks.tokens(batch)
