@@ -6,6 +6,7 @@ name) decide pass or fail; informational rows never fail.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from frugality.errors import UserError
@@ -62,7 +63,7 @@ def threshold_kind(device) -> str:
     return "cpu" if xla.client() == "CPU" else "xla"
 
 
-def thresholds(device_type: str, overrides: list[str] = ()) -> dict[str, float]:
+def thresholds(device_type: str, overrides: Sequence[str] = ()) -> dict[str, float]:
     """The device kind's thresholds (`threshold_kind`) with `NAME=VALUE` overrides applied."""
     values = dict(THRESHOLDS[device_type if device_type in ("cuda", "xla") else "cpu"])
     for item in overrides:

@@ -100,7 +100,8 @@ def collective_checks(device: torch.device, limits: dict[str, float], largest: i
     """Every op at every size (called on every rank; the rows are complete on rank 0)."""
     n = dist.get_world_size()
     checks = []
-    small, large = None, None
+    small: tuple[float, int] | None = None  # (seconds, bytes) of the smallest all-reduce
+    large: tuple[float, int] | None = None  # (bus bandwidth, bytes) of the largest
     for op in OPS:
         for size in sizes(largest):
             seconds, wrong = run_collective(op, size, device)
@@ -133,6 +134,7 @@ def collective_checks(device: torch.device, limits: dict[str, float], largest: i
             if op == "all_reduce":
                 small = small or (seconds, size)
                 large = (busbw, size)
+    assert small is not None and large is not None  # all_reduce is one of OPS, timed at each size
     checks.append(
         at_most(
             "collectives",

@@ -519,7 +519,7 @@ def _then_clear(bar):
     """The bar's update, which clears its description at the first texts done."""
     update = bar.update
 
-    def counted(n=1):
+    def counted(n: float | None = 1) -> bool | None:  # (tqdm.update's signature)
         if bar.desc:
             bar.set_description_str("", refresh=False)
         return update(n)
@@ -591,7 +591,8 @@ def _run_workers(settings, inputs, size, pending, count, nproc, device, bar) -> 
         )
         p.start()
         workers.append(p)
-    error = None
+    # a worker's error: (kind, rank, message), or an OSError's with (errno, strerror, filename)
+    error: tuple[str, int, str] | tuple[str, int, str, int | None, str | None, str | None] | None = None
     try:
         while any(p.is_alive() for p in workers) or not q.empty():
             try:

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
-from torch import nn
 
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
@@ -27,7 +27,7 @@ from frugality.inference import onnx_int8
 from frugality.interop.hf import import_hf
 from frugality.interop.sentence_transformers import pooling_mode, read_json
 from frugality.interop.weights import WeightsSource, file_beside, load_weights, recipe_beside, resolve_source
-from frugality.models import build_empty
+from frugality.models import Model, build_empty
 from frugality.models.bert import Bert, pool
 from frugality.precision import bf16_is_native
 from frugality.precision.int8 import int8_products, quantize_int8
@@ -200,7 +200,7 @@ def int8_engine(device: torch.device, encoder: bool = True) -> tuple[str, str]:
 class LoadedModel:
     """A model read from a folder, on the CPU, with where its tokenizer and weights are."""
 
-    model: nn.Module
+    model: Model
     tokenizer: str  # a tokenizer.json beside the weights, else the recipe's data.tokenizer (a name or path)
     weights: Path  # the folder the weights came from: a run's latest checkpoint when MODEL is a run
 
@@ -242,6 +242,7 @@ def load_encoder(
     folder = Path(path)
     dtype, why = resolve_precision(precision, device)
     loaded = load_model(folder, _check_encoder)
+    bert = cast(Bert, loaded.model)  # as _check_encoder admitted
     tokenizer = load_tokenizer(loaded.tokenizer).tokenizer
     weights = loaded.weights
     # sentence-transformers' files where the folder has them, else the model's own settings
@@ -253,19 +254,20 @@ def load_encoder(
         beside = file_beside(WeightsSource(weights, kind), "sentence_bert_config.json")
         pooling = replace(
             read_pooling(beside.parent if beside else folder),
-            mode=loaded.model.config.pooling,
-            normalize=loaded.model.config.normalize,
+            mode=bert.config.pooling,
+            normalize=bert.config.normalize,
         )
     if normalize is not None:
         pooling = replace(pooling, normalize=normalize)
     if max_length is not None:
         pooling = replace(pooling, max_length=max_length)
-    model = loaded.model.to(device=device, dtype=dtype)
+    model = bert.to(device=device, dtype=dtype)
     engine = int8_engine(device)[0] if precision == "int8" else None
     if engine == "torch":  # (BERT's pooler and masked-LM head: unused by embeddings, left alone)
         quantize_int8(model, skip=("pooler", "mlm.dense", "mlm.decoder"))
     elif engine == "onnxruntime":  # the body runs in ONNX Runtime; project() (the head) stays here
-        model.forward = onnx_int8.quantized_body(model)
+        # this instance's forward replaced (pyright allows no assignment over a method)
+        model.forward = onnx_int8.quantized_body(model)  # pyright: ignore[reportAttributeAccessIssue]
     return Encoder(model, tokenizer, pooling, device, dtype, weights, int8=engine), why
 
 

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from tokenizers import Tokenizer
@@ -35,6 +36,7 @@ from frugality import xla
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 from frugality.inference.encoder import load_model, resolve_precision
+from frugality.models import Decoder as DecoderModel
 from frugality.models.kv_cache import KVCache
 from frugality.precision.int8 import quantize_int8
 
@@ -80,7 +82,7 @@ class Decoder:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: DecoderModel,
         tokenizer: Tokenizer,
         eos_ids: tuple[int, ...],
         device: torch.device,
@@ -108,7 +110,7 @@ def load_decoder(path: str | Path, device: torch.device, precision: str = "auto"
     loaded = load_model(path, _check_decoder)
     tokenizer = _open_tokenizer(loaded.tokenizer, Path(path))
     eos = _eos_ids(Path(path), tokenizer)
-    model = loaded.model.to(device=device, dtype=dtype)
+    model = cast(DecoderModel, loaded.model).to(device=device, dtype=dtype)  # as _check_decoder admitted
     if precision == "int8":
         quantize_int8(model)
     return Decoder(model, tokenizer, eos, device, dtype, loaded.weights), why
@@ -320,6 +322,7 @@ class RowText:
             self._show(row, completion.text)
 
     def _show(self, row: int, text: str) -> None:
+        assert self.on_text is not None  # (called where it is set)
         shown = self.shown.get(row, 0)
         if len(text) > shown:
             self.on_text(row, text[shown:])

@@ -35,7 +35,7 @@ from torch import nn
 
 from frugality.checkpoint import fsync_dir
 from frugality.errors import UserError
-from frugality.models.bert import Attention
+from frugality.models.bert import Attention, Bert
 from frugality.paths import cache_dir
 
 
@@ -121,7 +121,7 @@ class OnnxInt8Body:
 FORMAT = 4  # 2: MatMuls alone quantized (the embedding tables stay fp32); 3: fused attention; 4: its mask -1e30
 
 
-def quantized_body(model: nn.Module) -> OnnxInt8Body:
+def quantized_body(model: Bert) -> OnnxInt8Body:
     """`model`'s forward as ONNX Runtime int8, exported and quantized on first use, then
     read from the cache. A cached file that does not load (cut short by a crash) is made
     again, once."""
@@ -159,7 +159,7 @@ def quantized_body(model: nn.Module) -> OnnxInt8Body:
     raise AssertionError("unreachable")
 
 
-def export_fp32(model: nn.Module, path: Path) -> None:
+def export_fp32(model: Bert, path: Path) -> None:
     """The encoder's body as an fp32 ONNX graph, inputs `ids` and `mask`, output `hidden`,
     batch and length dynamic (TorchScript exporter: no onnxscript needed)."""
     config = model.config
@@ -190,7 +190,7 @@ def export_fp32(model: nn.Module, path: Path) -> None:
             setattr(parent, name, child)
 
 
-def _export_quantized(model: nn.Module, path: Path) -> None:
+def _export_quantized(model: Bert, path: Path) -> None:
     """Export (TorchScript exporter: dynamic batch and length, no onnxscript needed), quantize
     its MatMuls, and move the file into place, synced; concurrent processes each write their
     own, then rename. Folders left by an export that was killed are removed first."""

@@ -132,7 +132,7 @@ def parity(run_a: str | Path, run_b: str | Path, tolerance: float = DEFAULT_TOLE
     loss_dev, loss_step = c.largest("loss")
     norm_dev, norm_step = c.largest("grad_norm")
     side = {}
-    costs = [t.summary.get("cost") if isinstance(t.summary.get("cost"), dict) else {} for t in (a, b)]
+    costs = [cost if isinstance(cost := t.summary.get("cost"), dict) else {} for t in (a, b)]
     for key in (
         "tokens",
         "wall_time_s",
@@ -146,7 +146,7 @@ def parity(run_a: str | Path, run_b: str | Path, tolerance: float = DEFAULT_TOLE
         side[key] = [c.get(key) for c in costs]
     labels = [{k: c.get("labels", {}).get(k) for k in ("price", "energy")} for c in costs]
     return {
-        "verdict": "PASS" if numbers and abs(final) <= tolerance else "FAIL",
+        "verdict": "PASS" if final is not None and abs(final) <= tolerance else "FAIL",  # (None: not numbers)
         "tolerance": tolerance,
         "final_step": c.eval_steps[-1],
         "final_val_loss": [c.val_loss_a[-1], c.val_loss_b[-1]],

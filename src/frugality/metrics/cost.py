@@ -148,10 +148,8 @@ def at_target(points: list[dict], target: float) -> dict | None:
             if previous is None or previous["loss"] == point["loss"]:
                 return {k: point[k] for k in ("step", "elapsed_s", "energy_j", "usd")}
             f = (previous["loss"] - target) / (previous["loss"] - point["loss"])
-            mix = lambda k: (
-                None if point[k] is None or previous[k] is None else previous[k] + f * (point[k] - previous[k])
-            )
-            usd = mix("usd")
+            mix = lambda k: previous[k] + f * (point[k] - previous[k])
+            usd = None if point["usd"] is None or previous["usd"] is None else mix("usd")
             return {
                 "step": round(mix("step"), 1),
                 "elapsed_s": round(mix("elapsed_s"), 2),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -151,7 +152,8 @@ class Sampler:
                     {
                         "kind": "cuda",
                         "index": i,
-                        "utilisation": _maybe(lambda: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100),
+                        # a c_uint field (pynvml's __getattribute__, which decodes bytes, widens its type to str)
+                        "utilisation": _maybe(lambda: cast(int, nvml.nvmlDeviceGetUtilizationRates(h).gpu) / 100),
                         "memory_used_gib": round(memory.used / 2**30, 2),
                         "memory_gib": round(memory.total / 2**30, 1),
                         "power_w": _maybe(lambda: round(nvml.nvmlDeviceGetPowerUsage(h) / 1000, 1)),

@@ -139,9 +139,11 @@ class NvmlMeter(Meter):
         self.counter = _Counter(read, None)  # 64 bits of millijoules: it does not wrap
 
     def sample(self) -> None:
+        assert self.counter is not None  # set by start()
         self.counter.sample()
 
     def joules(self) -> float:
+        assert self.counter is not None  # set by start()
         return self.counter.sample()
 
 

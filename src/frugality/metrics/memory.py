@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -36,10 +40,10 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    return cast("DTensor", t).to_local() if hasattr(t, "to_local") else t
 
 
-def peak_memory_bytes(device: torch.device) -> int:
+def peak_memory_bytes(device: torch.device) -> int | None:
     """CUDA: the allocator's peak on the device. CPU: the process's peak resident set.
 
     On Linux this reads VmHWM from /proc/self/status rather than getrusage's ru_maxrss,

@@ -132,9 +132,10 @@ ROWS = (  # (heading, where in summary.json, format)
 
 
 def _get(summary: dict, keys: tuple[str, ...]):
+    value = summary
     for key in keys:
-        summary = summary.get(key) if isinstance(summary, dict) else None
-    return summary
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
 
 
 def _markdown(trajectories: list[Trajectory], names: list[str], images: list[str]) -> str:

@@ -11,20 +11,26 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from frugality import xla
 from frugality.distributed import all_gather_rows, all_mean, all_sum, no_sync
+from frugality.distributed.pipeline import Pipeline
+from frugality.precision.bf16_adamw import BF16AdamW
 from frugality.runtime.state import TrainState
 from frugality.training.schedule import learning_rate
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass
 class StepResult:
     step: int  # optimizer steps done, this one included
-    loss: float  # mean over the step's micro-batches
-    grad_norm: float  # before clipping
+    loss: float | None  # mean over the step's micro-batches (None: an XLA step that did not read it)
+    grad_norm: float | None  # before clipping
     lr: float
     seconds: float
     final: bool  # the last step of this session
@@ -55,6 +61,7 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
     """Train from `state.step` to `stop_at` (or until a callback asks to stop), evaluating
     at step 0 of a new run, every `train.eval_interval` steps and at the last step."""
     recipe = state.recipe
+    assert state.data is not None  # a training run's state has its data (bench's, which only time steps, not)
     callbacks.on_train_start(state)
     if state.step == 0:
         evaluate(state, callbacks)
@@ -125,7 +132,7 @@ def train_step(
     if state.device.type == "xla":
         return _train_step_xla(state, micro_batches, read)
     if state.pipeline is not None:
-        return _train_step_pipeline(state, micro_batches)
+        return _train_step_pipeline(state, state.pipeline, micro_batches)
     wrapped = state.wrapped
     wrapped.train()
     total = torch.zeros((), device=state.device)
@@ -152,12 +159,12 @@ def _clip_and_update(state: TrainState, mean: float, over_stages=None) -> tuple[
         scaler.unscale(optimizer)
     max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
     clip = None
-    if hasattr(optimizer, "clip_grad_norm_"):  # BF16AdamW: clipping folded into its update
+    if isinstance(optimizer, BF16AdamW):  # clipping folded into its update
         norm = optimizer.clip_grad_norm_(max_norm, sum_squares=over_stages)
     else:  # the norm first, so that non-finite gradients are seen before clipping scales them all
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         clip = torch.nn.utils.get_total_norm(grads, foreach=True)
-        norm = clip.full_tensor() if hasattr(clip, "full_tensor") else clip  # FSDP2: a DTensor
+        norm = cast("DTensor", clip).full_tensor() if hasattr(clip, "full_tensor") else clip  # FSDP2: a DTensor
         if over_stages is not None:
             norm = clip = over_stages(norm.float().square()).sqrt()
     loss, norm = all_mean(mean, state.device), norm.item()
@@ -174,14 +181,14 @@ def _clip_and_update(state: TrainState, mean: float, over_stages=None) -> tuple[
     return loss, norm, rejected
 
 
-def _train_step_pipeline(state: TrainState, micro_batches: list) -> tuple[float, float, str | None]:
+def _train_step_pipeline(state: TrainState, pipeline: Pipeline, micro_batches: list) -> tuple[float, float, str | None]:
     """A step through the pipeline's stages: its micro-batches are the schedule's; the loss
     comes from the last stage, the gradient norm is summed over every stage's parameters."""
     state.model.train()
     batch = torch.cat([b.to(state.device) for b in micro_batches])
     with state.loss_context():  # the schedule runs the forwards and the backwards
-        mean = state.pipeline.step(batch)
-    return _clip_and_update(state, mean.item(), state.pipeline.sum_over_stages)
+        mean = pipeline.step(batch)
+    return _clip_and_update(state, mean.item(), pipeline.sum_over_stages)
 
 
 def _train_step_xla(
@@ -197,7 +204,7 @@ def _train_step_xla(
         total += loss.detach()
         xla.sync()  # one graph per micro-batch: forward and backward
     max_norm = state.recipe.optim.grad_clip if state.recipe.optim.grad_clip > 0 else float("inf")
-    if hasattr(optimizer, "clip_grad_norm_"):  # BF16AdamW: clipping folded into its update
+    if isinstance(optimizer, BF16AdamW):  # clipping folded into its update
         norm = optimizer.clip_grad_norm_(max_norm)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
@@ -221,7 +228,7 @@ def _train_step_xla(
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor (under tensor parallel, a replicated DTensor)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return cast("DTensor", t).full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _first_nonfinite(model: torch.nn.Module, loss: float, norm: float) -> str | None:
@@ -232,7 +239,7 @@ def _first_nonfinite(model: torch.nn.Module, loss: float, norm: float) -> str | 
     if math.isfinite(norm):
         return None
     for name, p in model.named_parameters():
-        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        grad = cast("DTensor", p.grad).to_local() if hasattr(p.grad, "to_local") else p.grad
         if grad is not None and not torch.isfinite(grad).all():
             return f"the gradient of {name} is not finite"
     return f"the gradient norm ({norm}; the gradients of this rank are finite) is not finite"
@@ -242,7 +249,10 @@ def _spike(state: TrainState, loss: float) -> str | None:
     """A loss above `train.loss_spike` times the median of the recent applied steps' (once
     a quarter of the window, at least 4 steps, has been seen)."""
     factor, recent = state.recipe.train.loss_spike, state.recent_losses
-    if factor is None or len(recent) < max(4, recent.maxlen // 4):
+    if factor is None:
+        return None
+    assert recent.maxlen is not None  # build_state bounds it: train.loss_spike_window
+    if len(recent) < max(4, recent.maxlen // 4):
         return None
     median = statistics.median(recent)
     if loss <= factor * median:
@@ -262,7 +272,8 @@ def validation_loss(state: TrainState) -> tuple[float, dict]:
     held-out pairs)."""
     state.wrapped.eval()
     if state.pipeline is not None:
-        return _validation_loss_pipeline(state)
+        return _validation_loss_pipeline(state, state.pipeline)
+    assert state.data is not None  # (see fit)
     done = []
     on_xla = state.device.type == "xla"
     for batch in state.data.val_batches:
@@ -283,35 +294,37 @@ def validation_loss(state: TrainState) -> tuple[float, dict]:
     return total / count, metrics
 
 
-def _validation_loss_pipeline(state: TrainState) -> tuple[float, dict]:
+def _validation_loss_pipeline(state: TrainState, pipeline: Pipeline) -> tuple[float, dict]:
     """The validation batches through the stages, forward only; each batch's mean loss
     weighted by its rows (every rank holds it after the pipeline's broadcast)."""
+    assert state.data is not None  # (see fit)
     n = state.data.val_counted
     if state.world.data_size > 1:
-        _align_evaluation_shapes(state)
+        _align_evaluation_shapes(state, state.data.val_batches, pipeline)
     total = count = 0.0
     for i, batch in enumerate(state.data.val_batches):
         with state.loss_context():
-            loss = state.pipeline.evaluate(batch.to(state.device)).item()
+            loss = pipeline.evaluate(batch.to(state.device)).item()
         if i < n:
             total, count = total + loss * batch.shape[0], count + batch.shape[0]
     total, count = all_sum([total, count], state.device)
     return total / count, {}
 
 
-def _align_evaluation_shapes(state: TrainState) -> None:
+def _align_evaluation_shapes(state: TrainState, val_batches: list, pipeline: Pipeline) -> None:
     """A stage learns a batch shape by running it once (FSDP2 gathering parameters in that
     forward), and the short last validation batch is one rank's: before the first
     evaluation, every rank runs each shape any rank has, in the same order, uncounted."""
-    mine = sorted({batch.shape[0] for batch in state.data.val_batches})
+    mine = sorted({batch.shape[0] for batch in val_batches})
     every = [None] * state.world.world_size
     torch.distributed.all_gather_object(every, mine)
-    rows = sorted({r for ranks in every for r in ranks} - {s[0] for s in state.pipeline.evaluation_shapes()})
-    first = state.data.val_batches[0].to(state.device)
+    every_rows = cast(list[list[int]], every)  # filled in by all_gather_object
+    rows = sorted({r for ranks in every_rows for r in ranks} - {s[0] for s in pipeline.evaluation_shapes()})
+    first = val_batches[0].to(state.device)
     for r in rows:  # a batch of r rows from this rank's first (repeated where it is the short one)
         batch = first.repeat(-(-r // first.shape[0]), 1)[:r]
         with state.loss_context():
-            state.pipeline.evaluate(batch)
+            pipeline.evaluate(batch)
 
 
 def evaluate(state: TrainState, callbacks) -> float:

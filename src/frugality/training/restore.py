@@ -16,6 +16,8 @@ def training_state(state: TrainState) -> dict:
     RNG states, the losses spike detection looks back on, the loss scale (amp-fp16), the precision policy (a resume
     under another policy is refused) and the recipe trained with (a resume must match its
     seed, model and data)."""
+    assert state.data is not None  # a training run's state has its data
+    scaler = getattr(state, "loss_scaler", None)
     return {
         "data": state.data.stream.state_dict(),
         "rng": rng.get_state(),
@@ -23,7 +25,7 @@ def training_state(state: TrainState) -> dict:
         "precision": state.policy.name,
         "recent_losses": list(state.recent_losses),
         "tokens_seen": state.tokens_seen,
-        **({"loss_scale": state.loss_scaler.state_dict()} if getattr(state, "loss_scaler", None) else {}),
+        **({"loss_scale": scaler.state_dict()} if scaler else {}),
         "recipe": state.recipe.model_dump(mode="json", exclude_none=True),
     }
 
@@ -41,6 +43,7 @@ def restore(state: TrainState, checkpoints: CheckpointManager, path: Path) -> di
     states, recent losses, tokens seen and the loss scale; `state.step` becomes its step. Returns its
     training state."""
     extra = load_weights_and_moments(state, checkpoints, path)
+    assert state.data is not None  # a training run's state has its data
     state.data.stream.load_state_dict(extra["data"])
     rng.set_state(extra["rng"])
     state.recent_losses.clear()
@@ -49,7 +52,8 @@ def restore(state: TrainState, checkpoints: CheckpointManager, path: Path) -> di
     # came with it): seq_len tokens each.
     d = state.recipe.data
     state.tokens_seen = int(extra.get("tokens_seen", extra.get("step", 0) * d.global_batch_size * d.seq_len))
-    if getattr(state, "loss_scaler", None) is not None and "loss_scale" in extra:
-        state.loss_scaler.load_state_dict(extra["loss_scale"])
+    scaler = getattr(state, "loss_scaler", None)
+    if scaler is not None and "loss_scale" in extra:
+        scaler.load_state_dict(extra["loss_scale"])
     state.step = step_of(path)
     return extra

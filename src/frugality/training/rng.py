@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import random
+from typing import cast
 
 import numpy as np
 import torch
@@ -19,7 +20,8 @@ def seed_everything(seed: int) -> None:
 def get_state() -> dict:
     """Every generator's state as plain JSON (checkpoints hold no pickles, docs/security.md)."""
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # the legacy tuple, what the default legacy=True gives (numpy's stub types that call as its dict)
+    name, keys, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     state = {
         "python": [version, list(internal), gauss],
         "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -20,6 +21,7 @@ from frugality import distributed, xla
 from frugality.checkpoint import CheckpointManager, step_of
 from frugality.config.recipe import Recipe
 from frugality.data.device_loader import DevicePrefetchStream
+from frugality.data.loader import TrainStream
 from frugality.distributed.pipeline import check_pipeline, fit_microbatches
 from frugality.distributed.tensor_parallel import check_tensor_parallel
 from frugality.errors import UserError
@@ -141,7 +143,7 @@ def train(
             keep_freed_memory()  # see frugality.runtime.host_memory
         data = open_training_data(loads, progress, world.data_rank, world.data_size)
         if device.type == "xla":  # the next steps copied to the device while it runs this one
-            data.stream = DevicePrefetchStream(data.stream)
+            data.stream = DevicePrefetchStream(cast(TrainStream, data.stream))  # (as opened)
         plan = rundir.plan_run(recipe, run_path, fresh)
         done = step_of(plan.resume_from) if plan.resume_from is not None else 0
         if done > stop_at:
@@ -237,7 +239,9 @@ def train(
         )
 
 
-def _pipeline_layout(recipe: Recipe, world, device) -> tuple[Recipe, object]:
+def _pipeline_layout(
+    recipe: Recipe, world: distributed.World, device: torch.device
+) -> tuple[Recipe, distributed.World]:
     """The world with its pipeline degree, and the recipe with the micro-batch that
     `parallel.pipeline_microbatches` asks for; what pipeline parallel does not run with
     yet, one line each."""
@@ -342,7 +346,14 @@ def _out_of_memory(error: BaseException) -> bool:
     )
 
 
-def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: bool, stop_at: int) -> None:
+def _restore(
+    state: TrainState,
+    plan: rundir.RunPlan,
+    source: WeightsSource | None,
+    checkpoints: CheckpointManager,
+    resume_optimizer: bool,
+    stop_at: int,
+) -> None:
     """Load the run's latest checkpoint, or the --init-from weights; seed what follows.
     Shapes are checked first: a mismatch stops before anything is written."""
     seed = state.recipe.seed + 1  # seeded apart from initialisation so both orders of events reproduce
@@ -378,10 +389,17 @@ def _restore(state: TrainState, plan, source, checkpoints, resume_optimizer: boo
         rng.seed_everything(seed)
 
 
-def _header(state: TrainState, plan, source, init_from, resume_optimizer: bool) -> list[str]:
+def _header(
+    state: TrainState,
+    plan: rundir.RunPlan,
+    source: WeightsSource | None,
+    init_from: str | Path | None,
+    resume_optimizer: bool,
+) -> list[str]:
     """What the run prints before its first step: the machine, what was chosen for it, and
     the run (the last line)."""
     recipe, data = state.recipe, state.data
+    assert data is not None  # (train's state has its data)
     lines = [f"hardware: {probe(state.device).describe()}", *state.choices]
     if plan.moved_aside is not None:
         lines.append(f"starting over: the previous run in {plan.path} was moved to {plan.moved_aside}")
@@ -392,6 +410,7 @@ def _header(state: TrainState, plan, source, init_from, resume_optimizer: bool) 
         if plan.changes:
             lines.append(f"recipe changed since {plan.resume_from.name}: {', '.join(plan.changes)}")
     if plan.unused_edits:
+        assert plan.edited_kept_as is not None  # named with them (plan_run)
         recipe_file = plan.path / rundir.RECIPE_FILE
         lines.append(
             f"{recipe_file} was edited by hand ({', '.join(plan.unused_edits)}, as 'file -> this run'); "

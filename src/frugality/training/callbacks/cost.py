@@ -23,8 +23,8 @@ import time
 from frugality.distributed import all_sum
 from frugality.hardware import probe
 from frugality.metrics import cost as costs
-from frugality.metrics.energy import open_meter, vcpus
-from frugality.metrics.prices import PROVIDER_PUE, check_cost, resolve_price
+from frugality.metrics.energy import Meter, open_meter, vcpus
+from frugality.metrics.prices import PROVIDER_PUE, Price, check_cost, resolve_price
 from frugality.training import run_dir as rundir
 from frugality.training.callbacks import Callback
 
@@ -35,8 +35,8 @@ LOGGED = ("kwh", "joules_per_token", "kg_co2e", "tokens_per_dollar", "usd_per_mi
 class Cost(Callback):
     def __init__(self, run_dir, main: bool) -> None:
         self.run_dir, self.main = run_dir, main
-        self.meter = None
-        self.price = None
+        self.meter: Meter | None = None  # opened at on_train_start
+        self.price: Price | None = None
         self.notes: list[str] = []
         self.before = {"elapsed_s": 0.0, "energy_j": 0.0, "usd": 0.0}  # earlier sessions of this run
         self.unpriced_before = False  # an earlier session had no price: its time is not in `usd`
@@ -67,7 +67,7 @@ class Cost(Callback):
         self.world_size = world.world_size
         provider = self.price.provider if self.price else None
         estimated_provider = self.price is not None and self.price.label.startswith("estimated")
-        self.pue = c.pue if c.pue is not None else PROVIDER_PUE.get(provider, 1.0)
+        self.pue = c.pue if c.pue is not None else PROVIDER_PUE.get(provider, 1.0) if provider is not None else 1.0
         self.pue_label = f"{self.pue:g}, " + (
             "declared in cost.pue"
             if c.pue is not None
@@ -125,6 +125,7 @@ class Cost(Callback):
 
     def on_step_end(self, state, result) -> None:
         self.tokens_seen = result.record.get("tokens", 0)  # counted by Throughput, before this callback
+        assert self.meter is not None  # (see __init__)
         self.meter.sample()  # counters that wrap are read often
         if result.final:
             self._gather(state)  # every rank ends its session at this step
@@ -160,6 +161,7 @@ class Cost(Callback):
 
     def _gather(self, state) -> None:
         """Every rank's joules of this session summed, and how many ranks measured them."""
+        assert self.meter is not None  # (see __init__)
         mine = [self.meter.joules(), float(self.meter.measured)]
         joules, measuring = all_sum(mine, state.device) if state.world.distributed else mine
         self.joules, self.measuring_ranks = joules, int(measuring)
@@ -178,6 +180,7 @@ class Cost(Callback):
         return c
 
     def _labels(self) -> dict:
+        assert self.meter is not None  # (see __init__)
         energy = self.meter.label
         if self.world_size > 1 and 0 < self.measuring_ranks < self.world_size:
             energy = f"mixed: {self.measuring_ranks} of {self.world_size} ranks measured; rank 0: {energy}"

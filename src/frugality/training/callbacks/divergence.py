@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import warnings
 
+from frugality.checkpoint import CheckpointManager
 from frugality.errors import FrugalityWarning, RunDiverged
 from frugality.training.callbacks import Callback
 from frugality.training.restore import restore
 
 
 class DivergenceGuard(Callback):
-    def __init__(self, checkpoints=None) -> None:
+    def __init__(self, checkpoints: CheckpointManager | None = None) -> None:
         self.checkpoints = checkpoints  # a CheckpointManager (None: no rollback possible)
         self.in_a_row = 0
         self.skipped: list[int] = []  # steps whose update was skipped, for the summary
@@ -76,12 +77,13 @@ class DivergenceGuard(Callback):
                 f"{what}; stopping after {done} rollback(s) (train.max_rollbacks = "
                 f"{train.max_rollbacks}; lower optim.lr and resume from the last checkpoint)"
             )
-        if self.checkpoints is not None:
-            self.checkpoints.wait()  # an asynchronous save in flight is the newest checkpoint
-        path = self.checkpoints.latest() if self.checkpoints is not None else None
-        if path is None:
+        checkpoints = self.checkpoints
+        if checkpoints is not None:
+            checkpoints.wait()  # an asynchronous save in flight is the newest checkpoint
+        path = checkpoints.latest() if checkpoints is not None else None
+        if checkpoints is None or path is None:
             raise RunDiverged(f"{what}; stopping: no checkpoint to roll back to yet")
-        restore(state, self.checkpoints, path)
+        restore(state, checkpoints, path)
         self.rollbacks = done + 1
         state.data.stream.reshuffle(self.rollbacks)  # from the restored position: other batches each time
         self.in_a_row = 0

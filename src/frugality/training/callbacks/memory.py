@@ -10,7 +10,7 @@ from frugality.training.callbacks import Callback
 
 class Memory(Callback):
     def __init__(self) -> None:
-        self.record: dict[str, float] = {}
+        self.record: dict[str, float | None] = {}  # (peak memory: None where the device does not say)
 
     def on_step_end(self, state, result) -> None:
         if self.record:

@@ -11,7 +11,7 @@ from frugality.training.callbacks import Callback
 class Progress(Callback):
     def __init__(self, header: list[str], enabled: bool, stop_at: int) -> None:
         self.header, self.enabled, self.stop_at = header, enabled, stop_at
-        self.bar = None
+        self.bar: tqdm | None = None
 
     def on_train_start(self, state) -> None:
         for line in self.header:  # with --no-progress too: a log (SLURM's) shows what ran
@@ -25,6 +25,7 @@ class Progress(Callback):
             tqdm.write(compile_line(phase, state.compiled.stats))
 
     def on_step_end(self, state, result) -> None:
+        assert self.bar is not None  # opened at on_train_start
         # the figures first, then the count that redraws the bar: the loss shown is the step's named
         if result.loss is not None:  # (XLA reads it at logging steps only)
             self.bar.set_postfix(

@@ -12,6 +12,7 @@ import faulthandler
 import os
 import threading
 from pathlib import Path
+from typing import TextIO
 
 from frugality.training.callbacks import Callback
 
@@ -25,7 +26,7 @@ class Watchdog(Callback):
         self._deadline = threading.Event()  # set: re-armed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._file = None
+        self._file: TextIO | None = None
 
     def on_step_end(self, state, result) -> None:
         self._arm(state)
@@ -45,17 +46,20 @@ class Watchdog(Callback):
     def _arm(self, state) -> None:
         if self._thread is None:
             self._file = open(str(self.path).format(rank=state.world.rank), "w")
-            self._thread = threading.Thread(target=self._watch, name="frugality-watchdog", daemon=True)
+            self._thread = threading.Thread(
+                target=self._watch, args=(self._file,), name="frugality-watchdog", daemon=True
+            )
             self._thread.start()
+        assert self._file is not None  # opened with the thread; on_exit, which closes it, comes last
         faulthandler.dump_traceback_later(2 * self.timeout_s, exit=True, file=self._file)
         self._deadline.set()
 
-    def _watch(self) -> None:
+    def _watch(self, file: TextIO) -> None:
         while not self._stop.is_set():
             self._deadline.clear()
             if not self._deadline.wait(self.timeout_s) and not self._stop.is_set():
-                self._file.write(f"no step ended in {self.timeout_s:g} s (train.step_timeout_s); every thread:\n")
-                self._file.flush()
-                faulthandler.dump_traceback(file=self._file, all_threads=True)
-                self._file.flush()
+                file.write(f"no step ended in {self.timeout_s:g} s (train.step_timeout_s); every thread:\n")
+                file.flush()
+                faulthandler.dump_traceback(file=file, all_threads=True)
+                file.flush()
                 os._exit(HANG_EXIT)
