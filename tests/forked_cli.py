@@ -323,23 +323,30 @@ def _stop_group(pid: int, how: int = signal.SIGKILL) -> None:
 
 
 _servers: dict[frozenset, ForkedCLI] = {}  # (in the order of their last use)
+_asked: dict[frozenset, int] = {}
 MAX_SERVERS = 4  # (past them the one used least lately, if idle, is closed)
 
 
 def _server(env: dict) -> ForkedCLI:
-    """This test process's server for `env`'s import-time variables (started at its first use,
-    closed when the process ends or when MAX_SERVERS others were used after it)."""
+    """This test process's server for `env`'s import-time variables: started at the second
+    command that asks for it (a one-off environment costs a fresh process either way, and
+    would push out a server in use), closed when the process ends or when MAX_SERVERS others
+    were used after it. Else the first server, which starts a fresh process for `env`."""
     key = frozenset(import_time(env).items())
-    if key not in _servers:
+    _asked[key] = _asked.get(key, 0) + 1
+    default = not _servers
+    if key not in _servers and (default or _asked[key] >= 2):
         idle = [k for k, server in _servers.items() if not server.running]
         if len(_servers) >= MAX_SERVERS and idle:
             _servers.pop(idle[0]).close()
         loads_with = {n: v for n, v in os.environ.items() if n not in import_time(os.environ)} | import_time(env)
         _servers[key] = ForkedCLI(loads_with)
-        if len(_servers) == 1:
+        if default:
             import atexit
 
             atexit.register(lambda: [server.close() for server in _servers.values()])
+    if key not in _servers:
+        return next(iter(_servers.values()))
     _servers[key] = _servers.pop(key)  # (the last used, last)
     return _servers[key]
 
