@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import forked_cli
 import pytest
 from test_trainer import _assert_identical, _final_state, _train_losses
 
@@ -19,31 +20,17 @@ from frugality.training.run_dir import lock_path
 
 
 @pytest.mark.slow
-def test_a_second_train_on_a_directory_in_use_exits_2_naming_the_first(micro_recipe_file, tmp_path, monkeypatch):
+def test_a_second_train_on_a_directory_in_use_exits_2_naming_the_first(
+    micro_recipe_file, tmp_path, monkeypatch, micro_reference_run
+):
     recipe = load_recipe(str(micro_recipe_file))
-    trainer.train(recipe, run_dir=tmp_path / "alone", progress=False, tensorboard=False)
+    alone = micro_reference_run
     second = []
     real = loop.train_step
 
     def step(state, batches, **kw):
         if state.step == 5:  # the first run is mid-way, with a checkpoint at step 4: start a second
-            second.append(
-                subprocess.run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "frugality",
-                        "train",
-                        str(micro_recipe_file),
-                        "--run-dir",
-                        str(tmp_path / "shared"),
-                        "--no-progress",
-                    ],
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
-            )
+            second.append(forked_cli.run("train", micro_recipe_file, "--run-dir", tmp_path / "shared", "--no-progress"))
         return real(state, batches, **kw)
 
     monkeypatch.setattr(loop, "train_step", step)
@@ -58,11 +45,11 @@ def test_a_second_train_on_a_directory_in_use_exits_2_naming_the_first(micro_rec
         f"(lock {lock_path(tmp_path / 'shared')}); wait for it to end, or train into another --run-dir"
     )
     # the first run's checkpoints, metrics and summary are those of a run alone
-    _assert_identical(_final_state(recipe, tmp_path / "alone"), _final_state(recipe, tmp_path / "shared"))
-    assert _train_losses(tmp_path / "alone") == _train_losses(tmp_path / "shared")
+    _assert_identical(_final_state(recipe, alone), _final_state(recipe, tmp_path / "shared"))
+    assert _train_losses(alone) == _train_losses(tmp_path / "shared")
     assert json.loads((tmp_path / "shared" / "summary.json").read_text())["final_step"] == 8
     # nothing moved aside, and no lock left behind: the run directories and the recipe
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["alone", "micro.toml", "shared"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["micro.toml", "shared"]
 
 
 def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_warning(micro_recipe_file, tmp_path):
