@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
 from frugality.bench.reference import build_transformers, transformers_step
 from frugality.config.recipe import Recipe
 from frugality.errors import UserError
+from frugality.models import GPTNeoXConfig
 
 PEERS = ("transformers", "transformers-compiled", "litgpt", "torchtitan", "liger-kernel")
 CUDA_ONLY = {"torchtitan", "liger-kernel"}
@@ -89,7 +90,7 @@ def build_peer(name: str, recipe: Recipe, precision: str, device: torch.device) 
         except UserError as e:  # transformers not installed
             raise PeerUnavailable(str(e)) from None
         if compiled:
-            model = torch.compile(model)
+            model = cast(torch.nn.Module, torch.compile(model))  # an OptimizedModule (torch types it as a callable)
         clip = recipe.optim.grad_clip
         return PeerRunner(lambda b: transformers_step(model, optimizer, autocast, b, clip), model, optimizer, compiled)
     return _litgpt(recipe, precision, device)
@@ -119,7 +120,7 @@ def _litgpt(recipe: Recipe, precision: str, device: torch.device) -> PeerRunner:
         from litgpt.utils import chunked_cross_entropy
     except ImportError as e:
         raise PeerUnavailable(f"litgpt is not installed ({e.name}; ./scripts/setup.sh --peers)") from None
-    m = recipe.model
+    m = cast(GPTNeoXConfig, recipe.model)  # (GPT-NeoX recipes only, as build_peer checked)
     config = Config(
         name=recipe.name,
         block_size=m.max_seq_len,

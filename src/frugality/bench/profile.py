@@ -145,10 +145,12 @@ def profile_steps(
             for b in batches[warmup:]:
                 step(b)
             wall = time.perf_counter() - t0
-    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    seconds: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
     flops = counted_s = uncounted_s = 0.0
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CPU:
+    events = prof.events()
+    assert events is not None  # (the profiler has run)
+    for event in events:
+        if event.device_type != torch.profiler.DeviceType.CPU:
             continue
         ancestors, parent = [], event.cpu_parent
         while parent is not None:

@@ -5,6 +5,7 @@ documentation does it for each precision."""
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from frugality.config.recipe import Recipe
 from frugality.errors import UserError
 from frugality.interop import hf_gpt_neox, hf_llama
 from frugality.runtime.optim import parameter_groups
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def build_transformers(recipe: Recipe, precision: str, device: torch.device, fused_adamw: bool = False):
@@ -44,8 +48,9 @@ def build_transformers(recipe: Recipe, precision: str, device: torch.device, fus
     return model, optimizer, autocast
 
 
-def hf_model_class_and_config(transformers, recipe: Recipe):
-    """transformers' causal-LM class and config for the recipe's architecture."""
+def hf_model_class_and_config(transformers, recipe: Recipe) -> tuple[type[torch.nn.Module], PretrainedConfig]:
+    """transformers' causal-LM class and config for the recipe's architecture (the class as
+    an nn.Module's: its `to`, wrapped by functools.wraps, does not bind as a method for pyright)."""
     family = recipe.model.family
     if family not in ("gpt-neox", "llama"):
         raise UserError(f"no transformers reference for model family {family!r} (gpt-neox and llama have one)")

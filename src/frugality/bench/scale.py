@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,8 +60,8 @@ def bench_scale(
     strategies: list[str],
     steps: int,
     log=print,
-    tensors: list[int] = (),
-    pipelines: list[int] = (),
+    tensors: Sequence[int] = (),
+    pipelines: Sequence[int] = (),
     pipeline_microbatches: int | None = None,
 ) -> list[ScaleRow]:
     for flag, degrees in (("--tensor", tensors), ("--pipeline", pipelines)):

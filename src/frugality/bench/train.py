@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 
@@ -263,10 +264,16 @@ def _speedups(pass_rows: dict[str, BenchRow], times: dict[str, list[float]]) -> 
     if ours is None or not peers:
         return
     for r in peers:
-        r.speedup = round(ours.tokens_per_s / r.tokens_per_s, 3)
+        r.speedup = round(_ran(ours) / _ran(r), 3)
         r.speedup_pairs = quartiles([theirs / mine for mine, theirs in zip(times["frugality"], times[r.impl])])
-    fastest = max(peers, key=lambda r: r.tokens_per_s)
+    fastest = max(peers, key=_ran)
     ours.speedup, ours.speedup_pairs, ours.versus = fastest.speedup, fastest.speedup_pairs, fastest.impl
+
+
+def _ran(row: BenchRow) -> float:
+    """The tokens/s of a row that ran (not skipped)."""
+    assert row.tokens_per_s is not None
+    return row.tokens_per_s
 
 
 def _peak_memory_subprocess(impl, recipe, precision, batch, seq) -> int | None:
@@ -281,7 +288,7 @@ def _peak_memory_subprocess(impl, recipe, precision, batch, seq) -> int | None:
 def quartiles(values: list[float]) -> tuple[float, float, float]:
     """(q1, median, q3), rounded to 3 decimals; one value gives it three times."""
     q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
-    return tuple(round(v, 3) for v in q)
+    return cast(tuple[float, float, float], tuple(round(v, 3) for v in q))  # (quartiles: three cut points)
 
 
 def _significant(x: float | None, digits: int = 4) -> float | None:

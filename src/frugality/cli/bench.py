@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 
 @click.group()
@@ -156,7 +157,7 @@ def _bench_xla(recipe, precisions, batch, seq, steps, warmup, overrides, json_pa
     from frugality.bench.xla import bench_xla, markdown_table
     from frugality.errors import UserError
 
-    if click.get_current_context().get_parameter_source("precisions").name == "DEFAULT":
+    if click.get_current_context().get_parameter_source("precisions") is ParameterSource.DEFAULT:
         precisions = "fp32"  # not every policy by default: auto's on XLA's CPU client
     _, names, batch, seq = _resolve(recipe, overrides, precisions, batch, seq)
     shape = [f"data.micro_batch_size={batch}", f"data.global_batch_size={batch}", f"data.seq_len={seq}"]

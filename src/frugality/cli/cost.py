@@ -37,6 +37,7 @@ def _price(price_per_hour, instance, catalogue):
         row = rows[instance]
     if price_per_hour is not None:
         return price_per_hour, row, "declared (--price-per-hour)"
+    assert row is not None  # no price: an instance, checked above
     return row.usd_per_hour, row, f"catalogue: {row.instance} on demand in {row.region}, {row.date.split(' (')[0]}"
 
 
@@ -178,7 +179,7 @@ def serve(rate, per_instance_throughput, bench_json, watts, price_per_hour, inst
     )
 
 
-def _measured_serving(path: str) -> tuple[str, float | None, str | None]:
+def _measured_serving(path: str) -> tuple[str, float | None, str | None, str]:
     """One instance's saturation throughput (req/s), power (W) and its label from `bench
     serve --json`; a file that is not one, or has no saturation rate, is one line."""
     from frugality.errors import UserError

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -104,7 +105,7 @@ def generate(
     if out and Path(out).exists() and not overwrite:
         raise UserError(f"--out {out}: already exists (--overwrite replaces it)")
     inputs = None if input_path is None else open_inputs([input_path], text_field, id_field)
-    settings = dict(
+    settings: dict[str, Any] = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
@@ -127,6 +128,7 @@ def generate(
         result = generate_all(decoder, [("prompt", prompt)], sampling, 1, compile_backend, on_text=stream)
         click.echo()
     else:
+        assert inputs is not None  # --input, as checked above
         items = list(inputs)
         if not items:
             raise UserError(f"input {input_path}: no prompts")

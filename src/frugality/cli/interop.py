@@ -29,7 +29,7 @@ def import_hf_command(source, out) -> None:
     out = Path(out)
     files = {}
     tokenizer = Path(source) / "tokenizer.json"
-    data = {"seq_len": min(2048, config.max_seq_len)}
+    data: dict[str, object] = {"seq_len": min(2048, config.max_seq_len)}
     if tokenizer.is_file():
         files["tokenizer.json"] = tokenizer.read_bytes()
         data["tokenizer"] = str((out / "tokenizer.json").resolve())

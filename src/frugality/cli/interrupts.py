@@ -63,4 +63,6 @@ class InterruptsAfterImports:
             time.sleep(_RETRY_S)
             if self.pending.is_set():
                 # a real signal to the main thread (interrupt_main would wait out a blocking call)
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                main = threading.main_thread().ident
+                assert main is not None  # (it is running)
+                signal.pthread_kill(main, signal.SIGINT)

@@ -11,6 +11,7 @@ import hmac
 import json
 import time
 import uuid
+from typing import TYPE_CHECKING, cast
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -20,13 +21,17 @@ from starlette.exceptions import HTTPException
 from frugality.serve.edge import Edge
 from frugality.serve.protocol import APIError, Limits, completions_request, embeddings_request, parse_json
 
+if TYPE_CHECKING:
+    from frugality.serve.completions import CompletionService
+    from frugality.serve.embeddings import EmbeddingService
+
 
 class State:
     """What the routes share: set by the server as the model loads."""
 
     def __init__(self, name: str, limits: Limits, metrics, api_key: str | None) -> None:
         self.name, self.limits, self.metrics, self.api_key = name, limits, metrics, api_key
-        self.service = None  # EmbeddingService or CompletionService, once loaded and warmed
+        self.service: EmbeddingService | CompletionService | None = None  # once loaded and warmed
         self.created = int(time.time())
         self.problem: str | None = None  # why the model could not be loaded
         self.stopping = lambda: False  # whether the server is draining (set by the server)
@@ -100,7 +105,7 @@ def build_app(state: State) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         authorized(request)
-        service = ready("embeddings")
+        service = cast("EmbeddingService", ready("embeddings"))  # (its endpoint is that kind)
         req = embeddings_request(await body(request), state.limits, state.name)
         # tokenizing and rendering run in threads: the event loop keeps serving the others
         rows, cut = await run_in_threadpool(service.tokenize, req.texts)
@@ -124,7 +129,7 @@ def build_app(state: State) -> FastAPI:
         from frugality.serve.completions import sampling_for
 
         authorized(request)
-        service = ready("completions")
+        service = cast("CompletionService", ready("completions"))  # (its endpoint is that kind)
         req = completions_request(await body(request), state.limits, state.name)
         rows = await run_in_threadpool(service.tokenize, req.prompts, req.max_tokens)
         samplings = [sampling_for(req, service.decoder, i) for i in range(len(rows))]

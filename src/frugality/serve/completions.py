@@ -38,13 +38,19 @@ _STOP = object()
 class _Sequence:
     prompt: list[int]
     sampling: Sampling
-    future: Future
+    future: PromptFuture
     on_text: Callable[[str], None] | None
     arrived: float = field(default_factory=time.perf_counter)
     completion: Completion = field(default_factory=Completion)
     text: RowText | None = None
     generator: torch.Generator | None = None
     abandoned: bool = False  # its client is gone: its row is freed at the next step
+
+
+class PromptFuture(Future):
+    """A prompt's completion to come; it knows its sequence (`abandon` marks it)."""
+
+    sequence: _Sequence
 
 
 def settle(future: Future, result=None, error: BaseException | None = None) -> None:
@@ -88,9 +94,9 @@ class CompletionService:
                 )
         return rows
 
-    def submit_all(self, asks: list[tuple[list[int], Sampling, Callable[[str], None] | None]]) -> list[Future]:
+    def submit_all(self, asks: list[tuple[list[int], Sampling, Callable[[str], None] | None]]) -> list[PromptFuture]:
         """Queue a request's prompts, all of them or (the queue full) none: a 503."""
-        sequences = [_Sequence(prompt, sampling, Future(), on_text) for prompt, sampling, on_text in asks]
+        sequences = [_Sequence(prompt, sampling, PromptFuture(), on_text) for prompt, sampling, on_text in asks]
         if len(sequences) > self.max_queue:  # could never be queued: not a 503 to retry
             raise APIError(
                 400, f"'prompt' holds {len(sequences)} prompts; this server queues at most {self.max_queue}", "prompt"
@@ -105,11 +111,13 @@ class CompletionService:
         self.metrics.depth.labels(self.endpoint).set(self._waiting)
         return [s.future for s in sequences]
 
-    def submit(self, prompt: list[int], sampling: Sampling, on_text: Callable[[str], None] | None = None) -> Future:
+    def submit(
+        self, prompt: list[int], sampling: Sampling, on_text: Callable[[str], None] | None = None
+    ) -> PromptFuture:
         return self.submit_all([(prompt, sampling, on_text)])[0]
 
     @staticmethod
-    def abandon(futures: list[Future]) -> None:
+    def abandon(futures: list[PromptFuture]) -> None:
         """The client is gone: queued prompts are skipped, decoding rows freed."""
         for f in futures:
             f.sequence.abandoned = True
@@ -142,7 +150,7 @@ class CompletionService:
             return True
         busy = any(s is not None for s in self.slots)
         joining = self._admit(wait=not busy)
-        if joining is _STOP:
+        if joining is None:  # (closing)
             return False
         for slot, s in enumerate(self.slots):
             if s is not None and s.abandoned:
@@ -166,9 +174,9 @@ class CompletionService:
                     self._free(slot)
         return False
 
-    def _admit(self, wait: bool):
+    def _admit(self, wait: bool) -> list[tuple[int, _Sequence]] | None:
         """Queued prompts for the free rows: when idle, wait for one, then `max_wait` for
-        more; while decoding, only those already queued."""
+        more; while decoding, only those already queued. None: the service is closing."""
         free = [i for i, s in enumerate(self.slots) if s is None]
         joining: list[tuple[int, _Sequence]] = []
         deadline = None
@@ -187,7 +195,7 @@ class CompletionService:
                 if joining:
                     self._queue.put_nowait(_STOP)  # seen again once these have joined
                     break
-                return _STOP
+                return None
             with self._lock:
                 self._waiting -= 1
             if item.abandoned or not item.future.set_running_or_notify_cancel():
@@ -245,6 +253,7 @@ class CompletionService:
         """The row's next token from its logits: appended, and the row ended if it ends;
         a failure here is this row's alone."""
         s = self.slots[slot]
+        assert s is not None and s.text is not None  # a row in use, set up by _join
         try:
             token = int(pick(logits, s.sampling, s.generator)[0])
             ended = s.text.add(0, s.completion, token)

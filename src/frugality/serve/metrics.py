@@ -6,16 +6,20 @@ uses; its label says measured or estimated)."""
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
+
+if TYPE_CHECKING:
+    from frugality.metrics.energy import Meter
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class ServeMetrics:
-    def __init__(self, meter=None) -> None:
+    def __init__(self, meter: Meter | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -53,6 +57,7 @@ class ServeMetrics:
             r.register(_EnergyCollector(self))
 
     def joules(self) -> float:
+        assert self._meter is not None  # read by the energy collector, registered with a meter only
         with self._lock:  # a meter's counters are read as deltas: one reader at a time
             self._meter.sample()
             return self._meter.joules()
@@ -70,6 +75,7 @@ class _EnergyCollector:
 
     def collect(self):
         meter = self.metrics._meter
+        assert meter is not None  # (see ServeMetrics.joules)
         family = CounterMetricFamily(
             "frugality_energy_joules",
             "Energy since the server started, by the meter train uses",
