@@ -49,8 +49,8 @@ def plan_pieces(files: list, target_bytes: int, sizes: dict | None = None) -> li
     for f in map(str, files):
         if base_name(f).endswith(PARQUET):
             groups = _parquet(f).metadata
-            sizes = [groups.row_group(g).total_byte_size for g in range(groups.num_row_groups)]
-            pieces += [Piece(len(pieces) + g, f, g, g + 1, max(1, n)) for g, n in enumerate(sizes)]
+            group_sizes = [groups.row_group(g).total_byte_size for g in range(groups.num_row_groups)]
+            pieces += [Piece(len(pieces) + g, f, g, g + 1, max(1, n)) for g, n in enumerate(group_sizes)]
             continue
         size = sizes[f] if sizes else found(f).size  # (sizes: the caller looked them up already)
         cuts = [0]
