@@ -23,7 +23,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -98,7 +98,7 @@ def probe(device: torch.device | str = "cpu") -> Hardware:
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _probe_xla(client: str) -> Hardware:
     """An XLA device by its PJRT client. TPUs and Trainium compute in bf16 natively; XLA's CPU
     client runs bf16 products slower than fp32 (119 against 168 GFLOP/s at 1024 squared on
@@ -117,7 +117,7 @@ def _probe_xla(client: str) -> Hardware:
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _probe_cuda(index: int) -> Hardware:
     major, minor = torch.cuda.get_device_capability(index)
     props = torch.cuda.get_device_properties(index)
@@ -126,7 +126,7 @@ def _probe_cuda(index: int) -> Hardware:
     return Hardware("cuda", props.name, (), f"sm_{major}{minor}", props.multi_processor_count, 0, native, why)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _probe_cpu(threads: int, onednn_limit: str, aten_limit: str) -> Hardware:
     flags = cpu_flags()
     features = [f for f in (*X86_FEATURES, *ARM_FEATURES) if f in flags]

@@ -12,7 +12,7 @@ only from here; it pairs with one torch version (torch-xla 2.9.0 with torch 2.9.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -49,7 +49,7 @@ def spmd() -> bool:
     return bool(_SPMD)
 
 
-@lru_cache(maxsize=None)
+@cache
 def load():
     """torch_xla, imported; a missing or mismatched installation, or a `PJRT_DEVICE` naming a
     device that is not there, is one UserError."""
@@ -188,7 +188,7 @@ def device_count() -> int:
     return int(load().runtime.global_runtime_device_count())
 
 
-@lru_cache(maxsize=None)
+@cache
 def mesh():
     """SPMD's mesh: every device of the client along one axis, "data"."""
     import numpy as np
@@ -211,7 +211,7 @@ def shard(tensor: torch.Tensor, first: bool = True) -> torch.Tensor:
 _XLA_TYPES = {torch.int32: "S32", torch.float32: "F32", torch.int16: "S16", torch.bfloat16: "BF16"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _bitcast_op():
     import torch_xla.core.xla_builder as xb
     import torch_xla.core.xla_op_registry as registry

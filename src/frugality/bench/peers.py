@@ -23,8 +23,9 @@ with `./scripts/setup.sh --peers`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, cast
+from typing import cast
 
 import torch
 

@@ -92,7 +92,8 @@ class Target:
 
         command = [sys.executable, "-m", "frugality", "serve", model, "--port", "0", *serve_args]
         log(f"starting: {' '.join(command[2:])}")
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-serve-", suffix=".log")  # (a pipe could fill)
+        # (a pipe could fill); kept for the server's life
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-serve-", suffix=".log")  # noqa: SIM115
         self.process = subprocess.Popen(command, stderr=self.log, text=True, start_new_session=True)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:

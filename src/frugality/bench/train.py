@@ -265,7 +265,9 @@ def _speedups(pass_rows: dict[str, BenchRow], times: dict[str, list[float]]) -> 
         return
     for r in peers:
         r.speedup = round(_ran(ours) / _ran(r), 3)
-        r.speedup_pairs = quartiles([theirs / mine for mine, theirs in zip(times["frugality"], times[r.impl])])
+        r.speedup_pairs = quartiles(
+            [theirs / mine for mine, theirs in zip(times["frugality"], times[r.impl], strict=True)]
+        )
     fastest = max(peers, key=_ran)
     ours.speedup, ours.speedup_pairs, ours.versus = fastest.speedup, fastest.speedup_pairs, fastest.impl
 

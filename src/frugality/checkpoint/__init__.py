@@ -29,7 +29,7 @@ import re
 import shutil
 import warnings
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, cast
 
@@ -175,10 +175,8 @@ class CheckpointManager:
         next save), without the collectives that completing it takes."""
         if self._pending is not None:
             upload, self._pending = self._pending[3], None
-            try:
+            with suppress(Exception):  # the run is failing already; its error is the one to report
                 upload.result()
-            except Exception:  # noqa: BLE001 - the run is failing already; its error is the one to report
-                pass
 
     def _host_group(self, purpose: str = "agree") -> dist.ProcessGroup | None:
         """Gloo groups of all ranks for host-memory collectives, one per thread that uses
@@ -292,7 +290,7 @@ class CheckpointManager:
         # no decay), and where it has none, this run's own.
         saved = state["optim"].get("param_groups") if isinstance(state["optim"], dict) else None
         saved = saved if isinstance(saved, list) and len(saved) == len(optimizer.param_groups) else [{}] * len(hyper)
-        for group, stored, before in zip(optimizer.param_groups, saved, hyper):
+        for group, stored, before in zip(optimizer.param_groups, saved, hyper, strict=True):
             for key, value in (stored or {}).items():
                 if key != "params":
                     group.setdefault(key, value)

@@ -37,10 +37,10 @@ class InterruptsAfterImports:
         self.installed = False
 
     def __enter__(self) -> InterruptsAfterImports:
-        if threading.current_thread() is threading.main_thread():
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                signal.signal(signal.SIGINT, self._handle)
-                self.installed = True
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        if on_main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self._handle)
+            self.installed = True
         return self
 
     def __exit__(self, *exc) -> None:

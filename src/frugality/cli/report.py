@@ -78,7 +78,7 @@ def compare(run_a, run_b, tolerance, plots, as_json) -> None:
         for key, (x, y) in result["cost"].items():
             if x is not None or y is not None:
                 click.echo(f"{key}: {_show(x)} (A) vs {_show(y)} (B)")
-        for run, labels in zip("AB", result["cost_labels"]):
+        for run, labels in zip("AB", result["cost_labels"], strict=True):
             known = "; ".join(f"{k} {v.split(' (')[0]}" for k, v in labels.items() if v)
             if known:
                 click.echo(f"{run}'s figures: {known} (summary.json says how)")

@@ -28,9 +28,10 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -324,11 +325,15 @@ class CompileSession:
     def publish(self) -> None:
         """Publish the local directory when it holds graphs the cache lacks (not after a
         failed compile: the next run would only fail the same way)."""
-        if self.cache and self.stats.cache_misses > self._published_misses and not self.stats.fallbacks:
-            # (the directory is there: made at start with the cache, removed by cleanup, after close)
-            if self._local is not None and self.cache.publish(self._local) is not None:
-                self.stats.published = True
-                self._published_misses = self.stats.cache_misses
+        if (
+            self.cache
+            and self.stats.cache_misses > self._published_misses
+            and not self.stats.fallbacks
+            and self._local is not None  # (made at start with the cache; removed by cleanup, after close)
+            and self.cache.publish(self._local) is not None
+        ):
+            self.stats.published = True
+            self._published_misses = self.stats.cache_misses
 
     def close(self) -> None:
         if not self.enabled or self._base is None:  # never started (or its start failed)

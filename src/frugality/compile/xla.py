@@ -23,8 +23,9 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -70,7 +71,7 @@ class XlaCompileSession:
         self._misses = xla.persistent_cache_misses()
 
     @classmethod
-    def for_recipe(cls, recipe, policy_key: str) -> "XlaCompileSession":
+    def for_recipe(cls, recipe, policy_key: str) -> XlaCompileSession:
         c = recipe.compile
         client = xla.requested_client()
         if c.xla_executables == "off":

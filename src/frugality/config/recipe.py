@@ -85,7 +85,7 @@ class DataConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "DataConfig":
+    def _check(self) -> DataConfig:
         if any(b > self.seq_len for b in self.buckets):
             raise ValueError(f"buckets ({list(self.buckets)}) must not exceed seq_len ({self.seq_len})")
         if len({*self.buckets, self.seq_len}) > 4:  # x 2 (training, evaluation): dynamo's 8 graphs per code
@@ -113,7 +113,7 @@ class OptimConfig(_Section):
     grad_clip: NonNegativeFloat = Field(default=1.0, description="max global grad norm; 0 = off")
 
     @model_validator(mode="after")
-    def _check(self) -> "OptimConfig":
+    def _check(self) -> OptimConfig:
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if not all(0.0 <= b < 1.0 for b in self.betas):
@@ -374,7 +374,7 @@ class Recipe(_Section):
         return raw
 
     @model_validator(mode="after")
-    def _check(self) -> "Recipe":
+    def _check(self) -> Recipe:
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         return self
@@ -394,7 +394,7 @@ class Recipe(_Section):
                         section.pop(key, None)
         return tomli_w.dumps(data)
 
-    def for_data_parallel(self, ranks: int, min_micro: int = 1) -> tuple["Recipe", str | None]:
+    def for_data_parallel(self, ranks: int, min_micro: int = 1) -> tuple[Recipe, str | None]:
         """This recipe over `ranks` data-parallel ranks, keeping its global batch: where
         `micro_batch_size` x ranks does not divide the global batch, the micro-batch becomes
         the largest that does (the rest accumulated), and a note says so for the run header.

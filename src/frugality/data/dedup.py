@@ -45,7 +45,7 @@ def first_occurrences(paths: list[Path]) -> list[np.ndarray]:
     counts = [p.stat().st_size // DIGEST_BYTES for p in paths]
     digests = np.empty((sum(counts), 2), dtype=np.uint64)  # one array, filled file by file: no copies
     at = 0
-    for p, n in zip(paths, counts):
+    for p, n in zip(paths, counts, strict=True):
         with open(p, "rb") as f:
             # numpy declares ndarray.__buffer__ for Python 3.12 on only; the buffer is there on 3.11 too
             f.readinto(memoryview(digests[at : at + n]).cast("B"))  # pyright: ignore[reportArgumentType]

@@ -60,7 +60,8 @@ class IndexedDatasetWriter:
         self._tmp_bin = self.bin_path.with_name(self.bin_path.name + f".tmp{os.getpid()}")
         self._tmp_idx = self.idx_path.with_name(self.idx_path.name + f".tmp{os.getpid()}")
         with naming(self.bin_path):
-            self._bin = NamedFile(open(self._tmp_bin, "wb"), self.bin_path)  # (a full disk names the dataset)
+            # (a full disk names the dataset); open until finish or abort
+            self._bin = NamedFile(open(self._tmp_bin, "wb"), self.bin_path)  # noqa: SIM115
         fcntl.flock(self._bin.fileno(), fcntl.LOCK_EX)  # held until renamed: this file is a live writer's
         # sequence lengths and document ends: arrays (whole appended datasets), then the
         # documents added one by one since the last array
@@ -121,7 +122,7 @@ class IndexedDatasetWriter:
         edges = np.flatnonzero(np.diff(np.concatenate([[0], kept_sequences.astype(np.int8), [0]])))
         lengths = np.asarray(part.sequence_lengths, dtype=np.int32)
         pointers = np.asarray(part.sequence_pointers, dtype=np.int64) // self.dtype.itemsize
-        for first, stop in zip(edges[::2], edges[1::2]):  # [first, stop): sequences kept in a row
+        for first, stop in zip(edges[::2], edges[1::2], strict=True):  # [first, stop): sequences kept in a row
             data = part.tokens[pointers[first] : pointers[stop - 1] + lengths[stop - 1]].tobytes()
             self._digest.update(data)
             self._bin.write(data)

@@ -40,7 +40,7 @@ class TextBatch:
     def pairs(self) -> int:
         return self.ids.shape[0] // self.groups
 
-    def to(self, device, non_blocking: bool = False) -> "TextBatch":
+    def to(self, device, non_blocking: bool = False) -> TextBatch:
         return TextBatch(
             self.ids.to(device, non_blocking=non_blocking), self.mask.to(device, non_blocking=non_blocking), self.groups
         )
@@ -61,7 +61,7 @@ def read_pairs(path: Path, fields: tuple[str, ...]) -> list[list[str]]:
                     raise UserError(f"{path}:{number}: not valid JSON ({e.msg})") from None
                 if not isinstance(row, dict):
                     raise UserError(f"{path}:{number}: expected a JSON object with fields {', '.join(fields)}")
-                for column, name in zip(columns, fields):
+                for column, name in zip(columns, fields, strict=True):
                     text = row.get(name)
                     if not isinstance(text, str) or not text.strip():
                         raise UserError(

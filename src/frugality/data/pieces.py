@@ -63,7 +63,7 @@ def plan_pieces(files: list, target_bytes: int, sizes: dict | None = None) -> li
                         break
                     cuts.append(raw.tell())
         cuts.append(size)
-        pieces += [Piece(len(pieces) + i, f, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+        pieces += [Piece(len(pieces) + i, f, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
     return pieces
 
 

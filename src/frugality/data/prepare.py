@@ -182,7 +182,7 @@ def _only_writer(folder: Path):
     folder.parent.mkdir(parents=True, exist_ok=True)
     lock_path = folder.with_name(folder.name + ".lock")
     while True:
-        lock = open(lock_path, "a")
+        lock = open(lock_path, "a")  # noqa: SIM115 - the lock, held while the output is written
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -391,7 +391,7 @@ def _merge(folder: Path, pieces: list[Piece], done: dict, out_prefix, dtype, ded
     writer = IndexedDatasetWriter(out_prefix, dtype)
     documents = duplicates = 0
     try:
-        for piece, keep in zip(pieces, keeps):
+        for piece, keep in zip(pieces, keeps, strict=True):
             record = done[str(piece.index)]
             digest = writer.append(folder / f"{piece.index:05d}", keep=keep)
             if digest != record["sha256"]:

@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import cast
 
@@ -359,8 +359,6 @@ def exit_process(status: int) -> None:
 
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with suppress(OSError, ValueError):  # closed, or its reader gone
             stream.flush()
-        except (OSError, ValueError):  # closed, or its reader gone
-            pass
     os._exit(status)

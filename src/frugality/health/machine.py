@@ -3,6 +3,7 @@ directory's free space and write speed, the compile cache, the dataset."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -74,10 +75,8 @@ def _disk(run_root: Path, limits: dict[str, float], write_mib: int) -> list[Chec
     except OSError as e:
         checks.append(Check("machine", f"disk write at {existing}", FAIL, "not writable", str(e)))
     finally:
-        try:
+        with contextlib.suppress(OSError):  # a read-only file system refuses even to remove a file that is not there
             probe_file.unlink(missing_ok=True)
-        except OSError:  # a read-only file system refuses even to remove a file that is not there
-            pass
     return checks
 
 

@@ -222,7 +222,7 @@ def _first_difference(a, b, where: str = "") -> str | None:
                 return found
         return None
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             found = _first_difference(x, y, f"{where}[{i}]")
             if found:
                 return found

@@ -355,7 +355,7 @@ def generate_all(
     gets one record per prompt (id, prompt, completion, token counts, finish), `on_text`
     each batch's text as it comes (streaming one prompt). Returns the job's totals."""
     encoded = decoder.encode([text for _, text in items])
-    empty = next((key for (key, _), ids in zip(items, encoded) if not ids), None)
+    empty = next((key for (key, _), ids in zip(items, encoded, strict=True) if not ids), None)
     if empty is not None:
         raise UserError(f"prompt {empty}: no tokens (an empty prompt)")
     encoded, cut = fit_prompts(decoder, encoded, sampling.max_new_tokens)
@@ -368,7 +368,7 @@ def generate_all(
     for start in range(0, len(items), engine.batch):
         prompts = encoded[start : start + engine.batch]
         completions = engine.generate(prompts, sampling, generator, on_text)
-        for k, (prompt, completion) in enumerate(zip(prompts, completions)):
+        for k, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             key, text = items[start + k]
             if on_row:
                 on_row(

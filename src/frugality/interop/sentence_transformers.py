@@ -142,7 +142,7 @@ def module_files(config: BertConfig, state: dict[str, torch.Tensor], max_length:
         ),
     }
     widths = [config.hidden_size, *config.head]
-    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+    for i, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):
         folder = f"{len(modules)}_Dense"
         last = i == len(config.head) - 1
         files[f"{folder}/config.json"] = _dump(

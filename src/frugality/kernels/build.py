@@ -16,7 +16,7 @@ import platform
 import shutil
 import subprocess
 import warnings
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -38,7 +38,7 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
-@lru_cache(maxsize=None)
+@cache
 def library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """`name`.c of this package, compiled (with `extra_flags` after the common ones) and
     loaded; None where it cannot be built."""
@@ -69,13 +69,15 @@ def library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                 timeout=120,
             )
         except (OSError, subprocess.TimeoutExpired) as e:
-            warnings.warn(f"could not build the C kernel {name} ({e}); using torch ops")
+            warnings.warn(f"could not build the C kernel {name} ({e}); using torch ops", stacklevel=1)
             return None
         finally:
             src.unlink(missing_ok=True)
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
-            warnings.warn(f"could not build the C kernel {name}; using torch ops:\n" + done.stderr[-2000:])
+            warnings.warn(
+                f"could not build the C kernel {name}; using torch ops:\n" + done.stderr[-2000:], stacklevel=1
+            )
             return None
         os.replace(tmp, path)  # atomic: concurrent builders never load a partial file
     return ctypes.CDLL(str(path))

@@ -21,7 +21,7 @@ mean cross-entropy; the loss is computed in float32 whatever the compute dtype.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -192,7 +192,8 @@ def rows_compiled(logits: torch.Tensor, targets: torch.Tensor, scale: float, wan
             return _COMPILED["fn"](logits, targets.to(torch.int64), scale_tensor, want_grad)
     except Exception as e:  # e.g. no Triton for this GPU; nothing was written before the failure
         warnings.warn(
-            f"compiled cross-entropy failed ({type(e).__name__}: {e}); using torch ops for the rest of this run"
+            f"compiled cross-entropy failed ({type(e).__name__}: {e}); using torch ops for the rest of this run",
+            stacklevel=1,
         )
         _COMPILED["fn"] = None
         return None

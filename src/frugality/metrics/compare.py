@@ -35,11 +35,11 @@ class Comparison:
 
     @property
     def max_abs_loss_diff(self) -> float:
-        return max((abs(a - b) for a, b in zip(self.loss_a, self.loss_b)), default=0.0)
+        return max((abs(a - b) for a, b in zip(self.loss_a, self.loss_b, strict=True)), default=0.0)
 
     @property
     def mean_rel_grad_norm_diff(self) -> float:
-        pairs = [(a, b) for a, b in zip(self.grad_norm_a, self.grad_norm_b) if a]
+        pairs = [(a, b) for a, b in zip(self.grad_norm_a, self.grad_norm_b, strict=True) if a]
         return sum(abs(b - a) / a for a, b in pairs) / len(pairs) if pairs else 0.0
 
     @property
@@ -54,7 +54,7 @@ class Comparison:
         and the step where it happens."""
         a, b = getattr(self, f"{curve}_a"), getattr(self, f"{curve}_b")
         best = (0.0, None)
-        for step, x, y in zip(self.steps, a, b):
+        for step, x, y in zip(self.steps, a, b, strict=True):
             if isinstance(x, (int, float)) and isinstance(y, (int, float)) and x:
                 best = max(best, (abs(y - x) / abs(x), step), key=lambda t: t[0])
         return best

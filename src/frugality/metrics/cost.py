@@ -148,7 +148,7 @@ def at_target(points: list[dict], target: float) -> dict | None:
             if previous is None or previous["loss"] == point["loss"]:
                 return {k: point[k] for k in ("step", "elapsed_s", "energy_j", "usd")}
             f = (previous["loss"] - target) / (previous["loss"] - point["loss"])
-            mix = lambda k: previous[k] + f * (point[k] - previous[k])
+            mix = lambda k, a=previous, b=point, f=f: a[k] + f * (b[k] - a[k])
             usd = None if point["usd"] is None or previous["usd"] is None else mix("usd")
             return {
                 "step": round(mix("step"), 1),

@@ -80,7 +80,7 @@ def _nvml_inventory() -> list[dict]:
                 "memory_gib": round(nvml.nvmlDeviceGetMemoryInfo(h).total / 2**30, 1),
                 "driver": driver,
                 "compute_capability": f"{major}.{minor}",
-                "power_limit_w": _maybe(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000),
+                "power_limit_w": _maybe(lambda h=h: nvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000),
             }
         )
     return gpus
@@ -153,10 +153,10 @@ class Sampler:
                         "kind": "cuda",
                         "index": i,
                         # a c_uint field (pynvml's __getattribute__, which decodes bytes, widens its type to str)
-                        "utilisation": _maybe(lambda: cast(int, nvml.nvmlDeviceGetUtilizationRates(h).gpu) / 100),
+                        "utilisation": _maybe(lambda h=h: cast(int, nvml.nvmlDeviceGetUtilizationRates(h).gpu) / 100),
                         "memory_used_gib": round(memory.used / 2**30, 2),
                         "memory_gib": round(memory.total / 2**30, 1),
-                        "power_w": _maybe(lambda: round(nvml.nvmlDeviceGetPowerUsage(h) / 1000, 1)),
+                        "power_w": _maybe(lambda h=h: round(nvml.nvmlDeviceGetPowerUsage(h) / 1000, 1)),
                     }
                 )
         return devices

@@ -14,7 +14,7 @@ class RunLogger:
     def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
         path = run_dir / "metrics.jsonl"
         with naming(path):
-            self._jsonl = NamedFile(open(path, "a", buffering=1), path)
+            self._jsonl = NamedFile(open(path, "a", buffering=1), path)  # noqa: SIM115 - the log's, closed by close
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: ~1 s

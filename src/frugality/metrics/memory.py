@@ -25,7 +25,7 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     params = [_local(p) for p in model.parameters()]
     tensors = params + [_local(p.grad) for p in model.parameters() if p.grad is not None]
     missing_grads = sum(
-        p.numel() * p.element_size() for p, full in zip(params, model.parameters()) if full.grad is None
+        p.numel() * p.element_size() for p, full in zip(params, model.parameters(), strict=True) if full.grad is None
     )
     for state in optimizer.state.values():
         tensors += [_local(t) for t in state.values() if isinstance(t, torch.Tensor)]

@@ -62,8 +62,8 @@ def _series(records: dict[int, dict], key: str, scale: float, y: str = "loss"):
 def _plot_loss(trajectories: list[Trajectory], names: list[str], path: Path) -> Path:
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(AXES), figsize=(4 * len(AXES), 3.6), constrained_layout=True)
-    for ax, (title, key, scale) in zip(axes, AXES):
-        for t, name in zip(trajectories, names):
+    for ax, (title, key, scale) in zip(axes, AXES, strict=True):
+        for t, name in zip(trajectories, names, strict=True):
             train = t.train
             if key == "energy_j":  # energy is known at evaluations only (the ranks meet there)
                 train = {}
@@ -81,7 +81,7 @@ def _plot_loss(trajectories: list[Trajectory], names: list[str], path: Path) -> 
 def _plot_throughput(trajectories: list[Trajectory], names: list[str], path: Path) -> Path:
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), constrained_layout=True)
-    for t, name in zip(trajectories, names):
+    for t, name in zip(trajectories, names, strict=True):
         left.plot(*_series(t.train, "elapsed_s", 1 / 3600, "tokens_per_s"), label=name)
         right.plot(*_series(t.train, "elapsed_s", 1 / 3600, "mfu"), label=name)
     for ax, label in ((left, "tokens/s"), (right, "MFU")):
@@ -98,7 +98,7 @@ def plot_comparison(a: Trajectory, b: Trajectory, names: tuple[str, str], path: 
     """Two runs' training loss and gradient norm, step by step, overlaid."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), constrained_layout=True)
-    for t, name in zip((a, b), names):
+    for t, name in zip((a, b), names, strict=True):
         left.plot(*_series(t.train, "step", 1.0, "loss"), label=name, alpha=0.8)
         right.plot(*_series(t.train, "step", 1.0, "grad_norm"), label=name, alpha=0.8)
     for ax, label in ((left, "training loss"), (right, "gradient norm")):
@@ -147,7 +147,7 @@ def _markdown(trajectories: list[Trajectory], names: list[str], images: list[str
             cells.append("n/a" if value is None else spec.format(value))
         lines.append(f"| {heading} | " + " | ".join(cells) + " |")
     lines += ["", "How each figure is known:", ""]
-    for t, name in zip(trajectories, names):
+    for t, name in zip(trajectories, names, strict=True):
         labels = _get(t.summary, ("cost", "labels")) or {}
         if not labels:
             lines.append(f"- {name}: no cost figures (a run without a summary, or from before they existed)")

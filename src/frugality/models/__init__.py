@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, TypeAlias, Union
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 from pydantic import Discriminator, Tag
 
@@ -29,11 +29,9 @@ def _family(value: Any) -> str:
 
 # The recipe's [model] table validates into one of these, selected by `family`.
 ModelConfig = Annotated[
-    Union[
-        Annotated[GPTNeoXConfig, Tag("gpt-neox")],
-        Annotated[LlamaConfig, Tag("llama")],
-        Annotated[BertConfig, Tag("bert")],
-    ],
+    Annotated[GPTNeoXConfig, Tag("gpt-neox")]
+    | Annotated[LlamaConfig, Tag("llama")]
+    | Annotated[BertConfig, Tag("bert")],
     Discriminator(_family),
 ]
 

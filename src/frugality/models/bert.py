@@ -59,7 +59,7 @@ class BertConfig(BaseModel):
     learn_temperature: bool = False
 
     @model_validator(mode="after")
-    def _check_shapes(self) -> "BertConfig":
+    def _check_shapes(self) -> BertConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         return self
@@ -88,7 +88,7 @@ class Attention(nn.Module):
         self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, tokens: "Unpadded | None" = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, tokens: Unpadded | None = None) -> torch.Tensor:
         if tokens is not None:  # x: (real tokens, d); attention runs on them padded back
             shape = (tokens.rows, tokens.length, self.heads, self.head_size)
             q, k, v = (tokens.pad(proj(x)).view(shape).transpose(1, 2) for proj in (self.query, self.key, self.value))
@@ -179,7 +179,7 @@ class Bert(nn.Module):
         self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size) if cfg.pooler else None
         self.mlm = MaskedLMHead(cfg, self.embeddings.word) if cfg.mlm_head else None
         widths = [cfg.hidden_size, *cfg.head]
-        self.head = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        self.head = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False))
         # log(1 / temperature), as CLIP keeps it: positive and well scaled for the optimizer
         self.logit_scale = nn.Parameter(torch.empty(1)) if cfg.learn_temperature else None
         self.reset_parameters()

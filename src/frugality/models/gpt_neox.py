@@ -38,7 +38,7 @@ class GPTNeoXConfig(BaseModel):
     layer_norm_eps: float = Field(default=1e-5, gt=0.0)
 
     @model_validator(mode="after")
-    def _check_shapes(self) -> "GPTNeoXConfig":
+    def _check_shapes(self) -> GPTNeoXConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         if self.rotary_dim % 2:

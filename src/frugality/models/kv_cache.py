@@ -41,7 +41,7 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @classmethod
-    def for_model(cls, model, batch: int, length: int) -> "KVCache":
+    def for_model(cls, model, batch: int, length: int) -> KVCache:
         """A cache fitting `model` (GPT-NeoX or Llama), in its parameters' dtype and device."""
         cfg, weight = model.config, model.embed.weight
         if length > cfg.max_seq_len:

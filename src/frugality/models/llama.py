@@ -38,7 +38,7 @@ class LlamaConfig(BaseModel):
     init_std: float = Field(default=0.02, gt=0.0)
 
     @model_validator(mode="after")
-    def _check_shapes(self) -> "LlamaConfig":
+    def _check_shapes(self) -> LlamaConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         if self.num_heads % self.kv_heads:

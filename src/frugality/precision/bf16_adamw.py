@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Literal, cast
+from collections.abc import Callable
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -230,7 +231,7 @@ class BF16AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._place_grads()
-        for k, (group, flat) in enumerate(zip(self.param_groups, self._flat)):
+        for k, (group, flat) in enumerate(zip(self.param_groups, self._flat, strict=True)):
             if not group["params"]:
                 continue
             counter = self.state[group["params"][0]]["step"]  # shared by the group
@@ -330,7 +331,7 @@ class BF16AdamW(torch.optim.Optimizer):
         names = ("param", "exp_avg", "exp_avg_sq")
         if self._cpu_kernel(flat["param"].device) is not None or self._index_of is not None:
             # a call per parameter, no gathering (a stage's parameters lie apart in the whole model)
-            for (start, n, grad), param in zip(_segments(group["params"]), _with_grads(group["params"])):
+            for (start, n, grad), param in zip(_segments(group["params"]), _with_grads(group["params"]), strict=True):
                 p, m, v = (flat[name][start : start + n] for name in names)
                 index = start if self._index_of is None else self._index_of(param)
                 self._update_buffers([p, _bf16_contiguous(grad).view(-1), m, v], index, scalars, stochastic)
@@ -401,7 +402,8 @@ class BF16AdamW(torch.optim.Optimizer):
             except Exception as e:  # e.g. an Inductor C++ build failure on this machine
                 warnings.warn(
                     f"compiled BF16AdamW step failed ({type(e).__name__}: {e}); "
-                    "using eager torch ops for the rest of this run"
+                    "using eager torch ops for the rest of this run",
+                    stacklevel=1,
                 )
                 self._fused = False
         size = n if device.type == "xla" else _EAGER_CHUNK  # XLA traces one pass and fuses it: no chunks
@@ -448,7 +450,7 @@ class BF16AdamW(torch.optim.Optimizer):
         """Load, then move the loaded moments back into the flat buffers (the base class
         replaces state tensors with fresh copies, which would break the views)."""
         super().load_state_dict(state_dict)
-        for group, flat in zip(self.param_groups, self._flat):
+        for group, flat in zip(self.param_groups, self._flat, strict=True):
             if not group["params"]:
                 continue
             step = self.state[group["params"][0]]["step"].to(torch.float32).cpu()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hmac
 import json
 import time
@@ -142,7 +143,7 @@ def build_app(state: State) -> FastAPI:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        futures = service.submit_all([(row, sampling, None) for row, sampling in zip(rows, samplings)])
+        futures = service.submit_all([(row, sampling, None) for row, sampling in zip(rows, samplings, strict=True)])
         answers = asyncio.ensure_future(asyncio.gather(*map(asyncio.wrap_future, futures)))
         answers.add_done_callback(_read)  # a gather cut short ends in CancelledError: read, not logged
         gone = asyncio.ensure_future(_disconnected(request))
@@ -161,7 +162,7 @@ def build_app(state: State) -> FastAPI:
             gone.cancel()
         choices = [
             {"index": i, "text": (prompt if req.echo else "") + c.text, "logprobs": None, "finish_reason": c.finish}
-            for i, (prompt, c) in enumerate(zip(req.prompts, done))
+            for i, (prompt, c) in enumerate(zip(req.prompts, done, strict=True))
         ]
         new = sum(len(c.tokens) for c in done)
         prompt_tokens = sum(map(len, rows))
@@ -210,14 +211,12 @@ def _queue_streamed(service, req, rows, samplings, ident, created, name):
             events.put_nowait(_chunk(ident, created, name, i, prompt, None))
 
     def send(item) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: no one to send to
             loop.call_soon_threadsafe(events.put_nowait, item)
-        except RuntimeError:  # the loop is closed: no one to send to
-            pass
 
     asks = [
         (row, sampling, lambda piece, i=i: send(_chunk(ident, created, name, i, piece, None)))
-        for i, (row, sampling) in enumerate(zip(rows, samplings))
+        for i, (row, sampling) in enumerate(zip(rows, samplings, strict=True))
     ]
     futures = service.submit_all(asks)
     for i, future in enumerate(futures):

@@ -7,6 +7,7 @@ the next prompt. Greedy rows give `frugality generate`'s tokens."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import random
 import threading
@@ -55,10 +56,8 @@ class PromptFuture(Future):
 
 def settle(future: Future, result=None, error: BaseException | None = None) -> None:
     """Resolve a future that its client may have cancelled meanwhile (then: nothing)."""
-    try:
+    with contextlib.suppress(InvalidStateError):
         future.set_exception(error) if error is not None else future.set_result(result)
-    except InvalidStateError:
-        pass
 
 
 class CompletionService:

@@ -7,6 +7,7 @@ never held in an unbounded backlog."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -65,10 +66,8 @@ class EmbeddingService:
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: what is still queued has no client left (the HTTP server drained first)."""
         self._closing = True
-        try:
+        with contextlib.suppress(queue.Full):  # the loop sees the flag after its batch
             self._queue.put_nowait(_STOP)
-        except queue.Full:  # the loop sees the flag after its batch
-            pass
         self._thread.join(timeout_s)
 
     def _loop(self) -> None:

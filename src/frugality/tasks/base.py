@@ -12,8 +12,9 @@ hidden states; its weights, their names and its checkpoints do not depend on the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -62,7 +63,7 @@ class Task(ABC):
     def __init__(self, setup: RunSetup = RunSetup()) -> None:
         self.setup = setup
 
-    def configured(self, **changes) -> "Task":
+    def configured(self, **changes) -> Task:
         """This task for one run: `RunSetup` fields changed, the others kept."""
         return type(self)(replace(self.setup, **changes))
 

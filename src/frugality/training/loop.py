@@ -11,6 +11,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -78,7 +79,7 @@ def fit(state: TrainState, callbacks, stop_at: int) -> None:
         number = state.step + 1
         read = number % recipe.train.log_interval == 0 or number % recipe.train.save_interval == 0 or number == stop_at
         loss, norm, rejected = _run(
-            state, callbacks, phase, state.step + 1, lambda: train_step(state, batches, read=read)
+            state, callbacks, phase, state.step + 1, partial(train_step, state, batches, read=read)
         )
         state.step += 1
         tokens = step_tokens(state, batches)
@@ -284,7 +285,7 @@ def validation_loss(state: TrainState) -> tuple[float, dict]:
     n = state.data.val_counted
     if on_xla:  # one transfer of every batch's loss, not one per batch
         losses = torch.stack([d.loss.float() for d in done[:n]]).cpu().tolist() if n else []
-        for d, value in zip(done, losses):
+        for d, value in zip(done, losses, strict=False):  # (only the counted ones were read)
             d.loss = torch.tensor(value)
     metrics = state.task.metrics([d.outputs for d in done], n, all_gather_rows)
     counted = done[:n]

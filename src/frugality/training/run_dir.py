@@ -107,7 +107,7 @@ def _acquire(run_dir: Path, hint: str = "or train into another --run-dir"):
     path = lock_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        f = open(path, "a+")
+        f = open(path, "a+")  # noqa: SIM115 - the lock, held until released
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -238,7 +238,7 @@ def check_run_dir(run_dir: Path, fresh: bool, resumable: bool | None = None, loc
 def _check_not_held(run_dir: Path) -> None:
     """A UserError naming the process that holds the run's lock, if one does."""
     try:
-        f = open(lock_path(run_dir))
+        f = open(lock_path(run_dir))  # noqa: SIM115 - `with f` below, once it opened
     except OSError:
         return
     with f:

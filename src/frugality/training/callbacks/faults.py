@@ -53,9 +53,7 @@ class FaultInjector(Callback):
         self.checkpoints = checkpoints
 
     def _due(self, state, step: int, every_rank: bool = False) -> bool:
-        if step != self.step or (not every_rank and state.world.rank != self.rank) or self.marker.exists():
-            return False
-        return True
+        return step == self.step and (every_rank or state.world.rank == self.rank) and not self.marker.exists()
 
     def _fired(self) -> None:
         self.marker.parent.mkdir(parents=True, exist_ok=True)

@@ -75,7 +75,7 @@ class ParallelFigures(Callback):
         section: dict = {"tensor": world.tensor, "pipeline": world.pipeline, "data": world.data_size}
         if state.pipeline is not None:
             p = state.pipeline
-            per_stage = [round(s / n, 4) if n else None for s, n in zip(stages[::2], stages[1::2])]
+            per_stage = [round(s / n, 4) if n else None for s, n in zip(stages[::2], stages[1::2], strict=True)]
             measured = [s for s in per_stage if s is not None]
             section |= {
                 "schedule": p.schedule,

@@ -45,7 +45,7 @@ class Watchdog(Callback):
 
     def _arm(self, state) -> None:
         if self._thread is None:
-            self._file = open(str(self.path).format(rank=state.world.rank), "w")
+            self._file = open(str(self.path).format(rank=state.world.rank), "w")  # noqa: SIM115 - closed by on_exit
             self._thread = threading.Thread(
                 target=self._watch, args=(self._file,), name="frugality-watchdog", daemon=True
             )
