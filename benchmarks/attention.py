@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,7 +53,18 @@ def _errors(fn, q, k, v, grad, rotary) -> str:
     ref = F.scaled_dot_product_attention(rotary(q64), rotary(k64), v64, is_causal=True)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
-    return f"{rel(out, ref):.1e}, {max(rel(g, r) for g, r in zip(grads, ref_grads)):.1e}"
+    return f"{rel(out, ref):.1e}, {max(rel(g, r) for g, r in zip(grads, ref_grads, strict=True)):.1e}"
+
+
+def _training(fn, leaves: list[torch.Tensor], grad: torch.Tensor):
+    """A forward and backward of `fn` over `leaves`, their gradients dropped after."""
+
+    def step():
+        fn(*leaves).backward(grad)
+        for t in leaves:
+            t.grad = None
+
+    return step
 
 
 def main() -> int:
@@ -69,25 +81,16 @@ def main() -> int:
             print("this CPU cannot run the AMX kernel (no AMX, or no C compiler)", file=sys.stderr)
             return 1
         rotary = RotaryEmbedding(ROTARY, seq, head_size=HEAD_SIZE)
-        kernel = lambda q, k, v: causal_attention(q, k, v, rotary)
+        kernel = lambda q, k, v, rotary=rotary: causal_attention(q, k, v, rotary)
         paths = {
             "AMX kernel": kernel,
             "torch rotary + SDPA": _torch_path(rotary),
             "compiled rotary + blocked backward": _blocked_path(rotary),
         }
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-
-        def training(fn):
-            def step():
-                fn(*leaves).backward(grad)
-                for t in leaves:
-                    t.grad = None
-
-            return step
-
         with torch.no_grad():
             t = race(
-                device, args.repeats, new=lambda: kernel(q, k, v), old=lambda: paths["torch rotary + SDPA"](q, k, v)
+                device, args.repeats, new=partial(kernel, q, k, v), old=partial(paths["torch rotary + SDPA"], q, k, v)
             )
         what = f"{batch} x {seq} tokens"
         errors = {name: _errors(fn, q, k, v, grad, rotary) for name, fn in paths.items()}
@@ -102,7 +105,7 @@ def main() -> int:
                 f"{errors['AMX kernel'].split(',')[0]} / {errors['torch rotary + SDPA'].split(',')[0]}",
             )
         )
-        t = race(device, args.repeats, **{name: training(fn) for name, fn in paths.items()})
+        t = race(device, args.repeats, **{name: _training(fn, leaves, grad) for name, fn in paths.items()})
         for old in ("torch rotary + SDPA", "compiled rotary + blocked backward"):
             rows.append(
                 (

@@ -60,7 +60,7 @@ def main() -> int:
             "tokens_processed": tokens[name],
             "share_of_padded": round(tokens[name] / padded, 3),
             "speedup": round(statistics.median(seconds["kept"]) / statistics.median(ts), 3),
-            "max_loss_difference": max(abs(a - b) for a, b in zip(losses[name], losses["kept"])),
+            "max_loss_difference": max(abs(a - b) for a, b in zip(losses[name], losses["kept"], strict=True)),
         }
         for name, ts in seconds.items()
     ]

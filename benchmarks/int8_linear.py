@@ -117,6 +117,17 @@ def _without_onednn(fn, *args):
         return fn(*args)
 
 
+def _paths(x, w, wq, sw, compiled, dynamic) -> dict:
+    """One shape's products by path (ONNX Runtime's apart)."""
+    return {
+        "fp32": lambda: x @ w.t(),
+        "int_mm, eager": lambda: qlinear(x, wq, sw),
+        "int_mm, compiled": lambda: compiled(x, wq, sw),
+        "quantize_dynamic (FBGEMM)": lambda: dynamic(x),
+        "int_mm without oneDNN (an AVX2-only CPU's path)": lambda: _without_onednn(qlinear, x, wq, sw),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1280)
@@ -136,14 +147,7 @@ def main() -> None:
             dynamic = torch.ao.quantization.quantize_dynamic(
                 torch.nn.Sequential(linear), {torch.nn.Linear}, torch.qint8
             )
-        paths = {
-            "fp32": lambda: x @ w.t(),
-            "int_mm, eager": lambda: qlinear(x, wq, sw),
-            "int_mm, compiled": lambda: compiled(x, wq, sw),
-            "quantize_dynamic (FBGEMM)": lambda: dynamic(x),
-            "int_mm without oneDNN (an AVX2-only CPU's path)": lambda: _without_onednn(qlinear, x, wq, sw),
-        }
-        paths |= _onnx_runtime(x, w)
+        paths = _paths(x, w, wq, sw, compiled, dynamic) | _onnx_runtime(x, w)
         base = _best(paths["fp32"])
         for name, fn in paths.items():
             with torch.no_grad():

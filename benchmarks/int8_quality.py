@@ -81,7 +81,8 @@ def encoder_rows(words: list[str], glosses: list[str]) -> tuple[list[dict], dict
 
 def decoder_rows(path: str, prompts: int, new: int) -> list[dict]:
     """fp32 against int8 on the bundled corpus's last documents: loss and greedy tokens."""
-    text = gzip.open(corpus_files()[-1], "rt").read()
+    with gzip.open(corpus_files()[-1], "rt") as corpus:
+        text = corpus.read()
     rows, outputs = [], {}
     for precision in PRECISIONS:
         decoder, _ = load_decoder(path, torch.device("cpu"), precision)
@@ -98,8 +99,8 @@ def decoder_rows(path: str, prompts: int, new: int) -> list[dict]:
             for c in engine.generate(starts[k : k + engine.batch], Sampling(max_new_tokens=new))
         ]
         rows.append({"precision": precision, "held_out_loss": round(loss, 4)})
-    pairs = list(zip(outputs["fp32"], outputs["int8"]))
-    same = sum(a == b for f, i in pairs for a, b in zip(f, i))
+    pairs = list(zip(outputs["fp32"], outputs["int8"], strict=True))
+    same = sum(a == b for f, i in pairs for a, b in zip(f, i, strict=False))  # the positions both have
     total = sum(len(f) for f, _ in pairs)
     whole = sum(f == i for f, i in pairs)
     for row in rows:

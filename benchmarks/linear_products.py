@@ -45,6 +45,40 @@ SHAPES = [
 ]  # (layer, outputs, inputs)
 
 
+def _cases(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grad_out: torch.Tensor, wide: bool):
+    """(product, the AMX path, (the replaced path's name, the path), the float64 reference) of
+    one layer's products; `wide`: the output layer, whose previous paths were its own."""
+    cases = [
+        (
+            "forward",
+            lambda: product(x, weight, bias, True),
+            ("oneDNN, weight transposed", lambda: x @ kernels.transposed(weight))
+            if wide
+            else ("oneDNN (F.linear)", lambda: torch.nn.functional.linear(x, weight, bias)),
+            lambda: x.double() @ weight.double().t() + (0 if bias is None else bias.double()),
+        ),
+        (
+            "weight gradient",
+            lambda: weight_grad(grad_out, x)[0],
+            ("oneDNN, operands and result transposed", lambda: kernels.transposed(kernels.transposed(x) @ grad_out))
+            if wide
+            else ("oneDNN (torch.mm)", lambda: grad_out.t() @ x),
+            lambda: grad_out.double().t() @ x.double(),
+        ),
+    ]
+    if amx_product_applies(grad_out, weight, None, False):
+        cases.insert(
+            1,
+            (
+                "input gradient",
+                lambda: product(grad_out, weight, None, False),
+                ("oneDNN (torch.mm)", lambda: grad_out @ weight),
+                lambda: grad_out.double() @ weight.double(),
+            ),
+        )
+    return cases
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048)
@@ -64,38 +98,10 @@ def main() -> int:
             print("the AMX kernels do not run on this machine", file=sys.stderr)
             return 1
         wide = outputs > 4096  # the output layer: its previous paths (frugality.kernels.output_loss)
-        cases = [
-            (
-                "forward",
-                lambda: product(x, weight, bias, True),
-                ("oneDNN, weight transposed", lambda: x @ kernels.transposed(weight))
-                if wide
-                else ("oneDNN (F.linear)", lambda: torch.nn.functional.linear(x, weight, bias)),
-                lambda: x.double() @ weight.double().t() + (0 if bias is None else bias.double()),
-            ),
-            (
-                "weight gradient",
-                lambda: weight_grad(grad_out, x)[0],
-                ("oneDNN, operands and result transposed", lambda: kernels.transposed(kernels.transposed(x) @ grad_out))
-                if wide
-                else ("oneDNN (torch.mm)", lambda: grad_out.t() @ x),
-                lambda: grad_out.double().t() @ x.double(),
-            ),
-        ]
-        if amx_product_applies(grad_out, weight, None, False):
-            cases.insert(
-                1,
-                (
-                    "input gradient",
-                    lambda: product(grad_out, weight, None, False),
-                    ("oneDNN (torch.mm)", lambda: grad_out @ weight),
-                    lambda: grad_out.double() @ weight.double(),
-                ),
-            )
-        for product_name, new, (old_name, old), exact in cases:
+        for product_name, new, (old_name, old), exact in _cases(x, weight, bias, grad_out, wide):
             t = race(device, args.repeats, new=new, old=old)
             reference = exact()
-            error = lambda y: ((y.double() - reference).abs().max() / reference.abs().max()).item()
+            error = lambda y, reference=reference: ((y.double() - reference).abs().max() / reference.abs().max()).item()
             flops = 2 * args.tokens * outputs * inputs
             rows.append(
                 dict(

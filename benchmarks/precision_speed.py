@@ -70,7 +70,7 @@ def main() -> int:
         model, optimizer = runners[name][1], runners[name][2]
         median = statistics.median(times[name])
         peak = peak_flops(device, policy.compute_dtype)
-        ratios = [ours / theirs for ours, theirs in zip(times[reference], times[name])]
+        ratios = [ours / theirs for ours, theirs in zip(times[reference], times[name], strict=True)]
         rows.append(
             dict(
                 precision=name,

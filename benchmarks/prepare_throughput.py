@@ -89,13 +89,18 @@ def _prepare_seconds(files: list[Path], workers: int, rounds: int, folder: Path,
     return best, tokens
 
 
+def _read_gz(path: Path) -> str:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return f.read()
+
+
 def _documents(books: list[Path], copies: int, path: Path) -> list[str]:
     """The books cut at paragraph breaks into documents of about 4 KB, `copies` times, as
     one .jsonl at `path`."""
     documents = []
     for book in books:
         document = ""
-        for paragraph in gzip.open(book, "rt", encoding="utf-8").read().split("\n\n"):
+        for paragraph in _read_gz(book).split("\n\n"):
             document += paragraph + "\n\n"
             if len(document) >= 4000:
                 documents.append(document)
@@ -128,7 +133,7 @@ def main() -> int:
                 for f in corpus_files():
                     files.append(folder / f"{c}-{f.name}")
                     shutil.copyfile(f, files[-1])
-            texts = [gzip.open(f, "rt", encoding="utf-8").read() for f in files]
+            texts = [_read_gz(f) for f in files]
         megabytes = sum(len(t.encode()) for t in texts) / 1e6
         tokens = sum(len(ids) for ids in load_tokenizer("pythia").encode_batch(texts))
         rows = []
