@@ -3,6 +3,7 @@ small enough that a training step takes milliseconds on a CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -127,10 +128,8 @@ class XlaTests:
 
         if self.process is not None and self.process.poll() is not None:
             return
-        try:
+        with contextlib.suppress(OSError, ValueError):  # ended already, or never started
             os.killpg(int((self.folder / "group").read_text()), signal.SIGKILL)
-        except (OSError, ValueError):  # ended already, or never started
-            pass
         if self.process is not None:
             self.process.wait()
 
@@ -162,10 +161,8 @@ def _background() -> None:
     Linux's autogroup scheduling (a group per session: the XLA tests' new session is one),
     groups share the CPU by the group's nice value, not their processes': both are set."""
     os.nice(19)
-    try:
+    with contextlib.suppress(OSError):  # no autogroup (another OS, a kernel without it): the nice value decides
         Path("/proc/self/autogroup").write_text("19")
-    except OSError:  # no autogroup (another OS, a kernel without it): the process's nice value decides
-        pass
 
 
 def _wanted(config) -> bool:
@@ -175,18 +172,19 @@ def _wanted(config) -> bool:
 def pytest_collection_finish(session):
     """Without xdist: started once the bridge test is known to be among those that run. An
     xdist worker leaves it to the controller (pytest_xdist_node_collection_finished)."""
-    if _wanted(session.config) and not hasattr(session.config, "workerinput"):
-        if any(item.name == XLA_BRIDGE for item in session.items):
-            start_xla_tests()
+    controller = _wanted(session.config) and not hasattr(session.config, "workerinput")
+    if controller and any(item.name == XLA_BRIDGE for item in session.items):
+        start_xla_tests()
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """The xdist controller, once a worker has collected: started once, into the folder
     its workers know from their environment."""
-    if "run" not in _xla_tests and _wanted(node.config) and any(i.endswith(XLA_BRIDGE) for i in ids):
-        if XLA_PYTHON.exists() and FOLDER_VARIABLE in os.environ:  # (not with `-d --tx` alone: no -n)
-            _xla_tests["run"] = XlaTests.start(Path(os.environ[FOLDER_VARIABLE]), background=False)
+    wanted = "run" not in _xla_tests and _wanted(node.config) and any(i.endswith(XLA_BRIDGE) for i in ids)
+    # (not with `-d --tx` alone: no -n)
+    if wanted and XLA_PYTHON.exists() and FOLDER_VARIABLE in os.environ:
+        _xla_tests["run"] = XlaTests.start(Path(os.environ[FOLDER_VARIABLE]), background=False)
 
 
 def pytest_sessionfinish(session):

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import forked_cli
@@ -195,10 +195,8 @@ def _long_run(micro_recipe_file, run: Path, *extra):
     try:
         yield job
     finally:
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         job.wait()
 
 

@@ -104,7 +104,7 @@ def test_validation_is_fixed_and_a_split_smaller_than_a_batch_is_one_short_batch
     s = PackedSamples(dataset, seq_len=15, val_fraction=0.1, seed=3)
     a, counted = validation_batches(s, 4, 1)
     b, _ = validation_batches(s, 4, 1)
-    assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == counted == 4
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)) and len(a) == counted == 4
     whole, counted = validation_batches(s, count=64, micro_batch_size=64)
     assert counted == 1 and whole[0].shape[0] == len(s.val_ids) < 64  # the whole split, one short batch
     with pytest.raises(UserError, match="multiple of"):

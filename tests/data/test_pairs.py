@@ -50,7 +50,7 @@ def test_a_rerun_reads_the_tokens_from_the_cache_and_a_changed_file_is_tokenized
     [cached] = (tmp_path / "cache" / "pairs").glob("*.npz")
     again = _samples(path)
     assert again.num_pairs == first.num_pairs == 6 and again.num_tokens == first.num_tokens
-    assert all(np.array_equal(a, b) for a, b in zip(again._ids, first._ids))
+    assert all(np.array_equal(a, b) for a, b in zip(again._ids, first._ids, strict=True))
     assert np.array_equal(again.gather(np.arange(6)).ids, first.gather(np.arange(6)).ids)
     path.write_text("".join(f'{{"query": "term {i}", "text": "another gloss {i}"}}\n' for i in range(7)))
     os.utime(path, ns=(cached.stat().st_mtime_ns + 10**9,) * 2)

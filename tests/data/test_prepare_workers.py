@@ -107,7 +107,7 @@ def test_appending_some_documents_keeps_their_sequences_as_megatron_cores_builde
     rng = np.random.default_rng(2)
     docs = [[rng.integers(0, 50000, size=rng.integers(1, 9)) for _ in range(rng.integers(1, 4))] for _ in range(12)]
     keep = np.array([i % 3 != 1 for i in range(12)])
-    for name, chosen in (("all", docs), ("kept", [d for d, k in zip(docs, keep) if k])):
+    for name, chosen in (("all", docs), ("kept", [d for d, k in zip(docs, keep, strict=True) if k])):
         builder = megatron.IndexedDatasetBuilder(str(tmp_path / f"{name}.bin"), dtype=np.uint16)
         for doc in chosen:
             for sequence in doc:

@@ -26,7 +26,8 @@ def test_gpt2_tokenizer_ids():
 @pytest.mark.parametrize("name", ["pythia", "gpt2"])
 def test_round_trip_on_real_text(name):
     t = load_tokenizer(name)
-    text = gzip.open(corpus_files()[0], "rt", encoding="utf-8").read()[:20000]
+    with gzip.open(corpus_files()[0], "rt", encoding="utf-8") as f:
+        text = f.read()[:20000]
     text += "\n\ncafé — naïve “quotes”\t tabs  and   spaces 🙂 12345"
     ids = t.encode(text)
     assert t.decode(ids) == text

@@ -99,7 +99,7 @@ def test_stop_tokens_and_strings_end_rows(neox_folder):
     stopped = engine.generate(PROMPTS, Sampling(max_new_tokens=12, stop_ids=(stop,)))
     assert stopped[0].tokens == free[0].tokens[:4] and stopped[0].finish == "stop"
     assert stopped[0].text == decoder.decode(free[0].tokens[:3])
-    for got, full in zip(stopped, free):
+    for got, full in zip(stopped, free, strict=True):
         assert got.tokens == full.tokens[: len(got.tokens)]
         assert got.finish == "stop" or got.tokens == full.tokens
     word = decoder.decode(free[1].tokens[2:3])
@@ -176,7 +176,7 @@ def test_the_command_from_a_prompt_file_to_jsonl(neox_folder, tmp_path, capsys):
     assert [r["id"] for r in rows] == ["0", "1", "2", "3", "4"] and [r["prompt"] for r in rows] == prompts
     ids = [[int(w[1:]) for w in p.split()] for p in prompts]
     theirs = _theirs(neox_folder, ids, 6)
-    for row, expected in zip(rows, theirs):
+    for row, expected in zip(rows, theirs, strict=True):
         stop = EOS in expected  # the tokenizer's end token stops a row by default
         tokens = expected[: expected.index(EOS) + 1] if stop else expected
         assert row["completion"] == _tokenizer(neox_folder).decode(tokens[:-1] if stop else tokens)

@@ -133,7 +133,9 @@ def test_a_decoders_int8_greedy_tokens_against_fp32(tiny_decoder):
         ]
     assert any(isinstance(m, Int8Linear) for m in decoder.model.modules())  # the int8 run's model
     assert [len(t) for t in outputs["int8"]] == [len(t) for t in outputs["fp32"]]
-    differ = sum(a != b for f, i in zip(outputs["fp32"], outputs["int8"]) for a, b in zip(f, i))
+    differ = sum(
+        a != b for f, i in zip(outputs["fp32"], outputs["int8"], strict=True) for a, b in zip(f, i, strict=False)
+    )
     # 2 of the 48 differ here (2026-11-25, Zen 4), a row's later tokens following its first
     # changed one; the first two tokens of every row, decided by the prompt alone, agree
     assert differ <= 4, f"{differ} of 48 greedy tokens differ from fp32's"
@@ -322,11 +324,11 @@ def test_the_onnx_export_fuses_attention_and_computes_what_the_model_computes(tm
     ids = torch.randint(0, 50, (3, 11))
     mask = torch.ones(3, 11, dtype=torch.long)
     mask[1, 4:], mask[2, 1:] = 0, 0  # padding, and a row of a single token
-    for ids, mask in ((ids, mask), (ids[:1, :1], mask[:1, :1])):  # and a batch of one token
-        got = torch.from_numpy(session.run(["hidden"], {"ids": ids.numpy(), "mask": mask.numpy()})[0])
+    for batch_ids, batch_mask in ((ids, mask), (ids[:1, :1], mask[:1, :1])):  # and a batch of one token
+        got = torch.from_numpy(session.run(["hidden"], {"ids": batch_ids.numpy(), "mask": batch_mask.numpy()})[0])
         with torch.inference_mode():
-            exact = model(ids, mask)
-        real = mask.bool()
+            exact = model(batch_ids, batch_mask)
+        real = batch_mask.bool()
         torch.testing.assert_close(got[real], exact[real], atol=1e-4, rtol=1e-4)
 
 

@@ -90,10 +90,10 @@ def test_one_training_step_gives_the_same_loss(family):
         batch = torch.randint(0, VOCAB, (4, 33))
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs)]
     losses = []
-    for step in range(2):
+    for _ in range(2):
         pair = [_losses(family, ours, True, batch), _losses(family, theirs, False, batch)]
         losses.append([line.item() for line in pair])
-        for loss, opt in zip(pair, optimizers):
+        for loss, opt in zip(pair, optimizers, strict=True):
             loss.backward()
             opt.step()
             opt.zero_grad()

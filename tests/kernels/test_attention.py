@@ -27,7 +27,7 @@ def _reference(q, k, v, grad):
 
 
 def _relative_errors(outputs, references):
-    return [((a.double() - b).norm() / b.norm()).item() for a, b in zip(outputs, references)]
+    return [((a.double() - b).norm() / b.norm()).item() for a, b in zip(outputs, references, strict=True)]
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1.5e-2)])
@@ -89,7 +89,7 @@ def test_amx_kernel_is_as_close_to_float64_as_torch(heads, kv_heads, seq, head_s
     torch_grads = torch.autograd.grad(torch_out, (q_, k_, v_), grad)
     ours = _relative_errors([out, *grads], [ref_out, *ref_grads])
     theirs = _relative_errors([torch_out, *torch_grads], [ref_out, *ref_grads])
-    assert all(o < 1.25 * t + 1e-3 for o, t in zip(ours, theirs)), (ours, theirs)
+    assert all(o < 1.25 * t + 1e-3 for o, t in zip(ours, theirs, strict=True)), (ours, theirs)
 
     if rotary is None:  # the log-sum-exp the backward pass starts from
         group = heads // kv_heads
@@ -115,7 +115,7 @@ def test_amx_kernel_in_compiled_training_is_one_op_without_graph_breaks():
     assert "amx_attention" in graphs[0] and "scaled_dot_product_attention" not in graphs[0]
     grads = torch.autograd.grad(out, (q, k, v), grad)
     eager_grads = torch.autograd.grad(causal_attention(q, k, v), (q, k, v), grad)
-    for a, b in zip(grads, eager_grads):
+    for a, b in zip(grads, eager_grads, strict=True):
         assert torch.equal(a, b)  # the same kernel, compiled or not
 
 

@@ -45,7 +45,7 @@ def test_kernel_reads_rows_of_wider_tensors():
     wide_g = torch.randn(64, 160).to(torch.bfloat16)
     wide_x = torch.randn(64, 96).to(torch.bfloat16)
     g, x = wide_g[:, 32:96], wide_x[:, :64]
-    for a, b in zip(weight_grad(g, x), weight_grad(g.contiguous(), x.contiguous())):
+    for a, b in zip(weight_grad(g, x), weight_grad(g.contiguous(), x.contiguous()), strict=True):
         assert torch.equal(a, b)
 
 

@@ -18,7 +18,7 @@ def test_matches_cross_entropy_of_logits(tokens):
     loss = linear_cross_entropy(h, w, y)
     grads = torch.autograd.grad(loss * 3.0, (h, w))
     torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)  # loss is float32
-    for a, b in zip(grads, ref_grads):
+    for a, b in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # float32 softmax
 
 

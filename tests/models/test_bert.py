@@ -70,7 +70,8 @@ def _sentences(count: int) -> list[str]:
             return [json.loads(next(f))["text"] for _ in range(count)]
     from frugality.data.bundled import corpus_files
 
-    lines = [line.strip() for line in gzip.open(corpus_files()[0], "rt").read().splitlines() if len(line.strip()) > 30]
+    with gzip.open(corpus_files()[0], "rt") as f:
+        lines = [line.strip() for line in f.read().splitlines() if len(line.strip()) > 30]
     return lines[:count]
 
 

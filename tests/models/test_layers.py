@@ -56,7 +56,7 @@ def test_a_model_built_empty_has_the_rotary_tables_of_one_built_for_real():
 
     cfg = GPTNeoXConfig(hidden_size=64, num_layers=2, num_heads=4, max_seq_len=32)
     real, empty = build_model(cfg), build_empty(cfg)
-    for a, b in zip(real.layers, empty.layers):
+    for a, b in zip(real.layers, empty.layers, strict=True):
         assert torch.equal(a.attn.rotary.cos, b.attn.rotary.cos) and torch.equal(a.attn.rotary.sin, b.attn.rotary.sin)
     assert [n for n, _ in real.named_parameters()] == [n for n, _ in empty.named_parameters()]
 

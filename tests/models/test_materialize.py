@@ -33,5 +33,5 @@ def test_a_part_allocated_from_the_meta_model_keeps_its_ties_and_rotary_tables()
     part = allocate(model, "cpu")
     assert part.output.weight is part.embed.weight and not part.embed.weight.is_meta
     reference = build_model(cfg)
-    for (name, ours), theirs in zip(part.named_buffers(), reference.buffers()):
+    for (name, ours), theirs in zip(part.named_buffers(), reference.buffers(), strict=True):
         assert torch.equal(ours, theirs), name

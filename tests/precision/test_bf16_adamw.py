@@ -22,12 +22,12 @@ def test_matches_torch_adamw_up_to_bf16_rounding():
     torch.manual_seed(1)
     grads = [[torch.randn_like(p) for p in ref_params] for _ in range(3)]
     for step_grads in grads:
-        for p, q, g in zip(ref_params, ours_params, step_grads):
+        for p, q, g in zip(ref_params, ours_params, step_grads, strict=True):
             p.grad = g
             q.grad = g.to(torch.bfloat16)
         ref.step()
         ours.step()
-    for p, q in zip(ref_params, ours_params):
+    for p, q in zip(ref_params, ours_params, strict=True):
         torch.testing.assert_close(q.float(), p.detach(), rtol=2e-2, atol=2e-2)
     assert all(q.dtype == torch.bfloat16 for q in ours_params)
 
@@ -68,7 +68,7 @@ def test_parameters_without_gradients_are_skipped_on_every_path(monkeypatch):
     torch.manual_seed(0)
     kernel_run = run(True)
     torch.manual_seed(0)
-    for a, b in zip(kernel_run, run(False)):
+    for a, b in zip(kernel_run, run(False), strict=True):
         assert torch.equal(a, b)
 
 
@@ -105,7 +105,7 @@ def test_state_dict_round_trip_keeps_views_and_continues_identically():
             opt.step()
         return [p.detach() for p in params]
 
-    for a, b in zip(run(6), run(6, restore_at=3)):
+    for a, b in zip(run(6), run(6, restore_at=3), strict=True):
         assert torch.equal(a, b)
 
 
@@ -126,7 +126,7 @@ def _three_steps(fused: bool, rounding: str = "stochastic", device: str = "cpu",
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 def test_cpu_kernel_gives_the_same_bits_as_torch_ops(rounding):
     assert kernels.adamw_bf16_step() is not None, "the C kernel should build where a C compiler exists"
-    for a, b in zip(_three_steps(True, rounding), _three_steps(False, rounding)):
+    for a, b in zip(_three_steps(True, rounding), _three_steps(False, rounding), strict=True):
         assert torch.equal(a, b)
 
 
@@ -137,7 +137,7 @@ def test_compiled_update_matches_eager(monkeypatch):
     if not _compiled_rounding_is_right(torch.device("cpu")):
         pytest.skip("Inductor's vectors here are narrower than AVX-512: the update runs eagerly (next test)")
     monkeypatch.setattr(kernels, "adamw_bf16_step", lambda: None)
-    for a, b in zip(_three_steps(True), _three_steps(False)):
+    for a, b in zip(_three_steps(True), _three_steps(False), strict=True):
         # Same formula and noise; the compiler may order float32 operations differently,
         # which can move a value across a rounding boundary now and then.
         assert (a != b).float().mean().item() < 0.01
@@ -164,7 +164,7 @@ def test_the_compiled_update_rounds_stochastically_only_where_inductors_vectors_
     monkeypatch.setattr(bf16_adamw, "_compiled_rounding_is_right", lambda device: False)
     monkeypatch.setattr(kernels, "adamw_bf16_step", lambda: None)
     monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("the update was compiled"))
-    for a, b in zip(_three_steps(True), _three_steps(False)):
+    for a, b in zip(_three_steps(True), _three_steps(False), strict=True):
         assert torch.equal(a, b)
 
 
@@ -173,7 +173,9 @@ def test_the_compiled_update_rounds_stochastically_only_where_inductors_vectors_
 def test_eager_update_on_cuda_gives_the_cpu_kernels_bits(rounding):
     """The rounding noise is a hash of (key, index), so a GPU rounds exactly as the CPU does.
     (No clipping here: the norm's reduction order differs between devices.)"""
-    for a, b in zip(_three_steps(True, rounding, "cpu", clip=False), _three_steps(False, rounding, "cuda", clip=False)):
+    for a, b in zip(
+        _three_steps(True, rounding, "cpu", clip=False), _three_steps(False, rounding, "cuda", clip=False), strict=True
+    ):
         assert torch.equal(a, b)
 
 
@@ -182,7 +184,7 @@ def test_compiled_update_on_cuda_matches_the_cpu_kernel():
     """The fused (Triton) update GPUs run: the same formula and noise; the compiler may
     contract a multiply and an add into one FMA, moving a value across a rounding boundary
     now and then."""
-    for a, b in zip(_three_steps(True, "stochastic", "cpu"), _three_steps(True, "stochastic", "cuda")):
+    for a, b in zip(_three_steps(True, "stochastic", "cpu"), _three_steps(True, "stochastic", "cuda"), strict=True):
         assert (a != b).float().mean().item() < 0.01
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
@@ -192,7 +194,7 @@ def test_clipping_is_folded_into_the_next_step_in_float32():
     params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
     opt = BF16AdamW(params, lr=1e-2, betas=(0.9, 0.999), seed=1, rounding="nearest")
     grads = [torch.randn_like(p) * 3 for p in params]
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         p.grad = g
     norm = opt.clip_grad_norm_(1.0)
     reference = torch.nn.utils.get_total_norm([p.grad.double() for p in params])
@@ -237,5 +239,5 @@ def test_a_shard_of_rows_rounds_each_element_with_the_noise_of_its_place_in_the_
     rows = (torch.tensor(3), torch.tensor(12))
     _update(*(t.view(-1) for t in shard), start, **scalars, stochastic=True, rows=rows)
     _update(*(t.view(-1) for t in whole), torch.tensor(100), **scalars, stochastic=True)
-    for a, b in zip(shard, whole):
+    for a, b in zip(shard, whole, strict=True):
         assert torch.equal(a, b[:, 5:8])

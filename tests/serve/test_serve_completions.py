@@ -85,7 +85,7 @@ def test_prompts_join_and_leave_the_decoding_loop_each_with_its_own_tokens(decod
 
     responses = asyncio.run(run())
     assert [r.status_code for r in responses] == [200] * len(asks)
-    for (prompt, n), r in zip(asks, responses):
+    for (prompt, n), r in zip(asks, responses, strict=True):
         words = generated[prompt].split()  # generate's 12 tokens hold no end token: each answer runs to n
         choice, usage = r.json()["choices"][0], r.json()["usage"]
         assert choice["text"].split() == words[:n] and choice["finish_reason"] == "length"
@@ -209,7 +209,7 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(decoder_folder, gene
 
     signalled, responses = asyncio.run(run())
     assert [r.status_code for r in responses] == [200] * len(prompts)
-    for prompt, r in zip(prompts, responses):  # greedy: the first NEW tokens are generate's
+    for prompt, r in zip(prompts, responses, strict=True):  # greedy: the first NEW tokens are generate's
         assert r.json()["choices"][0]["text"].split()[:NEW] == generated[prompt].split()
     assert max(answered) > signalled  # some were still decoding or queued when the signal came
     assert server.stop() == 0  # (it has stopped: its exit status)

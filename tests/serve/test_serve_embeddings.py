@@ -36,7 +36,7 @@ def reference(tmp_path_factory) -> dict[str, np.ndarray]:
         == 0
     )
     _, vectors = read_embeddings(out)
-    return dict(zip(TEXTS, vectors))
+    return dict(zip(TEXTS, vectors, strict=True))
 
 
 def _cosine(a, b) -> float:
@@ -50,7 +50,7 @@ def test_the_openai_client_gets_frugality_embeds_vectors(encoder_server, referen
     texts = TEXTS[:5]
     got = client.embeddings.create(model="minilm", input=texts)  # the client asks for base64
     assert [d.index for d in got.data] == list(range(5))
-    assert min(_cosine(d.embedding, reference[t]) for d, t in zip(got.data, texts)) >= 0.9999
+    assert min(_cosine(d.embedding, reference[t]) for d, t in zip(got.data, texts, strict=True)) >= 0.9999
     assert got.usage.prompt_tokens > 5
     plain = httpx.post(
         f"{encoder_server.url}/v1/embeddings",
@@ -74,7 +74,7 @@ def test_200_concurrent_requests_are_each_answered_with_their_own_vector(encoder
 
     responses = asyncio.run(run())
     assert [r.status_code for r in responses] == [200] * len(TEXTS)
-    cosines = [_cosine(r.json()["data"][0]["embedding"], reference[t]) for r, t in zip(responses, TEXTS)]
+    cosines = [_cosine(r.json()["data"][0]["embedding"], reference[t]) for r, t in zip(responses, TEXTS, strict=True)]
     assert min(cosines) >= 0.9999  # each request its own text's vector: none lost, swapped or duplicated
     metrics = httpx.get(f"{encoder_server.url}/metrics").text
     batches = [
@@ -240,7 +240,7 @@ def test_an_int8_server_answers_within_int8s_measured_cosine_or_is_refused_in_on
     try:
         assert "int8 (asked for)" in server.text()
         got = httpx.post(f"{server.url}/v1/embeddings", json={"model": "minilm", "input": TEXTS[:40]}).json()
-        cosines = [_cosine(d["embedding"], reference[t]) for d, t in zip(got["data"], TEXTS[:40])]
+        cosines = [_cosine(d["embedding"], reference[t]) for d, t in zip(got["data"], TEXTS[:40], strict=True)]
         # measured: min 0.991 (PyTorch's, on VNNI), 0.974 (ONNX Runtime's, on CPUs without it)
         least = 0.98 if engine == "torch" else 0.97
         assert len(cosines) == 40 and min(cosines) >= least and np.mean(cosines) >= 0.99

@@ -120,7 +120,7 @@ def test_a_run_logs_retrieval_metrics_uses_the_buckets_and_learns(micro_pairs_re
     assert result.evals[8] < result.evals[0]
     # a step counts its real tokens, not the 4 pairs x 2 texts x 16, 24 or 32 its bucket pads to
     steps = [r for r in records if r["kind"] == "train"]
-    increments = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + steps, steps)]
+    increments = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + steps, steps, strict=False)]
     assert all(0 < i <= 4 * 2 * 32 for i in increments), increments
     assert not set(increments) <= {4 * 2 * 16, 4 * 2 * 24, 4 * 2 * 32}, increments
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -61,7 +61,7 @@ def test_each_rank_masks_its_own_positions_and_a_resume_masks_alike(monkeypatch)
     monkeypatch.setattr(module, "_loss", lambda inputs, targets: seen.append(targets != -100))
     batch = torch.randint(1000, 2000, (4, 129))
     for rank in (0, 1, 0):
-        monkeypatch.setattr(masked_lm, "rank", lambda: rank)
+        monkeypatch.setattr(masked_lm, "rank", lambda rank=rank: rank)
         torch.manual_seed(7)  # the global generator: alike on every rank, restored on resume
         module(batch)
     assert torch.equal(seen[0], seen[2]) and not torch.equal(seen[0], seen[1])
