@@ -113,7 +113,7 @@ def sections(out: Path, scratch: Path, dry: bool, models: dict[str, Path]) -> li
                 150 if recipe.endswith("1b") else 75,
                 [
                     frugality(*common, "--precision", "bf16-sr", "--baseline", peers, *_table(out, part))
-                    for peers, part in zip(groups, names)
+                    for peers, part in zip(groups, names, strict=True)
                 ],
                 "liger-kernel and torchtitan rows say they need CUDA" if dry else "",
                 [f"{part}.md" for part in names],

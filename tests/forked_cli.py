@@ -14,6 +14,7 @@ imports printed to stderr (a warning a user would see) is put before each comman
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -300,13 +301,11 @@ class _Replies:
 
     def next(self) -> dict:
         while b"\n" not in self.buffer:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            self.conn.settimeout(left)
+            # (past the deadline: one look without waiting, which a poll needs)
+            self.conn.settimeout(max(0.0, self.deadline - time.monotonic()))
             try:
                 chunk = self.conn.recv(4096)
-            except socket.timeout:
+            except (TimeoutError, BlockingIOError):
                 raise TimeoutError from None
             if not chunk:
                 raise ConnectionError("the forked CLI's server ended")
@@ -316,10 +315,8 @@ class _Replies:
 
 
 def _stop_group(pid: int, how: int = signal.SIGKILL) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, how)
-    except ProcessLookupError:
-        pass
 
 
 _servers: dict[frozenset, ForkedCLI] = {}  # (in the order of their last use)
@@ -361,10 +358,12 @@ def run(*args, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
 def ranks(
     nproc: int, *args, cwd=None, env: dict | None = None, timeout: float = 600, script=None
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=NPROC -m frugality ARGS` (or `SCRIPT ARGS`), its ranks forked
-    from a server: each rank gets the variables torchrun's agent sets (ranks, world sizes, the
-    rendezvous address, rank 0 hosting the store, OMP_NUM_THREADS=1 unless set) and the
-    others are stopped when one fails, as torchrun does. Their outputs come one after the
+    """`torchrun --standalone --nproc_per_node=NPROC -m frugality ARGS` (or `SCRIPT ARGS`), its
+    ranks forked from a server: each rank gets the variables torchrun's agent sets (ranks,
+    world sizes, the address of the store this process hosts as the agent does,
+    OMP_NUM_THREADS=1 unless set; not TORCHELASTIC_ERROR_FILE, and not
+    TORCH_NCCL_ASYNC_ERROR_HANDLING, which gloo does not read) and the others are stopped
+    when one fails (SIGTERM, then SIGKILL after 5 s, not torchrun's 30). Their outputs come one after the
     other in rank order (torchrun's ranks write to its streams as they go); the exit status
     is 0, or 1 as torchrun's after a failed rank, with a line per failed rank in stderr.
     What torchrun itself does (its agent, its messages, a rank killed by a signal) is tested
@@ -386,9 +385,12 @@ def ranks(
         )
     import uuid
 
-    with socket.socket() as free:  # (rank 0's store binds it again at once)
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    import torch.distributed as dist
+
+    # the store torchrun's agent hosts (standalone: TORCHELASTIC_USE_AGENT_STORE), on a port it
+    # chose itself; the ranks' process group is its client, under the attempt's prefix
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     launcher = {
         **{"GROUP_RANK": "0", "ROLE_NAME": "default", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"},
         **{"LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc)},
@@ -396,7 +398,7 @@ def ranks(
         **{
             "TORCHELASTIC_RESTART_COUNT": "0",
             "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
         },
     }
     deadline = time.monotonic() + timeout
@@ -414,7 +416,7 @@ def ranks(
                 c.poll(time.monotonic() + (0.2 if c.conn in readable else 0))
             if any(c.status not in (None, 0) for c in commands):
                 # torchrun stops the others (they would wait in collectives): SIGTERM, and
-                # SIGKILL after a grace (its --shutdown-timeout, 30 s; 5 s here)
+                # SIGKILL after a grace (torchrun's --shutdown-timeout is 30 s; 5 s here)
                 for c in commands:
                     c.stop(signal.SIGTERM)
                 for c in commands:
@@ -426,6 +428,7 @@ def ranks(
     finally:
         for c in commands:
             c.close()
+        del store
     failed = [(rank, r.returncode) for rank, r in enumerate(results) if r.returncode not in (None, 0)]
     said = "".join(f"rank {rank} of {nproc} failed with exit status {status}\n" for rank, status in failed)
     return subprocess.CompletedProcess(

@@ -7,8 +7,9 @@ Each command must keep its promise: the file, figure or line it says it gives.
 
 What differs from a reader's session, and only that:
 - a `frugality` command's process is forked from one that imported torch and frugality with
-  the reader's environment (tests/forked_cli.py), after bash expanded its words; `serve`
-  and what the commands start themselves (`--nproc`'s ranks) are fresh processes;
+  the reader's environment (tests/forked_cli.py), after bash expanded its words; the
+  console script by its path (`.venv/bin/frugality train`), `serve` and what the commands
+  start themselves (`--nproc`'s ranks) are fresh processes;
 - each `train` trains two steps (`--set train.steps=2`: the warm-up is cut to them, as for a
   reader), and so evaluates at its end, over at most 64 held-out samples;
 - caches (frugality's, Inductor's) start empty in a folder of the test's, as on a new machine;
@@ -181,7 +182,9 @@ def _run(command: str, root: Path, env: dict) -> subprocess.CompletedProcess:
     quotes), its process forked from one that imported torch and frugality in the reader's
     environment (tests/forked_cli.py: a server per state of the reader's packages)."""
     words = shlex.split(command)
-    if not words[0].endswith("frugality"):
+    # through bash itself: anything but `frugality ...`, the console script by its path (the
+    # README's first command: set-up's entry point), and a command bash would redirect or chain
+    if words[0] != "frugality" or re.search(r"[|;&<>]", command):
         return subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     expanded = subprocess.run(
         ["bash", "-c", f"printf '%s\\0' {command}"], cwd=root, env=env, capture_output=True, text=True, check=True

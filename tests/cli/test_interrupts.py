@@ -34,6 +34,42 @@ def test_an_interrupt_during_an_import_comes_after_it(tmp_path, monkeypatch):
     del sys.modules["interrupted_module"]
 
 
+def test_a_second_interrupt_during_an_import_is_at_once(tmp_path, monkeypatch):
+    (tmp_path / "twice_interrupted.py").write_text(
+        "import signal\nsignal.raise_signal(signal.SIGINT)\nsignal.raise_signal(signal.SIGINT)\nREACHED = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt), InterruptsAfterImports():
+        import twice_interrupted  # noqa: F401
+    assert not hasattr(sys.modules.get("twice_interrupted"), "REACHED")  # (an import that hangs ends too)
+    sys.modules.pop("twice_interrupted", None)
+
+
+def test_one_held_when_the_block_ends_is_raised_there(tmp_path, monkeypatch):
+    (tmp_path / "short_module.py").write_text("import signal\nsignal.raise_signal(signal.SIGINT)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt), InterruptsAfterImports():
+        import short_module  # noqa: F401
+        # (the block ends before the watcher looks again)
+    sys.modules.pop("short_module", None)
+
+
+def test_a_handler_installed_after_the_import_gets_the_held_interrupt_once(tmp_path, monkeypatch):
+    (tmp_path / "held_module.py").write_text("import signal\nsignal.raise_signal(signal.SIGINT)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = []
+    with InterruptsAfterImports():
+        import held_module  # noqa: F401
+
+        previous = signal.signal(signal.SIGINT, lambda *_: got.append(time.monotonic()))  # as a training run's
+        try:
+            time.sleep(0.5)  # ten looks of the watcher: one signal, not one each
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    assert len(got) == 1
+    sys.modules.pop("held_module", None)
+
+
 def test_outside_an_import_it_is_at_once_and_a_commands_own_handler_is_left_alone():
     with pytest.raises(KeyboardInterrupt), InterruptsAfterImports():
         signal.raise_signal(signal.SIGINT)

@@ -214,15 +214,21 @@ def test_ctrl_c_under_nproc_saves_and_exits_130_without_a_traceback(micro_recipe
     assert list((run / "checkpoints").glob("step_*"))
 
 
+AT_A_TERMINAL = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
 def test_ctrl_c_while_starting_exits_130_without_a_traceback(tmp_path):
     job = subprocess.Popen(
-        [sys.executable, "-m", "frugality", "train", "--run-dir", str(tmp_path / "run")],
+        # as at a terminal, SIGINT at its default (a suite started in the background by a
+        # script, `pytest &`, passes its children SIGINT ignored: Python then never raises
+        # KeyboardInterrupt), then the command in the same process
+        [sys.executable, "-c", AT_A_TERMINAL, "-m", "frugality", "train", "--run-dir", str(tmp_path / "run")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # as at a terminal: a suite started in the background by a script (`pytest &`) passes
-        # its children SIGINT ignored, and Python then never raises KeyboardInterrupt
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # while torch is being imported: the window in which a Ctrl-C used to end in a traceback
     maps = Path(f"/proc/{job.pid}/maps")

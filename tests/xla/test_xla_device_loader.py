@@ -21,7 +21,7 @@ def _streams(recipe_file):
 
 def _same(plain_step, device_step):
     assert len(plain_step) == len(device_step) == 2
-    for a, b in zip(plain_step, device_step):
+    for a, b in zip(plain_step, device_step, strict=True):
         assert b.device.type == "xla"
         assert torch.equal(a, b.cpu())
 

@@ -30,7 +30,8 @@ def _texts() -> list[str]:
 
     from frugality.data.bundled import corpus_files
 
-    lines = [line.strip() for line in gzip.open(corpus_files()[0], "rt").read().splitlines() if len(line.strip()) > 20]
+    with gzip.open(corpus_files()[0], "rt") as f:
+        lines = [line.strip() for line in f.read().splitlines() if len(line.strip()) > 20]
     # lengths from a few words to whole paragraphs: several buckets, short last batches
     return [" ".join(lines[i : i + 1 + i % 7]) for i in range(0, 90, 3)]
 
