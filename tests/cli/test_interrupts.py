@@ -20,6 +20,15 @@ COMPLETE = True
 """
 
 
+@pytest.fixture(autouse=True)
+def python_default_handler():
+    """Python's own SIGINT handler, as at a terminal (a suite started in the background by a
+    script has SIGINT ignored, and the block then rightly leaves it so)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_an_interrupt_during_an_import_comes_after_it(tmp_path, monkeypatch):
     (tmp_path / "interrupted_module.py").write_text(MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -228,7 +228,11 @@ def _start(recipe_arg, overrides, nproc, strategy, steps, threads, run_dir: Path
 def _finish(process: subprocess.Popen, run_dir: Path, name: str) -> dict:
     _, stderr = process.communicate()
     if process.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{stderr[-2000:]}")
+        # the first traceback (the rank that failed first: the others' errors follow from
+        # it), then the end (torchrun's summary)
+        first = stderr.find("Traceback")
+        head = f"{stderr[first : first + 3000]}\n...\n" if 0 <= first < len(stderr) - 2000 else ""
+        raise RuntimeError(f"{name} failed:\n{head}{stderr[-2000:]}")
     return json.loads((run_dir / "summary.json").read_text())
 
 
