@@ -30,7 +30,7 @@ if .venv-xla/bin/python -c "import torch_xla" 2>/dev/null; then
     # (a session of its own is an autogroup of its own under Linux's scheduler, which shares the
     # CPU between groups by the group's nice value, not their processes': both are set)
     setsid -w bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null
-        PJRT_DEVICE=CPU nice -n 19 timeout 1800 "$1" -m pytest -q -p no:cacheprovider tests/xla \
+        PJRT_DEVICE=CPU nice -n 19 timeout 1800 "$1" -m pytest -q -p no:cacheprovider --durations=10 tests/xla \
         >"$2/out" 2>&1; echo $? >"$2/status"' _ .venv-xla/bin/python "$xla" &
     xla_pid=$!
 elif [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
@@ -54,6 +54,7 @@ if [ "$status" -eq 0 ] && { [ ! -s "$xla/out" ] || ! grep -q " passed" <<<"$last
 fi
 echo
 if [ "$status" = 0 ]; then
+    sed -n '/slowest 10 durations/,/^$/p' "$xla/out"  # (the XLA step's own slowest)
     echo "--- tests/xla in .venv-xla (the XLA step): $last"
 else
     echo "--- tests/xla in .venv-xla (the XLA step) failed, exit $status:"
