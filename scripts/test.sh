@@ -54,7 +54,8 @@ if [ "$status" -eq 0 ] && { [ ! -s "$xla/out" ] || ! grep -q " passed" <<<"$last
 fi
 echo
 if [ "$status" = 0 ]; then
-    sed -n '/slowest 10 durations/,/^$/p' "$xla/out"  # (the XLA step's own slowest)
+    echo "--- the XLA step's 10 slowest:"
+    grep -E '^[0-9.]+s (call|setup|teardown) ' "$xla/out"
     echo "--- tests/xla in .venv-xla (the XLA step): $last"
 else
     echo "--- tests/xla in .venv-xla (the XLA step) failed, exit $status:"
