@@ -46,6 +46,11 @@ def pytest_collection_modifyitems(config, items):
     # others go on. And the longest test early, so that no worker ends long after the rest.
     bridge = -2 if hasattr(config, "workerinput") else 1
     items.sort(key=lambda item: {README_TEST: -1, XLA_BRIDGE: bridge}.get(item.name, 0))  # (stable)
+    if os.environ.get("FRUGALITY_NO_C_KERNEL"):  # the kernels off by request: nothing to test of them
+        off = pytest.mark.skip(reason="FRUGALITY_NO_C_KERNEL=1: the C kernels are off")
+        for item in items:
+            if item.get_closest_marker("c_kernel") is not None:
+                item.add_marker(off)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

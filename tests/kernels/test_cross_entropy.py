@@ -18,6 +18,7 @@ def _reference(logits: torch.Tensor, targets: torch.Tensor):
     return losses, grad
 
 
+@pytest.mark.c_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_torch_cross_entropy(dtype):
     assert kernels.cross_entropy("bf16") is not None, "the C kernel should build where a C compiler exists"
@@ -39,6 +40,7 @@ def test_without_grad_the_logits_are_left_alone():
     assert torch.equal(work, logits)
 
 
+@pytest.mark.c_kernel
 def test_strided_rows_and_agreement_with_the_torch_ops_path():
     torch.manual_seed(1)
     big = torch.randn(6, 700, dtype=torch.bfloat16)
@@ -52,6 +54,7 @@ def test_strided_rows_and_agreement_with_the_torch_ops_path():
     assert torch.equal(big[:, 500:], tail)  # columns past the view untouched
 
 
+@pytest.mark.c_kernel
 def test_a_nan_row_gives_a_nan_loss_and_leaves_other_rows_finite():
     logits = torch.randn(3, 64)
     logits[1, 5] = float("nan")
@@ -60,6 +63,7 @@ def test_a_nan_row_gives_a_nan_loss_and_leaves_other_rows_finite():
     assert torch.isnan(logits[1]).all() and torch.isfinite(logits[[0, 2]]).all()
 
 
+@pytest.mark.c_kernel
 def test_a_target_outside_the_vocabulary_is_an_error():
     with pytest.raises(IndexError, match=r"1 target\(s\) outside the vocabulary \[0, 64\)"):
         rows_in_c(torch.randn(3, 64), torch.tensor([0, 64, 1]), 1 / 3, True)

@@ -37,6 +37,7 @@ def test_every_kernel_is_known_to_dispatch():
     assert set(ACCESSORS) == set(dispatch.KERNELS)
 
 
+@pytest.mark.c_kernel
 @pytest.mark.parametrize("name", sorted(dispatch.KERNELS))
 def test_each_kernel_can_be_switched_off_by_name(monkeypatch, name):
     monkeypatch.setenv("FRUGALITY_DISABLE_KERNELS", f"{name}, ")
@@ -57,6 +58,7 @@ def test_all_off_and_unknown_names(monkeypatch):
         dispatch.allowed("gelu")
 
 
+@pytest.mark.c_kernel
 def test_a_kernel_whose_instruction_sets_are_missing_is_not_offered(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "fma"})
     hw = hardware._probe_cpu.__wrapped__(2, "", "")

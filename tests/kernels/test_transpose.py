@@ -6,6 +6,7 @@ import torch
 from frugality import kernels
 
 
+@pytest.mark.c_kernel
 @pytest.mark.parametrize("rows, cols", [(1, 1), (8, 8), (13, 21), (300, 9), (257, 520), (1, 700)])
 def test_transposed_equals_torch(rows, cols):
     assert kernels.transpose_2byte() is not None, "the C kernel should build where a C compiler exists"

@@ -123,6 +123,7 @@ def _three_steps(fused: bool, rounding: str = "stochastic", device: str = "cpu",
     return [t.cpu() for t in tensors]
 
 
+@pytest.mark.c_kernel
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 def test_cpu_kernel_gives_the_same_bits_as_torch_ops(rounding):
     assert kernels.adamw_bf16_step() is not None, "the C kernel should build where a C compiler exists"
@@ -206,6 +207,7 @@ def test_clipping_is_folded_into_the_next_step_in_float32():
         torch.testing.assert_close(opt.state[p]["exp_avg"].float(), expected, rtol=1e-2, atol=1e-6)
 
 
+@pytest.mark.c_kernel
 @pytest.mark.parametrize("n", [1, 15, 4096, 4096 * 3 + 17])
 def test_the_norm_kernel_matches_a_double_reference(n):
     """Sixteen lanes per 4096-value block and a scalar tail: every size path."""
