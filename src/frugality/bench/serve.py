@@ -19,14 +19,17 @@ import asyncio
 import json
 import math
 import os
-import random
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 
+from frugality.bench.load import ERROR_KINDS, Tally, closed_loop, encode_post, open_loop
 from frugality.errors import UserError
 
 
@@ -34,32 +37,52 @@ from frugality.errors import UserError
 class Level:
     mode: str  # "rate" or "concurrency"
     level: float
-    sent: int
-    ok: int
-    errors: int
-    seconds: float
-    latencies_ms: list[float]
+    tally: Tally
     joules: float | None
     energy_kind: str | None
+    rows_per_call: float | None = None  # the server's, from its /metrics over the level
+    queue_ms: float | None = None
+    ceiling: float | None = None  # what the generator drove against the no-op server at this level
+
+    @property
+    def driven(self) -> bool:
+        """Whether the generator kept up: its one thread busy under 90% of the level, and an
+        open-loop rate under 90% of its ceiling. A level it could not drive measured the
+        generator, not the server."""
+        rate_ok = self.mode != "rate" or self.ceiling is None or self.level <= 0.9 * self.ceiling
+        return self.tally.busy < 0.9 and rate_ok
 
     def row(self) -> dict:
-        lat = sorted(self.latencies_ms)
-        q = lambda p: round(lat[max(0, math.ceil(p * len(lat)) - 1)], 1) if lat else None  # noqa: E731 (nearest rank)
+        t = self.tally
+        q = lambda values, p: _quantile(sorted(values), p)  # noqa: E731
+        ok, seconds = len(t.latencies_ms), t.seconds
         return {
             "mode": self.mode,
             "level": self.level,
-            "requests": self.sent,
-            "ok": self.ok,
-            "errors": self.errors,
-            "throughput_per_s": round(self.ok / self.seconds, 2) if self.seconds else None,
-            "p50_ms": q(0.50),
-            "p95_ms": q(0.95),
-            "p99_ms": q(0.99),
-            "seconds": round(self.seconds, 3),
-            "joules_per_1000": round(self.joules / self.ok * 1000, 2) if self.joules is not None and self.ok else None,
-            "watts": round(self.joules / self.seconds, 2) if self.joules is not None and self.seconds else None,
+            "requests": t.sent,
+            "ok": ok,
+            "errors": sum(t.errors.values()),
+            "errors_by_kind": {k: t.errors[k] for k in ERROR_KINDS if t.errors[k]},
+            "throughput_per_s": round(ok / seconds, 2) if seconds else None,
+            "p50_ms": q(t.latencies_ms, 0.50),
+            "p95_ms": q(t.latencies_ms, 0.95),
+            "p99_ms": q(t.latencies_ms, 0.99),
+            "seconds": round(seconds, 3),
+            "rows_per_call": None if self.rows_per_call is None else round(self.rows_per_call, 2),
+            "queue_ms": None if self.queue_ms is None else round(self.queue_ms, 2),
+            "generator_busy": round(t.busy, 3),
+            "send_lag_p99_ms": q(t.lag_ms, 0.99),
+            "generator_ceiling_per_s": None if self.ceiling is None else round(self.ceiling, 1),
+            "driven": self.driven,
+            "joules_per_1000": round(self.joules / ok * 1000, 2) if self.joules is not None and ok else None,
+            "watts": round(self.joules / seconds, 2) if self.joules is not None and seconds else None,
             "energy": self.energy_kind,
         }
+
+
+def _quantile(ordered: list[float], p: float) -> float | None:
+    """The nearest-rank quantile."""
+    return round(ordered[max(0, math.ceil(p * len(ordered)) - 1)], 1) if ordered else None
 
 
 class Target:
@@ -69,23 +92,37 @@ class Target:
         self.process = None
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if re.match(r"https?://", target):
-            self.url = target.rstrip("/").removesuffix("/v1")
+            url = target.rstrip("/").removesuffix("/v1")
         else:
             if not os.path.exists(target):
                 raise UserError(f"{target}: neither a URL (http://...) nor a model folder")
-            self.url = self._start(target, serve_args, log)
-        import httpx
-
-        try:
-            models = httpx.get(f"{self.url}/v1/models", headers=self.headers, timeout=30)
-        except httpx.HTTPError as e:
+            url = self._start(target, serve_args, log)
+        self.url = url
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
             self.stop()
-            raise UserError(f"{self.url}: no server answers ({e})") from None
-        if models.status_code != 200:
+            raise UserError(f"{target}: bench serve loads http:// endpoints (a TLS proxy in front is not measured)")
+        self.host, self.port, self.prefix = parts.hostname, parts.port or 80, parts.path
+        status, text = self.get(f"{self.prefix}/v1/models", auth=True)
+        if status != 200:
             self.stop()
-            raise UserError(f"{self.url}/v1/models: HTTP {models.status_code} ({models.text[:200]})")
-        self.model = models.json()["data"][0]["id"]
+            raise UserError(f"{self.url}/v1/models: " + (f"HTTP {status} ({text[:200]})" if status else text))
+        self.model = json.loads(text)["data"][0]["id"]
         self.endpoint = self._endpoint()
+
+    def get(self, path: str, auth: bool = False, body: dict | None = None) -> tuple[int, str]:
+        """A plain request (the probes and /metrics): its status (0: no answer) and text."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = (self.headers if auth else {}) | ({"Content-Type": "application/json"} if data else {})
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        request = urllib.request.Request(f"http://{host}:{self.port}{path}", data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, response.read().decode("utf-8", "replace")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode("utf-8", "replace")
+        except (OSError, ValueError) as e:
+            return 0, f"no server answers ({e})"
 
     def _start(self, model: str, serve_args: list[str], log) -> str:
         import tempfile
@@ -111,39 +148,88 @@ class Target:
 
     def _endpoint(self) -> str:
         """embeddings or completions, asked of the server once it is ready."""
-        import httpx
-
         deadline = time.monotonic() + 600
-        while httpx.get(f"{self.url}/health", timeout=30).status_code != 200:
+        while self.get(f"{self.prefix}/health")[0] != 200:
             if time.monotonic() > deadline:
                 raise UserError(f"{self.url}/health: not ready after 600 s")
             time.sleep(0.5)
-        probe = httpx.post(
-            f"{self.url}/v1/embeddings", json={"model": self.model, "input": "probe"}, headers=self.headers, timeout=60
-        )
-        if probe.status_code == 200:
+        status, text = self.get(f"{self.prefix}/v1/embeddings", auth=True, body={"model": self.model, "input": "probe"})
+        if status == 200:
             return "embeddings"
-        if probe.status_code == 404:
+        if status == 404:
             return "completions"
-        raise UserError(f"{self.url}/v1/embeddings: HTTP {probe.status_code} ({probe.text[:200]})")
+        raise UserError(f"{self.url}/v1/embeddings: HTTP {status} ({text[:200]})")
 
-    def joules(self) -> tuple[float | None, str | None]:
-        import httpx
+    def body(self, text: str, max_tokens: int) -> dict:
+        if self.endpoint == "embeddings":
+            return {"model": self.model, "input": text}
+        return {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0}
 
-        try:
-            text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        except httpx.HTTPError:
-            return None, None
+    def requests(self, texts: list[str], max_tokens: int) -> list[bytes]:
+        """Each text's request, encoded once before any clock starts."""
+        path = f"{self.prefix}/v1/{self.endpoint}"
+        return [
+            encode_post(self.host, self.port, path, json.dumps(self.body(t, max_tokens)).encode(), self.headers)
+            for t in texts
+        ]
+
+    def server_metrics(self) -> tuple[dict[str, float], str | None]:
+        """The counters a level reads before and after (absent on a server without them):
+        energy, and the sums and counts of rows per model call and time queued; and the
+        energy's kind (measured, declared or estimated)."""
+        status, text = self.get(f"{self.prefix}/metrics")
+        found: dict[str, float] = {}
+        energy = None
+        if status != 200:
+            return found, energy
         for line in text.splitlines():
-            if line.startswith("frugality_energy_joules_total{"):
-                kind = re.search(r'kind="([^"]*)"', line)
-                return float(line.rsplit(" ", 1)[1]), kind.group(1) if kind else None
-        return None, None
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in _COUNTERS:
+                if name == "frugality_energy_joules_total":
+                    kind = re.search(r'kind="([^"]*)"', line)
+                    energy = kind.group(1) if kind else None
+                found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return found, energy
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout=120)
+
+
+_COUNTERS = (
+    "frugality_energy_joules_total",
+    "frugality_batch_rows_sum",
+    "frugality_batch_rows_count",
+    "frugality_queue_seconds_sum",
+    "frugality_queue_seconds_count",
+)
+
+
+def generator_ceiling(target: Target, texts: list[str], clients: list[int], duration: float, log) -> dict[int, float]:
+    """What the generator alone drives at each number of clients: the same requests sent to a
+    server in a process of its own that answers each at once with a body as long as the
+    target's answer (`frugality.bench.load.serve_noop`)."""
+    status, text = target.get(f"{target.prefix}/v1/{target.endpoint}", auth=True, body=target.body(texts[0], 1))
+    size = len(text.encode()) if status == 200 else 512
+    script = "import sys; from frugality.bench.load import serve_noop; serve_noop(int(sys.argv[1]), print)"
+    noop = subprocess.Popen(
+        [sys.executable, "-u", "-c", script, str(size)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert noop.stdout is not None
+        port = int(noop.stdout.readline())
+        path = f"/v1/{target.endpoint}"
+        requests = [encode_post("127.0.0.1", port, path, json.dumps(target.body(t, 1)).encode(), {}) for t in texts]
+        ceiling = {}
+        for n in sorted(set(clients)):
+            tally = asyncio.run(closed_loop("127.0.0.1", port, requests, n, duration))
+            ceiling[n] = len(tally.latencies_ms) / tally.seconds
+            log(f"the generator's ceiling: {ceiling[n]:,.0f} req/s at {n} clients (against a no-op server)")
+        return ceiling
+    finally:
+        noop.kill()
+        noop.wait()
 
 
 def run_levels(
@@ -155,117 +241,86 @@ def run_levels(
     max_tokens: int,
     seed: int,
     log,
+    ceiling: dict[int, float] | None = None,
 ) -> list[Level]:
+    """Each open-loop rate, then each number of clients; `ceiling`: the generator's at each
+    number of clients (its largest for the open loop)."""
+    requests = target.requests(texts, max_tokens)
+    ceiling = ceiling or {}
+    top = max(ceiling.values()) if ceiling else None
     levels = []
     for rate in rates:
-        levels.append(_measure(target, "rate", rate, texts, duration, max_tokens, seed))
+        run = lambda: open_loop(target.host, target.port, requests, rate, duration, seed)  # noqa: B023
+        levels.append(_measure(target, "rate", rate, run, top))
         log(_line(levels[-1]))
     for clients in concurrencies:
-        levels.append(_measure(target, "concurrency", clients, texts, duration, max_tokens, seed))
+        run = lambda: closed_loop(target.host, target.port, requests, clients, duration)  # noqa: B023
+        levels.append(_measure(target, "concurrency", clients, run, ceiling.get(clients)))
         log(_line(levels[-1]))
     return levels
 
 
 def saturation(levels: list[Level], slo_ms: float) -> dict | None:
-    """The highest open-loop rate whose p99 met the SLO with no errors, and its figures."""
+    """The highest open-loop rate the generator drove whose p99 met the SLO with no errors,
+    and its figures."""
     met = [
-        lv.row()
-        for lv in levels
-        if lv.mode == "rate" and lv.errors == 0 and lv.latencies_ms and lv.row()["p99_ms"] <= slo_ms
+        lv.row() for lv in levels if lv.mode == "rate" and lv.driven and not lv.tally.errors and lv.tally.latencies_ms
     ]
+    met = [r for r in met if r["p99_ms"] <= slo_ms]
     return max(met, key=lambda r: r["level"]) if met else None
 
 
 def _line(level: Level) -> str:
     r = level.row()
+    errors = ", ".join(f"{n} {kind}" for kind, n in r["errors_by_kind"].items())
     return (
-        f"{r['mode']} {r['level']:g}: {r['ok']}/{r['requests']} ok, {r['throughput_per_s']} req/s, "
-        f"p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms"
+        f"{r['mode']} {r['level']:g}: {r['ok']}/{r['requests']} ok{f' ({errors})' if errors else ''}, "
+        f"{r['throughput_per_s']} req/s, p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms"
+        + ("" if level.driven else " (the generator's limit, not the server's)")
     )
 
 
-def _measure(target: Target, mode: str, level: float, texts, duration, max_tokens, seed) -> Level:
-    before, kind = target.joules()
-    started = time.perf_counter()
-    latencies, errors, sent = asyncio.run(_load(target, mode, level, texts, duration, max_tokens, seed))
-    seconds = time.perf_counter() - started
-    after, _ = target.joules()
-    joules = after - before if before is not None and after is not None else None
-    return Level(mode, level, sent, len(latencies), errors, seconds, latencies, joules, kind)
+def _measure(target: Target, mode: str, level: float, run, ceiling: float | None) -> Level:
+    before, _ = target.server_metrics()
+    tally = asyncio.run(run())
+    after, energy = target.server_metrics()
 
+    def delta(name: str) -> float | None:
+        return after[name] - before[name] if name in after and name in before else None
 
-async def _load(target: Target, mode, level, texts, duration, max_tokens, seed):
-    import httpx
-
-    rng = random.Random(seed)
-    latencies: list[float] = []
-    errors = 0
-    sent = 0
-
-    def body(i: int) -> dict:
-        text = texts[i % len(texts)]
-        if target.endpoint == "embeddings":
-            return {"model": target.model, "input": text}
-        return {"model": target.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0}
-
-    async with httpx.AsyncClient(
-        base_url=target.url,
-        headers=target.headers,
-        timeout=300,
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-    ) as client:
-
-        async def one(i: int, arrival: float) -> None:
-            nonlocal errors
-            try:
-                response = await client.post(f"/v1/{target.endpoint}", json=body(i))
-                ok = response.status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok:
-                latencies.append((time.perf_counter() - arrival) * 1000)
-            else:
-                errors += 1
-
-        start = time.perf_counter()
-        if mode == "rate":
-            tasks, at = [], 0.0
-            while True:
-                at += rng.expovariate(level)
-                if at > duration:
-                    break
-                delay = start + at - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(sent, start + at)))
-                sent += 1
-            await asyncio.gather(*tasks)
-        else:
-
-            async def client_loop(k: int) -> None:
-                nonlocal sent
-                while time.perf_counter() - start < duration:
-                    i = sent
-                    sent += 1
-                    await one(i, time.perf_counter())
-
-            await asyncio.gather(*(client_loop(k) for k in range(int(level))))
-    return latencies, errors, sent
+    joules = delta("frugality_energy_joules_total")
+    rows, calls = delta("frugality_batch_rows_sum"), delta("frugality_batch_rows_count")
+    queued, taken = delta("frugality_queue_seconds_sum"), delta("frugality_queue_seconds_count")
+    return Level(
+        mode,
+        level,
+        tally,
+        joules,
+        energy,
+        rows_per_call=rows / calls if rows is not None and calls else None,
+        queue_ms=queued / taken * 1000 if queued is not None and taken else None,
+        ceiling=ceiling,
+    )
 
 
 def markdown_table(levels: list[Level]) -> str:
     lines = [
-        "| mode | level | requests | ok | errors | req/s | p50 ms | p95 ms | p99 ms | J/1,000 requests |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | level | requests | ok | errors | req/s | p50 ms | p95 ms | p99 ms | rows/call | queued ms "
+        "| generator busy | generator ceiling req/s | J/1,000 requests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    dash = lambda v: "—" if v is None else f"{v:g}"  # noqa: E731
     for lv in levels:
         r = lv.row()
         energy = "—" if r["joules_per_1000"] is None else f"{r['joules_per_1000']:,.1f} ({r['energy']})"
         unit = "req/s" if r["mode"] == "rate" else "clients"
+        errors = str(r["errors"]) + "".join(f", {n} {kind}" for kind, n in r["errors_by_kind"].items())
+        busy = f"{r['generator_busy']:.0%}" + ("" if r["driven"] else " (its limit: not the server's)")
         lines.append(
             f"| {'open' if r['mode'] == 'rate' else 'closed'} | {r['level']:g} {unit} | {r['requests']} | "
-            f"{r['ok']} | {r['errors']} | {r['throughput_per_s']} | {r['p50_ms']} | {r['p95_ms']} | "
-            f"{r['p99_ms']} | {energy} |"
+            f"{r['ok']} | {errors} | {r['throughput_per_s']} | {r['p50_ms']} | {r['p95_ms']} | {r['p99_ms']} | "
+            f"{dash(r['rows_per_call'])} | {dash(r['queue_ms'])} | {busy} | {dash(r['generator_ceiling_per_s'])} "
+            f"| {energy} |"
         )
     return "\n".join(lines)
 
@@ -281,6 +336,7 @@ def report(target: Target, levels: list[Level], slo_ms: float) -> dict:
         "endpoint": target.endpoint,
         "slo_ms": slo_ms,
         "levels": [lv.row() for lv in levels],
+        "generator": "plain asyncio, one kept-alive connection per client (frugality.bench.load)",
         "saturation": None
         if best is None
         else {

@@ -473,6 +473,13 @@ def bench_infer(
 )
 @click.option("--api-key-env", help="Send `Authorization: Bearer $NAME`.")
 @click.option(
+    "--ceiling-s",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds a level of the generator's own ceiling runs, against a no-op server (0: not measured).",
+)
+@click.option(
     "--serve-arg", "serve_args", multiple=True, help="With a MODEL: an option for `frugality serve` (repeatable)."
 )
 @click.option("--seed", default=0, show_default=True)
@@ -493,6 +500,7 @@ def bench_serve(
     max_tokens,
     slo_ms,
     api_key_env,
+    ceiling_s,
     serve_args,
     seed,
     json_path,
@@ -501,11 +509,12 @@ def bench_serve(
     """Load TARGET (a URL of an OpenAI-compatible server, or a MODEL folder that `frugality
     serve` serves for the run) at each --rate (open loop) and --concurrency (closed loop):
     throughput, p50/p95/p99 latency, errors, energy per 1,000 requests, and the saturation
-    rate (the highest rate whose p99 meets --slo-ms)."""
+    rate (the highest rate whose p99 meets --slo-ms). The generator's own ceiling is measured
+    first against a no-op server, and a level it could not drive is marked."""
     import os
     from itertools import islice
 
-    from frugality.bench.serve import Target, dumps, markdown_table, report, run_levels
+    from frugality.bench.serve import Target, dumps, generator_ceiling, markdown_table, report, run_levels
     from frugality.cli.options import comma_floats, comma_ints
     from frugality.errors import UserError
     from frugality.inference.inputs import open_inputs
@@ -528,7 +537,9 @@ def bench_serve(
         raise UserError(f"{source}: no texts")
     server = Target(target, key, list(serve_args), log)
     try:
-        levels = run_levels(server, texts, rate_list, clients, duration, max_tokens, seed, log)
+        at = sorted(set(clients) | ({max([64, *clients])} if rate_list else set()))
+        ceiling = generator_ceiling(server, texts, at, ceiling_s, log) if ceiling_s else None
+        levels = run_levels(server, texts, rate_list, clients, duration, max_tokens, seed, log, ceiling)
         result = report(server, levels, slo_ms)
     finally:
         server.stop()

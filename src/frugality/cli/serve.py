@@ -16,10 +16,11 @@ from frugality.cli.options import inference_precision
 @inference_precision
 @click.option(
     "--max-wait-ms",
-    default=5.0,
+    default=0.0,
     show_default=True,
     type=click.FloatRange(min=0),
-    help="How long the first request of a batch waits for others.",
+    help="How long an idle model waits after a request for others to batch with it (those that "
+    "arrive while a batch runs join the next one anyway).",
 )
 @click.option(
     "--max-queue",

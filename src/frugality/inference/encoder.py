@@ -100,8 +100,13 @@ class Encoder:
     def encode(self, texts: list[str]) -> tuple[list[list[int]], int]:
         """`tokenize`, and how many of the texts were cut to max_length (`embed` and `serve`
         cut longer texts, as sentence-transformers does, and report how many)."""
-        encodings = self.tokenizer.encode_batch(texts)
-        return [e.ids for e in encodings], sum(1 for e in encodings if e.overflowing)
+        rows, cut = self.encode_each(texts)
+        return rows, sum(cut)
+
+    def encode_each(self, texts: list[str]) -> tuple[list[list[int]], list[bool]]:
+        """`encode`, with whether each text was cut."""
+        encodings = self.tokenizer.encode_batch(texts)  # (HF tokenizers let go of the GIL meanwhile)
+        return [e.ids for e in encodings], [bool(e.overflowing) for e in encodings]
 
     def embed_tokens(self, rows: list[list[int]], pad_to: int, fill: int | None = None) -> np.ndarray:
         """Embeddings of token rows padded to `pad_to`: (len(rows), dim) float32. `fill`

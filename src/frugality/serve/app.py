@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, cast
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,6 +26,16 @@ from frugality.serve.protocol import APIError, Limits, completions_request, embe
 if TYPE_CHECKING:
     from frugality.serve.completions import CompletionService
     from frugality.serve.embeddings import EmbeddingService
+
+
+class FastJSON(Response):
+    """A JSON response written by orjson: numpy rows as they are, a few microseconds a
+    request where `json` and `tolist()` took a tenth of a millisecond for MiniLM's 384."""
+
+    media_type = "application/json"
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 class State:
@@ -108,22 +119,17 @@ def build_app(state: State) -> FastAPI:
         authorized(request)
         service = cast("EmbeddingService", ready("embeddings"))  # (its endpoint is that kind)
         req = embeddings_request(await body(request), state.limits, state.name)
-        # tokenizing and rendering run in threads: the event loop keeps serving the others
-        rows, cut = await run_in_threadpool(service.tokenize, req.texts)
-        vectors = await asyncio.wrap_future(service.submit(rows))
-
-        def reply() -> JSONResponse:
-            data = []
-            for i, v in enumerate(vectors):
-                b64 = req.encoding_format == "base64"
-                encoded = base64.b64encode(v.astype("<f4").tobytes()).decode() if b64 else v.tolist()
-                data.append({"object": "embedding", "index": i, "embedding": encoded})
-            tokens = sum(map(len, rows))
-            usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-            cut_to = {"X-Truncated-Inputs": str(cut)} if cut else None  # texts cut to the model's length
-            return JSONResponse({"object": "list", "data": data, "model": state.name, "usage": usage}, headers=cut_to)
-
-        return await run_in_threadpool(reply)
+        # tokenized and embedded by the service's threads: the event loop only waits
+        answer = await asyncio.wrap_future(service.submit(req.texts))
+        if req.encoding_format == "base64":
+            vectors = answer.vectors.astype("<f4", copy=False)
+            encoded = [base64.b64encode(v.tobytes()).decode() for v in vectors]
+        else:
+            encoded = list(answer.vectors)  # (float32 rows: orjson writes them as they are)
+        data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)]
+        usage = {"prompt_tokens": answer.tokens, "total_tokens": answer.tokens}
+        cut_to = {"X-Truncated-Inputs": str(answer.cut)} if answer.cut else None  # texts cut to the model's length
+        return FastJSON({"object": "list", "data": data, "model": state.name, "usage": usage}, headers=cut_to)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -1,13 +1,14 @@
-"""Embeddings with dynamic batching: a request's texts are tokenized as it arrives and
-queued; one model thread takes the oldest request, then whatever else arrives within
-`max_wait_ms` of it up to a token budget, and embeds them together longest first in the
-batches `frugality embed` makes (`inference.embed.embed_rows`); each request gets its own
-rows back. The queue is bounded: a request that finds it full is refused (503) at once,
-never held in an unbounded backlog."""
+"""Embeddings with continuous batching, in three stages as TEI and infinity-emb run them:
+the event loop queues each request's texts; a tokenizer thread takes everything queued and
+tokenizes it in one call (HF tokenizers release the GIL while they work), while the model
+runs; the model thread takes every tokenized request up to a token budget and embeds them
+together, longest first, in the batches `frugality embed` makes (`inference.embed.embed_rows`).
+An idle model takes what is there and goes (no timed wait unless `max_wait_ms` asks for
+one); requests that arrive while a batch runs make the next one. The queue is bounded: a
+request that finds it full is refused (503) at once, never held in an unbounded backlog."""
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -24,10 +25,21 @@ _STOP = object()
 
 
 @dataclass
+class Embedded:
+    """A request's answer: its vectors (float32, one row a text), tokens, texts cut."""
+
+    vectors: np.ndarray
+    tokens: int
+    cut: int
+
+
+@dataclass
 class _Pending:
-    rows: list[list[int]]
+    texts: list[str]
     future: Future
     arrived: float = field(default_factory=time.perf_counter)
+    rows: list[list[int]] = field(default_factory=list)
+    cut: int = 0
 
     @property
     def tokens(self) -> int:
@@ -40,77 +52,131 @@ class EmbeddingService:
     def __init__(self, encoder, metrics, max_wait_ms: float, max_queue: int, batch_tokens: int, max_batch: int):
         self.encoder, self.metrics = encoder, metrics
         self.max_wait = max_wait_ms / 1000
-        self.batch_tokens, self.max_batch = batch_tokens, max_batch
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.batch_tokens, self.max_batch, self.max_queue = batch_tokens, max_batch, max_queue
+        self._texts: queue.SimpleQueue = queue.SimpleQueue()  # to the tokenizer thread
+        self._rows: queue.SimpleQueue = queue.SimpleQueue()  # to the model thread
+        self._waiting, self._lock = 0, threading.Lock()  # requests queued in either
         self._closing = False
-        self._thread = threading.Thread(target=self._loop, name="frugality-embeddings", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._tokenize_loop, name="frugality-tokenizer", daemon=True),
+            threading.Thread(target=self._model_loop, name="frugality-embeddings", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def tokenize(self, texts: list[str]) -> tuple[list[list[int]], int]:
-        """The texts' token rows, each cut to the encoder's length (as `embed` cuts them, and
-        sentence-transformers), and how many were cut: counted in /metrics."""
-        rows, cut = self.encoder.encode(texts)
-        if cut:
-            self.metrics.truncated.labels(self.endpoint).inc(cut)
-        return rows, cut
-
-    def submit(self, rows: list[list[int]]) -> Future:
-        pending = _Pending(rows, Future())
-        try:
-            self._queue.put_nowait(pending)
-        except queue.Full:
-            raise overloaded() from None
-        self.metrics.depth.labels(self.endpoint).set(self._queue.qsize())
+    def submit(self, texts: list[str]) -> Future:
+        """The request's `Embedded`, once its batch has run; a full queue is a 503 now."""
+        with self._lock:
+            if self._waiting >= self.max_queue or self._closing:
+                raise overloaded()
+            self._waiting += 1
+        pending = _Pending(texts, Future())
+        self._texts.put(pending)
         return pending.future
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: what is still queued has no client left (the HTTP server drained first)."""
         self._closing = True
-        with contextlib.suppress(queue.Full):  # the loop sees the flag after its batch
-            self._queue.put_nowait(_STOP)
-        self._thread.join(timeout_s)
+        self._texts.put(_STOP)  # through the tokenizer, then the model thread, after their batches
+        for thread in self._threads:
+            thread.join(timeout_s)
 
-    def _loop(self) -> None:
+    def _tokenize_loop(self) -> None:
         while True:
-            first = self._queue.get()
-            if first is _STOP or self._closing:
-                return
-            batch, tokens, stop = [first], first.tokens, False
-            deadline = first.arrived + self.max_wait
-            while tokens < self.batch_tokens:
+            taken = _take_all(self._texts)
+            stop = taken[-1] is _STOP
+            batch: list[_Pending] = [p for p in taken if p is not _STOP]
+            if batch:
+                texts = [t for p in batch for t in p.texts]
                 try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
-                except queue.Empty:
-                    break
-                if item is _STOP:
-                    stop = True
-                    break
-                batch.append(item)
-                tokens += item.tokens
-            self.metrics.depth.labels(self.endpoint).set(self._queue.qsize())
-            self._run(batch)
+                    rows, cut = self.encoder.encode_each(texts)
+                except Exception as e:  # a text the tokenizer refuses: each request hears it
+                    for p in batch:
+                        self._done(p, error=e)
+                else:
+                    at = 0
+                    for p in batch:
+                        p.rows, p.cut = rows[at : at + len(p.texts)], sum(cut[at : at + len(p.texts)])
+                        at += len(p.texts)
+                        self._rows.put(p)
             if stop:
+                self._rows.put(_STOP)
+                return
+
+    def _model_loop(self) -> None:
+        carried: list = []  # what the last batch's budget left out
+        while True:
+            taken = carried or [self._rows.get()]
+            if self.max_wait and not carried:  # asked to wait for company when idle
+                deadline = taken[0].arrived + self.max_wait if taken[0] is not _STOP else 0.0
+                while (left := deadline - time.perf_counter()) > 0 and _tokens(taken) < self.batch_tokens:
+                    try:
+                        taken.append(self._rows.get(timeout=left))
+                    except queue.Empty:
+                        break
+                    if taken[-1] is _STOP:
+                        break
+            taken += _take_all(self._rows, block=False)
+            batch, tokens, carried = [], 0, []
+            for item in taken:
+                if item is _STOP or carried or (batch and tokens + item.tokens > self.batch_tokens):
+                    carried.append(item)
+                else:
+                    batch.append(item)
+                    tokens += item.tokens
+            if batch:
+                self._run(batch)
+            if carried and carried[0] is _STOP:
                 return
 
     def _run(self, batch: list[_Pending]) -> None:
-        batch = [p for p in batch if p.future.set_running_or_notify_cancel()]  # (a client that left: skipped)
-        if not batch:
-            return
         started = time.perf_counter()
+        live = []
         for p in batch:
-            self.metrics.queued.labels(self.endpoint).observe(started - p.arrived)
-        rows = [row for p in batch for row in p.rows]
+            if p.future.set_running_or_notify_cancel():
+                live.append(p)
+                self.metrics.queued.labels(self.endpoint).observe(started - p.arrived)
+            else:  # a client that left
+                self._done(p)
+        if not live:
+            return
+        rows = [row for p in live for row in p.rows]
         calls: list[int] = []
         try:
             vectors = embed_rows(self.encoder, rows, self.batch_tokens, self.max_batch, report=calls.append)
         except Exception as e:  # the model failed: each request hears it, the thread goes on
-            for p in batch:
-                settle(p.future, error=e)
+            for p in live:
+                self._done(p, error=e)
             return
         for n in calls:
             self.metrics.batch.labels(self.endpoint).observe(n)
-        self.metrics.tokens.labels(self.endpoint, "prompt").inc(sum(map(len, rows)))
+        self.metrics.tokens.labels(self.endpoint, "prompt").inc(len(rows) and sum(map(len, rows)))
+        truncated = sum(p.cut for p in live)
+        if truncated:
+            self.metrics.truncated.labels(self.endpoint).inc(truncated)
         at = 0
-        for p in batch:
-            settle(p.future, np.asarray(vectors[at : at + len(p.rows)]))
+        for p in live:
+            self._done(p, Embedded(vectors[at : at + len(p.rows)], p.tokens, p.cut))
             at += len(p.rows)
+
+    def _done(self, p: _Pending, result=None, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._waiting -= 1
+            waiting = self._waiting
+        self.metrics.depth.labels(self.endpoint).set(waiting)
+        settle(p.future, result, error)
+
+
+def _take_all(source: queue.SimpleQueue, block: bool = True) -> list:
+    """What `source` holds (waiting for a first item if `block`), up to a stop marker."""
+    taken = [source.get()] if block else []
+    while not taken or taken[-1] is not _STOP:
+        try:
+            taken.append(source.get_nowait())
+        except queue.Empty:
+            break
+    return taken
+
+
+def _tokens(items: list) -> int:
+    return sum(p.tokens for p in items if p is not _STOP)

@@ -1,0 +1,235 @@
+"""The load generator of `bench serve`: plain asyncio, one kept-alive HTTP/1.1 connection per
+simulated client, every request's bytes encoded before the clock starts.
+
+The httpx client it replaced rescanned its whole pool on every event (encode/httpx#3215): its
+own CPU per request grew with the clients (1.05 ms at 1, 6.3 ms at 64), so the table showed the
+client's collapse as the server's. Here a request costs one write and one parse at any
+concurrency, and each level says how busy the generator itself was; `noop` is a server that
+answers at once, against which `bench serve` measures the generator's own ceiling in the same
+run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import cast
+
+ERROR_KINDS = ("overloaded", "client", "server", "transport", "timeout")  # 503; 4xx; other 5xx; the rest
+
+
+@dataclass
+class Tally:
+    """What one level measured, the generator's own share included."""
+
+    latencies_ms: list[float] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)  # by ERROR_KINDS
+    sent: int = 0
+    lag_ms: list[float] = field(default_factory=list)  # open loop: how late each request left
+    seconds: float = 0.0
+    cpu_s: float = 0.0  # the generator's CPU time over the level (its one thread)
+
+    @property
+    def busy(self) -> float:
+        """The generator's share of one core over the level: near 1, it was the limit."""
+        return self.cpu_s / self.seconds if self.seconds else 0.0
+
+
+def encode_post(host: str, port: int, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+    where = f"[{host}]" if ":" in host else host
+    lines = [f"POST {path} HTTP/1.1", f"Host: {where}:{port}", "Content-Type: application/json"]
+    lines += [f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+class _Connection:
+    """One kept-alive connection, opened when first used and again after a failure."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def exchange(self, request: bytes) -> int:
+        """Sends `request` and reads the whole response; its status."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self.reader, self.writer
+        assert reader is not None
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        length, chunked, close = None, False, False
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            elif name == b"connection":
+                close = b"close" in value.lower()
+        if chunked:
+            while True:
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                await reader.readexactly(size + 2)  # (the chunk and its CRLF)
+                if size == 0:
+                    break
+        elif length is not None:
+            await reader.readexactly(length)
+        else:  # a body that ends with the connection
+            await reader.read()
+            close = True
+        if close:
+            self.close()
+        return status
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+async def _one(connection: _Connection, request: bytes, timeout_s: float, tally: Tally, since: float) -> None:
+    """One request on `connection`; its latency counts from `since` (its arrival)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            status = await connection.exchange(request)
+    except TimeoutError:
+        connection.close()  # (a response may still come on it)
+        tally.errors["timeout"] += 1
+        return
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+        connection.close()
+        tally.errors["transport"] += 1
+        return
+    if status == 200:
+        tally.latencies_ms.append((time.perf_counter() - since) * 1000)
+    elif status == 503:
+        tally.errors["overloaded"] += 1
+    elif 400 <= status < 500:
+        tally.errors["client"] += 1
+    else:
+        tally.errors["server"] += 1
+
+
+async def closed_loop(
+    host: str, port: int, requests: list[bytes], clients: int, duration: float, timeout_s: float = 300.0
+) -> Tally:
+    """`clients` clients on a connection each, each sending its next request once its last
+    was answered, for `duration` seconds."""
+    tally = Tally()
+    connections = [_Connection(host, port) for _ in range(clients)]
+    cpu, start = time.process_time(), time.perf_counter()
+    end = start + duration
+
+    async def client(connection: _Connection) -> None:
+        while (now := time.perf_counter()) < end:
+            i = tally.sent
+            tally.sent += 1
+            await _one(connection, requests[i % len(requests)], timeout_s, tally, now)
+
+    try:
+        await asyncio.gather(*(client(c) for c in connections))
+    finally:
+        tally.seconds, tally.cpu_s = time.perf_counter() - start, time.process_time() - cpu
+        for c in connections:
+            c.close()
+    return tally
+
+
+async def open_loop(
+    host: str, port: int, requests: list[bytes], rate: float, duration: float, seed: int, timeout_s: float = 300.0
+) -> Tally:
+    """Requests arriving as a Poisson process at `rate` a second for `duration` seconds, each
+    sent at its arrival whether or not the earlier ones were answered (on an idle connection,
+    or a new one); latency counts from the arrival, so a server that falls behind shows it."""
+    tally = Tally()
+    rng = random.Random(seed)
+    idle: list[_Connection] = []
+    opened: list[_Connection] = []
+    tasks: set[asyncio.Task] = set()
+
+    async def send(i: int, arrival: float) -> None:
+        connection = idle.pop() if idle else None
+        if connection is None:
+            connection = _Connection(host, port)
+            opened.append(connection)
+        tally.lag_ms.append((time.perf_counter() - arrival) * 1000)
+        await _one(connection, requests[i % len(requests)], timeout_s, tally, arrival)
+        idle.append(connection)
+
+    cpu, start = time.process_time(), time.perf_counter()
+    try:
+        at = 0.0
+        while True:
+            at += rng.expovariate(rate)
+            if at > duration:
+                break
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.ensure_future(send(tally.sent, start + at))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            tally.sent += 1
+        if tasks:
+            await asyncio.wait(tasks)
+    finally:
+        tally.seconds, tally.cpu_s = time.perf_counter() - start, time.process_time() - cpu
+        for c in opened:
+            c.close()
+    return tally
+
+
+class NoOp(asyncio.Protocol):
+    """A server that answers every request at once with the same bytes (`response`): what the
+    generator alone can drive."""
+
+    def __init__(self, response: bytes) -> None:
+        self.response, self.buffer = response, b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # (a TCP server's)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            length = 0
+            for line in self.buffer[:end].split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if len(self.buffer) < end + 4 + length:
+                return
+            self.buffer = self.buffer[end + 4 + length :]
+            assert self.transport is not None
+            self.transport.write(self.response)
+
+
+def noop_response(body: bytes) -> bytes:
+    head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    return head.encode("latin-1") + body
+
+
+def serve_noop(body_size: int, ready) -> None:
+    """Runs a no-op server on a free loopback port until killed; `ready(port)` once listening.
+    (Its own process: the generator's ceiling is measured against a server that does not
+    share its event loop.)"""
+
+    async def main() -> None:
+        response = noop_response(b"x" * body_size)
+        server = await asyncio.get_running_loop().create_server(lambda: NoOp(response), "127.0.0.1", 0)
+        ready(server.sockets[0].getsockname()[1])
+        async with server:
+            await server.serve_forever()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
