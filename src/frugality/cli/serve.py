@@ -104,7 +104,7 @@ def serve(
 
     from frugality.errors import UserError
 
-    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "orjson") if importlib.util.find_spec(m) is None]
     if missing:  # (before the server's modules, which import them)
         raise UserError(f"frugality serve needs its extra ({', '.join(missing)} missing): pip install -e '.[serve]'")
     from frugality.serve.protocol import Limits
