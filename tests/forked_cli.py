@@ -415,8 +415,10 @@ def ranks(
             for c in running:
                 c.poll(time.monotonic() + (0.2 if c.conn in readable else 0))
             if any(c.status not in (None, 0) for c in commands):
-                # torchrun stops the others (they would wait in collectives): SIGTERM, and
-                # SIGKILL after a grace (torchrun's --shutdown-timeout is 30 s; 5 s here)
+                # torchrun's agent sees it at its next look (--monitor-interval, 0.1 s), then
+                # stops the others (they would wait in collectives): SIGTERM, and SIGKILL after
+                # a grace (torchrun's --shutdown-timeout is 30 s; 5 s here)
+                time.sleep(0.1)
                 for c in commands:
                     c.stop(signal.SIGTERM)
                 for c in commands:

@@ -240,7 +240,10 @@ def test_a_command_whose_extra_the_reader_has_not_installed_says_how_in_one_line
     env = reader.env({**os.environ})
     (tmp_path / "t.txt").write_text("a text\n")
     cases = [
-        (["serve", tmp_path], "error: frugality serve needs its extra (fastapi, uvicorn, prometheus_client, orjson missing)"),
+        (
+            ["serve", tmp_path],
+            "error: frugality serve needs its extra (fastapi, uvicorn, prometheus_client, orjson missing)",
+        ),
         (["embed", tmp_path, tmp_path / "t.txt", "--out", tmp_path / "o", "--format", "parquet"], "needs pyarrow"),
     ]
     for args, said in cases:

@@ -23,6 +23,7 @@ def test_bench_serve_measures_levels_and_cost_serve_sizes_the_fleet_from_them(
     out = tmp_path / "bench.json"
     command = ["bench", "serve", encoder_server.url, "--input", str(texts), "--rate", "10,30", "--concurrency", "4"]
     command += ["--duration", "1.5", "--slo-ms", "5000", "--json", str(out), "--api-key-env", "BENCH_KEY"]
+    command += ["--ceiling-s", "0.5"]
     assert main(command) == 0
     result = json.loads(out.read_text())
     assert result["endpoint"] == "embeddings"
@@ -32,11 +33,17 @@ def test_bench_serve_measures_levels_and_cost_serve_sizes_the_fleet_from_them(
         assert r["ok"] == r["requests"] > 0 and r["errors"] == 0
         assert r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] and r["throughput_per_s"] > 0
         assert r["joules_per_1000"] > 0 and r["energy"] in ("measured", "estimated", "declared")
+        # the server's own figures over the level, and the generator's: its ceiling against a
+        # no-op server far above what it drove here, so every level measured the server
+        assert r["rows_per_call"] >= 1 and r["queue_ms"] >= 0 and r["errors_by_kind"] == {}
+        assert 0 < r["generator_busy"] < 0.9 and r["driven"] and r["generator_ceiling_per_s"] > 100
     assert 5 <= levels[0]["requests"] <= 30  # a Poisson process at 10/s for 1.5 s
     best = result["saturation"]
     assert best["rate_per_s"] == 30 and best["throughput_per_s"] == levels[1]["throughput_per_s"]
-    printed = capsys.readouterr().out
+    said = capsys.readouterr()
+    printed = said.out
     assert "| open | 30 req/s |" in printed and "saturation" in printed
+    assert "the generator's ceiling:" in said.err and "generator ceiling req/s" in printed
 
     assert main(["cost", "serve", "--rate", "1e6", "--from", str(out), "--price-per-hour", "2", "--json"]) == 0
     fleet = json.loads(capsys.readouterr().out)

@@ -45,7 +45,7 @@ def encode_post(host: str, port: int, path: str, body: bytes, headers: dict[str,
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
-class _Connection:
+class Connection:
     """One kept-alive connection, opened when first used and again after a failure."""
 
     def __init__(self, host: str, port: int) -> None:
@@ -53,12 +53,15 @@ class _Connection:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def exchange(self, request: bytes) -> int:
-        """Sends `request` and reads the whole response; its status."""
+    async def connect(self) -> None:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def exchange(self, request: bytes) -> tuple[int, bytes]:
+        """Sends `request` and reads the whole response; its status and body (chunks joined)."""
+        await self.connect()
         reader, writer = self.reader, self.writer
-        assert reader is not None
+        assert reader is not None and writer is not None
         writer.write(request)
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
@@ -73,19 +76,21 @@ class _Connection:
             elif name == b"connection":
                 close = b"close" in value.lower()
         if chunked:
+            chunks = []
             while True:
                 size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                await reader.readexactly(size + 2)  # (the chunk and its CRLF)
+                chunks.append((await reader.readexactly(size + 2))[:-2])  # (the chunk, less its CRLF)
                 if size == 0:
                     break
+            body = b"".join(chunks)
         elif length is not None:
-            await reader.readexactly(length)
+            body = await reader.readexactly(length)
         else:  # a body that ends with the connection
-            await reader.read()
+            body = await reader.read()
             close = True
         if close:
             self.close()
-        return status
+        return status, body
 
     def close(self) -> None:
         if self.writer is not None:
@@ -93,11 +98,11 @@ class _Connection:
         self.reader = self.writer = None
 
 
-async def _one(connection: _Connection, request: bytes, timeout_s: float, tally: Tally, since: float) -> None:
+async def _one(connection: Connection, request: bytes, timeout_s: float, tally: Tally, since: float) -> None:
     """One request on `connection`; its latency counts from `since` (its arrival)."""
     try:
         async with asyncio.timeout(timeout_s):
-            status = await connection.exchange(request)
+            status, _ = await connection.exchange(request)
     except TimeoutError:
         connection.close()  # (a response may still come on it)
         tally.errors["timeout"] += 1
@@ -122,11 +127,11 @@ async def closed_loop(
     """`clients` clients on a connection each, each sending its next request once its last
     was answered, for `duration` seconds."""
     tally = Tally()
-    connections = [_Connection(host, port) for _ in range(clients)]
+    connections = [Connection(host, port) for _ in range(clients)]
     cpu, start = time.process_time(), time.perf_counter()
     end = start + duration
 
-    async def client(connection: _Connection) -> None:
+    async def client(connection: Connection) -> None:
         while (now := time.perf_counter()) < end:
             i = tally.sent
             tally.sent += 1
@@ -149,14 +154,14 @@ async def open_loop(
     or a new one); latency counts from the arrival, so a server that falls behind shows it."""
     tally = Tally()
     rng = random.Random(seed)
-    idle: list[_Connection] = []
-    opened: list[_Connection] = []
+    idle: list[Connection] = []
+    opened: list[Connection] = []
     tasks: set[asyncio.Task] = set()
 
     async def send(i: int, arrival: float) -> None:
         connection = idle.pop() if idle else None
         if connection is None:
-            connection = _Connection(host, port)
+            connection = Connection(host, port)
             opened.append(connection)
         tally.lag_ms.append((time.perf_counter() - arrival) * 1000)
         await _one(connection, requests[i % len(requests)], timeout_s, tally, arrival)

@@ -4,8 +4,8 @@ SIGTERM.
 
 - `protocol`: requests parsed and checked as the OpenAI API shapes them; errors as its
   error objects, naming the field.
-- `embeddings`: requests that arrive within `max_wait_ms` batched up to a token budget,
-  one model thread.
+- `embeddings`: continuous batching: a tokenizer thread and a model thread, each taking
+  what is queued when it is free, up to a token budget.
 - `completions`: one decoding loop on the static key/value cache, rows joining and leaving
   between steps (continuous batching).
 - `metrics`: the Prometheus registry (`GET /metrics`).

