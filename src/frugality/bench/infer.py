@@ -1,8 +1,9 @@
 """`frugality bench infer`: frugality's embedding path against sentence-transformers'
-`encode` on the same model, texts, batch size and precision, in one process, alternating
-rounds so that both share the machine's drift: texts/s (tokenization included) and the
-cosine between the two outputs. A peer that is not installed is a row saying how to
-install it; frugality's row is measured all the same.
+`encode` on the same model, texts, batch size, device and precision, in one process,
+alternating rounds so that both share the machine's drift: texts/s (tokenization included)
+and the cosine between the two outputs. A peer that is not installed is a row saying how to
+install it; frugality's row is measured all the same. Every row names the device it ran on
+and its precision: the Ray and ONNX rows run on the CPU whatever the device.
 
 With a Ray cluster (`ray_address`; "local": a local instance), a row for the same texts as
 an `embed --engine ray` job: one actor a CPU of the cluster, timed from the job's start to
@@ -20,9 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from frugality.bench.results import synchronize
 from frugality.errors import UserError
+from frugality.hardware import device_name
 from frugality.inference.embed import embed_texts
 from frugality.inference.encoder import load_encoder
+from frugality.runtime.device import resolve_device
 
 
 def _missing(peer: str, error: ImportError) -> str:
@@ -31,6 +35,29 @@ def _missing(peer: str, error: ImportError) -> str:
     if isinstance(error, ModuleNotFoundError):
         return f"{peer} is not installed (no module {error.name!r}): pip install {peer}"
     return f"{peer} is installed but cannot be imported ({str(error).splitlines()[0]})"
+
+
+def bench_device(name: torch.device | str = "auto") -> torch.device:
+    """The device `--device` names, checked as every command checks it; a CUDA device with
+    its index (the GPU a row names)."""
+    device = resolve_device(str(name), key="--device", what="frugality bench infer", xla_ok=True)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def ran_on(device: torch.device) -> dict:
+    """A row's device: torch's name for it and the hardware's."""
+    return {"device": str(device), "device_name": device_name(device)}
+
+
+def _timed(device: torch.device, fn, *args):
+    """fn(*args)'s result and seconds, `device` idle at both ends (its queued work counted)."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn(*args)
+    synchronize(device)
+    return out, time.perf_counter() - t0
 
 
 ST_ONNX_ROW = "sentence-transformers onnx int8"
@@ -45,11 +72,16 @@ def bench_embed(
     log=print,
     ray_address: str | None = None,
     st_onnx_int8: bool = False,
+    device: torch.device | str = "auto",
 ) -> list[dict]:
-    """The rows of the embedding race; `st_onnx_int8` adds sentence-transformers' own ONNX
-    int8 backend (`st_onnx_int8_model`) as a peer."""
-    device = torch.device("cpu")
+    """The rows of the embedding race on `device` (frugality's and sentence-transformers';
+    the Ray job and the ONNX peer run on the CPU); `st_onnx_int8` adds sentence-transformers'
+    own ONNX int8 backend (`st_onnx_int8_model`) as a peer."""
+    device = bench_device(device)
+    cpu = torch.device("cpu")
     ours, why = load_encoder(model, device, precision)
+    # the Ray job in the same precision as ours, not `auto` resolved again for its CPU
+    ours_precision = "int8" if ours.int8 else {torch.float32: "fp32", torch.bfloat16: "bf16"}[ours.dtype]
     try:
         import sentence_transformers
     except ImportError as e:
@@ -57,7 +89,7 @@ def bench_embed(
         log(f"sentence-transformers skipped: {missing}")
     else:
         missing = None
-        theirs = sentence_transformers.SentenceTransformer(model, device="cpu")
+        theirs = sentence_transformers.SentenceTransformer(model, device=str(device))
         if ours.dtype != torch.float32:
             theirs = theirs.to(ours.dtype)
     normalize = ours.pooling.normalize
@@ -71,7 +103,7 @@ def bench_embed(
 
     impls = {"frugality": frugality_run} | ({} if missing else {"sentence-transformers": st_run})
     with (
-        _ray_job(model, texts, batch, precision, ray_address) as ray_run,
+        _ray_job(model, texts, batch, ours_precision, ray_address) as ray_run,
         st_onnx_int8_model(model, log) if st_onnx_int8 else contextlib.nullcontext((None, "")) as (
             onnx_peer,
             onnx_note,
@@ -90,9 +122,8 @@ def bench_embed(
         outputs = {}
         for r in range(rounds):
             for name, fn in impls.items():
-                t0 = time.perf_counter()
-                outputs[name] = fn()
-                seconds[name].append(time.perf_counter() - t0)
+                outputs[name], took = _timed(device, fn)
+                seconds[name].append(took)
                 log(f"round {r + 1}: {name} {len(texts) / seconds[name][-1]:,.0f} texts/s")
     cosines = {}
     if not missing:
@@ -109,6 +140,7 @@ def bench_embed(
         rows.append(
             {
                 "implementation": name,
+                **ran_on(cpu if name in (RAY_ROW, ST_ONNX_ROW) else device),
                 "precision": "int8"
                 if (ours.int8 and name != "sentence-transformers") or name == ST_ONNX_ROW
                 else str(ours.dtype).removeprefix("torch."),
@@ -215,16 +247,23 @@ def _ray_job(model: str, texts: list[str], batch: int, precision: str, address: 
         yield ray_run
 
 
+def _device_cell(row: dict) -> str:
+    """`cuda:0 (NVIDIA H200)`, `cpu (AMD EPYC 9R14)`; "—" where a row names none."""
+    if not row.get("device"):
+        return "—"
+    return f"{row['device']} ({row['device_name']})" if row.get("device_name") else row["device"]
+
+
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| implementation | precision | batch | texts | texts/s | vs sentence-transformers "
+        "| implementation | device | precision | batch | texts | texts/s | vs sentence-transformers "
         "| min cosine | mean cosine |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("skipped"):
             lines.append(
-                f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['texts']:,} | "
+                f"| {r['implementation']} | {_device_cell(r)} | {r['precision']} | {r['batch']} | {r['texts']:,} | "
                 f"not run: {r['skipped']} | | | |"
             )
             continue
@@ -232,7 +271,7 @@ def markdown_table(rows: list[dict]) -> str:
         mean = "—" if r.get("mean_cosine") is None else f"{r['mean_cosine']:.6f}"
         versus = "—" if r["vs_sentence_transformers"] is None else f"{r['vs_sentence_transformers']:.2f}×"
         lines.append(
-            f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['texts']:,} | "
+            f"| {r['implementation']} | {_device_cell(r)} | {r['precision']} | {r['batch']} | {r['texts']:,} | "
             f"{r['texts_per_s']:,.0f} | {versus} | {cosine} | {mean} |"
         )
     return "\n".join(lines)
@@ -251,9 +290,10 @@ def bench_generate(
     compile: bool = False,
     log=print,
     precision: str = "fp32",
+    device: torch.device | str = "auto",
 ) -> list[dict]:
-    """`frugality generate`'s engine against transformers' `generate` on the same weights
-    (transformers in fp32; frugality in `precision`, fp32 or int8; greedy, no stop token,
+    """`frugality generate`'s engine against transformers' `generate` on the same weights and
+    `device` (transformers in fp32; frugality in `precision`, fp32 or int8; greedy, no stop token,
     `new_tokens` each, prompts of `prompt_tokens` tokens cut from the bundled corpus: all of
     one length, so transformers pads none; frugality pads them to its prompt bucket, 16, 32,
     64, ...), alternating rounds, the best of each. Both are timed alike: a run of one new
@@ -261,7 +301,7 @@ def bench_generate(
     `new_tokens - 1`. Also whether the two outputs agree token for token."""
     from frugality.inference.generate import Engine, Sampling, cache_length, load_decoder
 
-    device = torch.device("cpu")
+    device = bench_device(device)
     decoder, _ = load_decoder(model, device, precision)
     try:
         import transformers
@@ -271,6 +311,8 @@ def bench_generate(
     else:
         missing = None
         theirs = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        # a Module's `to`, in place; pyright reads it through generate's protocol (as below)
+        theirs.to(device)  # pyright: ignore[reportArgumentType]
         theirs.generation_config.eos_token_id = None  # every row runs to max_new_tokens, as ours do
     if prompt_tokens + new_tokens - 1 > decoder.max_seq_len:
         raise UserError(
@@ -286,7 +328,7 @@ def bench_generate(
         return [c.tokens for c in done]
 
     def hf(batch: int, new: int) -> list[list[int]]:
-        ids = torch.tensor(prompts[:batch])
+        ids = torch.tensor(prompts[:batch], device=device)
         with torch.no_grad():
             # transformers types generate's self as a protocol its own models fail to match
             out = theirs.generate(  # pyright: ignore[reportAttributeAccessIssue]
@@ -304,9 +346,7 @@ def bench_generate(
         for batch in batches:
             for name, fn in impls.items():
                 for new in (1, new_tokens):
-                    t0 = time.perf_counter()
-                    out = fn(batch, new)
-                    seconds = time.perf_counter() - t0
+                    out, seconds = _timed(device, fn, batch, new)
                     best[name, batch, new] = min(best.get((name, batch, new), seconds), seconds)
                     if new == new_tokens:
                         outputs[name, batch] = out
@@ -323,6 +363,7 @@ def bench_generate(
         for name in ("transformers", "frugality"):
             row = {
                 "implementation": name + (" (compiled)" if compile and name == "frugality" else ""),
+                **ran_on(device),
                 "batch": batch,
                 "prompt_tokens": width,
                 "new_tokens": new_tokens,
@@ -359,21 +400,22 @@ def _rates(best: dict, name: str, batch: int, width: int, new_tokens: int) -> tu
 
 def generate_markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| implementation | precision | batch | prompt tokens | new tokens | prefill tokens/s | decode tokens/s | "
-        "decode vs transformers | same tokens |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| implementation | device | precision | batch | prompt tokens | new tokens | prefill tokens/s "
+        "| decode tokens/s | decode vs transformers | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("skipped"):
             lines.append(
-                f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['prompt_tokens']} | "
-                f"{r['new_tokens']} | not run: {r['skipped']} | | | |"
+                f"| {r['implementation']} | {_device_cell(r)} | {r['precision']} | {r['batch']} | "
+                f"{r['prompt_tokens']} | {r['new_tokens']} | not run: {r['skipped']} | | | |"
             )
             continue
         same = "—" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
         versus = "—" if r["decode_vs_transformers"] is None else f"{r['decode_vs_transformers']:.2f}×"
         lines.append(
-            f"| {r['implementation']} | {r['precision']} | {r['batch']} | {r['prompt_tokens']} | {r['new_tokens']} | "
+            f"| {r['implementation']} | {_device_cell(r)} | {r['precision']} | {r['batch']} | {r['prompt_tokens']} | "
+            f"{r['new_tokens']} | "
             f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | {versus} | {same} |"
         )
     return "\n".join(lines)

@@ -40,6 +40,18 @@ def write_results(folder: Path, kind: str, recipe: str, header: str, table: str,
     return stem
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for what `device` was given to finish: a clock stopped before that times the
+    launch, not the work (CUDA queues kernels; XLA traces a graph and runs it at a sync)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xla":
+        from frugality import xla
+
+        xla.sync()
+        xla.wait()
+
+
 def race(device: torch.device, repeats: int, **paths) -> dict[str, float]:
     """Median seconds of each path (a callable), alternating, after one warm-up call each:
     on a shared machine whose speed drifts, alternation makes the paths share the drift."""
@@ -48,11 +60,9 @@ def race(device: torch.device, repeats: int, **paths) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
         for name, fn in paths.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             t0 = time.perf_counter()
             fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}

@@ -351,6 +351,12 @@ def bench_profile(recipe, precision, batch, seq, steps, warmup, baseline, overri
     help="frugality's; int8 against the peer in fp32. --generate: fp32 or int8.",
 )
 @click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="auto, cpu, cuda, cuda:1, xla (.venv-xla), ...: frugality's and its peer's (the --ray row runs on CPUs).",
+)
+@click.option(
     "--prompt-tokens",
     default=128,
     show_default=True,
@@ -386,6 +392,7 @@ def bench_infer(
     count,
     batch,
     precision,
+    device,
     prompt_tokens,
     new_tokens,
     compile_,
@@ -396,13 +403,20 @@ def bench_infer(
     markdown_path,
 ) -> None:
     """Embedding throughput of frugality against sentence-transformers' encode on MODEL
-    (e.g. all-MiniLM-L6-v2), the same texts, batch size and precision: texts/s and the
-    cosine between the outputs. With --generate, generation throughput against
+    (e.g. all-MiniLM-L6-v2), the same texts, batch size, device and precision: texts/s and
+    the cosine between the outputs. With --generate, generation throughput against
     transformers' generate on a decoder: prefill and decode tokens/s at each batch size,
-    and whether the greedy outputs agree token for token."""
+    and whether the greedy outputs agree token for token. Each row names its device."""
     from itertools import islice
 
-    from frugality.bench.infer import bench_embed, bench_generate, generate_markdown_table, markdown_table, rows_json
+    from frugality.bench.infer import (
+        bench_device,
+        bench_embed,
+        bench_generate,
+        generate_markdown_table,
+        markdown_table,
+        rows_json,
+    )
     from frugality.cli.options import comma_ints
     from frugality.errors import UserError
     from frugality.inference.inputs import open_inputs
@@ -414,6 +428,7 @@ def bench_infer(
         raise click.UsageError("--address goes with --ray")
     if ray_ and generation:
         raise click.UsageError("--ray goes with embeddings, not --generate")
+    device = bench_device(device)  # a device that is not here: one line before the model loads
     if generation:
         if prompt_tokens < 1 or new_tokens < 2:
             raise UserError("--prompt-tokens must be positive and --new-tokens at least 2")
@@ -428,6 +443,7 @@ def bench_infer(
             compile_,
             log=log,
             precision=precision,
+            device=device,
         )
         _write(generate_markdown_table(rows), rows_json(rows), markdown_path, json_path)
         return
@@ -437,7 +453,9 @@ def bench_infer(
         input_path = _default_texts()
     texts = [text for _, text in islice(open_inputs([input_path], text_field), count)]
     ray_address = (address or "local") if ray_ else None
-    rows = bench_embed(model, texts, int(batch or 64), precision, rounds, log=log, ray_address=ray_address)
+    rows = bench_embed(
+        model, texts, int(batch or 64), precision, rounds, log=log, ray_address=ray_address, device=device
+    )
     _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 
