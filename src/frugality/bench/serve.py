@@ -16,6 +16,7 @@ rate whose p99 stays under the SLO with no errors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -28,6 +29,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from frugality.bench.load import ERROR_KINDS, Tally, closed_loop, encode_post, open_loop
 from frugality.errors import UserError
@@ -43,6 +45,7 @@ class Level:
     rows_per_call: float | None = None  # the server's, from its /metrics over the level
     queue_ms: float | None = None
     ceiling: float | None = None  # what the generator drove against the no-op server at this level
+    server: str = "frugality"
 
     @property
     def driven(self) -> bool:
@@ -57,6 +60,7 @@ class Level:
         q = lambda values, p: _quantile(sorted(values), p)  # noqa: E731
         ok, seconds = len(t.latencies_ms), t.seconds
         return {
+            "server": self.server,
             "mode": self.mode,
             "level": self.level,
             "requests": t.sent,
@@ -88,8 +92,9 @@ def _quantile(ordered: list[float], p: float) -> float | None:
 class Target:
     """The endpoint under load: a URL, or a server started here for a model folder."""
 
-    def __init__(self, target: str, api_key: str | None, serve_args: list[str], log) -> None:
-        self.process = None
+    def __init__(self, target: str, api_key: str | None, serve_args: list[str], log, name: str = "frugality") -> None:
+        self.process: subprocess.Popen | None = None
+        self.name, self.precision = name, None  # the precision a started server says it chose
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if re.match(r"https?://", target):
             url = target.rstrip("/").removesuffix("/v1")
@@ -136,8 +141,9 @@ class Target:
         while time.monotonic() < deadline:
             with open(self.log.name) as f:
                 text = f.read()
-            ready = re.search(r"ready, POST (http://\S+?)/v1/", text)
+            ready = re.search(r"ready, POST (http://\S+?)/v1/\S+ \((\w+)", text)
             if ready:
+                self.precision = ready.group(2)
                 return ready.group(1)
             if self.process.poll() is not None:
                 error = [line for line in text.splitlines() if line.startswith("error:")]
@@ -193,6 +199,8 @@ class Target:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGCONT)  # (held while another was measured)
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout=120)
 
@@ -206,12 +214,41 @@ _COUNTERS = (
 )
 
 
-def generator_ceiling(target: Target, texts: list[str], clients: list[int], duration: float, log) -> dict[int, float]:
+def near_zero_encoder(like: str | Path, out: str | Path, seed: int = 0) -> Path:
+    """The encoder folder `like` with a BERT of one layer and width 32 (random weights, seeded)
+    in place of its model: the same tokenizer, vocabulary and pooling, a model that costs
+    almost nothing, so that a serving benchmark measures the server."""
+    import torch
+
+    from frugality.interop.hf import export_hf, import_hf
+    from frugality.models import build_model
+
+    like = Path(like)
+    config, _ = import_hf(like)
+    small = config.model_copy(update={"hidden_size": 32, "num_layers": 1, "num_heads": 4, "intermediate_size": 64})
+    torch.manual_seed(seed)
+    state = build_model(small).state_dict()
+    files = {
+        p.relative_to(like).as_posix(): p.read_bytes()
+        for p in sorted(like.rglob("*"))
+        if p.is_file() and p.suffix not in (".safetensors", ".bin") and p.relative_to(like).as_posix() != "config.json"
+    }
+    if "1_Pooling/config.json" in files:  # (sentence-transformers reads the width there)
+        pooling = json.loads(files["1_Pooling/config.json"]) | {"word_embedding_dimension": 32}
+        files["1_Pooling/config.json"] = json.dumps(pooling, indent=2).encode()
+    return export_hf(small, state, out, files)
+
+
+def generator_ceiling(
+    target: Target, texts: list[str], clients: list[int], duration: float, log, hold: tuple[Target, ...] = ()
+) -> dict[int, float]:
     """What the generator alone drives at each number of clients: the same requests sent to a
     server in a process of its own that answers each at once with a body as long as the
-    target's answer (`frugality.bench.load.serve_noop`)."""
+    target's answer (`frugality.bench.load.serve_noop`); the servers in `hold` are stopped
+    meanwhile."""
     status, text = target.get(f"{target.prefix}/v1/{target.endpoint}", auth=True, body=target.body(texts[0], 1))
     size = len(text.encode()) if status == 200 else 512
+    _hold_others(list(hold), None, every=True)
     script = "import sys; from frugality.bench.load import serve_noop; serve_noop(int(sys.argv[1]), print)"
     noop = subprocess.Popen(
         [sys.executable, "-u", "-c", script, str(size)], stdout=subprocess.PIPE, text=True, start_new_session=True
@@ -230,10 +267,11 @@ def generator_ceiling(target: Target, texts: list[str], clients: list[int], dura
     finally:
         noop.kill()
         noop.wait()
+        _hold_others(list(hold), None)
 
 
 def run_levels(
-    target: Target,
+    targets: list[Target],
     texts: list[str],
     rates: list[float],
     concurrencies: list[int],
@@ -243,21 +281,38 @@ def run_levels(
     log,
     ceiling: dict[int, float] | None = None,
 ) -> list[Level]:
-    """Each open-loop rate, then each number of clients; `ceiling`: the generator's at each
-    number of clients (its largest for the open loop)."""
-    requests = target.requests(texts, max_tokens)
+    """Each open-loop rate, then each number of clients, each target in turn at each level (a
+    race: the machine's drift is shared); `ceiling`: the generator's at each number of
+    clients (its largest for the open loop)."""
+    requests = {id(t): t.requests(texts, max_tokens) for t in targets}
     ceiling = ceiling or {}
     top = max(ceiling.values()) if ceiling else None
     levels = []
-    for rate in rates:
-        run = lambda: open_loop(target.host, target.port, requests, rate, duration, seed)  # noqa: B023
-        levels.append(_measure(target, "rate", rate, run, top))
-        log(_line(levels[-1]))
-    for clients in concurrencies:
-        run = lambda: closed_loop(target.host, target.port, requests, clients, duration)  # noqa: B023
-        levels.append(_measure(target, "concurrency", clients, run, ceiling.get(clients)))
-        log(_line(levels[-1]))
+    for mode, values in (("rate", rates), ("concurrency", concurrencies)):
+        for value in values:
+            for t in targets:
+                _hold_others(targets, t)
+                if mode == "rate":
+                    run = lambda t=t, v=value: open_loop(t.host, t.port, requests[id(t)], v, duration, seed)
+                    levels.append(_measure(t, mode, value, run, top))
+                else:
+                    run = lambda t=t, v=value: closed_loop(t.host, t.port, requests[id(t)], int(v), duration)
+                    levels.append(_measure(t, mode, value, run, ceiling.get(int(value))))
+                log(_line(levels[-1]))
+    _hold_others(targets, None)
     return levels
+
+
+def _hold_others(targets: list[Target], running: Target | None, every: bool = False) -> None:
+    """The servers started here other than `running` stopped (SIGSTOP to their process group)
+    while it is measured, and `running` let go (SIGCONT): an idle server that polls its
+    queues (infinity-emb's batch handler sleeps and wakes every few ms) takes no CPU from the
+    one under load. `running` None: every one let go, or with `every`, every one held."""
+    for t in targets:
+        if t.process is not None and t.process.poll() is None:
+            go = t is running or (running is None and not every)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(t.process.pid, signal.SIGCONT if go else signal.SIGSTOP)
 
 
 def saturation(levels: list[Level], slo_ms: float) -> dict | None:
@@ -274,7 +329,7 @@ def _line(level: Level) -> str:
     r = level.row()
     errors = ", ".join(f"{n} {kind}" for kind, n in r["errors_by_kind"].items())
     return (
-        f"{r['mode']} {r['level']:g}: {r['ok']}/{r['requests']} ok{f' ({errors})' if errors else ''}, "
+        f"{level.server}: {r['mode']} {r['level']:g}: {r['ok']}/{r['requests']} ok{f' ({errors})' if errors else ''}, "
         f"{r['throughput_per_s']} req/s, p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms"
         + ("" if level.driven else " (the generator's limit, not the server's)")
     )
@@ -300,14 +355,19 @@ def _measure(target: Target, mode: str, level: float, run, ceiling: float | None
         rows_per_call=rows / calls if rows is not None and calls else None,
         queue_ms=queued / taken * 1000 if queued is not None and taken else None,
         ceiling=ceiling,
+        server=target.name,
     )
 
 
-def markdown_table(levels: list[Level]) -> str:
+def markdown_table(levels: list[Level], missing: dict[str, str] | None = None) -> str:
+    """A row a level (and a server, when peers race: a column names it); a peer that could
+    not run is a row saying why."""
+    servers = len({lv.server for lv in levels}) > 1 or bool(missing)
+    first = "| server " * servers
     lines = [
-        "| mode | level | requests | ok | errors | req/s | p50 ms | p95 ms | p99 ms | rows/call | queued ms "
+        f"{first}| mode | level | requests | ok | errors | req/s | p50 ms | p95 ms | p99 ms | rows/call | queued ms "
         "| generator busy | generator ceiling req/s | J/1,000 requests |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---" * (14 + servers) + "|",
     ]
     dash = lambda v: "—" if v is None else f"{v:g}"  # noqa: E731
     for lv in levels:
@@ -317,26 +377,41 @@ def markdown_table(levels: list[Level]) -> str:
         errors = str(r["errors"]) + "".join(f", {n} {kind}" for kind, n in r["errors_by_kind"].items())
         busy = f"{r['generator_busy']:.0%}" + ("" if r["driven"] else " (its limit: not the server's)")
         lines.append(
-            f"| {'open' if r['mode'] == 'rate' else 'closed'} | {r['level']:g} {unit} | {r['requests']} | "
-            f"{r['ok']} | {errors} | {r['throughput_per_s']} | {r['p50_ms']} | {r['p95_ms']} | {r['p99_ms']} | "
-            f"{dash(r['rows_per_call'])} | {dash(r['queue_ms'])} | {busy} | {dash(r['generator_ceiling_per_s'])} "
-            f"| {energy} |"
+            f"{f'| {lv.server} ' * servers}| {'open' if r['mode'] == 'rate' else 'closed'} | {r['level']:g} {unit} | "
+            f"{r['requests']} | {r['ok']} | {errors} | {r['throughput_per_s']} | {r['p50_ms']} | {r['p95_ms']} | "
+            f"{r['p99_ms']} | {dash(r['rows_per_call'])} | {dash(r['queue_ms'])} | {busy} | "
+            f"{dash(r['generator_ceiling_per_s'])} | {energy} |"
         )
+    for name, why in (missing or {}).items():
+        lines.append(f"| {name} | {why} |" + " |" * 13)
     return "\n".join(lines)
 
 
-def report(target: Target, levels: list[Level], slo_ms: float) -> dict:
-    best = saturation(levels, slo_ms)
-    rates = [lv.level for lv in levels if lv.mode == "rate"]
+def report(targets: list[Target], levels: list[Level], slo_ms: float, missing: dict[str, str] | None = None) -> dict:
+    """frugality's levels and saturation (what `cost serve --from` reads), and each peer's;
+    `missing`: peers asked for that could not run, and why."""
+    main, *peers = targets
+    return _figures(main, levels, slo_ms) | {
+        "slo_ms": slo_ms,
+        "generator": "plain asyncio, one kept-alive connection per client (frugality.bench.load)",
+        "peers": [_figures(p, levels, slo_ms) for p in peers]
+        + [{"server": name, "missing": why} for name, why in (missing or {}).items()],
+    }
+
+
+def _figures(target: Target, levels: list[Level], slo_ms: float) -> dict:
+    own = [lv for lv in levels if lv.server == target.name]
+    best = saturation(own, slo_ms)
+    rates = [lv.level for lv in own if lv.mode == "rate"]
     return {
+        "server": target.name,
         # every rate tried met the SLO: the capacity is at least the saturation, not it
         "saturation_is_lower_bound": best is not None and best["level"] == max(rates),
         "url": target.url,
         "model": target.model,
         "endpoint": target.endpoint,
-        "slo_ms": slo_ms,
-        "levels": [lv.row() for lv in levels],
-        "generator": "plain asyncio, one kept-alive connection per client (frugality.bench.load)",
+        "precision": target.precision,
+        "levels": [lv.row() for lv in own],
         "saturation": None
         if best is None
         else {

@@ -491,6 +491,14 @@ def bench_infer(
 )
 @click.option("--api-key-env", help="Send `Authorization: Bearer $NAME`.")
 @click.option(
+    "--peer",
+    "peers",
+    multiple=True,
+    type=click.Choice(["infinity"]),
+    help="With a MODEL: race this server too, on the same model, device and precision, level by level "
+    "(infinity: infinity-emb, in .venv-infinity: ./scripts/setup.sh --peers).",
+)
+@click.option(
     "--ceiling-s",
     default=2.0,
     show_default=True,
@@ -518,6 +526,7 @@ def bench_serve(
     max_tokens,
     slo_ms,
     api_key_env,
+    peers,
     ceiling_s,
     serve_args,
     seed,
@@ -530,6 +539,7 @@ def bench_serve(
     rate (the highest rate whose p99 meets --slo-ms). The generator's own ceiling is measured
     first against a no-op server, and a level it could not drive is marked."""
     import os
+    import re
     from itertools import islice
 
     from frugality.bench.serve import Target, dumps, generator_ceiling, markdown_table, report, run_levels
@@ -553,27 +563,58 @@ def bench_serve(
         texts = [t[:400] for t in texts if len(t.split()) >= 4]
     if not texts:
         raise UserError(f"{source}: no texts")
+    if peers and re.match(r"https?://", target):
+        raise UserError("--peer: give a MODEL folder, not a URL (each server is started on the same model)")
     server = Target(target, key, list(serve_args), log)
+    targets, missing = [server], {}
     try:
+        for _peer in sorted(set(peers)):  # (infinity: the only choice)
+            from frugality.bench.serve_peers import start_infinity
+
+            device = _serve_device(serve_args)
+            started = start_infinity(target, server.precision, device, log)
+            if isinstance(started, str):
+                missing["infinity-emb"] = started
+                log(f"infinity-emb: {started}")
+            else:
+                targets.append(started)
         at = sorted(set(clients) | ({max([64, *clients])} if rate_list else set()))
-        ceiling = generator_ceiling(server, texts, at, ceiling_s, log) if ceiling_s else None
-        levels = run_levels(server, texts, rate_list, clients, duration, max_tokens, seed, log, ceiling)
-        result = report(server, levels, slo_ms)
+        ceiling = generator_ceiling(server, texts, at, ceiling_s, log, tuple(targets)) if ceiling_s else None
+        levels = run_levels(targets, texts, rate_list, clients, duration, max_tokens, seed, log, ceiling)
+        result = report(targets, levels, slo_ms, missing)
     finally:
-        server.stop()
-    table = markdown_table(levels)
-    best = result["saturation"]
-    table += "\n\n" + (
-        f"saturation: {best['rate_per_s']:g} req/s offered, {best['throughput_per_s']:g} req/s answered with p99 "
-        f"{best['p99_ms']} ms <= {slo_ms:g} ms"
-        + (
-            "; every rate tried met it: the capacity is higher (try higher --rate)"
-            * result["saturation_is_lower_bound"]
-        )
-        if best
-        else f"saturation: no open-loop rate met p99 <= {slo_ms:g} ms with no errors"
-    )
+        for t in targets:
+            t.stop()
+    table = markdown_table(levels, missing)
+    table += "\n"
+    for figures in [result, *[p for p in result["peers"] if "missing" not in p]]:
+        table += "\n" + _saturation_line(figures, slo_ms)
     _write(table, dumps(result), markdown_path, json_path)
+
+
+def _saturation_line(figures: dict, slo_ms: float) -> str:
+    best, name = figures["saturation"], figures["server"]
+    if not best:
+        return f"{name}: saturation: no open-loop rate met p99 <= {slo_ms:g} ms with no errors"
+    line = (
+        f"{name}: saturation: {best['rate_per_s']:g} req/s offered, {best['throughput_per_s']:g} req/s answered "
+        f"with p99 {best['p99_ms']} ms <= {slo_ms:g} ms"
+    )
+    return (
+        line
+        + "; every rate tried met it: the capacity is higher (try higher --rate)" * figures["saturation_is_lower_bound"]
+    )
+
+
+def _serve_device(serve_args) -> str:
+    """The device `frugality serve` was given (--serve-arg=--device ...), as a peer names it."""
+    import torch
+
+    args = " ".join(serve_args).replace("=", " ").split()
+    given = args[args.index("--device") + 1] if "--device" in args[:-1] else "auto"
+    if given == "auto":
+        given = "cuda" if torch.cuda.is_available() else "cpu"
+    return given.split(":")[0]
 
 
 def _corpus_lines() -> str:
