@@ -55,6 +55,12 @@ def pytest_collection_modifyitems(config, items):
         return 0.5 if "ray_cluster" in getattr(item, "fixturenames", ()) else 0
 
     items.sort(key=order)  # (stable)
+    # Under xdist (`--dist loadgroup`: scripts/test.sh) the tests of a costly session fixture go to
+    # one worker, which builds it once
+    for item in items:
+        shared = next((f for f in SHARED_FIXTURES if f in getattr(item, "fixturenames", ())), None)
+        if shared is not None:
+            item.add_marker(pytest.mark.xdist_group(shared))
     if os.environ.get("FRUGALITY_NO_C_KERNEL"):  # the kernels off by request: nothing to test of them
         off = pytest.mark.skip(reason="FRUGALITY_NO_C_KERNEL=1: the C kernels are off")
         for item in items:
@@ -69,6 +75,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 ROOT = Path(__file__).resolve().parents[1]
+SHARED_FIXTURES = ("micro_compiled", "ray_cluster", "encoder_server", "micro_reference_run")  # the costliest first
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
 XLA_BRIDGE = "test_the_xla_tests_pass_in_their_environment"
 README_TEST = "test_every_readme_command_runs_as_written_in_order"
