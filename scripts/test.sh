@@ -43,7 +43,7 @@ else  # torch-xla has wheels for Linux x86-64 only
 fi
 
 # the XLA bridge test deselected: the step above runs what it would start, as it checks it
-.venv/bin/python -m pytest -q -m "not xla" --durations=25 -n 2 --dist loadgroup "$@"
+.venv/bin/python -m pytest -q -m "not xla" --durations=25 "$@"
 main=$?
 
 [ -n "$xla_pid" ] && wait "$xla_pid"

@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from conftest import KEY
+from conftest import KEY, MINILM
 
 from frugality.cli.main import main
 
@@ -64,8 +64,6 @@ def test_bench_serve_races_infinity_level_by_level_on_the_same_model(tmp_path, c
     MiniLM's tokenizer) and precision, each level run on both in turn, each server's rows
     and saturation in the table and the JSON; without .venv-infinity, a row saying how to
     install it."""
-    from conftest import MINILM
-
     from frugality.bench import serve_peers
     from frugality.bench.serve import near_zero_encoder
 
