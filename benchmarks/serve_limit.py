@@ -8,7 +8,11 @@ in the same run) against `frugality serve`, one-text embedding requests, closed 
 - `--model minilm`: all-MiniLM-L6-v2 itself, beside `frugality embed` over the same texts
   offline on the same machine (the server's throughput at the SLO against the engine's).
 
+`--peer infinity` races infinity-emb on the same model and precision, level by level
+(.venv-infinity: `./scripts/setup.sh --peers`).
+
     .venv/bin/python benchmarks/serve_limit.py --model tiny [--duration 5] [--precision auto]
+    .venv/bin/python benchmarks/serve_limit.py --model minilm --peer infinity
 
 Writes benchmarks/results/serve_limit-<model>-<machine>-<date>.md and .json.
 """
@@ -27,7 +31,7 @@ from pathlib import Path
 from frugality.bench.results import machine_line, write_results
 from frugality.bench.serve import near_zero_encoder
 
-LEVELS = {"tiny": ("1,8,64,256", "500,1000,2000,3000,4000"), "minilm": ("1,8,64,256", "25,50,100,200,300,400")}
+LEVELS = {"tiny": ("1,8,64,256", "500,1000,2000,3000,4000"), "minilm": ("1,8,64,256", "100,200,300,400,500")}
 
 
 def texts_file(path: Path, count: int) -> list[str]:
@@ -62,6 +66,10 @@ def offline_embed(model: str, source: Path, out: Path, precision: str) -> float:
     return float(said.group(1).replace(",", "")) if said else count / seconds
 
 
+def _lone_p50(levels: list[dict]) -> float | None:
+    return next((r["p50_ms"] for r in levels if r["mode"] == "concurrency" and r["level"] == 1), None)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(LEVELS), default="tiny")
@@ -70,6 +78,7 @@ def main() -> int:
     parser.add_argument("--slo-ms", type=float, default=100.0)
     parser.add_argument("--concurrency", help="clients to try [default: by model]")
     parser.add_argument("--rate", help="open-loop rates to try [default: by model]")
+    parser.add_argument("--peer", action="append", default=[], help="race this server too (infinity)")
     args = parser.parse_args()
     clients, rates = LEVELS[args.model]
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,6 +95,7 @@ def main() -> int:
         command += ["--concurrency", args.concurrency or clients, "--rate", args.rate or rates]
         command += ["--duration", str(args.duration), "--slo-ms", str(args.slo_ms), "--json", str(out)]
         command += ["--serve-arg=--precision", f"--serve-arg={args.precision}"]
+        command += [f"--peer={p}" for p in args.peer]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             print(done.stderr, file=sys.stderr)
@@ -113,6 +123,17 @@ def main() -> int:
             f"{served:,.1f} req/s = {served / offline:.2f}x offline."
         )
         result["offline_texts_per_s"] = offline
+    lone = _lone_p50(result["levels"])
+    for peer in result["peers"]:
+        if "missing" in peer:
+            continue
+        ours = best["throughput_per_s"] if best else 0.0
+        theirs = peer["saturation"]["throughput_per_s"] if peer["saturation"] else 0.0
+        ratio = f"{ours / theirs:.2f}x" if theirs else "(the peer met the SLO at no rate tried)"
+        footer += (
+            f"\n\nAgainst {peer['server']}: saturation at the SLO {ours:,.1f} against {theirs:,.1f} req/s = {ratio}; "
+            f"a lone request (1 client) p50 {lone} against {_lone_p50(peer['levels'])} ms."
+        )
     write_results(
         Path(__file__).parent / "results",
         "serve_limit",

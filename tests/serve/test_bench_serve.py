@@ -81,7 +81,8 @@ def test_bench_serve_races_infinity_level_by_level_on_the_same_model(tmp_path, c
         assert main(command) == 0
         result = json.loads(out.read_text())
         (peer,) = result["peers"]
-        assert peer["server"].startswith("infinity-emb 0.0.") and peer["precision"] == result["precision"] == "fp32"
+        assert peer["server"].startswith("infinity-emb 0.0.") and result["precision"] == "fp32"
+        assert peer["precision"] == "float32"  # (the --dtype infinity was started with)
         assert [(r["mode"], r["level"]) for r in peer["levels"]] == [("rate", 20), ("concurrency", 2)]
         for r in [*result["levels"], *peer["levels"]]:
             assert r["ok"] == r["requests"] > 0 and r["errors"] == 0
@@ -93,3 +94,9 @@ def test_bench_serve_races_infinity_level_by_level_on_the_same_model(tmp_path, c
     result = json.loads(out.read_text())
     assert result["peers"] == [{"server": "infinity-emb", "missing": f"not installed: {serve_peers.SETUP}"}]
     assert f"| infinity-emb | not installed: {serve_peers.SETUP} |" in capsys.readouterr().out
+
+
+def test_a_peer_beside_a_url_is_one_line(capsys):
+    assert main(["bench", "serve", "http://127.0.0.1:9", "--peer", "infinity", "--rate", "1"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == ["error: --peer: give a MODEL folder, not a URL (each server is started on the same model)"]

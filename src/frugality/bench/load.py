@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import cast
 
-ERROR_KINDS = ("overloaded", "client", "server", "transport", "timeout")  # 503; 4xx; other 5xx; the rest
+# 503; other 4xx; other statuses (5xx, 1xx, 3xx); the connection failed; no answer in time; the
+# generator's own failure to connect (file descriptors, ports: the level was not driven)
+ERROR_KINDS = ("overloaded", "client", "server", "transport", "timeout", "generator")
 
 
 @dataclass
@@ -45,6 +48,11 @@ def encode_post(host: str, port: int, path: str, body: bytes, headers: dict[str,
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
+class Stale(Exception):
+    """A kept-alive connection the server had closed (an idle time-out) before this request
+    got a byte back: sent again on a new connection, as httpx and urllib3 do."""
+
+
 class Connection:
     """One kept-alive connection, opened when first used and again after a failure."""
 
@@ -55,15 +63,27 @@ class Connection:
 
     async def connect(self) -> None:
         if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            try:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            except OSError as e:
+                if e.errno in _OWN_LIMITS:  # out of file descriptors or ports: the generator's failure
+                    raise GeneratorLimit(str(e)) from None
+                raise
 
     async def exchange(self, request: bytes) -> tuple[int, bytes]:
         """Sends `request` and reads the whole response; its status and body (chunks joined)."""
+        reused = self.writer is not None
         await self.connect()
         reader, writer = self.reader, self.writer
         assert reader is not None and writer is not None
-        writer.write(request)
-        head = await reader.readuntil(b"\r\n\r\n")
+        try:
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            if reused and (not isinstance(e, asyncio.IncompleteReadError) or not e.partial):
+                self.close()
+                raise Stale() from None
+            raise
         status = int(head[9:12])
         length, chunked, close = None, False, False
         for line in head.split(b"\r\n")[1:]:
@@ -75,13 +95,17 @@ class Connection:
                 chunked = b"chunked" in value.lower()
             elif name == b"connection":
                 close = b"close" in value.lower()
-        if chunked:
+        if status < 200 or status in (204, 304):  # (no body, whatever the headers say)
+            body = b""
+        elif chunked:
             chunks = []
             while True:
                 size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                chunks.append((await reader.readexactly(size + 2))[:-2])  # (the chunk, less its CRLF)
                 if size == 0:
+                    while await reader.readuntil(b"\r\n") != b"\r\n":  # (trailers, then the end)
+                        pass
                     break
+                chunks.append((await reader.readexactly(size + 2))[:-2])  # (the chunk, less its CRLF)
             body = b"".join(chunks)
         elif length is not None:
             body = await reader.readexactly(length)
@@ -98,20 +122,34 @@ class Connection:
         self.reader = self.writer = None
 
 
+class GeneratorLimit(Exception):
+    """The generator could not open a connection for a reason of its own (file descriptors,
+    local ports): counted apart, and the level marked as not driven."""
+
+
+_OWN_LIMITS = {errno.EMFILE, errno.ENFILE, errno.EADDRNOTAVAIL}
+
+
 async def _one(connection: Connection, request: bytes, timeout_s: float, tally: Tally, since: float) -> None:
     """One request on `connection`; its latency counts from `since` (its arrival)."""
     try:
         async with asyncio.timeout(timeout_s):
-            status, _ = await connection.exchange(request)
+            try:
+                status, _ = await connection.exchange(request)
+            except Stale:
+                status, _ = await connection.exchange(request)
     except TimeoutError:
         connection.close()  # (a response may still come on it)
         tally.errors["timeout"] += 1
         return
-    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+    except GeneratorLimit:
+        tally.errors["generator"] += 1
+        return
+    except (OSError, Stale, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
         connection.close()
         tally.errors["transport"] += 1
         return
-    if status == 200:
+    if 200 <= status < 300:
         tally.latencies_ms.append((time.perf_counter() - since) * 1000)
     elif status == 503:
         tally.errors["overloaded"] += 1

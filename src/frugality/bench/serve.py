@@ -22,6 +22,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +34,8 @@ from pathlib import Path
 
 from frugality.bench.load import ERROR_KINDS, Tally, closed_loop, encode_post, open_loop
 from frugality.errors import UserError
+
+LAG_MS = 10.0  # an open-loop request sent later than this after its arrival (p99): the generator fell behind
 
 
 @dataclass
@@ -49,11 +52,18 @@ class Level:
 
     @property
     def driven(self) -> bool:
-        """Whether the generator kept up: its one thread busy under 90% of the level, and an
-        open-loop rate under 90% of its ceiling. A level it could not drive measured the
-        generator, not the server."""
-        rate_ok = self.mode != "rate" or self.ceiling is None or self.level <= 0.9 * self.ceiling
-        return self.tally.busy < 0.9 and rate_ok
+        """Whether the generator kept up, so that the level measured the server: its one thread
+        busy under 90% of the level, no connection it failed to open for a reason of its own,
+        open-loop requests sent within 10 ms of their arrival (p99) and at a rate under 90% of
+        its ceiling, closed-loop throughput under 90% of its ceiling at that many clients."""
+        t = self.tally
+        if t.busy >= 0.9 or t.errors["generator"]:
+            return False
+        if self.mode == "rate":
+            lag = _quantile(sorted(t.lag_ms), 0.99)
+            return (lag is None or lag <= LAG_MS) and (self.ceiling is None or self.level <= 0.9 * self.ceiling)
+        ok = len(t.latencies_ms) / t.seconds if t.seconds else 0.0
+        return self.ceiling is None or ok < 0.9 * self.ceiling
 
     def row(self) -> dict:
         t = self.tally
@@ -98,28 +108,41 @@ class Target:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if re.match(r"https?://", target):
             url = target.rstrip("/").removesuffix("/v1")
-        else:
-            if not os.path.exists(target):
-                raise UserError(f"{target}: neither a URL (http://...) nor a model folder")
-            url = self._start(target, serve_args, log)
+        elif not os.path.exists(target):
+            raise UserError(f"{target}: neither a URL (http://...) nor a model folder")
+        try:  # a server started here is stopped however the checks end (Ctrl-C included)
+            if not re.match(r"https?://", target):
+                url = self._start(target, serve_args, log)
+            self._connect(target, url)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _connect(self, target: str, url: str) -> None:
         self.url = url
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
-            self.stop()
             raise UserError(f"{target}: bench serve loads http:// endpoints (a TLS proxy in front is not measured)")
-        self.host, self.port, self.prefix = parts.hostname, parts.port or 80, parts.path
+        try:  # the name resolved once, not at every connection the generator opens
+            host = str(socket.getaddrinfo(parts.hostname, parts.port or 80, type=socket.SOCK_STREAM)[0][4][0])
+        except OSError as e:
+            raise UserError(f"{target}: {parts.hostname} does not resolve ({e})") from None
+        self.host, self.port, self.prefix = host, parts.port or 80, parts.path
+        self.hostname = parts.hostname  # (the Host header)
         status, text = self.get(f"{self.prefix}/v1/models", auth=True)
         if status != 200:
-            self.stop()
             raise UserError(f"{self.url}/v1/models: " + (f"HTTP {status} ({text[:200]})" if status else text))
-        self.model = json.loads(text)["data"][0]["id"]
+        try:
+            self.model = json.loads(text)["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise UserError(f"{self.url}/v1/models: not OpenAI's list of models ({text[:200]})") from None
         self.endpoint = self._endpoint()
 
     def get(self, path: str, auth: bool = False, body: dict | None = None) -> tuple[int, str]:
         """A plain request (the probes and /metrics): its status (0: no answer) and text."""
         data = None if body is None else json.dumps(body).encode()
         headers = (self.headers if auth else {}) | ({"Content-Type": "application/json"} if data else {})
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = f"[{self.hostname}]" if ":" in self.hostname else self.hostname
         request = urllib.request.Request(f"http://{host}:{self.port}{path}", data=data, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
@@ -175,7 +198,7 @@ class Target:
         """Each text's request, encoded once before any clock starts."""
         path = f"{self.prefix}/v1/{self.endpoint}"
         return [
-            encode_post(self.host, self.port, path, json.dumps(self.body(t, max_tokens)).encode(), self.headers)
+            encode_post(self.hostname, self.port, path, json.dumps(self.body(t, max_tokens)).encode(), self.headers)
             for t in texts
         ]
 
@@ -198,11 +221,17 @@ class Target:
         return found, energy
 
     def stop(self) -> None:
+        """SIGTERM (the server drains), SIGKILL to its process group after 120 s."""
         if self.process is not None and self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGCONT)  # (held while another was measured)
             self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=120)
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
 
 
 _COUNTERS = (

@@ -13,6 +13,7 @@ A peer that cannot run is not an error: the table gets a row saying why and how 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -35,8 +36,9 @@ def find_venv(name: str) -> Path | None:
 
 
 def start_infinity(model: str, precision: str | None, device: str, log):
-    """infinity-emb serving `model` on `device` in frugality's `precision` (its name: fp32, bf16,
-    int8): a started `Target`, or why it could not start (one line)."""
+    """infinity-emb serving `model` on `device` (cpu, cuda, cuda:1) in frugality's `precision`
+    (its name: fp32, bf16, int8; int8 is infinity's own quantization): a started `Target`, or
+    why it could not start (one line)."""
     from frugality.bench.serve import Target
 
     venv = find_venv(".venv-infinity")
@@ -50,34 +52,37 @@ def start_infinity(model: str, precision: str | None, device: str, log):
     with socket.socket() as s:  # a free port (infinity takes no port 0)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    kind, _, index = device.partition(":")
+    dtype = _DTYPES.get(precision or "", "auto")
     command = [str(venv / "bin" / "infinity_emb"), "v2", "--model-id", model, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--url-prefix", "/v1", "--engine", "torch", "--device", device]
-    command += ["--dtype", _DTYPES.get(precision or "", "auto")]
-    log(
-        f"starting: infinity_emb v2 --model-id {model} --device {device} --dtype {command[-1]} (infinity-emb {version})"
-    )
+    command += ["--port", str(port), "--url-prefix", "/v1", "--engine", "torch", "--device", kind, "--dtype", dtype]
+    command += ["--device-id", index] if index else []
+    log(f"starting: infinity_emb v2 --model-id {model} --device {device} --dtype {dtype} (infinity-emb {version})")
     env = os.environ | {"DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0", "HF_HUB_OFFLINE": "1"}
     out = tempfile.NamedTemporaryFile("w+", prefix="bench-serve-infinity-", suffix=".log")  # noqa: SIM115
     process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while True:
-        if process.poll() is not None:
-            said = [line for line in Path(out.name).read_text(errors="replace").splitlines() if line.strip()]
-            return f"infinity-emb {version} ended with status {process.returncode}: {said[-1] if said else ''}"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
-                if reply.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            return f"infinity-emb {version}: not ready after 600 s"
-        time.sleep(0.5)
-    try:
+    target = None
+    try:  # stopped however the wait ends (Ctrl-C included)
+        deadline = time.monotonic() + 600
+        while True:
+            if process.poll() is not None:
+                said = [line for line in Path(out.name).read_text(errors="replace").splitlines() if line.strip()]
+                return f"infinity-emb {version} ended with status {process.returncode}: {said[-1] if said else ''}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                return f"infinity-emb {version}: not ready after 600 s"
+            time.sleep(0.5)
         target = Target(f"http://127.0.0.1:{port}", None, [], log, name=f"infinity-emb {version}")
-    except Exception:
-        process.kill()
-        raise
-    target.process, target.log, target.precision = process, out, precision
+    finally:
+        if target is None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert target is not None  # (each other way out returned or raised above)
+    target.process, target.log = process, out
+    target.precision = dtype  # (the --dtype it was started with, in its own words)
     return target

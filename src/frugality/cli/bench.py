@@ -540,6 +540,8 @@ def bench_serve(
     first against a no-op server, and a level it could not drive is marked."""
     import os
     import re
+    import signal
+    import threading
     from itertools import islice
 
     from frugality.bench.serve import Target, dumps, generator_ceiling, markdown_table, report, run_levels
@@ -565,9 +567,12 @@ def bench_serve(
         raise UserError(f"{source}: no texts")
     if peers and re.match(r"https?://", target):
         raise UserError("--peer: give a MODEL folder, not a URL (each server is started on the same model)")
-    server = Target(target, key, list(serve_args), log)
-    targets, missing = [server], {}
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _exit_143) if main_thread else None  # SIGTERM runs the clean-ups too
+    targets, missing = [], {}
     try:
+        server = Target(target, key, list(serve_args), log)
+        targets.append(server)
         for _peer in sorted(set(peers)):  # (infinity: the only choice)
             from frugality.bench.serve_peers import start_infinity
 
@@ -583,8 +588,13 @@ def bench_serve(
         levels = run_levels(targets, texts, rate_list, clients, duration, max_tokens, seed, log, ceiling)
         result = report(targets, levels, slo_ms, missing)
     finally:
-        for t in targets:
-            t.stop()
+        for t in targets:  # each stopped whatever the others do
+            try:
+                t.stop()
+            except Exception as e:
+                log(f"{t.name}: not stopped cleanly ({e})")
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
     table = markdown_table(levels, missing)
     table += "\n"
     for figures in [result, *[p for p in result["peers"] if "missing" not in p]]:
@@ -606,6 +616,10 @@ def _saturation_line(figures: dict, slo_ms: float) -> str:
     )
 
 
+def _exit_143(*_) -> None:
+    raise SystemExit(143)  # (128 + SIGTERM, as the shell reports it; `finally` blocks run)
+
+
 def _serve_device(serve_args) -> str:
     """The device `frugality serve` was given (--serve-arg=--device ...), as a peer names it."""
     import torch
@@ -614,7 +628,7 @@ def _serve_device(serve_args) -> str:
     given = args[args.index("--device") + 1] if "--device" in args[:-1] else "auto"
     if given == "auto":
         given = "cuda" if torch.cuda.is_available() else "cpu"
-    return given.split(":")[0]
+    return given
 
 
 def _corpus_lines() -> str:

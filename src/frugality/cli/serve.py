@@ -16,11 +16,9 @@ from frugality.cli.options import inference_precision
 @inference_precision
 @click.option(
     "--max-wait-ms",
-    default=0.0,
-    show_default=True,
     type=click.FloatRange(min=0),
     help="How long an idle model waits after a request for others to batch with it (those that "
-    "arrive while a batch runs join the next one anyway).",
+    "arrive while a batch runs join the next one anyway) [default: 0 for embeddings, 5 for completions].",
 )
 @click.option(
     "--max-queue",

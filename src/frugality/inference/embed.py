@@ -11,9 +11,10 @@ sizes and times, settings) and redoes only the shards that are not complete (dam
 included), so no text is lost and none is written twice. When every shard is there,
 `manifest.json` lists them with their hashes, which `read_embeddings` checks.
 
-Inside a shard, texts are sorted by token length and batched by a token budget (many short
-texts or few long ones per batch), each batch padded to its longest text only; results go
-back to input order.
+Inside a shard, texts are tokenized and embedded in chunks of 4,096, the next chunk
+tokenized in a thread while the model embeds this one; inside a chunk they are sorted by
+token length and batched by a token budget (many short texts or few long ones per batch),
+each batch padded to its longest text only; results go back to input order.
 
 `nproc` processes share the pending shards, each with its share of the CPU threads (an
 encoder's products are small, and one thread per process avoids threads waiting on each
@@ -276,8 +277,7 @@ def shard_texts(inputs: Inputs, size: int, count: int, wanted: set[int]):
 
 def _finish(encoder, settings, k, ids, texts, report, written_before) -> int:
     tokens, rows = BATCH_DEFAULTS.get(encoder.device.type, BATCH_DEFAULTS["cpu"])
-    encoded, cut = encoder.encode(texts)
-    vectors = embed_rows(encoder, encoded, settings.batch_tokens or tokens, settings.max_batch or rows, report)
+    vectors, cut = embed_overlapped(encoder, texts, settings.batch_tokens or tokens, settings.max_batch or rows, report)
     write_shard(Path(settings.out), k, ids, vectors, settings.format, cut)
     fault = os.environ.get(FAULT_ENV)
     if fault == f"kill@{written_before + 1}":
@@ -285,6 +285,31 @@ def _finish(encoder, settings, k, ids, texts, report, written_before) -> int:
     if fault == f"stall@{written_before + 1}":
         time.sleep(600)  # the signal test's stop: it comes while the job waits here
     return 1
+
+
+CHUNK = 4_096  # texts tokenized at once, the next while the model embeds these
+
+
+def embed_overlapped(
+    encoder, texts: list[str], batch_tokens: int, max_batch: int, report=lambda n: None
+) -> tuple[np.ndarray, int]:
+    """`embed_texts` in chunks of CHUNK texts, the next chunk tokenized in a thread while the
+    model embeds this one (HF tokenizers let go of the GIL as they work, as torch's products
+    do), and how many texts were cut to the model's length. Each chunk is sorted and
+    batched on its own: the same batches on every run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunks = [texts[i : i + CHUNK] for i in range(0, len(texts), CHUNK)]
+    parts, cut = [], 0
+    with ThreadPoolExecutor(1, thread_name_prefix="frugality-tokenizer") as tokenizer:
+        coming = tokenizer.submit(encoder.encode, chunks[0]) if chunks else None
+        for i in range(len(chunks)):
+            assert coming is not None
+            rows, chunk_cut = coming.result()
+            coming = tokenizer.submit(encoder.encode, chunks[i + 1]) if i + 1 < len(chunks) else None
+            parts.append(embed_rows(encoder, rows, batch_tokens, max_batch, report))
+            cut += chunk_cut
+    return (np.concatenate(parts) if parts else np.empty((0, encoder.dim), dtype=np.float32)), cut
 
 
 def embed_texts(encoder, texts: list[str], batch_tokens: int, max_batch: int, report=lambda n: None) -> np.ndarray:

@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from itertools import chain
 from pathlib import Path
 from typing import cast
 
@@ -105,7 +106,10 @@ class Encoder:
 
     def encode_each(self, texts: list[str]) -> tuple[list[list[int]], list[bool]]:
         """`encode`, with whether each text was cut."""
-        encodings = self.tokenizer.encode_batch(texts)  # (HF tokenizers let go of the GIL meanwhile)
+        # (HF tokenizers let go of the GIL meanwhile; the fast batch skips the character
+        # offsets, which embeddings never use)
+        encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
+        encodings = encode(texts)
         return [e.ids for e in encodings], [bool(e.overflowing) for e in encodings]
 
     def embed_tokens(self, rows: list[list[int]], pad_to: int, fill: int | None = None) -> np.ndarray:
@@ -135,12 +139,14 @@ class Encoder:
     def _embed(self, rows: list[list[int]], pad_to: int, fill: int | None) -> np.ndarray:
         count = len(rows)
         rows = rows + [rows[0][:1]] * max(0, (fill or count) - count)
-        ids = torch.zeros(len(rows), pad_to, dtype=torch.long)
-        mask = torch.zeros(len(rows), pad_to, dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row)
-            mask[i, : len(row)] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        # the batch laid out in numpy at once (a tensor a row cost ~20 us a text: 0.4 s of a
+        # 20,000-text job with a one-layer model)
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        filled = np.arange(pad_to) < lengths[:, None]
+        ids_np = np.zeros((len(rows), pad_to), dtype=np.int64)
+        ids_np[filled] = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+        ids = torch.from_numpy(ids_np).to(self.device)
+        mask = torch.from_numpy(filled.astype(np.int64)).to(self.device)
         pooled = pool(self.model(ids, mask), mask, self.pooling.mode)
         return self.model.project(pooled, self.pooling.normalize).float().cpu().numpy()[:count]  # through any head
 

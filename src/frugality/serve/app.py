@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, cast
 
+import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -121,6 +122,8 @@ def build_app(state: State) -> FastAPI:
         req = embeddings_request(await body(request), state.limits, state.name)
         # tokenized and embedded by the service's threads: the event loop only waits
         answer = await asyncio.wrap_future(service.submit(req.texts))
+        if not np.isfinite(answer.vectors).all():  # (orjson would write NaN as null, under a 200)
+            raise APIError(500, "internal error (the model gave a vector that is not finite)", None, "server_error")
         if req.encoding_format == "base64":
             vectors = answer.vectors.astype("<f4", copy=False)
             encoded = [base64.b64encode(v.tobytes()).decode() for v in vectors]

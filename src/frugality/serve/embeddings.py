@@ -66,18 +66,20 @@ class EmbeddingService:
 
     def submit(self, texts: list[str]) -> Future:
         """The request's `Embedded`, once its batch has run; a full queue is a 503 now."""
-        with self._lock:
+        pending = _Pending(texts, Future())
+        with self._lock:  # (the check and the put together: nothing lands behind close's marker)
             if self._waiting >= self.max_queue or self._closing:
                 raise overloaded()
             self._waiting += 1
-        pending = _Pending(texts, Future())
-        self._texts.put(pending)
+            self._texts.put(pending)
+        self.metrics.depth.labels(self.endpoint).set(self._waiting)
         return pending.future
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: what is still queued has no client left (the HTTP server drained first)."""
-        self._closing = True
-        self._texts.put(_STOP)  # through the tokenizer, then the model thread, after their batches
+        with self._lock:
+            self._closing = True
+            self._texts.put(_STOP)  # through the tokenizer, then the model thread, after their batches
         for thread in self._threads:
             thread.join(timeout_s)
 
@@ -90,9 +92,9 @@ class EmbeddingService:
                 texts = [t for p in batch for t in p.texts]
                 try:
                     rows, cut = self.encoder.encode_each(texts)
-                except Exception as e:  # a text the tokenizer refuses: each request hears it
+                except Exception:  # a text the tokenizer refuses: each request alone, so only its own fails
                     for p in batch:
-                        self._done(p, error=e)
+                        self._tokenize_alone(p)
                 else:
                     at = 0
                     for p in batch:
@@ -102,6 +104,16 @@ class EmbeddingService:
             if stop:
                 self._rows.put(_STOP)
                 return
+
+    def _tokenize_alone(self, p: _Pending) -> None:
+        try:
+            p.rows, cut = self.encoder.encode_each(p.texts)
+        except Exception as e:
+            self._taken([p])
+            settle(p.future, error=e)
+            return
+        p.cut = sum(cut)
+        self._rows.put(p)
 
     def _model_loop(self) -> None:
         carried: list = []  # what the last batch's budget left out
@@ -131,13 +143,12 @@ class EmbeddingService:
 
     def _run(self, batch: list[_Pending]) -> None:
         started = time.perf_counter()
+        self._taken(batch)  # (no longer waiting: --max-queue counts those not yet taken)
         live = []
         for p in batch:
-            if p.future.set_running_or_notify_cancel():
+            if p.future.set_running_or_notify_cancel():  # (False: a client that left)
                 live.append(p)
                 self.metrics.queued.labels(self.endpoint).observe(started - p.arrived)
-            else:  # a client that left
-                self._done(p)
         if not live:
             return
         rows = [row for p in live for row in p.rows]
@@ -146,31 +157,31 @@ class EmbeddingService:
             vectors = embed_rows(self.encoder, rows, self.batch_tokens, self.max_batch, report=calls.append)
         except Exception as e:  # the model failed: each request hears it, the thread goes on
             for p in live:
-                self._done(p, error=e)
+                settle(p.future, error=e)
             return
         for n in calls:
             self.metrics.batch.labels(self.endpoint).observe(n)
-        self.metrics.tokens.labels(self.endpoint, "prompt").inc(len(rows) and sum(map(len, rows)))
+        self.metrics.tokens.labels(self.endpoint, "prompt").inc(sum(map(len, rows)))
         truncated = sum(p.cut for p in live)
         if truncated:
             self.metrics.truncated.labels(self.endpoint).inc(truncated)
         at = 0
         for p in live:
-            self._done(p, Embedded(vectors[at : at + len(p.rows)], p.tokens, p.cut))
+            settle(p.future, Embedded(vectors[at : at + len(p.rows)], p.tokens, p.cut))
             at += len(p.rows)
 
-    def _done(self, p: _Pending, result=None, error: BaseException | None = None) -> None:
+    def _taken(self, items: list[_Pending]) -> None:
         with self._lock:
-            self._waiting -= 1
+            self._waiting -= len(items)
             waiting = self._waiting
         self.metrics.depth.labels(self.endpoint).set(waiting)
-        settle(p.future, result, error)
 
 
-def _take_all(source: queue.SimpleQueue, block: bool = True) -> list:
-    """What `source` holds (waiting for a first item if `block`), up to a stop marker."""
+def _take_all(source: queue.SimpleQueue, block: bool = True, most: int = 1_024) -> list:
+    """What `source` holds (waiting for a first item if `block`), up to a stop marker, at most
+    `most` items (more wait for the next call)."""
     taken = [source.get()] if block else []
-    while not taken or taken[-1] is not _STOP:
+    while (not taken or taken[-1] is not _STOP) and len(taken) < most:
         try:
             taken.append(source.get_nowait())
         except queue.Empty:

@@ -36,7 +36,7 @@ class ServeSettings:
     name: str | None = None  # the model's name in the API [default: the folder's name]
     device: str = "auto"
     precision: str = "auto"
-    max_wait_ms: float = 0.0  # an idle model waits that long for company (0: takes what is queued)
+    max_wait_ms: float | None = None  # an idle model waits that long for company [embeddings 0, completions 5]
     max_queue: int = 256
     batch_tokens: int | None = None  # embeddings: tokens a model call [default: embed's, for the device]
     rows: int = 8  # completions: rows decoding at once
@@ -160,7 +160,12 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
             )
             tokens, rows = BATCH_DEFAULTS.get(device.type, BATCH_DEFAULTS["cpu"])
             service = EmbeddingService(
-                encoder, state.metrics, settings.max_wait_ms, settings.max_queue, settings.batch_tokens or tokens, rows
+                encoder,
+                state.metrics,
+                settings.max_wait_ms or 0.0,  # (what is queued goes at once: TEI and vLLM wait for nothing either)
+                settings.max_queue,
+                settings.batch_tokens or tokens,
+                rows,
             )
             service.submit(["warm-up"]).result()
         else:
@@ -170,7 +175,12 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
             decoder, why = load_decoder(settings.model, device, settings.precision)
             context = settings.context or decoder.max_seq_len
             service = CompletionService(
-                decoder, state.metrics, settings.max_wait_ms, settings.max_queue, settings.rows, context
+                decoder,
+                state.metrics,
+                5.0 if settings.max_wait_ms is None else settings.max_wait_ms,  # (as before; not measured at 0)
+                settings.max_queue,
+                settings.rows,
+                context,
             )
             service.submit(service.tokenize(["warm-up"], 2)[0], Sampling(max_new_tokens=2)).result()
     except Exception as e:  # the server stops, and the command says why in one line
