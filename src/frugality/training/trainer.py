@@ -145,6 +145,9 @@ def train(
         if device.type == "xla":  # the next steps copied to the device while it runs this one
             data.stream = DevicePrefetchStream(cast(TrainStream, data.stream))  # (as opened)
         plan = rundir.plan_run(recipe, run_path, fresh)
+        # every rank has read the directory as it was before the first rank writes to it (a
+        # rank that planned late saw rank 0's new recipe.toml and no checkpoint: refused)
+        distributed.barrier()
         done = step_of(plan.resume_from) if plan.resume_from is not None else 0
         if done > stop_at:
             raise UserError(
