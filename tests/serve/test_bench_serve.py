@@ -74,7 +74,7 @@ def test_bench_serve_races_infinity_level_by_level_on_the_same_model(tmp_path, c
     texts.write_text("".join(f"request {i} about a {'long ' * (i % 5)}topic\n" for i in range(20)))
     out = tmp_path / "bench.json"
     command = ["bench", "serve", str(model), "--input", str(texts), "--rate", "20", "--concurrency", "2"]
-    command += ["--duration", "1", "--ceiling-s", "0", "--json", str(out), "--peer", "infinity"]
+    command += ["--duration", "0.5", "--ceiling-s", "0", "--json", str(out), "--peer", "infinity"]
     command += ["--serve-arg=--precision", "--serve-arg=fp32"]
     installed = serve_peers.find_venv(".venv-infinity") is not None
     if installed:
