@@ -50,12 +50,12 @@ def texts_file(path: Path, count: int) -> list[str]:
     return texts
 
 
-def offline_embed(model: str, source: Path, out: Path, precision: str) -> float:
+def offline_embed(model: str, source: Path, out: Path, precision: str, device: str) -> float:
     """`frugality embed`'s texts a second over the same texts, the whole job as a user runs it."""
     started = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "frugality", "embed", model, str(source), "--out", str(out)]
-        + ["--precision", precision, "--no-progress"],
+        + ["--precision", precision, "--device", device, "--no-progress"],
         capture_output=True,
         text=True,
         check=True,
@@ -75,6 +75,7 @@ def main() -> int:
     parser.add_argument("--model", choices=sorted(LEVELS), default="tiny")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds a level")
     parser.add_argument("--precision", default="auto")
+    parser.add_argument("--device", default="auto", help="the server's (and offline embed's) device")
     parser.add_argument("--slo-ms", type=float, default=100.0)
     parser.add_argument("--concurrency", help="clients to try [default: by model]")
     parser.add_argument("--rate", help="open-loop rates to try [default: by model]")
@@ -95,6 +96,7 @@ def main() -> int:
         command += ["--concurrency", args.concurrency or clients, "--rate", args.rate or rates]
         command += ["--duration", str(args.duration), "--slo-ms", str(args.slo_ms), "--json", str(out)]
         command += ["--serve-arg=--precision", f"--serve-arg={args.precision}"]
+        command += ["--serve-arg=--device", f"--serve-arg={args.device}"]
         command += [f"--peer={p}" for p in args.peer]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
@@ -105,12 +107,12 @@ def main() -> int:
         ceilings = [line for line in done.stderr.splitlines() if line.startswith("the generator's ceiling")]
         offline = None
         if args.model == "minilm":
-            offline = offline_embed(model, source, work / "emb", args.precision)
+            offline = offline_embed(model, source, work / "emb", args.precision, args.device)
     header = (
         f"# Serving at the server's limit: {args.model}, one-text embedding requests\n\n{machine_line()} "
-        f"`frugality serve --precision {args.precision}` on the CPU, loaded by `frugality bench serve` on the same "
-        f"machine (plain asyncio, one kept-alive connection a client; {len(texts):,} corpus lines, up to 400 "
-        f"characters), {args.duration:g} s a level, SLO p99 <= {args.slo_ms:g} ms.\n\n"
+        f"`frugality serve --precision {args.precision} --device {args.device}`, loaded by `frugality bench "
+        f"serve` on the same machine (plain asyncio, one kept-alive connection a client; {len(texts):,} "
+        f"corpus lines, up to 400 characters), {args.duration:g} s a level, SLO p99 <= {args.slo_ms:g} ms.\n\n"
         + "".join(f"- {line}\n" for line in ceilings)
         + "\n"
     )
