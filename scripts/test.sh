@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 
 if [ "${1:-}" = "fast" ]; then
     shift
-    exec .venv/bin/python -m pytest -q -m fast "$@"
+    OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" exec .venv/bin/python -m pytest -q -m fast -n auto "$@"
 fi
 [ "${1:-}" = "full" ] && shift
 
@@ -30,8 +30,8 @@ if .venv-xla/bin/python -c "import torch_xla" 2>/dev/null; then
     # (a session of its own is an autogroup of its own under Linux's scheduler, which shares the
     # CPU between groups by the group's nice value, not their processes': both are set; its
     # OpenMP threads wait passively: spinning, the step took 420 s beside the main tier, 385 s not)
-    setsid -w bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null
-        PJRT_DEVICE=CPU OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" nice -n 19 timeout 1800 "$1" -m pytest -q -p no:cacheprovider --durations=10 tests/xla \
+    setsid -w bash -c 'echo 5 >/proc/self/autogroup 2>/dev/null
+        PJRT_DEVICE=CPU OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" nice -n 5 timeout 1800 "$1" -m pytest -q -p no:cacheprovider --durations=10 tests/xla \
         >"$2/out" 2>&1; echo $? >"$2/status"' _ .venv-xla/bin/python "$xla" &
     xla_pid=$!
 elif [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
@@ -43,7 +43,7 @@ else  # torch-xla has wheels for Linux x86-64 only
 fi
 
 # the XLA bridge test deselected: the step above runs what it would start, as it checks it
-.venv/bin/python -m pytest -q -m "not xla" --durations=25 "$@"
+OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" .venv/bin/python -m pytest -q -m "not xla" -n auto --durations=25 "$@"
 main=$?
 
 [ -n "$xla_pid" ] && wait "$xla_pid"

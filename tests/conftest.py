@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -55,13 +56,6 @@ def pytest_collection_modifyitems(config, items):
         return 0.5 if "ray_cluster" in getattr(item, "fixturenames", ()) else 0
 
     items.sort(key=order)  # (stable)
-    # Under xdist with `--dist loadgroup` the tests of a costly session fixture go to one worker,
-    # which builds it once (scripts/test.sh runs one process: on 2 cores, two workers beside
-    # the XLA step took 705 s against 631 s)
-    for item in items:
-        shared = next((f for f in SHARED_FIXTURES if f in getattr(item, "fixturenames", ())), None)
-        if shared is not None:
-            item.add_marker(pytest.mark.xdist_group(shared))
     if os.environ.get("FRUGALITY_NO_C_KERNEL"):  # the kernels off by request: nothing to test of them
         off = pytest.mark.skip(reason="FRUGALITY_NO_C_KERNEL=1: the C kernels are off")
         for item in items:
@@ -76,7 +70,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_FIXTURES = ("micro_compiled", "ray_cluster", "encoder_server", "micro_reference_run")  # the costliest first
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
 XLA_BRIDGE = "test_the_xla_tests_pass_in_their_environment"
 README_TEST = "test_every_readme_command_runs_as_written_in_order"
@@ -236,6 +229,25 @@ def _isolated_cache(tmp_path_factory):
         os.environ["FRUGALITY_CACHE"] = previous
 
 
+def once_per_run(tmp_path_factory, name: str, build):
+    """`build(folder)`'s JSON-able result, built once for the whole run: under pytest-xdist
+    the first worker to ask builds it in a folder the workers share while the others wait on
+    a file lock, then read it (pytest-xdist's own recipe for costly session fixtures: its
+    `--dist loadgroup` does not group tests under pytest 9, whose node ids it cannot tag).
+    What is built is read only: a test that changes it copies it first."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return build(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / name  # (the workers' basetemps' parent)
+    with FileLock(f"{shared}.lock"):
+        result = shared / "result.json"
+        if not result.is_file():
+            shared.mkdir(exist_ok=True)
+            result.write_text(json.dumps(build(shared)))
+        return json.loads(result.read_text())
+
+
 MICRO_RECIPE = """
 name = "micro"
 seed = 7
@@ -294,10 +306,14 @@ def micro_reference_run(tmp_path_factory) -> Path:
     from frugality.config.recipe import load_recipe
     from frugality.training import trainer
 
-    folder = tmp_path_factory.mktemp("micro-reference")
-    (folder / "micro.toml").write_text(MICRO_RECIPE)
-    trainer.train(load_recipe(str(folder / "micro.toml")), run_dir=folder / "run", progress=False, tensorboard=False)
-    return folder / "run"
+    def build(folder: Path) -> str:
+        (folder / "micro.toml").write_text(MICRO_RECIPE)
+        trainer.train(
+            load_recipe(str(folder / "micro.toml")), run_dir=folder / "run", progress=False, tensorboard=False
+        )
+        return str(folder / "run")
+
+    return Path(once_per_run(tmp_path_factory, "micro-reference", build))
 
 
 # An encoder trained contrastively on WordNet pairs, a step in milliseconds.
@@ -377,32 +393,26 @@ CACHE_KEY = "fleet-key-of-32-random-characters"  # signs the compile cache entri
 @pytest.fixture(scope="session")
 def micro_compiled(tmp_path_factory, micro_recipe_text) -> tuple[Path, str]:
     """The micro recipe compiled ahead of time at O1 on the CPU by `frugality compile`, a
-    process of its own as a user runs it (forked: tests/forked_cli.py), once per session (Inductor's cold compile is the
-    suite's most expensive step): the cache folder, with signed entries, and what the
+    process of its own as a user runs it (forked: tests/forked_cli.py), once per run (Inductor's
+    cold compile is the suite's most expensive step): the cache folder, with signed entries, and what the
     command printed. Tests copy the folder before they change anything in it."""
-    folder = tmp_path_factory.mktemp("micro-compiled")
-    recipe = folder / "micro.toml"
-    recipe.write_text(micro_recipe_text)
     import forked_cli
 
-    done = forked_cli.run(
-        *(
-            "compile",
-            recipe,
-            "--level",
-            "O1",
-            "--cache",
-            folder / "cache",
-            "--set",
-            "train.device=cpu",
+    def build(folder: Path) -> tuple[str, str]:
+        recipe = folder / "micro.toml"
+        recipe.write_text(micro_recipe_text)
+        done = forked_cli.run(
+            *("compile", recipe, "--level", "O1", "--cache", folder / "cache", "--set", "train.device=cpu"),
             "--no-progress",
-        ),
-        env=os.environ | {"FRUGALITY_CACHE_KEY": CACHE_KEY},
-        cwd=folder,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr
-    return folder / "cache", done.stdout
+            env=os.environ | {"FRUGALITY_CACHE_KEY": CACHE_KEY},
+            cwd=folder,
+            timeout=900,
+        )
+        assert done.returncode == 0, done.stderr
+        return str(folder / "cache"), done.stdout
+
+    cache, printed = once_per_run(tmp_path_factory, "micro-compiled", build)
+    return Path(cache), printed
 
 
 @pytest.fixture(scope="session")

@@ -154,6 +154,14 @@ def test_frugality_top_shows_the_server_with_its_request_rate(decoder_server, ca
     assert run["requests"] >= 3 and run["requests_per_s"] is not None
 
 
+def _depth(url: str) -> float:
+    """Completion requests waiting for a row (the server's queue-depth gauge)."""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith('frugality_queue_depth{endpoint="completions"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def _completion_tokens(url: str) -> float:
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line.startswith('frugality_tokens_total{endpoint="completions",kind="completion"}'):
@@ -232,11 +240,16 @@ def test_what_the_drain_window_cuts_off_gets_a_503_error_object_and_a_log_line_e
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             sent = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(16)]
-            streamed = asyncio.create_task(client.post("/v1/completions", json={**body, "stream": True}))
-            while _completion_tokens(server.url) == before:  # decoding has begun
+            deadline = time.monotonic() + 60
+            while _completion_tokens(server.url) == before or _depth(server.url) < 8:  # decoding, 8 waiting
+                assert time.monotonic() < deadline, "the requests never queued"
                 await asyncio.sleep(0.002)
-            server.process.send_signal(signal.SIGTERM)
-            return await asyncio.gather(*sent), await streamed
+            # the streamed request behind them (sent with them, it may come first and end in the
+            # window); its headers come once it is queued: then SIGTERM
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as streamed:
+                server.process.send_signal(signal.SIGTERM)
+                await streamed.aread()
+            return await asyncio.gather(*sent), streamed
 
     responses, streamed = asyncio.run(run())
     assert server.process.wait(timeout=60) == 0 and server.stop() == 0
