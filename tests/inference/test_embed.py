@@ -311,6 +311,27 @@ def test_an_imported_folder_embeds_as_the_hugging_face_one(tmp_path, texts_file)
     assert np.array_equal(hf.embed_tokens(rows, longest), imported.embed_tokens(rows, longest))
 
 
+def test_a_batch_of_mixed_lengths_skips_its_padding_and_gives_each_texts_own_vector(monkeypatch):
+    """A server's batch (requests as they come, lengths mixed) runs its products on the real
+    tokens only; each text's vector is the one it gets alone."""
+    from frugality.inference.encoder import UNPAD_BELOW, load_encoder
+    from frugality.models.bert import Bert
+
+    encoder, _ = load_encoder(MODEL, torch.device("cpu"), "fp32")
+    rows = encoder.tokenize(["a", "a longer text of some words, to be padded less than the others", "two words"])
+    longest = max(map(len, rows))
+    assert sum(map(len, rows)) < UNPAD_BELOW * len(rows) * longest
+    asked = []
+    forward = Bert.forward
+    monkeypatch.setattr(
+        Bert, "forward", lambda self, *a, **kw: asked.append(kw.get("unpad")) or forward(self, *a, **kw)
+    )
+    together = encoder.embed_tokens(rows, longest)
+    alone = np.concatenate([encoder.embed_tokens([row], len(row)) for row in rows])
+    assert asked[0] is True and not any(asked[1:])  # (one row alone: no padding to skip)
+    np.testing.assert_allclose(together, alone, rtol=1e-5, atol=1e-6)
+
+
 def test_a_directory_or_a_text_that_is_not_a_string_is_said_as_such(tmp_path, capsys):
     def error(*inputs) -> str:
         assert main(["embed", MODEL, *map(str, inputs), "--out", str(tmp_path / "out"), "--no-progress"]) == 2

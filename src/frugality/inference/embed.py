@@ -287,28 +287,36 @@ def _finish(encoder, settings, k, ids, texts, report, written_before) -> int:
     return 1
 
 
-CHUNK = 4_096  # texts tokenized at once, the next while the model embeds these
+CHUNK = 16_384  # texts tokenized at once (sorted and batched together: the same batches on every run)
 
 
 def embed_overlapped(
     encoder, texts: list[str], batch_tokens: int, max_batch: int, report=lambda n: None
 ) -> tuple[np.ndarray, int]:
-    """`embed_texts` in chunks of CHUNK texts, the next chunk tokenized in a thread while the
-    model embeds this one (HF tokenizers let go of the GIL as they work, as torch's products
-    do), and how many texts were cut to the model's length. Each chunk is sorted and
-    batched on its own: the same batches on every run."""
+    """`embed_texts` in chunks of CHUNK texts, and how many texts were cut to the model's
+    length. On an accelerator the next chunk is tokenized in a thread while the model embeds
+    this one (HF tokenizers let go of the GIL as they work). On the CPU each chunk is
+    tokenized, then embedded: both take every core, and at once their threads wait on each
+    other (2-core Zen 4, 20,000 glosses, a one-layer width-32 BERT: 27,000 texts/s in turn,
+    20,000 overlapped; MiniLM the same either way, its tokenizing 1% of the time)."""
     from concurrent.futures import ThreadPoolExecutor
 
     chunks = [texts[i : i + CHUNK] for i in range(0, len(texts), CHUNK)]
     parts, cut = [], 0
-    with ThreadPoolExecutor(1, thread_name_prefix="frugality-tokenizer") as tokenizer:
-        coming = tokenizer.submit(encoder.encode, chunks[0]) if chunks else None
-        for i in range(len(chunks)):
-            assert coming is not None
-            rows, chunk_cut = coming.result()
-            coming = tokenizer.submit(encoder.encode, chunks[i + 1]) if i + 1 < len(chunks) else None
+    if encoder.device.type == "cpu":
+        for chunk in chunks:
+            rows, chunk_cut = encoder.encode(chunk)
             parts.append(embed_rows(encoder, rows, batch_tokens, max_batch, report))
             cut += chunk_cut
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="frugality-tokenizer") as tokenizer:
+            coming = tokenizer.submit(encoder.encode, chunks[0]) if chunks else None
+            for i in range(len(chunks)):
+                assert coming is not None
+                rows, chunk_cut = coming.result()
+                coming = tokenizer.submit(encoder.encode, chunks[i + 1]) if i + 1 < len(chunks) else None
+                parts.append(embed_rows(encoder, rows, batch_tokens, max_batch, report))
+                cut += chunk_cut
     return (np.concatenate(parts) if parts else np.empty((0, encoder.dim), dtype=np.float32)), cut
 
 

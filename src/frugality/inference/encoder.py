@@ -57,6 +57,9 @@ def read_pooling(folder: Path) -> Pooling:
     return pooling
 
 
+UNPAD_BELOW = 0.8  # a batch whose real tokens fill less of it than this skips its padding
+
+
 class Encoder:
     """Texts in, one embedding (float32) per text out."""
 
@@ -79,6 +82,9 @@ class Encoder:
         tokenizer.enable_truncation(self.max_length)
         tokenizer.no_padding()
         self.dim = (model.config.head or (model.config.hidden_size,))[-1]
+        # skipping padding needs eager shapes (XLA compiles one graph per shape) and the model's
+        # own forward (ONNX Runtime's body runs the padded layout)
+        self.unpads = device.type != "xla" and int8 != "onnxruntime"
 
     def identity(self) -> dict:
         """What a resumed job checks is the same model: the folder of the weights and each
@@ -147,7 +153,11 @@ class Encoder:
         ids_np[filled] = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
         ids = torch.from_numpy(ids_np).to(self.device)
         mask = torch.from_numpy(filled.astype(np.int64)).to(self.device)
-        pooled = pool(self.model(ids, mask), mask, self.pooling.mode)
+        # A batch of mixed lengths (a server's, whose requests come as they come) runs its
+        # products on the real tokens only; sorted batches (embed's) have little padding to skip
+        unpad = self.unpads and lengths.sum() < UNPAD_BELOW * filled.size
+        hidden = self.model(ids, mask, unpad=True) if unpad else self.model(ids, mask)
+        pooled = pool(hidden, mask, self.pooling.mode)
         return self.model.project(pooled, self.pooling.normalize).float().cpu().numpy()[:count]  # through any head
 
 
