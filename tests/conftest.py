@@ -229,22 +229,35 @@ def _isolated_cache(tmp_path_factory):
         os.environ["FRUGALITY_CACHE"] = previous
 
 
-def once_per_run(tmp_path_factory, name: str, build):
+def once_per_run(request, tmp_path_factory, name: str, build):
     """`build(folder)`'s JSON-able result, built once for the whole run: under pytest-xdist
     the first worker to ask builds it in a folder the workers share while the others wait on
     a file lock, then read it (pytest-xdist's own recipe for costly session fixtures: its
     `--dist loadgroup` does not group tests under pytest 9, whose node ids it cannot tag).
-    What is built is read only: a test that changes it copies it first."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+    A build that failed fails the others' tests too, with its error; the remains of a worker
+    that died building are removed before the next builds. What is built is read only: a
+    test that changes it copies it first."""
+    if not hasattr(request.config, "workerinput"):  # (not an xdist worker)
         return build(tmp_path_factory.mktemp(name))
+    import shutil
+    import traceback
+
     from filelock import FileLock
 
     shared = tmp_path_factory.getbasetemp().parent / name  # (the workers' basetemps' parent)
+    failed, result = shared.parent / f"{name}.failed", shared / "result.json"
     with FileLock(f"{shared}.lock"):
-        result = shared / "result.json"
+        if failed.is_file():
+            pytest.fail(f"{name}: another worker's build failed:\n{failed.read_text()}")
         if not result.is_file():
-            shared.mkdir(exist_ok=True)
-            result.write_text(json.dumps(build(shared)))
+            shutil.rmtree(shared, ignore_errors=True)  # (a worker that died building)
+            shared.mkdir()
+            try:
+                built = build(shared)
+            except BaseException:
+                failed.write_text(traceback.format_exc())
+                raise
+            result.write_text(json.dumps(built))
         return json.loads(result.read_text())
 
 
@@ -299,7 +312,7 @@ def micro_recipe_file(tmp_path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def micro_reference_run(tmp_path_factory) -> Path:
+def micro_reference_run(request, tmp_path_factory) -> Path:
     """The micro recipe trained straight through (8 steps, checkpoints at 4 and 8) in this
     process, once a session: the run that resumed, retried and recovered runs must equal to
     the bit. Read only: a test that changes a run copies it first."""
@@ -313,7 +326,7 @@ def micro_reference_run(tmp_path_factory) -> Path:
         )
         return str(folder / "run")
 
-    return Path(once_per_run(tmp_path_factory, "micro-reference", build))
+    return Path(once_per_run(request, tmp_path_factory, "micro-reference", build))
 
 
 # An encoder trained contrastively on WordNet pairs, a step in milliseconds.
@@ -391,7 +404,7 @@ CACHE_KEY = "fleet-key-of-32-random-characters"  # signs the compile cache entri
 
 
 @pytest.fixture(scope="session")
-def micro_compiled(tmp_path_factory, micro_recipe_text) -> tuple[Path, str]:
+def micro_compiled(request, tmp_path_factory, micro_recipe_text) -> tuple[Path, str]:
     """The micro recipe compiled ahead of time at O1 on the CPU by `frugality compile`, a
     process of its own as a user runs it (forked: tests/forked_cli.py), once per run (Inductor's
     cold compile is the suite's most expensive step): the cache folder, with signed entries, and what the
@@ -411,7 +424,7 @@ def micro_compiled(tmp_path_factory, micro_recipe_text) -> tuple[Path, str]:
         assert done.returncode == 0, done.stderr
         return str(folder / "cache"), done.stdout
 
-    cache, printed = once_per_run(tmp_path_factory, "micro-compiled", build)
+    cache, printed = once_per_run(request, tmp_path_factory, "micro-compiled", build)
     return Path(cache), printed
 
 

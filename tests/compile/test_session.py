@@ -1,6 +1,6 @@
 """Compilation in a run: an altered cache entry refused, the recompilation guard and the
 eager fallback. Real torch.compile (Inductor, C++ on the CPU) on the micro recipe, from
-the graphs `frugality compile` put in a cache once per session (`micro_compiled`); the
+the graphs `frugality compile` put in a cache once per run (`micro_compiled`); the
 warm start that compiles nothing is tests/cli/test_compile_cli.py's."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from frugality.training.trainer import train
 
 @pytest.fixture
 def compiled_cache(micro_compiled, tmp_path):
-    """A copy of the micro recipe's compiled graphs (`frugality compile`, once per session),
+    """A copy of the micro recipe's compiled graphs (`frugality compile`, once per run),
     that a test may alter."""
     shutil.copytree(micro_compiled[0], tmp_path / "compiled")
     return tmp_path / "compiled"
