@@ -31,7 +31,10 @@ from pathlib import Path
 from frugality.bench.results import machine_line, write_results
 from frugality.bench.serve import near_zero_encoder
 
-LEVELS = {"tiny": ("1,8,64,256", "500,1000,2000,3000,4000"), "minilm": ("1,8,64,256", "25,50,100,200,250,300,350,400,500")}
+LEVELS = {
+    "tiny": ("1,8,64,256", "500,1000,2000,3000,4000"),
+    "minilm": ("1,8,64,256", "25,50,100,200,250,300,350,400,500"),  # (from 25: where infinity-emb saturates)
+}
 
 
 def texts_file(path: Path, count: int) -> list[str]:
