@@ -12,8 +12,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # `-n auto`'s workers: the CPUs this process may use (xdist's own count is the host's physical
-# cores, which a container's or taskset's limit does not lower)
-export PYTEST_XDIST_AUTO_NUM_WORKERS="${PYTEST_XDIST_AUTO_NUM_WORKERS:-$(nproc)}"
+# cores, which taskset does not lower; nproc follows OMP_NUM_THREADS)
+cpus='import os; print(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())'
+export PYTEST_XDIST_AUTO_NUM_WORKERS="${PYTEST_XDIST_AUTO_NUM_WORKERS:-$(.venv/bin/python -c "$cpus")}"
 
 if [ "${1:-}" = "fast" ]; then
     shift

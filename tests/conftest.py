@@ -313,8 +313,8 @@ def micro_recipe_file(tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def micro_reference_run(request, tmp_path_factory) -> Path:
-    """The micro recipe trained straight through (8 steps, checkpoints at 4 and 8) in this
-    process, once a session: the run that resumed, retried and recovered runs must equal to
+    """The micro recipe trained straight through (8 steps, checkpoints at 4 and 8) in the
+    test process, once per run (`once_per_run`): the run that resumed, retried and recovered runs must equal to
     the bit. Read only: a test that changes a run copies it first."""
     from frugality.config.recipe import load_recipe
     from frugality.training import trainer

@@ -82,9 +82,9 @@ class Encoder:
         tokenizer.enable_truncation(self.max_length)
         tokenizer.no_padding()
         self.dim = (model.config.head or (model.config.hidden_size,))[-1]
-        # skipping padding needs eager shapes (XLA compiles one graph per shape) and the model's
-        # own forward (ONNX Runtime's body runs the padded layout)
-        self.unpads = device.type != "xla" and int8 != "onnxruntime"
+        # skipping padding: measured on the CPU only (not on XLA, which compiles a graph per
+        # shape), and in the model's own forward (ONNX Runtime's body runs the padded layout)
+        self.unpads = device.type == "cpu" and int8 != "onnxruntime"
 
     def identity(self) -> dict:
         """What a resumed job checks is the same model: the folder of the weights and each
@@ -153,7 +153,7 @@ class Encoder:
         ids_np[filled] = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
         ids = torch.from_numpy(ids_np).to(self.device)
         mask = torch.from_numpy(filled.astype(np.int64)).to(self.device)
-        # A batch of mixed lengths (a server's, whose requests come as they come) runs its
+        # A batch of mixed lengths (a server's can be: requests come as they come) runs its
         # products on the real tokens only; sorted batches (embed's) have little padding to skip
         unpad = self.unpads and lengths.sum() < UNPAD_BELOW * filled.size
         hidden = self.model(ids, mask, unpad=True) if unpad else self.model(ids, mask)
