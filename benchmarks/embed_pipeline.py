@@ -3,7 +3,7 @@ one layer and width 32 with all-MiniLM-L6-v2's tokenizer (`near_zero_encoder`), 
 
 Rows, timed in alternating rounds in one process (best and median of each):
 - `encode_batch_fast`: HF tokenizers alone, the texts in memory (the issue's baseline);
-- `embed, in turn`: `embed_overlapped` as `embed` runs it on the CPU (a chunk tokenized, then
+- `embed, in turn`: `embed_in_chunks` as `embed` runs it on the CPU (a chunk tokenized, then
   embedded);
 - `embed, overlapped`: the next chunk tokenized in a thread while the model embeds this one
   (chunks of 4,096: the pipeline before 2026-11-27, and what an accelerator runs).
@@ -63,7 +63,7 @@ def main() -> int:
         encoder, why = load_encoder(folder, torch.device("cpu"), args.precision)
         runs = {
             "encode_batch_fast": lambda: encoder.tokenizer.encode_batch_fast(texts),
-            "embed, in turn": lambda: embed.embed_overlapped(encoder, texts, *embed.BATCH_DEFAULTS["cpu"]),
+            "embed, in turn": lambda: embed.embed_in_chunks(encoder, texts, *embed.BATCH_DEFAULTS["cpu"]),
             "embed, overlapped": lambda: overlapped(encoder, texts),
         }
         seconds: dict[str, list[float]] = {name: [] for name in runs}

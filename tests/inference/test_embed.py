@@ -333,7 +333,7 @@ def test_a_batch_of_mixed_lengths_skips_its_padding_and_gives_each_texts_own_vec
 
 
 def test_texts_in_many_chunks_get_the_vectors_they_get_in_one(monkeypatch):
-    """`embed_overlapped` chunk by chunk (on the CPU in turn), results in input order."""
+    """`embed_in_chunks` over many chunks (on the CPU in turn), results in input order."""
     from frugality.inference import embed
     from frugality.inference.encoder import load_encoder
 
@@ -341,7 +341,7 @@ def test_texts_in_many_chunks_get_the_vectors_they_get_in_one(monkeypatch):
     texts = _texts(7)
     whole = embed.embed_texts(encoder, texts, 2_048, 64)
     monkeypatch.setattr(embed, "CHUNK", 2)
-    chunked, cut = embed.embed_overlapped(encoder, texts, 2_048, 64)
+    chunked, cut = embed.embed_in_chunks(encoder, texts, 2_048, 64)
     assert chunked.shape == whole.shape and cut == 0
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-6)
 

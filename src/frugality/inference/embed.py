@@ -277,7 +277,7 @@ def shard_texts(inputs: Inputs, size: int, count: int, wanted: set[int]):
 
 def _finish(encoder, settings, k, ids, texts, report, written_before) -> int:
     tokens, rows = BATCH_DEFAULTS.get(encoder.device.type, BATCH_DEFAULTS["cpu"])
-    vectors, cut = embed_overlapped(encoder, texts, settings.batch_tokens or tokens, settings.max_batch or rows, report)
+    vectors, cut = embed_in_chunks(encoder, texts, settings.batch_tokens or tokens, settings.max_batch or rows, report)
     write_shard(Path(settings.out), k, ids, vectors, settings.format, cut)
     fault = os.environ.get(FAULT_ENV)
     if fault == f"kill@{written_before + 1}":
@@ -290,7 +290,7 @@ def _finish(encoder, settings, k, ids, texts, report, written_before) -> int:
 CHUNK = 16_384  # texts tokenized at once (sorted and batched together: the same batches on every run)
 
 
-def embed_overlapped(
+def embed_in_chunks(
     encoder, texts: list[str], batch_tokens: int, max_batch: int, report=lambda n: None
 ) -> tuple[np.ndarray, int]:
     """`embed_texts` in chunks of CHUNK texts, and how many texts were cut to the model's
