@@ -1,7 +1,10 @@
 """bf16 linear layers with their weights packed once for oneDNN (`PackedLinear`) against
 plain `F.linear`, on the CPU: all-MiniLM-L6-v2's layer shapes at a server's and an offline
 job's row counts, then the whole encoder's call (`Encoder.embed_tokens`) at batch sizes from
-one text (a lone request) to 64 (what `frugality embed` runs), texts from the bundled corpus.
+one text (a lone request) to 64 (what `frugality embed` runs), texts from the bundled corpus;
+then `frugality generate`'s engine, eager, on a random decoder of Pythia-70m's shape (as
+benchmarks/generate_throughput.py builds it), greedy, 128-token prompts, 32 new tokens, a
+batch of 1 and of 8: the whole run's tokens/s, and whether both complete alike.
 
 Both in one process, alternating rounds (plain, packed, plain, ...), medians of each; the
 largest difference between their outputs is printed (packing changes the layout of the
@@ -116,9 +119,82 @@ def main() -> int:
         f"# bf16 linear layers, weights packed once against plain F.linear\n\n{machine_line()} {why}; "
         f"{args.rounds} alternating rounds in one process, medians; texts: the bundled corpus's lines.\n\n"
     )
+    rows_json += _generation(args.rounds, lines)
     results = Path(__file__).parent / "results"
     write_results(results, "packed_linear", "minilm", header, "\n".join(lines), json.dumps(rows_json, indent=1))
     return 0
+
+
+def _generation(rounds: int, lines: list[str]) -> list[dict]:
+    import shutil
+    import tempfile
+
+    import transformers
+
+    from frugality.data.tokenizer import shipped_tokenizer_dir
+    from frugality.inference import generate
+
+    config = transformers.GPTNeoXConfig(
+        hidden_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        intermediate_size=2048,
+        vocab_size=50304,
+        max_position_embeddings=2048,
+        rotary_pct=0.25,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    corpus = " ".join(text for _, text in open_inputs([str(corpus_files()[0])], "text"))
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp)
+        shutil.copy(shipped_tokenizer_dir("pythia") / "tokenizer.json", Path(tmp) / "tokenizer.json")
+        decoders = {
+            "plain": generate.load_decoder(tmp, torch.device("cpu"), "bf16", pack=False)[0],
+            "packed": generate.load_decoder(tmp, torch.device("cpu"), "bf16")[0],
+        }
+        ids = decoders["packed"].tokenizer.encode(corpus).ids
+        sampling = generate.Sampling(max_new_tokens=32)
+        for batch in (1, 8):
+            prompts = [decoders["packed"].tokenizer.decode(ids[i * 128 : (i + 1) * 128]) for i in range(batch)]
+            items = [(str(i), p) for i, p in enumerate(prompts)]
+            texts: dict[str, list[str]] = {}
+
+            def run(name: str, texts=texts, items=items, batch=batch) -> None:
+                rows: list[dict] = []
+                generate.generate_all(decoders[name], items, sampling, batch, on_row=rows.append)
+                texts[name] = [r["completion"] for r in rows]
+
+            seconds: dict[str, list[float]] = {name: [] for name in decoders}
+            for _ in range(max(2, rounds // 2)):  # alternating, best of each
+                for name in decoders:
+                    seconds[name].append(_seconds(lambda n=name: run(n)))
+            best = {name: min(times) for name, times in seconds.items()}
+            tokens = batch * sampling.max_new_tokens
+            same = texts["plain"] == texts["packed"]
+            plain, packed = tokens / best["plain"], tokens / best["packed"]
+            lines.append(
+                f"| Pythia-70m shape, `generate` (eager) | batch {batch}, 128 + 32 tokens | {plain:,.0f} tokens/s | "
+                f"{packed:,.0f} tokens/s | {packed / plain:.2f}× | {'same completions' if same else 'DIFFERENT'} |"
+            )
+            out.append(
+                {
+                    "what": "generate, Pythia-70m shape",
+                    "batch": batch,
+                    "plain_tokens_per_s": plain,
+                    "packed_tokens_per_s": packed,
+                    "same_completions": same,
+                }
+            )
+    return out
+
+
+def _seconds(run) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 from frugality.cli.main import main
 from frugality.errors import UserError
 from frugality.inference.generate import Engine, Sampling, cache_length, load_decoder, pick
+from frugality.precision import bf16_is_native
 
 transformers = pytest.importorskip("transformers")
 EOS = 0  # the tiny decoders' end token (tests/conftest.py)
@@ -273,3 +274,27 @@ def test_refusals_are_one_error_line(neox_folder, tmp_path, capsys):
     assert said == f"error: prompt {tmp_path / 'empty.jsonl'}:2: no tokens (an empty prompt)"
     with pytest.raises(UserError, match="top-p"):
         Sampling(top_p=0.0)
+
+
+@pytest.mark.skipif(not bf16_is_native(torch.device("cpu"))[0], reason="bf16 products are not native on this CPU")
+@pytest.mark.parametrize("family", ["neox", "llama"])
+def test_a_bf16_decoder_packs_its_layers_and_completes_alike(family, request):
+    """Where bf16 is native, a bf16 decoder's linear layers run with their weights packed for
+    oneDNN (not a tied output layer, which keeps the embedding's tensor), and greedy decoding
+    gives the tokens of the same decoder with plain layers; `pack=False` (a decoder
+    torch.compile will take) packs nothing."""
+    from frugality.kernels.packed_linear import PackedLinear
+
+    folder = request.getfixturevalue(f"{family}_folder")
+    tokens = {}
+    for pack in (True, False):
+        decoder, _ = load_decoder(folder, torch.device("cpu"), "bf16", pack=pack)
+        packed = [m for m in decoder.model.modules() if isinstance(m, PackedLinear)]
+        plain = [m for m in decoder.model.modules() if type(m) is torch.nn.Linear]
+        if pack:
+            assert packed and all(m.weight is decoder.model.embed.weight for m in plain)
+        else:
+            assert not packed and plain
+        engine = Engine(decoder, len(PROMPTS), cache_length(max(map(len, PROMPTS)), 6, decoder.max_seq_len))
+        tokens[pack] = [c.tokens for c in engine.generate(PROMPTS, Sampling(max_new_tokens=6))]
+    assert tokens[True] == tokens[False]

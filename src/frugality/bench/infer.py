@@ -302,7 +302,7 @@ def bench_generate(
     from frugality.inference.generate import Engine, Sampling, cache_length, load_decoder
 
     device = bench_device(device)
-    decoder, _ = load_decoder(model, device, precision)
+    decoder, _ = load_decoder(model, device, precision, pack=not compile)
     try:
         import transformers
     except ImportError as e:

@@ -115,7 +115,10 @@ def generate(
     )
     Sampling(**settings)  # bad values are refused before the model loads
     decoder, why = load_decoder(
-        model, resolve_device(device, key="--device", what="frugality generate", xla_ok=True), precision
+        model,
+        resolve_device(device, key="--device", what="frugality generate", xla_ok=True),
+        precision,
+        pack=not compile_,  # (Inductor compiles plain layers)
     )
     sampling = Sampling(**settings, stop_ids=_stop_ids(decoder, stop_tokens))
     compile_backend = "inductor" if compile_ else None

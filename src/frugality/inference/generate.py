@@ -36,8 +36,10 @@ from frugality import xla
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 from frugality.inference.encoder import load_model, resolve_precision
+from frugality.kernels.packed_linear import pack_linear_weights
 from frugality.models import Decoder as DecoderModel
 from frugality.models.kv_cache import KVCache
+from frugality.precision import bf16_is_native
 from frugality.precision.int8 import quantize_int8
 
 DECODERS = ("gpt-neox", "llama")
@@ -103,9 +105,14 @@ class Decoder:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def load_decoder(path: str | Path, device: torch.device, precision: str = "auto") -> tuple[Decoder, str]:
+def load_decoder(
+    path: str | Path, device: torch.device, precision: str = "auto", pack: bool = True
+) -> tuple[Decoder, str]:
     """The decoder at `path` (a Hugging Face folder, an imported folder or a run) on
-    `device`, and the precision line (what was chosen, why)."""
+    `device`, and the precision line (what was chosen, why). `pack`: in bf16 on a CPU with
+    native bf16, the linear layers' weights laid out once for oneDNN
+    (`frugality.kernels.packed_linear`); pass False for a model torch.compile will take
+    (Inductor cannot lower the packed op outside its own freezing pass)."""
     dtype, why = resolve_precision(precision, device, encoder=False)
     loaded = load_model(path, _check_decoder)
     tokenizer = _open_tokenizer(loaded.tokenizer, Path(path))
@@ -113,6 +120,8 @@ def load_decoder(path: str | Path, device: torch.device, precision: str = "auto"
     model = cast(DecoderModel, loaded.model).to(device=device, dtype=dtype)  # as _check_decoder admitted
     if precision == "int8":
         quantize_int8(model)
+    elif pack and dtype == torch.bfloat16 and device.type == "cpu" and bf16_is_native(device)[0]:
+        pack_linear_weights(model)  # (a tied output layer keeps the embedding's weight, unpacked)
     return Decoder(model, tokenizer, eos, device, dtype, loaded.weights), why
 
 

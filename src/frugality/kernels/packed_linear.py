@@ -7,9 +7,11 @@ server batches (tens of tokens) that costs a large part of the product. Laid out
 load (`torch.ops.mkldnn._reorder_linear_weight`, as Inductor's freezing pass does for CPU
 models), the same product runs through `torch.ops.mkldnn._linear_pointwise` with
 bit-identical results. Measured (benchmarks/packed_linear.py, AMD EPYC Zen 4, 2 threads,
-all-MiniLM-L6-v2's shapes): 1.45-1.50x a layer at 11 rows, 1.08-1.17x at 96, 1.03-1.16x at
-1,000; the whole encoder's call 1.28x for one text, 1.12-1.19x for 4-8 (a server's
-batches), 1.02-1.06x for 16-64. In fp32 PyTorch uses MKL, whose packed layout gained under
+all-MiniLM-L6-v2's shapes): 1.40-1.92x a layer at 11 rows, 1.08-1.50x at 96, 1.05-1.15x at
+1,000; the whole encoder's call 1.37x for one text, 1.16-1.24x for 4-8 (a server's
+batches), 1.11-1.14x for 16-64 (an earlier run the same evening: 1.28x, 1.12-1.19x,
+1.02-1.06x); `generate`'s eager engine on a decoder of Pythia-70m's shape 1.06-1.07x, the
+same completions. In fp32 PyTorch uses MKL, whose packed layout gained under
 10% in a probe: not used.
 
 Inference only (no gradient flows to a packed weight). `frugality.inference.encoder` packs
