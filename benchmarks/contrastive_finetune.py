@@ -26,7 +26,7 @@ import torch
 
 from frugality.bench.results import machine_line, write_results
 from frugality.data.bundled import bundled_pairs
-from frugality.inference.embed import embed_texts
+from frugality.inference.batches import embed_texts
 from frugality.inference.encoder import load_encoder
 
 

@@ -28,7 +28,7 @@ import torch
 
 from frugality.bench.results import machine_line, write_results
 from frugality.bench.serve import near_zero_encoder
-from frugality.inference import embed
+from frugality.inference import batches
 from frugality.inference.encoder import load_encoder
 
 GLOSSES = Path(__file__).resolve().parents[2] / "shared" / "assets" / "pairs" / "wordnet-glosses.jsonl.gz"
@@ -44,7 +44,7 @@ def overlapped(encoder, texts: list[str], chunk: int = 4_096) -> np.ndarray:
             rows, _ = coming.result()
             if i + 1 < len(chunks):
                 coming = tokenizer.submit(encoder.encode, chunks[i + 1])
-            parts.append(embed.embed_rows(encoder, rows, *embed.BATCH_DEFAULTS["cpu"]))
+            parts.append(batches.embed_rows(encoder, rows, *batches.BATCH_DEFAULTS["cpu"]))
     return np.concatenate(parts)
 
 
@@ -63,7 +63,7 @@ def main() -> int:
         encoder, why = load_encoder(folder, torch.device("cpu"), args.precision)
         runs = {
             "encode_batch_fast": lambda: encoder.tokenizer.encode_batch_fast(texts),
-            "embed, in turn": lambda: embed.embed_in_chunks(encoder, texts, *embed.BATCH_DEFAULTS["cpu"]),
+            "embed, in turn": lambda: batches.embed_in_chunks(encoder, texts, *batches.BATCH_DEFAULTS["cpu"]),
             "embed, overlapped": lambda: overlapped(encoder, texts),
         }
         seconds: dict[str, list[float]] = {name: [] for name in runs}

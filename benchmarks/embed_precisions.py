@@ -24,7 +24,7 @@ import torch
 
 from frugality.bench.results import machine_line, write_results
 from frugality.errors import UserError
-from frugality.inference.embed import embed_texts
+from frugality.inference.batches import embed_texts
 from frugality.inference.encoder import load_encoder
 from frugality.inference.inputs import open_inputs
 from frugality.precision import bf16_is_native

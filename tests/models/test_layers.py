@@ -52,7 +52,8 @@ def test_rejects_an_odd_or_oversized_rotary_dimension():
 
 
 def test_a_model_built_empty_has_the_rotary_tables_of_one_built_for_real():
-    from frugality.models import GPTNeoXConfig, build_empty, build_model
+    from frugality.models import GPTNeoXConfig, build_model
+    from frugality.models.materialize import build_empty
 
     cfg = GPTNeoXConfig(hidden_size=64, num_layers=2, num_heads=4, max_seq_len=32)
     real, empty = build_model(cfg), build_empty(cfg)
@@ -62,7 +63,8 @@ def test_a_model_built_empty_has_the_rotary_tables_of_one_built_for_real():
 
 
 def test_a_model_built_empty_keeps_its_tied_weights_tied():
-    from frugality.models import BertConfig, LlamaConfig, build_empty
+    from frugality.models import BertConfig, LlamaConfig
+    from frugality.models.materialize import build_empty
 
     llama = build_empty(
         LlamaConfig(

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import MINILM
 
-from frugality.inference.embed import embed_texts
+from frugality.inference.batches import embed_texts
 from frugality.serve.protocol import APIError
 
 

@@ -15,7 +15,8 @@ import torch
 from frugality import xla
 from frugality.cli.main import main
 from frugality.config.recipe import load_recipe
-from frugality.inference.embed import embed_texts, read_embeddings
+from frugality.inference.batches import embed_texts
+from frugality.inference.embed import read_embeddings
 from frugality.inference.encoder import load_encoder
 from frugality.inference.generate import Decoder, Sampling, generate_all, load_decoder
 from frugality.training import trainer

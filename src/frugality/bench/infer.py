@@ -24,7 +24,7 @@ import torch
 from frugality.bench.results import synchronize
 from frugality.errors import UserError
 from frugality.hardware import device_name
-from frugality.inference.embed import embed_texts
+from frugality.inference.batches import embed_texts
 from frugality.inference.encoder import load_encoder
 from frugality.runtime.device import resolve_device
 

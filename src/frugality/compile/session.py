@@ -29,12 +29,20 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from frugality.compile.base import (
+    CompileError,
+    CompileFallbackWarning,
+    CompileStats,
+    RecompileError,
+    RecompileWarning,
+    SessionBase,
+    fleet_key,
+)
 from frugality.compile.cache import KEY_ENV_VAR, CompileCache, cache_url, fingerprint, fresh_inductor_dir
 from frugality.compile.levels import (
     apply_level,
@@ -44,49 +52,11 @@ from frugality.compile.levels import (
     inductor_options,
     revert_to_eager,
 )
-from frugality.errors import FrugalityWarning, UserError
 
 if TYPE_CHECKING:
     from frugality.compile.xla import XlaCompileSession
 
 T = TypeVar("T")
-
-
-class CompileError(UserError):
-    """A graph failed to compile with `compile.fallback = false`."""
-
-
-class RecompileError(UserError):
-    """A compilation after warm-up with `compile.on_recompile = "error"`."""
-
-
-class RecompileWarning(FrugalityWarning):
-    """A compilation after warm-up, with `compile.on_recompile = "warn"`."""
-
-
-class CompileFallbackWarning(FrugalityWarning):
-    """A graph failed to compile and runs eagerly."""
-
-
-@dataclass
-class CompileStats:
-    level: str
-    cache: str | None = None
-    signed: bool = False  # a fleet key was set: entries signed when published, verified when fetched
-    fetched: bool = False
-    published: bool = False
-    graphs: int = 0  # graphs compiled or loaded by Inductor
-    cache_hits: int = 0  # graphs loaded from the cache, nothing generated or built
-    cache_misses: int = 0  # graphs generated and built here
-    compile_s: float = 0.0  # time in dynamo + AOTAutograd + Inductor, cache loads included
-    warm_up_s: float = 0.0  # wall time of each phase's first call (compiling and computing)
-    recompiles: int = 0
-    unloadable: int = 0  # XLA: executables found in the cache that this PJRT client cannot load (the CPU client)
-    fallbacks: list[str] = field(default_factory=list)
-    recompile_reasons: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _counters() -> tuple[int, int]:
@@ -101,29 +71,7 @@ def _metrics() -> list:
     return get_compilation_metrics()
 
 
-MIN_KEY_LENGTH = 16
-
-
-def _fleet_key(variable: str) -> bytes | None:
-    """The fleet key from the environment variable `compile.cache_key_env` names. A recipe
-    chooses the variable, so it may not weaken verification: with FRUGALITY_CACHE_KEY set it
-    cannot name another variable, and a key too short to be a secret (a variable such as
-    HOME, guessable by whoever wrote the recipe) is refused."""
-    if variable != KEY_ENV_VAR and os.environ.get(KEY_ENV_VAR):
-        raise UserError(
-            f"compile.cache_key_env = {variable!r} while {KEY_ENV_VAR} is set: a recipe may not "
-            "choose another cache key (docs/security.md)"
-        )
-    key = os.environ.get(variable, "")
-    if key and len(key) < MIN_KEY_LENGTH:
-        raise UserError(
-            f"the compile cache key in ${variable} has {len(key)} characters; a fleet key needs at "
-            f"least {MIN_KEY_LENGTH} random ones (docs/security.md)"
-        )
-    return key.encode() or None
-
-
-class CompileSession:
+class CompileSession(SessionBase):
     def __init__(
         self,
         level: str,
@@ -162,7 +110,7 @@ class CompileSession:
                 device=device,
                 options=self.options,
             )
-            key = _fleet_key(cache_key_env)  # never logged or stored
+            key = fleet_key(cache_key_env)  # never logged or stored
             self.cache = CompileCache(cache_url(cache), fp, key)
             self.stats.cache = repr(self.cache)
             self.stats.signed = self.cache.signed
@@ -217,17 +165,6 @@ class CompileSession:
         self._start_metrics = self._seen_metrics = list(_metrics())
         apply_level(model, self.level, self.options, self.backend)
         self.model = model
-
-    @contextlib.contextmanager
-    def active(self, model: torch.nn.Module):
-        """The session around a run: started on `model`'s blocks, then closed (what was
-        compiled published) and cleaned up however the block ends."""
-        try:
-            self.start(model)
-            yield self
-        finally:
-            self.close()
-            self.cleanup()
 
     # -- 2. warm-up and 3. guard -------------------------------------------------------------
     def run(self, phase: str, step: int, fn: Callable[[], T], reset: Callable[[], None]) -> T:

@@ -30,14 +30,14 @@ from typing import TypeVar
 import torch
 
 from frugality import xla
+from frugality.compile.base import CompileStats, RecompileError, RecompileWarning, SessionBase, fleet_key
 from frugality.compile.cache import CompileCache, cache_url, fingerprint
-from frugality.compile.session import CompileStats, RecompileError, RecompileWarning, _fleet_key
 from frugality.paths import cache_dir
 
 T = TypeVar("T")
 
 
-class XlaCompileSession:
+class XlaCompileSession(SessionBase):
     """The same interface as `CompileSession` (start, run, check, close, cleanup, active,
     outside, stats, warmed), for XLA devices. Each phase warms up over two calls: the first
     optimizer step creates the moments, so the second step's graph is another; and an
@@ -98,7 +98,7 @@ class XlaCompileSession:
                 "spmd": recipe.parallel.data if recipe.parallel.spmd else None,
             },
         )
-        cache = CompileCache(cache_url(c.cache), fp, _fleet_key(c.cache_key_env))
+        cache = CompileCache(cache_url(c.cache), fp, fleet_key(c.cache_key_env))
         return cls(on_recompile=c.on_recompile, cache=cache)
 
     def start(self, model: torch.nn.Module) -> None:
@@ -107,15 +107,6 @@ class XlaCompileSession:
         self._base_s = xla.compile_seconds()
         self._hits = xla.persistent_cache_hits()
         self._unloadable = xla.persistent_cache_unloadable()
-
-    @contextlib.contextmanager
-    def active(self, model: torch.nn.Module):
-        try:
-            self.start(model)
-            yield self
-        finally:
-            self.close()
-            self.cleanup()
 
     def run(self, phase: str, step: int, fn: Callable[[], T], reset: Callable[[], None]) -> T:
         """A phase's first calls compile its graphs; a later call that compiles is reported.

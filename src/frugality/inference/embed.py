@@ -27,30 +27,30 @@ A new job cuts its texts into at least as many shards as it has processes.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
-import os
 import signal
 import time
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from frugality.checkpoint import fsync_dir
-from frugality.errors import FrugalityWarning, UserError
+from frugality.errors import UserError
 from frugality.inference.inputs import Inputs
+from frugality.inference.shards import (
+    clean_partials,
+    done_name,
+    embed_shard,
+    file_sha256,
+    is_complete,
+    read_done,
+    shard_names,
+    shard_texts,
+)
 from frugality.paths import write_atomically
 
 JOB_FILE, MANIFEST_FILE = "job.json", "manifest.json"
-# tests: kill@N, the process kills itself after writing N shards; stall@N, it waits there (for a signal)
-FAULT_ENV = "FRUGALITY_INJECT_FAULT"
-# (padded tokens, texts) per batch. On a CPU small batches keep an encoder's products in
-# cache: all-MiniLM-L6-v2 on WordNet glosses ran 225 texts/s at 2,048 tokens and 64 texts,
-# 114 at 16,384 and 512 (2-core EPYC, 2 threads); a GPU wants large ones.
-BATCH_DEFAULTS = {"cpu": (2_048, 64), "cuda": (65_536, 1_024)}
 TEXTS_PER_PROCESS = 20_000  # a process takes seconds to start and load the model: not worth it for fewer
 MAX_CPU_PROCESSES = 8
 
@@ -71,65 +71,6 @@ class EmbedSettings:
     normalize: bool | None = None
     max_length: int | None = None
     format: str = "npy"  # or "parquet"
-
-
-def shard_names(k: int, fmt: str) -> tuple[str, ...]:
-    """The files of shard k: (ids, embeddings) for npy, (table,) for parquet."""
-    stem = f"shard-{k:05d}"
-    return (f"{stem}.ids.json", f"{stem}.npy") if fmt == "npy" else (f"{stem}.parquet",)
-
-
-def done_name(k: int) -> str:
-    """Shard k's last file: the SHA-256 of each of its files, and its texts cut short."""
-    return f"shard-{k:05d}.done.json"
-
-
-def read_done(out: Path, k: int) -> dict | None:
-    """Shard k's record, if it was written (and is JSON)."""
-    try:
-        record = json.loads((out / done_name(k)).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and isinstance(record.get("sha256"), dict) else None
-
-
-def is_complete(out: Path, k: int, fmt: str, rows: int, hashed: bool = True, verify: bool = True) -> bool:
-    """Shard k's record (written last, by a rename) is there and its files match their
-    hashes in it (`verify=False`: for shards just written, whose hashes were taken as they
-    were); its embeddings hold its `rows`. `hashed=False`: a job begun before shards had
-    hashes, whose embeddings file (then written last) marks a complete shard."""
-    path = out / shard_names(k, fmt)[-1]
-    if not path.is_file():
-        return False
-    if hashed:
-        recorded = read_done(out, k)
-        if recorded is None:  # not written yet (a crash in between), or damaged: redo
-            return False
-        for name in shard_names(k, fmt) if verify else ():
-            if recorded["sha256"].get(name) != _sha256(out / name):
-                warnings.warn(
-                    f"{out / name}: does not match its SHA-256 in {done_name(k)} (changed since it was "
-                    "written); embedding its shard again",
-                    FrugalityWarning,
-                    stacklevel=2,
-                )
-                return False
-    try:
-        if fmt == "npy":
-            return np.load(path, mmap_mode="r").shape[0] == rows
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows == rows
-    except Exception:  # unreadable: redo it
-        return False
-
-
-def _sha256(path: Path) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-    except OSError:
-        return None
 
 
 def resolve_processes(nproc: int | str, count: int, device) -> int:
@@ -250,133 +191,8 @@ def run_shards(
     `report(n)` hears of every n texts embedded."""
     written = 0
     for k, ids, texts in shard_texts(inputs, size, count, set(shards)):
-        written += _finish(encoder, settings, k, ids, texts, report, written)
+        written += embed_shard(encoder, settings, k, ids, texts, report, written)
     return written
-
-
-def shard_texts(inputs: Inputs, size: int, count: int, wanted: set[int]):
-    """(shard, ids, texts) for each wanted shard, reading the inputs once."""
-    ids: list[str] = []
-    texts: list[str] = []
-    current = None
-    for index, (text_id, text) in enumerate(inputs):
-        if index >= count:
-            break
-        k = index // size
-        if k not in wanted:
-            continue
-        if current is not None and k != current:
-            yield current, ids, texts
-            ids, texts = [], []
-        current = k
-        ids.append(text_id)
-        texts.append(text)
-    if current is not None:
-        yield current, ids, texts
-
-
-def _finish(encoder, settings, k, ids, texts, report, written_before) -> int:
-    tokens, rows = BATCH_DEFAULTS.get(encoder.device.type, BATCH_DEFAULTS["cpu"])
-    vectors, cut = embed_in_chunks(encoder, texts, settings.batch_tokens or tokens, settings.max_batch or rows, report)
-    write_shard(Path(settings.out), k, ids, vectors, settings.format, cut)
-    fault = os.environ.get(FAULT_ENV)
-    if fault == f"kill@{written_before + 1}":
-        os.kill(os.getpid(), signal.SIGKILL)  # the reliability test's crash: right after a shard
-    if fault == f"stall@{written_before + 1}":
-        time.sleep(600)  # the signal test's stop: it comes while the job waits here
-    return 1
-
-
-CHUNK = 16_384  # texts tokenized at once (sorted and batched together: the same batches on every run)
-
-
-def embed_in_chunks(
-    encoder, texts: list[str], batch_tokens: int, max_batch: int, report=lambda n: None
-) -> tuple[np.ndarray, int]:
-    """`embed_texts` in chunks of CHUNK texts, and how many texts were cut to the model's
-    length. On an accelerator the next chunk is tokenized in a thread while the model embeds
-    this one (HF tokenizers let go of the GIL as they work). On the CPU each chunk is
-    tokenized, then embedded: both take every core, and at once their threads wait on each
-    other (2-core Zen 4, 20,000 glosses, a one-layer width-32 BERT in bf16: 24,072 texts/s in
-    turn, 20,830 overlapped; MiniLM the same either way, its tokenizing 1% of the time)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    chunks = [texts[i : i + CHUNK] for i in range(0, len(texts), CHUNK)]
-    parts, cut = [], 0
-    if encoder.device.type == "cpu":
-        for chunk in chunks:
-            rows, chunk_cut = encoder.encode(chunk)
-            parts.append(embed_rows(encoder, rows, batch_tokens, max_batch, report))
-            cut += chunk_cut
-    else:
-        with ThreadPoolExecutor(1, thread_name_prefix="frugality-tokenizer") as tokenizer:
-            coming = tokenizer.submit(encoder.encode, chunks[0]) if chunks else None
-            for i in range(len(chunks)):
-                assert coming is not None
-                rows, chunk_cut = coming.result()
-                coming = tokenizer.submit(encoder.encode, chunks[i + 1]) if i + 1 < len(chunks) else None
-                parts.append(embed_rows(encoder, rows, batch_tokens, max_batch, report))
-                cut += chunk_cut
-    return (np.concatenate(parts) if parts else np.empty((0, encoder.dim), dtype=np.float32)), cut
-
-
-def embed_texts(encoder, texts: list[str], batch_tokens: int, max_batch: int, report=lambda n: None) -> np.ndarray:
-    """Embeddings of `texts` in their order, computed longest first in token-budget batches.
-    On XLA, whose graphs are compiled per shape, a batch is padded to a length bucket (16,
-    32, 64, ... tokens) and filled to that bucket's fixed number of rows: one graph each."""
-    return embed_rows(encoder, encoder.tokenize(texts), batch_tokens, max_batch, report)
-
-
-def embed_rows(encoder, rows: list[list[int]], batch_tokens: int, max_batch: int, report=lambda n: None) -> np.ndarray:
-    """`embed_texts` of texts already tokenized (`encoder.tokenize`)."""
-    from frugality.inference.generate import bucket
-
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]), reverse=True)
-    result = np.empty((len(rows), encoder.dim), dtype=np.float32)
-    static = encoder.device.type == "xla"
-    start = 0
-    while start < len(order):
-        longest = len(rows[order[start]])
-        pad_to = bucket(longest, encoder.max_length) if static else min(longest, encoder.max_length)
-        fill = max(1, min(max_batch, batch_tokens // pad_to))
-        n = min(fill, len(order) - start)
-        chosen = order[start : start + n]
-        result[chosen] = encoder.embed_tokens([rows[i] for i in chosen], pad_to, fill if static else n)
-        report(n)
-        start += n
-    return result
-
-
-def write_shard(out: Path, k: int, ids: list[str], vectors: np.ndarray, fmt: str, truncated: int = 0) -> None:
-    """Shard k's files, then its record (`truncated`: its texts cut to the model's length)."""
-    names = shard_names(k, fmt)
-    hashes = {}
-    try:
-        (out / done_name(k)).unlink(missing_ok=True)  # (a damaged shard's: it is incomplete from here)
-        if fmt == "npy":
-            hashes[names[0]] = write_atomically(out / names[0], json.dumps(ids).encode(), digest=True)
-            # through Python's write: numpy's own (fwrite) says a full disk without its errno
-            hashes[names[1]] = write_atomically(out / names[1], lambda f: np.save(_Stream(f), vectors), digest=True)
-        else:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            embedding = pa.FixedSizeListArray.from_arrays(vectors.reshape(-1), vectors.shape[1])
-            table = pa.table({"id": ids, "embedding": embedding})
-            hashes[names[0]] = write_atomically(out / names[0], lambda f: pq.write_table(table, f), digest=True)
-        write_atomically(out / done_name(k), json.dumps({"sha256": hashes, "truncated": truncated}, indent=1).encode())
-    except BaseException:  # a full disk, Ctrl-C: none of the shard's files stay (its ids alone are no use)
-        for name in (*names, done_name(k)):
-            (out / name).unlink(missing_ok=True)
-        raise
-    fsync_dir(out)  # the renames on disk: a power cut cannot undo a complete shard
-
-
-class _Stream:
-    """A file as numpy sees a stream: np.save then writes through the file's `write`."""
-
-    def __init__(self, f) -> None:
-        self.write = f.write
 
 
 def write_manifest(out: Path, job: dict, dim: int) -> dict:
@@ -409,12 +225,6 @@ def write_manifest(out: Path, job: dict, dim: int) -> dict:
     return manifest
 
 
-def clean_partials(out: Path) -> None:
-    """Temporary files of a shard a crash cut short: their shard is redone."""
-    for tmp in out.glob(".shard-*.tmp*"):
-        tmp.unlink(missing_ok=True)
-
-
 def read_embeddings(out: str | Path) -> tuple[list[str], np.ndarray]:
     """All ids and embeddings of a finished job, in input order (for users and tests); a
     file that does not match its SHA-256 in the manifest is a UserError naming it."""
@@ -423,7 +233,7 @@ def read_embeddings(out: str | Path) -> tuple[list[str], np.ndarray]:
     ids, parts = [], []
     for shard in manifest["shards"]:
         for name, digest in shard.get("sha256", {}).items():
-            if _sha256(out / name) != digest:
+            if file_sha256(out / name) != digest:
                 raise UserError(
                     f"{out / name}: does not match its SHA-256 in {MANIFEST_FILE} (changed since it was written); "
                     "rerun the embed command to embed its shard again"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from frugality.data.ray_cluster import joined
 from frugality.errors import UserError
-from frugality.inference.embed import shard_texts
+from frugality.inference.shards import embed_shard, shard_texts
 
 _ATTEMPTS = 3
 DIE_ENV = "FRUGALITY_EMBED_DIE_IN"  # tests: the actor embedding this shard dies there, once
@@ -119,11 +119,9 @@ class _Embedder:
         )
 
     def embed(self, k: int, ids: list[str], texts: list[str]) -> int:
-        from frugality.inference.embed import _finish
-
         out = Path(self.settings.out)
         if os.environ.get(DIE_ENV) == str(k) and not (out / f".died-in-{k}").exists():
             (out / f".died-in-{k}").touch()
             os.kill(os.getpid(), signal.SIGKILL)  # (tests: a worker lost mid-shard)
-        _finish(self.encoder, self.settings, k, ids, texts, lambda n: None, 0)
+        embed_shard(self.encoder, self.settings, k, ids, texts, lambda n: None, 0)
         return len(ids)

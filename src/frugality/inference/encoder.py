@@ -29,8 +29,9 @@ from frugality.interop.hf import import_hf
 from frugality.interop.sentence_transformers import pooling_mode, read_json
 from frugality.interop.weights import WeightsSource, file_beside, load_weights, recipe_beside, resolve_source
 from frugality.kernels.packed_linear import pack_linear_weights
-from frugality.models import Model, build_empty
+from frugality.models import Model
 from frugality.models.bert import Bert, pool
+from frugality.models.materialize import build_empty
 from frugality.precision import bf16_is_native
 from frugality.precision.int8 import int8_products, quantize_int8
 

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
+from typing import Annotated, Any, TypeAlias
 
 from pydantic import Discriminator, Tag
 
 from frugality.models.bert import Bert, BertConfig
 from frugality.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 from frugality.models.llama import Llama, LlamaConfig
-
-if TYPE_CHECKING:
-    import torch
 
 # The model classes, for code that reaches into a model's own attributes (`config`, `layers`).
 Model: TypeAlias = GPTNeoX | Llama | Bert
@@ -36,19 +33,6 @@ ModelConfig = Annotated[
 ]
 
 
-def build_empty(cfg, device: torch.device | str = "cpu") -> Model:
-    """The model's structure to load weights into, without the cost of initialising them:
-    built on the meta device, its parameters then allocated (uninitialised) on `device`,
-    and the buffers no checkpoint holds (rotary tables) computed there."""
-    import torch
-
-    from frugality.models.materialize import allocate
-
-    with torch.device("meta"):
-        model = build_model(cfg)
-    return allocate(model, device)
-
-
 def build_model(cfg) -> Model:
     """Instantiate the model a config describes, initialised on the current default device."""
     try:
@@ -68,6 +52,5 @@ __all__ = [
     "LlamaConfig",
     "Model",
     "ModelConfig",
-    "build_empty",
     "build_model",
 ]

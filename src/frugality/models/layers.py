@@ -45,7 +45,7 @@ class RotaryEmbedding(nn.Module):
     def reset_tables(self) -> None:
         """(Re)compute the tables in place, on whatever device they are: a model built on
         the meta device and moved with `to_empty` has them uninitialised
-        (`frugality.models.build_empty`)."""
+        (`frugality.models.materialize.build_empty`)."""
         if self.cos.is_meta:
             return
         max_seq_len, dim, half = self.cos.shape[0], self.dim, self.dim // 2

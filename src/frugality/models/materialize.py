@@ -17,15 +17,24 @@ from typing import TypeVar, cast
 import torch
 from torch import nn
 
+from frugality.models import Decoder, Model, build_model
+
 M = TypeVar("M", bound=nn.Module)
+
+
+def build_empty(cfg, device: torch.device | str = "cpu") -> Model:
+    """The model's structure to load weights into, without the cost of initialising them:
+    built on the meta device, its parameters then allocated (uninitialised) on `device`,
+    and the buffers no checkpoint holds (rotary tables) computed there."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return allocate(model, device)
 
 
 def draw_parameters(cfg, device: torch.device | str, take: Callable[[str, torch.Tensor], None]) -> None:
     """Draw the values `build_model(cfg)` gives each parameter under the generator's
     current state, calling `take(name, value)` for each (float32, on `device`, whole);
     at most one layer's parameters exist at a time."""
-    from frugality.models import Decoder, build_model
-
     with torch.device("meta"):
         # the structure: names, shapes, and the order layers were built in (tensor and pipeline
         # parallel, the only callers, run decoders)

@@ -2,7 +2,7 @@
 the event loop queues each request's texts; a tokenizer thread takes everything queued and
 tokenizes it in one call (HF tokenizers release the GIL while they work), while the model
 runs; the model thread takes every tokenized request up to a token budget and embeds them
-together, longest first, in the batches `frugality embed` makes (`inference.embed.embed_rows`).
+together, longest first, in the batches `frugality embed` makes (`inference.batches.embed_rows`).
 An idle model takes what is there and goes (no timed wait unless `max_wait_ms` asks for
 one); requests that arrive while a batch runs make the next one. The queue is bounded: a
 request that finds it full is refused (503) at once, never held in an unbounded backlog."""
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from frugality.inference.embed import embed_rows
+from frugality.inference.batches import embed_rows
 from frugality.serve.completions import settle
 from frugality.serve.protocol import overloaded
 

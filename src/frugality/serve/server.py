@@ -151,7 +151,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def _load(settings: ServeSettings, family: str, device, state: State, log, where: str, server) -> None:
     try:
         if family == "bert":
-            from frugality.inference.embed import BATCH_DEFAULTS
+            from frugality.inference.batches import BATCH_DEFAULTS
             from frugality.inference.encoder import load_encoder
             from frugality.serve.embeddings import EmbeddingService
 

@@ -1,0 +1,73 @@
+"""Texts into vectors: sorted by token length, batched by a token budget (many short texts
+or few long ones a batch), each batch padded to its longest text only, results back in input
+order; a long list in chunks of CHUNK texts (`embed_in_chunks`). What `frugality embed`
+(a shard at a time, `inference.shards`), `serve` and the benchmarks run."""
+
+from __future__ import annotations
+
+import numpy as np
+
+# (padded tokens, texts) per batch. On a CPU small batches keep an encoder's products in
+# cache: all-MiniLM-L6-v2 on WordNet glosses ran 225 texts/s at 2,048 tokens and 64 texts,
+# 114 at 16,384 and 512 (2-core EPYC, 2 threads); a GPU wants large ones.
+BATCH_DEFAULTS = {"cpu": (2_048, 64), "cuda": (65_536, 1_024)}
+
+
+CHUNK = 16_384  # texts tokenized at once (sorted and batched together: the same batches on every run)
+
+
+def embed_in_chunks(
+    encoder, texts: list[str], batch_tokens: int, max_batch: int, report=lambda n: None
+) -> tuple[np.ndarray, int]:
+    """`embed_texts` in chunks of CHUNK texts, and how many texts were cut to the model's
+    length. On an accelerator the next chunk is tokenized in a thread while the model embeds
+    this one (HF tokenizers let go of the GIL as they work). On the CPU each chunk is
+    tokenized, then embedded: both take every core, and at once their threads wait on each
+    other (2-core Zen 4, 20,000 glosses, a one-layer width-32 BERT in bf16: 24,072 texts/s in
+    turn, 20,830 overlapped; MiniLM the same either way, its tokenizing 1% of the time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunks = [texts[i : i + CHUNK] for i in range(0, len(texts), CHUNK)]
+    parts, cut = [], 0
+    if encoder.device.type == "cpu":
+        for chunk in chunks:
+            rows, chunk_cut = encoder.encode(chunk)
+            parts.append(embed_rows(encoder, rows, batch_tokens, max_batch, report))
+            cut += chunk_cut
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="frugality-tokenizer") as tokenizer:
+            coming = tokenizer.submit(encoder.encode, chunks[0]) if chunks else None
+            for i in range(len(chunks)):
+                assert coming is not None
+                rows, chunk_cut = coming.result()
+                coming = tokenizer.submit(encoder.encode, chunks[i + 1]) if i + 1 < len(chunks) else None
+                parts.append(embed_rows(encoder, rows, batch_tokens, max_batch, report))
+                cut += chunk_cut
+    return (np.concatenate(parts) if parts else np.empty((0, encoder.dim), dtype=np.float32)), cut
+
+
+def embed_texts(encoder, texts: list[str], batch_tokens: int, max_batch: int, report=lambda n: None) -> np.ndarray:
+    """Embeddings of `texts` in their order, computed longest first in token-budget batches.
+    On XLA, whose graphs are compiled per shape, a batch is padded to a length bucket (16,
+    32, 64, ... tokens) and filled to that bucket's fixed number of rows: one graph each."""
+    return embed_rows(encoder, encoder.tokenize(texts), batch_tokens, max_batch, report)
+
+
+def embed_rows(encoder, rows: list[list[int]], batch_tokens: int, max_batch: int, report=lambda n: None) -> np.ndarray:
+    """`embed_texts` of texts already tokenized (`encoder.tokenize`)."""
+    from frugality.inference.generate import bucket
+
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]), reverse=True)
+    result = np.empty((len(rows), encoder.dim), dtype=np.float32)
+    static = encoder.device.type == "xla"
+    start = 0
+    while start < len(order):
+        longest = len(rows[order[start]])
+        pad_to = bucket(longest, encoder.max_length) if static else min(longest, encoder.max_length)
+        fill = max(1, min(max_batch, batch_tokens // pad_to))
+        n = min(fill, len(order) - start)
+        chosen = order[start : start + n]
+        result[chosen] = encoder.embed_tokens([rows[i] for i in chosen], pad_to, fill if static else n)
+        report(n)
+        start += n
+    return result
