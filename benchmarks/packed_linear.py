@@ -117,7 +117,8 @@ def main() -> int:
         rows_json.append({"what": "all-MiniLM-L6-v2 call", "texts": batch, "pad_to": pad, **t, "max_difference": diff})
     header = (
         f"# bf16 linear layers, weights packed once against plain F.linear\n\n{machine_line()} {why}; "
-        f"{args.rounds} alternating rounds in one process, medians; texts: the bundled corpus's lines.\n\n"
+        f"{args.rounds} alternating rounds in one process, medians; texts: the bundled corpus's lines. "
+        f"`generate` rows: a warm-up run each, then the best of {max(2, args.rounds // 2)} alternating runs.\n\n"
     )
     rows_json += _generation(args.rounds, lines)
     results = Path(__file__).parent / "results"
@@ -167,6 +168,8 @@ def _generation(rounds: int, lines: list[str]) -> list[dict]:
                 generate.generate_all(decoders[name], items, sampling, batch, on_row=rows.append)
                 texts[name] = [r["completion"] for r in rows]
 
+            for name in decoders:  # warm-up
+                run(name)
             seconds: dict[str, list[float]] = {name: [] for name in decoders}
             for _ in range(max(2, rounds // 2)):  # alternating, best of each
                 for name in decoders:

@@ -121,7 +121,7 @@ def load_decoder(
     if precision == "int8":
         quantize_int8(model)
     elif pack and dtype == torch.bfloat16 and device.type == "cpu" and bf16_is_native(device)[0]:
-        pack_linear_weights(model)  # (a tied output layer keeps the embedding's weight, unpacked)
+        pack_linear_weights(model)  # (the output layer too, unless tied to the embedding)
     return Decoder(model, tokenizer, eos, device, dtype, loaded.weights), why
 
 

@@ -5,18 +5,21 @@ A plain bf16 `F.linear` on a CPU hands oneDNN the weight in PyTorch's row-major 
 every call, and oneDNN's bf16 kernels want their own blocked layout: at the row counts a
 server batches (tens of tokens) that costs a large part of the product. Laid out once at
 load (`torch.ops.mkldnn._reorder_linear_weight`, as Inductor's freezing pass does for CPU
-models), the same product runs through `torch.ops.mkldnn._linear_pointwise` with
-bit-identical results. Measured (benchmarks/packed_linear.py, AMD EPYC Zen 4, 2 threads,
-all-MiniLM-L6-v2's shapes): 1.40-1.92x a layer at 11 rows, 1.08-1.50x at 96, 1.05-1.15x at
-1,000; the whole encoder's call 1.37x for one text, 1.16-1.24x for 4-8 (a server's
-batches), 1.11-1.14x for 16-64 (an earlier run the same evening: 1.28x, 1.12-1.19x,
-1.02-1.06x); `generate`'s eager engine on a decoder of Pythia-70m's shape 1.06-1.07x, the
-same completions. In fp32 PyTorch uses MKL, whose packed layout gained under
-10% in a probe: not used.
+models), the same product runs through `torch.ops.mkldnn._linear_pointwise`, with the same
+bits on the Zen 4 measured (on AMX the two are different oneDNN kernels: not yet compared).
 
-Inference only (no gradient flows to a packed weight). `frugality.inference.encoder` packs
-only where bf16 products are native (`frugality.precision.bf16_is_native`, which counts an
-ONEDNN_MAX_CPU_ISA cap).
+Measured (benchmarks/packed_linear.py, AMD EPYC Zen 4, 2 threads, all-MiniLM-L6-v2's shapes,
+the committed table): 1.59-1.88x a layer at 11 rows, 1.16-1.40x
+at 96, 1.06-1.16x at 1,000; the whole encoder's call 1.43x for one text, 1.05-1.28x for 4-8
+(a server's batches), 1.09-1.11x for 16-64; `generate`'s eager engine on a decoder of
+Pythia-70m's shape, its output layer packed too, 1.19x at batch 1 and 1.13x at 8, the same
+completions. Runs of the same evening gave a call 1.28-1.37x for one text (the tables at
+8f6bd87 and bf6d121). In fp32 PyTorch uses MKL, whose packed layout
+(`torch.ops.mkl._mkl_linear`) gained under 10% at these shapes in a hand probe: not used.
+
+Inference only (no gradient flows to a packed weight). `inference.encoder.load_encoder` and
+`inference.generate.load_decoder` pack only where bf16 products are native
+(`frugality.precision.bf16_is_native`, which counts an ONEDNN_MAX_CPU_ISA cap).
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from frugality.models.layers import OutputLayer
+
 
 def packing_runs() -> bool:
-    """Whether this PyTorch has oneDNN's packed bf16 linear ops and oneDNN's bf16 products."""
+    """Whether this PyTorch has oneDNN's packed bf16 linear ops and oneDNN says it runs bf16
+    (natively, or emulated under some ONEDNN_MAX_CPU_ISA caps: the callers ask
+    `bf16_is_native` too)."""
     mkldnn = torch.ops.mkldnn
     return (
         torch.backends.mkldnn.is_available()
@@ -55,11 +62,20 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class PackedOutputLayer(PackedLinear):
+    """A language model's `OutputLayer`, packed: the same logits, and the loss from them."""
+
+    loss = OutputLayer.loss  # (both call the layer itself: its packed product here)
+    logits_or_loss = OutputLayer.logits_or_loss
+
+
 def pack_linear_weights(model: nn.Module, skip: tuple[str, ...] = ()) -> int:
-    """Swap `model`'s bf16 CPU linear layers for `PackedLinear`, except those whose name
-    starts with one of `skip` and those whose weight another module shares (a tied output
-    layer keeps the embedding's tensor). Returns how many were swapped (0 where packing
-    does not run here)."""
+    """Swap `model`'s bf16 CPU linear layers for `PackedLinear` (an `OutputLayer` for
+    `PackedOutputLayer`), except those whose name starts with one of `skip` and those whose
+    weight another module shares (a tied output layer keeps the embedding's tensor). Returns
+    how many were swapped (0 where packing does not run here). The packed weights are opaque
+    oneDNN tensors: the model's state dict no longer holds them, and it cannot be copied,
+    cast or compiled by Inductor; load another for that."""
     if not packing_runs():
         return 0
     owners: dict[int, int] = {}
@@ -71,12 +87,14 @@ def pack_linear_weights(model: nn.Module, skip: tuple[str, ...] = ()) -> int:
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if (
-                type(child) is nn.Linear
+                isinstance(child, nn.Linear)
+                and type(child) in (nn.Linear, OutputLayer)  # (not int8's, AMX's or others' subclasses)
                 and child.weight.device.type == "cpu"
                 and child.weight.dtype == torch.bfloat16
                 and owners.get(id(child.weight), 0) == 1
                 and not any(full == s or full.startswith(s + ".") for s in skip)
             ):
-                setattr(module, child_name, PackedLinear(child))
+                kind = PackedOutputLayer if isinstance(child, OutputLayer) else PackedLinear
+                setattr(module, child_name, kind(child))
                 swapped += 1
     return swapped
