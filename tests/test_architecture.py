@@ -1,6 +1,6 @@
 """Imports run one way: each package of frugality imports only packages of the layers below
-its own (function-level imports included), as docs/architecture.md draws them; benchmarks
-import only public names."""
+its own (function-level imports included), as docs/architecture.md draws them; no two
+modules import each other, even through others; benchmarks import only public names."""
 
 import ast
 from pathlib import Path
@@ -109,11 +109,13 @@ def _module_name(path: Path) -> str:
 def _module_graph() -> dict[str, set[str]]:
     """Each frugality module and the frugality modules it imports (at any depth, typing-only
     imports included): `from frugality.a import b` is the module a.b where there is one, else
-    the package a."""
+    the package a. (A package imported first by Python because a submodule of it is, is not
+    an edge: that is no cycle. Relative imports are refused: they would be unseen here.)"""
     modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
+            assert not (isinstance(node, ast.ImportFrom) and node.level), f"{path}:{node.lineno}: a relative import"
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 if node.module.split(".")[0] == "frugality":
                     for a in node.names:
@@ -156,5 +158,6 @@ def test_no_two_modules_import_each_other_even_through_others():
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    assert graph["frugality.inference.embed"] and graph["frugality.compile.session"]  # the graph is read
+    assert "frugality.compile.base" in graph.get("frugality.compile.session", ())  # the graph is read
+    assert sum(map(len, graph.values())) > 300
     assert not cycles, "modules that import each other:\n" + "\n".join(cycles)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from frugality.compile.session import (
+from frugality.compile.base import (
     CompileError,
     CompileFallbackWarning,
     RecompileError,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from frugality import xla
-from frugality.compile.session import RecompileError
+from frugality.compile.base import RecompileError
 from frugality.config.recipe import load_recipe
 from frugality.runtime.state import build_state
 from frugality.training import trainer

@@ -78,9 +78,11 @@ def fleet_key(variable: str) -> bytes | None:
 
 
 class Session(Protocol):
-    """A run's compile session: started on the model, each phase run through it (the first
-    calls its warm-up, later ones guarded), checked, closed (what was compiled published),
-    cleaned up."""
+    """A run's compile session, as the training loop and the benchmarks use it: opened around
+    the run (`active`: started on the model, then closed, what was compiled published, and
+    cleaned up), each phase run through it (its first calls the warm-up, later ones guarded
+    and `check`ed), and code that is another's kept `outside` it. `compile.session`'s
+    (Inductor) and `compile.xla`'s (XLA devices) both are one; `compile.factory` picks."""
 
     enabled: bool
     stats: CompileStats
@@ -89,6 +91,12 @@ class Session(Protocol):
     def start(self, model: torch.nn.Module) -> None: ...
 
     def run(self, phase: str, step: int, fn: Callable[[], T], reset: Callable[[], None]) -> T: ...
+
+    def check(self, step: int) -> list[str]: ...
+
+    def outside(self) -> contextlib.AbstractContextManager: ...
+
+    def active(self, model: torch.nn.Module) -> contextlib.AbstractContextManager: ...
 
     def close(self) -> None: ...
 

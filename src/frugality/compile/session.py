@@ -30,7 +30,6 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -41,6 +40,7 @@ from frugality.compile.base import (
     RecompileError,
     RecompileWarning,
     SessionBase,
+    T,
     fleet_key,
 )
 from frugality.compile.cache import KEY_ENV_VAR, CompileCache, cache_url, fingerprint, fresh_inductor_dir
@@ -52,11 +52,6 @@ from frugality.compile.levels import (
     inductor_options,
     revert_to_eager,
 )
-
-if TYPE_CHECKING:
-    from frugality.compile.xla import XlaCompileSession
-
-T = TypeVar("T")
 
 
 def _counters() -> tuple[int, int]:
@@ -123,14 +118,10 @@ class CompileSession(SessionBase):
         self._published_misses = 0
 
     @classmethod
-    def for_recipe(cls, recipe, device: torch.device, policy) -> CompileSession | XlaCompileSession:
-        """The session `recipe` asks for, under the resolved precision `policy` (on an XLA
-        device, the guard of XLA's own compilations: `frugality.compile.xla`)."""
+    def for_recipe(cls, recipe, device: torch.device, policy) -> CompileSession:
+        """Inductor's session for `recipe` on `device` (a CPU or a GPU), under the resolved
+        precision `policy` (`compile.factory.open_session` picks XLA's on an XLA device)."""
         c = recipe.compile
-        if device.type == "xla":
-            from frugality.compile.xla import XlaCompileSession
-
-            return XlaCompileSession.for_recipe(recipe, policy.key)
         return cls(
             c.level,
             cache=c.cache,

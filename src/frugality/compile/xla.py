@@ -25,16 +25,13 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
 from frugality import xla
-from frugality.compile.base import CompileStats, RecompileError, RecompileWarning, SessionBase, fleet_key
+from frugality.compile.base import CompileStats, RecompileError, RecompileWarning, SessionBase, T, fleet_key
 from frugality.compile.cache import CompileCache, cache_url, fingerprint
 from frugality.paths import cache_dir
-
-T = TypeVar("T")
 
 
 class XlaCompileSession(SessionBase):

@@ -11,6 +11,8 @@ sizes and times, settings) and redoes only the shards that are not complete (dam
 included), so no text is lost and none is written twice. When every shard is there,
 `manifest.json` lists them with their hashes, which `read_embeddings` checks.
 
+A shard's files and work are `frugality.inference.shards`'s (the Ray engine,
+`inference.embed_ray`, runs the same); texts into vectors, `inference.batches`'s.
 Inside a shard, texts are tokenized and embedded in chunks of 16,384 (on an accelerator the
 next chunk tokenized in a thread while the model embeds this one); inside a chunk they are sorted by
 token length and batched by a token budget (many short texts or few long ones per batch),
@@ -64,7 +66,7 @@ class EmbedSettings:
     model: str
     out: str
     shard_size: int = 50_000
-    batch_tokens: int | None = None  # None: the device's default (BATCH_DEFAULTS)
+    batch_tokens: int | None = None  # None: the device's default (inference.batches.BATCH_DEFAULTS)
     max_batch: int | None = None
     precision: str = "auto"
     device: str = "auto"

@@ -77,6 +77,7 @@ def is_complete(out: Path, k: int, fmt: str, rows: int, hashed: bool = True, ver
 
 
 def file_sha256(path: Path) -> str | None:
+    """The file's SHA-256 (hex), or None where it cannot be read."""
     try:
         with open(path, "rb") as f:
             return hashlib.file_digest(f, "sha256").hexdigest()

@@ -7,7 +7,10 @@ each layer's constructor (`reset_parameters`: nn.Linear's and nn.Embedding's dra
 the model's own `reset_parameters`, a parameter at a time in `named_parameters` order.
 `draw_parameters` makes the same draws, one layer or one parameter at a time on the
 device, and hands each parameter's value to the caller, who keeps what its rank holds: the
-same seed gives every layout, and one process, the same weights, bit for bit."""
+same seed gives every layout, and one process, the same weights, bit for bit.
+
+`build_empty` gives a whole model's structure to load weights into, its parameters allocated
+but not initialised (`allocate`)."""
 
 from __future__ import annotations
 

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from frugality.compile.base import Session
+from frugality.compile.factory import open_session
 from frugality.compile.levels import check_backend
-from frugality.compile.session import CompileSession
 from frugality.config.recipe import Recipe
 from frugality.distributed import World, describe, gather_with_grad, world_mesh, wrap
 from frugality.distributed.pipeline import Pipeline, build_pipeline
@@ -46,8 +47,6 @@ from frugality.tasks import Task, freeze_unused, task_for
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-    from frugality.compile.xla import XlaCompileSession
-
 
 @dataclass
 class TrainState:
@@ -60,7 +59,7 @@ class TrainState:
     model: nn.Module  # the plain model (specialized, sharded in place under FSDP2): weights, names, checkpoints
     wrapped: nn.Module  # the task's training module around it, as the parallel strategy wraps it: what runs
     optimizer: torch.optim.Optimizer
-    compiled: CompileSession | XlaCompileSession
+    compiled: Session
     choices: list[str] = field(default_factory=list)  # what was picked for this machine, and why
     data: TrainingData | None = None
     world: World = World()
@@ -130,7 +129,7 @@ def build_state(
     if policy.loss_scaling:
         check_loss_scaling(recipe, world)
     tf32 = apply_tf32(device, recipe.train.tf32)  # before any product (the compile cache keys on it)
-    compiled = CompileSession.for_recipe(recipe, device, policy)  # on XLA, its executable cache opens before any graph
+    compiled = open_session(recipe, device, policy)  # on XLA, its executable cache opens before any graph
     torch.manual_seed(recipe.seed)
     # tensor and pipeline parallel: the model built on the meta device, split, and only this
     # rank's part given its values (those the whole model would have had) on the device;
