@@ -464,8 +464,9 @@ def test_a_bf16_encoder_packs_its_layers_and_embeds_the_same_bits(monkeypatch):
     from frugality.inference import encoder as encoder_module
     from frugality.kernels.packed_linear import PackedLinear
 
-    packed, _ = encoder_module.load_encoder(MODEL, torch.device("cpu"), "bf16")
+    packed, why = encoder_module.load_encoder(MODEL, torch.device("cpu"), "bf16")
     assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == 36
+    assert why.endswith("; linear layers' weights packed for oneDNN")  # (the precision line says so)
     fp32, _ = encoder_module.load_encoder(MODEL, torch.device("cpu"), "fp32")
     assert not any(isinstance(m, PackedLinear) for m in fp32.model.modules())
     monkeypatch.setattr(encoder_module, "pack_linear_weights", lambda *a, **k: 0)

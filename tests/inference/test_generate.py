@@ -296,7 +296,8 @@ def test_a_bf16_decoder_packs_its_layers_and_completes_alike(family, request):
     ids = torch.tensor([PROMPTS[0], PROMPTS[2][: len(PROMPTS[0])]])
     logits, tokens = {}, {}
     for pack in (True, False):
-        decoder, _ = load_decoder(folder, torch.device("cpu"), "bf16", pack=pack)
+        decoder, why = load_decoder(folder, torch.device("cpu"), "bf16", pack=pack)
+        assert ("weights packed for oneDNN" in why) == pack
         model = decoder.model
         linear = [m for m in model.modules() if isinstance(m, nn.Linear)]
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]

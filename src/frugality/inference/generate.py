@@ -121,7 +121,8 @@ def load_decoder(
     if precision == "int8":
         quantize_int8(model)
     elif pack and dtype == torch.bfloat16 and device.type == "cpu" and bf16_is_native(device)[0]:
-        pack_linear_weights(model)  # (the output layer too, unless tied to the embedding)
+        packed = pack_linear_weights(model)  # (the output layer too, unless tied to the embedding)
+        why += "; linear layers' weights packed for oneDNN" if packed else ""
     return Decoder(model, tokenizer, eos, device, dtype, loaded.weights), why
 
 
