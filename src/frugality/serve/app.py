@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -52,7 +52,10 @@ class State:
 
 
 def build_app(state: State) -> FastAPI:
+    """The application: its routers, OpenAI's error objects for every error, the edge
+    middleware (counts, 500s, the drain); `state` is what the routes share (`served`)."""
     app = FastAPI(title="frugality", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.frugality = state
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -63,128 +66,160 @@ def build_app(state: State) -> FastAPI:
         return JSONResponse(APIError(error.status_code, str(error.detail)).body(), status_code=error.status_code)
 
     app.add_middleware(Edge, state=state)  # counts, 500s and the drain's end (frugality.serve.edge)
-
-    def authorized(request: Request) -> None:
-        if state.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), state.api_key.encode()):
-            raise APIError(401, "a valid API key is required: Authorization: Bearer KEY", None, "invalid_api_key")
-
-    def ready(kind: str):
-        if state.service is None:
-            error = APIError(503, "the model is loading; retry shortly", None, "server_not_ready")
-            error.headers = {"Retry-After": "1"}
-            raise error
-        if state.service.endpoint != kind:
-            other = "an encoder: POST /v1/embeddings" if kind == "completions" else "a decoder: POST /v1/completions"
-            raise APIError(404, f"this server serves {other}", None, "not_found_error")
-        return state.service
-
-    async def body(request: Request) -> dict:
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > state.limits.max_body_bytes:
-            raise APIError(
-                413,
-                f"the request body is {int(declared):,} bytes, more than the limit of {state.limits.max_body_bytes:,}",
-            )
-        data = b""
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > state.limits.max_body_bytes:
-                break
-        return parse_json(data, state.limits)
-
-    @app.get("/health")
-    async def health():
-        if state.service is None:
-            status = {"status": "failed", "error": state.problem} if state.problem else {"status": "loading"}
-            return JSONResponse(status, status_code=503)
-        return {"status": "ok", "model": state.name}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        authorized(request)
-        return {
-            "object": "list",
-            "data": [{"id": state.name, "object": "model", "created": state.created, "owned_by": "frugality"}],
-        }
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request):
-        authorized(request)
-        service = cast("EmbeddingService", ready("embeddings"))  # (its endpoint is that kind)
-        req = embeddings_request(await body(request), state.limits, state.name)
-        # tokenized and embedded by the service's threads: the event loop only waits
-        answer = await asyncio.wrap_future(service.submit(req.texts))
-        if not np.isfinite(answer.vectors).all():  # (orjson would write NaN as null, under a 200)
-            raise APIError(500, "internal error (the model gave a vector that is not finite)", None, "server_error")
-        if req.encoding_format == "base64":
-            vectors = answer.vectors.astype("<f4", copy=False)
-            encoded = [base64.b64encode(v.tobytes()).decode() for v in vectors]
-        else:
-            encoded = list(answer.vectors)  # (float32 rows: orjson writes them as they are)
-        data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)]
-        usage = {"prompt_tokens": answer.tokens, "total_tokens": answer.tokens}
-        cut_to = {"X-Truncated-Inputs": str(answer.cut)} if answer.cut else None  # texts cut to the model's length
-        return FastJSON({"object": "list", "data": data, "model": state.name, "usage": usage}, headers=cut_to)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        from frugality.serve.completions import sampling_for
-
-        authorized(request)
-        service = cast("CompletionService", ready("completions"))  # (its endpoint is that kind)
-        req = completions_request(await body(request), state.limits, state.name)
-        rows = await run_in_threadpool(service.tokenize, req.prompts, req.max_tokens)
-        samplings = [sampling_for(req, service.decoder, i) for i in range(len(rows))]
-        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        if req.stream:
-            # queued before the 200 is sent: a full queue is still a 503
-            events, futures = _queue_streamed(service, req, rows, samplings, ident, created, state.name)
-            return StreamingResponse(
-                _stream(service, events, futures, ident, created, state.name),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        futures = service.submit_all([(row, sampling, None) for row, sampling in zip(rows, samplings, strict=True)])
-        answers = asyncio.ensure_future(asyncio.gather(*map(asyncio.wrap_future, futures)))
-        answers.add_done_callback(_read)  # a gather cut short ends in CancelledError: read, not logged
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait([answers, gone], return_when=asyncio.FIRST_COMPLETED)
-            if not answers.done():  # the client left: its rows are freed, no one to answer
-                service.abandon(futures)
-                answers.cancel()
-                return Response(status_code=499)
-            done = answers.result()
-        except BaseException:  # a prompt failed, or the drain ran out: the others stop too
-            answers.cancel()
-            service.abandon(futures)
-            raise
-        finally:
-            gone.cancel()
-        choices = [
-            {"index": i, "text": (prompt if req.echo else "") + c.text, "logprobs": None, "finish_reason": c.finish}
-            for i, (prompt, c) in enumerate(zip(req.prompts, done, strict=True))
-        ]
-        new = sum(len(c.tokens) for c in done)
-        prompt_tokens = sum(map(len, rows))
-        return {
-            "id": ident,
-            "object": "text_completion",
-            "created": created,
-            "model": state.name,
-            "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": new, "total_tokens": prompt_tokens + new},
-        }
-
+    for router in (service_routes, embedding_routes, completion_routes):
+        app.include_router(router)
     return app
+
+
+# What a route checks first, called in this order: the key, the model, the body (plain calls:
+# FastAPI's `Depends` would run its dependency solver on every request of the hot path).
+
+
+def served(request: Request) -> State:
+    return request.app.state.frugality
+
+
+def authorized(state: State, request: Request) -> None:
+    if state.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), state.api_key.encode()):
+        raise APIError(401, "a valid API key is required: Authorization: Bearer KEY", None, "invalid_api_key")
+
+
+def ready(state: State, kind: str):
+    """The loaded service of `kind` ("embeddings" or "completions"), else a 503 (loading) or
+    a 404 (the other kind of model)."""
+    if state.service is None:
+        error = APIError(503, "the model is loading; retry shortly", None, "server_not_ready")
+        error.headers = {"Retry-After": "1"}
+        raise error
+    if state.service.endpoint != kind:
+        other = "an encoder: POST /v1/embeddings" if kind == "completions" else "a decoder: POST /v1/completions"
+        raise APIError(404, f"this server serves {other}", None, "not_found_error")
+    return state.service
+
+
+async def json_body(state: State, request: Request) -> dict:
+    """The request's JSON object, read up to the body limit (a larger one is a 413)."""
+    limits = state.limits
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise APIError(
+            413, f"the request body is {int(declared):,} bytes, more than the limit of {limits.max_body_bytes:,}"
+        )
+    data = b""
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limits.max_body_bytes:
+            break
+    return parse_json(data, limits)
+
+
+service_routes = APIRouter()  # the server's own: health, metrics, the model list
+
+
+@service_routes.get("/health")
+async def health(request: Request):
+    state = served(request)
+    if state.service is None:
+        status = {"status": "failed", "error": state.problem} if state.problem else {"status": "loading"}
+        return JSONResponse(status, status_code=503)
+    return {"status": "ok", "model": state.name}
+
+
+@service_routes.get("/metrics")
+async def metrics(request: Request):
+    return Response(served(request).metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+
+@service_routes.get("/v1/models")
+async def models(request: Request):
+    state = served(request)
+    authorized(state, request)
+    return {
+        "object": "list",
+        "data": [{"id": state.name, "object": "model", "created": state.created, "owned_by": "frugality"}],
+    }
+
+
+embedding_routes = APIRouter()
+
+
+@embedding_routes.post("/v1/embeddings")
+async def embeddings(request: Request):
+    state = served(request)
+    authorized(state, request)
+    service = cast("EmbeddingService", ready(state, "embeddings"))  # (its endpoint is that kind)
+    req = embeddings_request(await json_body(state, request), state.limits, state.name)
+    # tokenized and embedded by the service's threads: the event loop only waits
+    answer = await asyncio.wrap_future(service.submit(req.texts))
+    if not np.isfinite(answer.vectors).all():  # (orjson would write NaN as null, under a 200)
+        raise APIError(500, "internal error (the model gave a vector that is not finite)", None, "server_error")
+    if req.encoding_format == "base64":
+        vectors = answer.vectors.astype("<f4", copy=False)
+        encoded = [base64.b64encode(v.tobytes()).decode() for v in vectors]
+    else:
+        encoded = list(answer.vectors)  # (float32 rows: orjson writes them as they are)
+    data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)]
+    usage = {"prompt_tokens": answer.tokens, "total_tokens": answer.tokens}
+    cut_to = {"X-Truncated-Inputs": str(answer.cut)} if answer.cut else None  # texts cut to the model's length
+    return FastJSON({"object": "list", "data": data, "model": state.name, "usage": usage}, headers=cut_to)
+
+
+completion_routes = APIRouter()
+
+
+@completion_routes.post("/v1/completions")
+async def completions(request: Request):
+    from frugality.serve.completions import sampling_for
+
+    state = served(request)
+    authorized(state, request)
+    service = cast("CompletionService", ready(state, "completions"))  # (its endpoint is that kind)
+    req = completions_request(await json_body(state, request), state.limits, state.name)
+    rows = await run_in_threadpool(service.tokenize, req.prompts, req.max_tokens)
+    samplings = [sampling_for(req, service.decoder, i) for i in range(len(rows))]
+    ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    if req.stream:
+        # queued before the 200 is sent: a full queue is still a 503
+        events, futures = _queue_streamed(service, req, rows, samplings, ident, created, state.name)
+        return StreamingResponse(
+            _stream(service, events, futures, ident, created, state.name),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    futures = service.submit_all([(row, sampling, None) for row, sampling in zip(rows, samplings, strict=True)])
+    answers = asyncio.ensure_future(asyncio.gather(*map(asyncio.wrap_future, futures)))
+    answers.add_done_callback(_read)  # a gather cut short ends in CancelledError: read, not logged
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([answers, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not answers.done():  # the client left: its rows are freed, no one to answer
+            service.abandon(futures)
+            answers.cancel()
+            return Response(status_code=499)
+        done = answers.result()
+    except BaseException:  # a prompt failed, or the drain ran out: the others stop too
+        answers.cancel()
+        service.abandon(futures)
+        raise
+    finally:
+        gone.cancel()
+    choices = [
+        {"index": i, "text": (prompt if req.echo else "") + c.text, "logprobs": None, "finish_reason": c.finish}
+        for i, (prompt, c) in enumerate(zip(req.prompts, done, strict=True))
+    ]
+    new = sum(len(c.tokens) for c in done)
+    prompt_tokens = sum(map(len, rows))
+    return {
+        "id": ident,
+        "object": "text_completion",
+        "created": created,
+        "model": state.name,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": new, "total_tokens": prompt_tokens + new},
+    }
 
 
 def _read(future: asyncio.Future) -> None:
