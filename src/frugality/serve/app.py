@@ -40,7 +40,8 @@ class FastJSON(Response):
 
 
 class State:
-    """What the routes share: set by the server as the model loads."""
+    """What the routes share (as `request.app.state.frugality`: `served`), set by the server as
+    the model loads."""
 
     def __init__(self, name: str, limits: Limits, metrics, api_key: str | None) -> None:
         self.name, self.limits, self.metrics, self.api_key = name, limits, metrics, api_key
@@ -63,7 +64,8 @@ def build_app(state: State) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):  # an unknown path or method
-        return JSONResponse(APIError(error.status_code, str(error.detail)).body(), status_code=error.status_code)
+        body = APIError(error.status_code, str(error.detail)).body()
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)  # (a 405's Allow)
 
     app.add_middleware(Edge, state=state)  # counts, 500s and the drain's end (frugality.serve.edge)
     for router in (service_routes, embedding_routes, completion_routes):
@@ -71,8 +73,9 @@ def build_app(state: State) -> FastAPI:
     return app
 
 
-# What a route checks first, called in this order: the key, the model, the body (plain calls:
-# FastAPI's `Depends` would run its dependency solver on every request of the hot path).
+# What a route checks first, in this order: the key (401), the model (503 or 404), the body
+# (413), the state reached through `served(request)`. Plain calls, not `Depends`: each would add
+# a sub-dependency to FastAPI's solver on every request of the hot path.
 
 
 def served(request: Request) -> State:
