@@ -130,27 +130,17 @@ def _generation(rounds: int, lines: list[str]) -> list[dict]:
     import shutil
     import tempfile
 
-    import transformers
+    from generate_throughput import MODELS  # (this folder's: the same decoder its rows time)
 
     from frugality.data.tokenizer import shipped_tokenizer_dir
     from frugality.inference import generate
 
-    config = transformers.GPTNeoXConfig(
-        hidden_size=512,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        intermediate_size=2048,
-        vocab_size=50304,
-        max_position_embeddings=2048,
-        rotary_pct=0.25,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    family, config = MODELS["GPT-NeoX (Pythia-70m shape)"]
     corpus = " ".join(text for _, text in open_inputs([str(corpus_files()[0])], "text"))
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp)
+        family(config).save_pretrained(tmp)
         shutil.copy(shipped_tokenizer_dir("pythia") / "tokenizer.json", Path(tmp) / "tokenizer.json")
         decoders = {
             "plain": generate.load_decoder(tmp, torch.device("cpu"), "bf16", pack=False)[0],
