@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import subprocess
 
 import pytest
 import torch
@@ -154,8 +156,49 @@ def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
     assert "litgpt compile in their first step" in capsys.readouterr().err
 
 
+class _Forked:
+    """`bench scale`'s process forked (tests/forked_cli.py) rather than started fresh: one
+    process, or `--nproc N`'s ranks as torchrun starts them (torchrun itself is tested in
+    tests/distributed/); as `subprocess.Popen`'s `communicate()` and `returncode`."""
+
+    def __init__(self, args: list[str], env: dict) -> None:
+        import threading
+
+        import forked_cli
+
+        at = args.index("--nproc")
+        nproc, args = int(args[at + 1]), args[:at] + args[at + 2 :]
+        self.done = None
+        if nproc == 1:
+            self.process = forked_cli.Popen(*args, env=env)
+            return
+        self.process = None
+
+        def run():
+            try:
+                self.done = forked_cli.ranks(nproc, *args, env=env)
+            except BaseException as e:  # (as a failed launch: _finish says it)
+                self.done = subprocess.CompletedProcess(args, 1, "", f"Traceback: the forked ranks: {e!r}")
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+
+    def communicate(self):
+        if self.process:
+            self.returncode = self.process.wait(600)
+            stderr = self.process.stderr_path.read_text()
+            self.process.close()
+            return None, stderr
+        self.thread.join()
+        self.returncode = self.done.returncode
+        return None, self.done.stderr
+
+
 @pytest.mark.distributed
-def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp_path):
+def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp_path, monkeypatch):
+    import frugality.bench.scale
+
+    monkeypatch.setattr(frugality.bench.scale, "launch", _Forked)
     out = tmp_path / "scale.json"
     args = [
         "bench",
@@ -188,6 +231,11 @@ def test_bench_scale_runs_each_process_count_and_strategy(micro_recipe_file, tmp
     assert rows[1]["exposed_communication_s"] == round(rows[1]["step_time_s"] - rows[1]["independent_step_time_s"], 4)
     assert main(["bench", "scale", str(micro_recipe_file), "--strategy", "zero"]) == 2
     assert main(["bench", "scale", str(micro_recipe_file), "--nproc", "1,2", "--tensor", "4"]) == 2
+    # its own launcher (a fresh process, as a user's run gets): a run that fails is named, with its error
+    monkeypatch.undo()
+    process = frugality.bench.scale.launch(["train", str(tmp_path / "none.toml"), "--nproc", "1"], dict(os.environ))
+    with pytest.raises(RuntimeError, match=r"(?s)ddp x1 failed:.*none\.toml"):
+        frugality.bench.scale._finish(process, tmp_path, "ddp x1")
 
 
 @pytest.mark.slow

@@ -202,10 +202,7 @@ def _start(recipe_arg, overrides, nproc, strategy, steps, threads, run_dir: Path
         f"parallel.data={strategy}",
         "optim.warmup_steps=0",
     ]
-    command = [
-        sys.executable,
-        "-m",
-        "frugality",
+    args = [
         "train",
         *([recipe_arg] if recipe_arg else []),
         "--run-dir",
@@ -215,14 +212,14 @@ def _start(recipe_arg, overrides, nproc, strategy, steps, threads, run_dir: Path
         str(nproc),
         *(a for s in sets for a in ("--set", s)),
     ]
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=os.environ | {"OMP_NUM_THREADS": str(threads)},
-    )
-    return process, run_dir, f"{strategy} x{nproc}"
+    return launch(args, os.environ | {"OMP_NUM_THREADS": str(threads)}), run_dir, f"{strategy} x{nproc}"
+
+
+def launch(args: list[str], env: dict) -> subprocess.Popen:
+    """`frugality ARGS` in a process of its own (`train --nproc N` starts torchrun), started,
+    not awaited: `_finish` reads its stderr and exit status."""
+    command = [sys.executable, "-m", "frugality", *args]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _finish(process: subprocess.Popen, run_dir: Path, name: str) -> dict:
