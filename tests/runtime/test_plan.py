@@ -96,8 +96,19 @@ def test_plan_command_prints_rows_and_refuses_bad_input(micro_recipe_file, tmp_p
         == 0
     )
     rows = json.loads(out.read_text())
-    assert [(r["strategy"], r["nproc"]) for r in rows] == [("none", 1), ("ddp", 2), ("fsdp", 2)]
+    layouts = [("none", 1), ("ddp", 2), ("fsdp", 2)]
+    # the recipe's activation checkpointing is auto: a row for each mode
+    assert [(r["strategy"], r["nproc"], r["checkpointing"]) for r in rows] == [
+        (*layout, mode) for layout in layouts for mode in ("none", "selective", "full")
+    ]
+    for none, selective, full in zip(rows[::3], rows[1::3], rows[2::3], strict=True):
+        assert none["activations"] > selective["activations"] > full["activations"] > 0
+        assert none["total"] - none["activations"] == full["total"] - full["activations"]  # the state alike
     assert all(r["fits"] for r in rows) and "| fsdp | 2 | 2 |" in capsys.readouterr().out
+    assert main(["plan", str(micro_recipe_file), "--checkpointing", "full", "--nproc", "1"]) == 0
+    assert "| full |" in capsys.readouterr().out
+    assert main(["plan", str(micro_recipe_file), "--checkpointing", "some"]) == 2
+    assert "--checkpointing some: choose from none, full, selective" in capsys.readouterr().err
     assert main(["plan", str(micro_recipe_file), "--json", str(out)]) == 2  # never overwritten
     assert main(["plan", str(micro_recipe_file), "--strategy", "zero"]) == 2
     assert "--strategy zero: choose from ddp, fsdp, hsdp" in capsys.readouterr().err
@@ -137,6 +148,7 @@ def test_a_model_parallel_run_is_checked_against_its_heaviest_ranks_plan(
     from frugality.runtime import plan as planning
 
     sets = [f"parallel.tensor={tensor}", f"parallel.pipeline={pipeline}", "model.vocab_size=4096"]
+    sets.append("train.activation_checkpointing=none")  # (auto would recompute to fit: tested below)
     recipe = load_recipe(str(micro_recipe_file), sets)
     fp32, cpu = get_policy("fp32"), torch.device("cpu")
     part = planning.plan_model_parallel(recipe, 2, "ddp", tensor, pipeline, policy=fp32).total
@@ -144,7 +156,11 @@ def test_a_model_parallel_run_is_checked_against_its_heaviest_ranks_plan(
     assert part < whole
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setattr(planning, "device_memory", lambda device: ((part + whole) // 2, whole))
-    planning.check_fits(recipe, fp32, 2, cpu, tensor, pipeline)  # the part fits
+    assert planning.fit_memory(recipe, fp32, 2, cpu, tensor, pipeline) == ("none", "asked for")  # the part fits
     monkeypatch.setattr(planning, "device_memory", lambda device: (part - 1, whole))
-    with pytest.raises(UserError, match=r"needs about [\d.]+ GiB per rank .* GiB free of this machine's RAM"):
-        planning.check_fits(recipe, fp32, 2, cpu, tensor, pipeline)
+    with pytest.raises(
+        UserError,
+        match=r"needs about [\d.]+ GiB per rank under activation checkpointing none .* GiB free of this machine's "
+        r"RAM per rank; set data.micro_batch_size 1 ",
+    ):
+        planning.fit_memory(recipe, fp32, 2, cpu, tensor, pipeline)

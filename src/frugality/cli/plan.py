@@ -22,17 +22,25 @@ import click
 )
 @click.option("--tensor", type=click.IntRange(min=1), help="Tensor-parallel degree [default: the recipe's].")
 @click.option("--pipeline", type=click.IntRange(min=1), help="Pipeline stages [default: the recipe's].")
+@click.option(
+    "--checkpointing",
+    "modes",
+    help="Comma-separated activation checkpointing modes (none, selective, full) [default: the recipe's; "
+    "auto: all three].",
+)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the plans as JSON (a new file).")
-def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, overrides, json_path) -> None:
+def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, modes, overrides, json_path) -> None:
     """Memory per rank for RECIPE at each process count and strategy: weights, gradients,
     optimizer state, what is gathered in flight and one micro-batch's activations, and
     whether it fits the device (see frugality.runtime.plan for what is counted). With
     --tensor and --pipeline: the heaviest rank of that layout, data parallel over the
-    ranks left over, activations for the micro-batches its schedule keeps in flight."""
+    ranks left over, activations for the micro-batches its schedule keeps in flight. A row
+    per activation checkpointing mode (`auto`, the default: none, selective and full)."""
     from frugality.cli.options import comma_ints, comma_names
     from frugality.config.recipe import DATA_PARALLEL, load_recipe
     from frugality.errors import UserError
+    from frugality.runtime.activation_checkpointing import MODES
     from frugality.runtime.plan import HEADROOM, markdown_rows, plan_memory, plan_model_parallel
 
     resolved = load_recipe(recipe, list(overrides))
@@ -40,6 +48,8 @@ def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, overrides, js
     pipeline = pipeline or resolved.parallel.pipeline
     counts = comma_ints(nprocs, "--nproc")
     names = comma_names(strategies, DATA_PARALLEL, "--strategy")
+    asked = resolved.train.activation_checkpointing
+    checkpointing = comma_names(modes or ("none,selective,full" if asked == "auto" else asked), MODES, "--checkpointing")
     if json_path and Path(json_path).exists():
         raise UserError(f"--json {json_path}: exists; choose another path or remove it")
     plans = []
@@ -47,10 +57,13 @@ def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, overrides, js
         data_ranks = n // (tensor * pipeline) if n % (tensor * pipeline) == 0 else n
         for strategy in names if data_ranks > 1 else names[:1]:  # one data-parallel rank: no strategy applies
             memory = int(memory_gib * 2**30) if memory_gib else _device_memory(n)
-            if tensor > 1 or pipeline > 1:
-                plans.append(plan_model_parallel(resolved, n, strategy, tensor, pipeline, memory))
-            else:
-                plans.append(plan_memory(resolved, n, strategy, memory))
+            for mode in checkpointing:
+                if tensor > 1 or pipeline > 1:
+                    plans.append(
+                        plan_model_parallel(resolved, n, strategy, tensor, pipeline, memory, checkpointing=mode)
+                    )
+                else:
+                    plans.append(plan_memory(resolved, n, strategy, memory, checkpointing=mode))
     click.echo(markdown_rows(plans))
     if resolved.train.precision == "auto":
         click.echo(
@@ -59,7 +72,8 @@ def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, overrides, js
         )
     click.echo(
         f"fits: the total within {HEADROOM:.0%} of each rank's device memory; activations are eager "
-        "PyTorch's, without checkpointing; hsdp shards over parallel.shard_size ranks (all when unset)"
+        "PyTorch's (selective: one block in train.selective_every recomputed); hsdp shards over "
+        "parallel.shard_size ranks (all when unset)"
     )
     if json_path:
         from frugality.paths import write_atomically

@@ -96,11 +96,22 @@ def device_fingerprint(device: torch.device) -> dict:
 
 
 def fingerprint(
-    *, model: dict, micro_batch_size: int, seq_len: int, precision: str, level: str, device: torch.device, options: dict
+    *,
+    model: dict,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    level: str,
+    device: torch.device,
+    options: dict,
+    checkpointing: str = "none",
 ) -> dict:
     """Everything that makes compiled code valid; two runs with equal fingerprints compile the
-    same graphs. Steps, learning rates, datasets and paths are left out: they change no graph."""
-    return {
+    same graphs. Steps, learning rates, datasets and paths are left out: they change no graph.
+    (Activation checkpointing is named only where it recomputes: the entries without it keep
+    their names.)"""
+    recomputed = {"activation_checkpointing": checkpointing} if checkpointing != "none" else {}
+    return recomputed | {
         "format": ENTRY_FORMAT,
         "torch": torch.__version__,
         "python": ".".join(platform.python_version_tuple()[:2]),

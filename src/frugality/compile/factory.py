@@ -9,11 +9,12 @@ from frugality.compile.base import Session
 from frugality.compile.session import CompileSession
 
 
-def open_session(recipe, device: torch.device, policy) -> Session:
-    """The session for `recipe` on `device` under the resolved precision `policy`. On XLA its
-    executable cache opens here, before the process compiles any graph."""
+def open_session(recipe, device: torch.device, policy, checkpointing: str = "none") -> Session:
+    """The session for `recipe` on `device` under the resolved precision `policy` and
+    activation checkpointing mode. On XLA its executable cache opens here, before the process
+    compiles any graph."""
     if device.type == "xla":
         from frugality.compile.xla import XlaCompileSession  # (imports torch_xla's helpers)
 
         return XlaCompileSession.for_recipe(recipe, policy.key)
-    return CompileSession.for_recipe(recipe, device, policy)
+    return CompileSession.for_recipe(recipe, device, policy, checkpointing)

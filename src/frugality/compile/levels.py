@@ -48,7 +48,7 @@ def get_level(name: str) -> CompileLevel:
 CPP_WRAPPER_MAX_THREADS = 4  # measured better at 2; where parallel per-kernel builds win is not measured
 
 
-def inductor_options(device: torch.device, compute_dtype: torch.dtype) -> dict:
+def inductor_options(device: torch.device, compute_dtype: torch.dtype, recomputes: bool = False) -> dict:
     """Inductor options by device and dtype (bf16 wherever the blocks hold bf16 tensors, also
     with fp32 products; part of the cache key through Inductor's own config hash).
 
@@ -64,12 +64,15 @@ def inductor_options(device: torch.device, compute_dtype: torch.dtype) -> dict:
     g++ runs; the same kernels, losses and step time). With many cores Inductor builds the
     per-kernel libraries in parallel, and a graph's one library would be the longest build:
     not measured there, so left as Inductor has it. (The thread count is in the compile
-    cache's fingerprint already: machines that share an entry choose alike.)
+    cache's fingerprint already: machines that share an entry choose alike.) Not with
+    activation checkpointing (`recomputes`): a recomputed block's attention is a seeded op to
+    the partitioner (its dropout), wrapped to replay its RNG state, which torch 2.13's C++
+    wrapper cannot emit ("AssertionError: RunAndSaveRngState"); the Python wrapper can.
     """
     options = {}
     if device.type == "cpu":
         options["cpp_cache_precompile_headers"] = False  # see frugality.compile.session
-        if torch.get_num_threads() <= CPP_WRAPPER_MAX_THREADS:
+        if torch.get_num_threads() <= CPP_WRAPPER_MAX_THREADS and not recomputes:
             options["cpp_wrapper"] = True
         if compute_dtype == torch.bfloat16:
             options["cpp.max_horizontal_fusion_size"] = 1

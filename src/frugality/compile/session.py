@@ -82,6 +82,7 @@ class CompileSession(SessionBase):
         device: torch.device,
         cache_key_env: str = KEY_ENV_VAR,
         backend: str = "inductor",
+        checkpointing: str = "none",
     ) -> None:
         self.level = get_level(level)
         self.enabled = self.level.mode is not None
@@ -95,7 +96,7 @@ class CompileSession(SessionBase):
             check_backend(backend)
             self.stats.cache = f"none: the shared cache holds Inductor's graphs, not {backend}'s"
         elif self.enabled:
-            self.options = inductor_options(device, compute_dtype)
+            self.options = inductor_options(device, compute_dtype, recomputes=checkpointing != "none")
             fp = fingerprint(
                 model=model_config,
                 micro_batch_size=micro_batch_size,
@@ -104,6 +105,7 @@ class CompileSession(SessionBase):
                 level=level,
                 device=device,
                 options=self.options,
+                checkpointing=checkpointing,
             )
             key = fleet_key(cache_key_env)  # never logged or stored
             self.cache = CompileCache(cache_url(cache), fp, key)
@@ -118,9 +120,10 @@ class CompileSession(SessionBase):
         self._published_misses = 0
 
     @classmethod
-    def for_recipe(cls, recipe, device: torch.device, policy) -> CompileSession:
+    def for_recipe(cls, recipe, device: torch.device, policy, checkpointing: str = "none") -> CompileSession:
         """Inductor's session for `recipe` on `device` (a CPU or a GPU), under the resolved
-        precision `policy` (`compile.factory.open_session` picks XLA's on an XLA device)."""
+        precision `policy` and activation checkpointing mode (`compile.factory.open_session`
+        picks XLA's on an XLA device)."""
         c = recipe.compile
         return cls(
             c.level,
@@ -135,6 +138,7 @@ class CompileSession(SessionBase):
             precision=policy.key,
             compute_dtype=policy.graph_dtype,
             device=device,
+            checkpointing=checkpointing,
         )
 
     # -- 1. start ---------------------------------------------------------------------------

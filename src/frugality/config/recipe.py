@@ -173,6 +173,15 @@ class TrainConfig(_Section):
         description="a step or evaluation that takes longer (after the first step) writes every "
         "thread's stack to hang-rank<R>.txt in the run directory and exits with status 5; unset: no watchdog",
     )
+    activation_checkpointing: Literal["auto", "none", "full", "selective"] = Field(
+        default="auto",
+        description="recompute blocks' activations in backward instead of keeping them: full (every block), "
+        "selective (every train.selective_every-th block), none; auto: the first of none, selective, full whose "
+        "memory plan fits the memory free on the device (none where it is not checked); see docs/training.md",
+    )
+    selective_every: int = Field(
+        default=2, ge=2, description="activation_checkpointing = selective: every this many blocks, one recomputed"
+    )
     check_memory: bool = Field(
         default=True,
         description="refuse, before anything is written, a run whose memory plan (frugality "

@@ -4,7 +4,7 @@ device is rented.
 Parameters are counted on a model built on PyTorch's meta device (no memory, no compute),
 and activations are what autograd saves for backward in a meta-device forward of one
 micro-batch (views counted once with their base): eager PyTorch layers, no fused kernels,
-no activation checkpointing, attention counted as a flash-attention kernel keeps it (q, k,
+attention counted as a flash-attention kernel keeps it (q, k,
 v, the output and a log-sum-exp per row: what runs on CUDA GPUs and in torch's CPU kernel;
 on the meta device SDPA would take its math path, which keeps the s x s scores). Per rank:
 - weights, gradients and optimizer state: the precision policy's bytes per parameter, whole
@@ -16,7 +16,10 @@ on the meta device SDPA would take its math path, which keeps the s x s scores).
   (the running one and the prefetched one), or of every block without
   `parallel.reshard_after_forward`;
 - activations of one micro-batch (amp-bf16: counted in bf16, the dtype autocast gives the
-  products, since autocast does not run on the meta device).
+  products, since autocast does not run on the meta device), under the activation
+  checkpointing mode asked for: each saved tensor is put down to the block whose forward
+  saved it; a checkpointed block keeps its input instead of what it saved, and in backward
+  one checkpointed block at a time holds its activations again (the largest is counted).
 A plan fits when the total is at most 90% of the device memory (the rest for the runtime,
 allocator fragmentation and workspaces, which depend on the device and are not counted).
 """
@@ -38,6 +41,7 @@ from frugality.hardware import device_memory
 from frugality.models import Decoder, build_model
 from frugality.models.layers import OutputLayer
 from frugality.precision import AUTO_POLICY, PrecisionPolicy, get_policy
+from frugality.runtime.activation_checkpointing import checkpointed_blocks
 from frugality.tasks import task_for
 
 HEADROOM = 0.9  # of the device memory that the counted parts may take
@@ -62,6 +66,7 @@ class MemoryPlan:
     tensor: int = 1  # tensor-parallel degree
     pipeline: int = 1  # pipeline stages
     micro_batches_in_flight: int = 1  # whose activations a rank holds at once (a pipeline schedule's)
+    checkpointing: str = "none"  # activation checkpointing: none, selective or full
 
     @property
     def total(self) -> int:
@@ -82,10 +87,12 @@ def plan_memory(
     device_memory: int | None = None,
     policy: PrecisionPolicy | None = None,
     fused_output: bool = False,
+    checkpointing: str = "none",
 ) -> MemoryPlan:
     """The plan under `policy` (as fitted to a device), by default the recipe's (`auto`:
     bf16-sr). `fused_output`: count the output layer's loss as frugality's fused layer keeps
-    it (one tokens x vocab buffer in the compute dtype) rather than as eager PyTorch does."""
+    it (one tokens x vocab buffer in the compute dtype) rather than as eager PyTorch does.
+    `checkpointing`: the activation checkpointing mode (none, selective, full)."""
     auto = recipe.train.precision == "auto"  # planned for hardware where bf16 products are native
     policy = policy or get_policy(AUTO_POLICY[True] if auto else recipe.train.precision)
     with torch.device("meta"):
@@ -107,7 +114,8 @@ def plan_memory(
     moments = policy.state_bytes_per_param - 2 * item  # two Adam moments
     if policy.autocast:  # autocast does not run on the meta device: count its products' dtype
         model = model.to(policy.compute_dtype)
-    activations = saved_activation_bytes(model, recipe, policy.compute_dtype if fused_output else None)
+    profile = activation_profile(model, recipe, policy.compute_dtype if fused_output else None)
+    activations = profile.bytes(checkpointing, recipe.train.selective_every)
     return MemoryPlan(
         recipe.name,
         strategy if nproc > 1 else "none",
@@ -123,6 +131,7 @@ def plan_memory(
         in_flight,
         activations,
         device_memory,
+        checkpointing=checkpointing,
     )
 
 
@@ -134,6 +143,7 @@ def plan_model_parallel(
     pipeline: int,
     device_memory: int | None = None,
     policy: PrecisionPolicy | None = None,
+    checkpointing: str = "none",
 ) -> MemoryPlan:
     """The plan per rank of the heaviest rank under tensor and pipeline parallel, data
     parallel (`strategy`) over the ranks left over:
@@ -146,7 +156,9 @@ def plan_model_parallel(
       of them; GPipe: the step's; interleaved: `pipeline`), plus the output layer's on the
       last; under tensor parallel a block keeps 10 + 24/t of its 34 units of the residual
       stream without sequence parallel, 34/t with it (Korthikanti et al., 2022, table 2,
-      flash attention's term left out).
+      flash attention's term left out); a checkpointed block keeps its input (the residual
+      stream: split over the tensor ranks with sequence parallel), and one of them at a time
+      holds its activations again in backward.
     `parallel.pipeline_schedule` and `parallel.sequence` come from the recipe."""
     from frugality.distributed.pipeline import resolve_schedule
 
@@ -177,15 +189,19 @@ def plan_model_parallel(
         in_flight = 3 * math.ceil(block / tensor) * item  # a block gathered, one prefetched, one's gradients
     per_rank = math.ceil(local / shard)
     moments = policy.state_bytes_per_param - 2 * item
-    one = saved_activation_bytes(_with_layers(recipe, 1, policy), recipe, policy.compute_dtype)
+    one = activation_profile(_with_layers(recipe, 1, policy), recipe, policy.compute_dtype)
     two = saved_activation_bytes(_with_layers(recipe, 2, policy), recipe, policy.compute_dtype)
-    per_block, output = two - one, 2 * one - two
+    whole_one = one.bytes("none", 2)
+    per_block, output = two - whole_one, 2 * whole_one - two
     kept = 34 / tensor if recipe.parallel.sequence else 10 + 24 / tensor
     per_block = per_block * kept / 34
+    block_input = one.inputs[0] / (tensor if recipe.parallel.sequence else 1)
+    recomputed = len(checkpointed_blocks(per_stage, checkpointing, recipe.train.selective_every))
+    stage = (per_stage - recomputed) * per_block + recomputed * block_input
     micro_batches = recipe.data.global_batch_size // (recipe.data.micro_batch_size * dp)
     schedule = resolve_schedule(recipe.parallel.pipeline_schedule)
     in_flight_mb = 1 if pipeline == 1 else (micro_batches if schedule == "gpipe" else min(pipeline, micro_batches))
-    activations = int(per_stage * per_block * in_flight_mb + output / tensor)
+    activations = int(stage * in_flight_mb + (per_block if recomputed else 0) + output / tensor)
     layout = strategy if dp > 1 else "none"
     return MemoryPlan(
         recipe.name,
@@ -205,6 +221,7 @@ def plan_model_parallel(
         tensor,
         pipeline,
         in_flight_mb,
+        checkpointing,
     )
 
 
@@ -218,13 +235,58 @@ def saved_activation_bytes(model: nn.Module, recipe: Recipe, fused_output: torch
     """Bytes autograd keeps for backward after the task's forward of one micro-batch, on the
     meta device (`model` built there); `fused_output`: the output layer's loss kept as the
     fused layer keeps it, one tokens x vocab buffer in that dtype."""
-    saved: dict[int, torch.Tensor] = {}
+    return activation_profile(model, recipe, fused_output).bytes("none", 2)
+
+
+@dataclass
+class ActivationProfile:
+    """What one micro-batch's forward saves for backward: before the blocks (`head`: the
+    embedding's), in each block (`blocks`), after them (`tail`: the final norm's and output
+    layer's), and each block's input (`inputs`: what a checkpointed block keeps)."""
+
+    head: int
+    blocks: list[int]
+    inputs: list[int]
+    tail: int
+
+    def bytes(self, checkpointing: str, every: int) -> int:
+        """Bytes held at most under an activation checkpointing mode: at the end of forward,
+        the blocks not recomputed keep what they saved and the others their input; in
+        backward (last block first), a recomputed block holds its activations again beside
+        what the blocks before it keep, those after it and the tail freed."""
+        recomputed = set(checkpointed_blocks(len(self.blocks), checkpointing, every))
+        kept = [self.inputs[i] if i in recomputed else saved for i, saved in enumerate(self.blocks)]
+        peak = self.head + sum(kept) + self.tail
+        for i in sorted(recomputed):
+            peak = max(peak, self.head + sum(kept[:i]) + self.inputs[i] + self.blocks[i])
+        return peak
+
+
+def activation_profile(model: nn.Module, recipe: Recipe, fused_output: torch.dtype | None = None) -> ActivationProfile:
+    """`saved_activation_bytes`, put down to the block whose forward saved each tensor (the
+    first, for a tensor saved twice), with each block's input."""
+    saved: dict[int, tuple[torch.Tensor, int]] = {}  # base's id -> (base, block; -1 before them, -2 after)
+    current = [-1]
+    blocks = list(getattr(model, "layers", []))
+    inputs = [0] * len(blocks)
 
     def keep(t: torch.Tensor):
         base = t._base if t._base is not None else t
-        saved[id(base)] = base  # held, so that ids stay unique until counted
+        saved.setdefault(id(base), (base, current[0]))  # held, so that ids stay unique until counted
         return t
 
+    def entering(i: int):
+        def hook(module, args, kwargs):
+            current[0] = i
+            inputs[i] = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
+
+        return hook
+
+    def leaving(module, args, output):
+        current[0] = -2
+
+    hooks = [b.register_forward_pre_hook(entering(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    hooks += [b.register_forward_hook(leaving) for b in blocks]
     task = task_for(recipe)
     batch = task.example_batch(recipe, torch.device("meta"))
     sdpa, output_loss = F.scaled_dot_product_attention, OutputLayer.loss
@@ -236,8 +298,14 @@ def saved_activation_bytes(model: nn.Module, recipe: Recipe, fused_output: torch
             task.training_module(model)(batch)
     finally:
         F.scaled_dot_product_attention, OutputLayer.loss = sdpa, output_loss
+        for hook in hooks:
+            hook.remove()
     parameters = {id(p) for p in model.parameters()}
-    return sum(t.untyped_storage().nbytes() for key, t in saved.items() if key not in parameters)
+    by_block = {i: 0 for i in range(-2, len(blocks))}
+    for key, (t, block) in saved.items():
+        if key not in parameters:
+            by_block[block] += t.untyped_storage().nbytes()
+    return ActivationProfile(by_block[-1], [by_block[i] for i in range(len(blocks))], inputs, by_block[-2])
 
 
 class _FlashAttentionSaves(torch.autograd.Function):
@@ -278,8 +346,8 @@ def markdown_rows(plans: list[MemoryPlan]) -> str:
     gib = 2**30
     lines = [
         "| recipe | parameters | precision | strategy | ranks | sharded over | weights | gradients | optimizer "
-        "| in flight | activations (1 micro-batch) | total per rank (GiB) | fits (device GiB) |",
-        "|" + "---|" * 13,
+        "| in flight | activation checkpointing | activations (1 micro-batch) | total per rank (GiB) | fits (device GiB) |",
+        "|" + "---|" * 14,
     ]
     for p in plans:
         fits = "n/a" if p.device_memory is None else f"{'yes' if p.fits else 'no'} ({p.device_memory / gib:.1f})"
@@ -287,42 +355,85 @@ def markdown_rows(plans: list[MemoryPlan]) -> str:
             f"| {p.recipe} | {p.parameters / 1e6:,.0f}M | {p.precision} | {_layout(p)} | {p.nproc} | "
             f"{p.shard_over} | "
             f"{p.weights / gib:.2f} | {p.gradients / gib:.2f} | {p.optimizer / gib:.2f} | "
-            f"{p.in_flight / gib:.2f} | {p.activations / gib:.2f} (b={p.micro_batch}, s={p.seq_len}"
+            f"{p.in_flight / gib:.2f} | {p.checkpointing} | {p.activations / gib:.2f} (b={p.micro_batch}, s={p.seq_len}"
             f"{f', x{p.micro_batches_in_flight} in flight' if p.pipeline > 1 else ''}) | "
             f"{p.total / gib:.2f} | {fits} |"
         )
     return "\n".join(lines)
 
 
-def check_fits(
+def fit_memory(
     recipe: Recipe, policy: PrecisionPolicy, world_size: int, device: torch.device, tensor: int = 1, pipeline: int = 1
-) -> None:
-    """Refuse, in one line, a run whose plan per rank (frugality's fused output loss counted
-    as it runs; under tensor or pipeline parallel, the heaviest rank's) exceeds the memory
-    free on its device now (CPU ranks of one machine share its RAM, within any cgroup
-    limit), rather than let it be killed mid-step; `train.check_memory = false` turns this off."""
+) -> tuple[str, str]:
+    """The activation checkpointing mode a run takes, and why ("asked for", or what `auto`
+    weighed). Its plan per rank (frugality's fused output loss
+    counted as it runs; under tensor or pipeline parallel, the heaviest rank's) is held
+    against the memory free on its device now (CPU ranks of one machine share its RAM, within
+    any cgroup limit): `auto` takes the first of none, selective and full that fits; a run that
+    fits under none of them (or not under the mode asked for) is refused in one line naming
+    the micro-batch that would fit, rather than killed mid-step. `train.check_memory = false`
+    checks nothing (`auto`: none)."""
+    asked = recipe.train.activation_checkpointing
+    if device.type == "xla" and asked not in ("auto", "none"):
+        raise UserError(
+            f"train.activation_checkpointing {asked}: not on XLA devices yet (torch_xla's own checkpoint is not "
+            "wired in); set none or auto"
+        )
     if device.type not in ("cpu", "cuda") or not recipe.train.check_memory:
-        return
-    if tensor > 1 or pipeline > 1:
-        plan = plan_model_parallel(recipe, world_size, recipe.parallel.data, tensor, pipeline, policy=policy)
-    else:
-        plan = plan_memory(recipe, world_size, recipe.parallel.data, policy=policy, fused_output=True)
+        return ("none", "auto: memory not checked here") if asked == "auto" else (asked, "asked for")
+
+    def plan(mode: str, r: Recipe = recipe) -> MemoryPlan:
+        if tensor > 1 or pipeline > 1:
+            return plan_model_parallel(r, world_size, r.parallel.data, tensor, pipeline, policy=policy, checkpointing=mode)
+        return plan_memory(r, world_size, r.parallel.data, policy=policy, fused_output=True, checkpointing=mode)
+
     free, _ = device_memory(device)
     if device.type == "cpu":
         free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if plan.total <= free:
-        return
     gib = 2**30
+    tried: list[tuple[str, MemoryPlan]] = []
+    for mode in ("none", "selective", "full") if asked == "auto" else (asked,):
+        planned = plan(mode)
+        if planned.total <= free:
+            if asked != "auto":
+                return mode, "asked for"
+            without = "".join(f"{m} {p.total / gib:.1f} GiB, " for m, p in tried)
+            return mode, f"auto: {without}{mode} {planned.total / gib:.1f} GiB per rank; {free / gib:.1f} GiB free"
+        tried.append((mode, planned))
+    mode, planned = tried[-1]
     where = (
         "of this machine's RAM" + (" per rank" if world_size > 1 else "") if device.type == "cpu" else f"on {device}"
     )
-    raise UserError(
-        f"data.micro_batch_size {recipe.data.micro_batch_size} x seq_len {recipe.data.seq_len} needs "
-        f"about {plan.total / gib:.1f} GiB per rank (activations {plan.activations / gib:.1f} GiB; "
-        f"frugality plan), more than the {free / gib:.1f} GiB free {where}; lower "
-        "data.micro_batch_size (the global batch is kept, by accumulation), or set "
-        "train.check_memory = false to try anyway"
+    micro = recipe.data.micro_batch_size
+    fitting = next(
+        (
+            m
+            for m in _halvings(micro)
+            if plan(mode, recipe.model_copy(update={"data": recipe.data.model_copy(update={"micro_batch_size": m})})).total
+            <= free
+        ),
+        None,
     )
+    lower = (
+        f"set data.micro_batch_size {fitting} (the global batch is kept, by accumulation)"
+        if fitting
+        else "even a micro-batch of 1 does not fit: more ranks (fsdp, tensor or pipeline parallel) or a larger device"
+    )
+    under = f"activation checkpointing {mode}" + (" (auto: the most it recomputes)" if asked == "auto" else "")
+    raise UserError(
+        f"data.micro_batch_size {micro} x seq_len {recipe.data.seq_len} needs about {planned.total / gib:.1f} GiB "
+        f"per rank under {under} (activations {planned.activations / gib:.1f} GiB; frugality plan), more than the "
+        f"{free / gib:.1f} GiB free {where}; {lower}, or set train.check_memory = false to try anyway"
+    )
+
+
+def _halvings(micro: int) -> list[int]:
+    """Smaller micro-batches to try, largest first: micro // 2, micro // 4, ..., 1."""
+    sizes, m = [], micro // 2
+    while m >= 1:
+        sizes.append(m)
+        m //= 2
+    return sizes
 
 
 def _layout(p: MemoryPlan) -> str:

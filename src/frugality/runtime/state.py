@@ -5,7 +5,9 @@ order, so that each sees the same model:
 1. the task, checked against the model and fitted to the run (`frugality.tasks.task_for`);
 2. the model, built plain on the device from the recipe's seed, then cast or converted by
    the precision policy fitted to the device (`frugality.precision.resolve_policy`);
-3. backend kernels: the device's faster layers swapped in (`frugality.kernels.specialize`);
+3. backend kernels: the device's faster layers swapped in (`frugality.kernels.specialize`),
+   and the blocks the activation checkpointing mode names made to recompute their
+   activations in backward (`frugality.runtime.activation_checkpointing`);
 4. the task's training module around the model, and parallel wrapping of that module from
    outside where torchrun started several processes (`frugality.distributed.wrap`: DDP or
    FSDP2);
@@ -40,8 +42,10 @@ from frugality.models import build_model
 from frugality.models.materialize import allocate, draw_parameters
 from frugality.precision import PrecisionPolicy, apply_tf32, resolve_policy
 from frugality.precision.loss_scale import LossScaler
+from frugality.runtime.activation_checkpointing import apply_activation_checkpointing
 from frugality.runtime.data import TrainingData
 from frugality.runtime.optim import build_optimizer, fused_update
+from frugality.runtime.plan import fit_memory
 from frugality.tasks import Task, freeze_unused, task_for
 
 if TYPE_CHECKING:
@@ -68,6 +72,7 @@ class TrainState:
     recent_losses: deque[float] = field(default_factory=deque)  # applied steps' losses, for spike detection
     tokens_seen: int = 0  # every rank's tokens of every step so far (checkpointed: buckets make steps differ)
     pipeline: Pipeline | None = None  # pipeline parallel: the schedule that runs the steps and evaluations
+    checkpointing: str = "none"  # activation checkpointing: none, selective or full
     loss_scaler: LossScaler | None = None  # amp-fp16: the dynamic loss scale
 
     @property
@@ -112,11 +117,17 @@ def check_recipe(recipe: Recipe, device: torch.device) -> None:
 
 
 def build_state(
-    recipe: Recipe, device: torch.device, data: TrainingData | None = None, world: World = World()
+    recipe: Recipe,
+    device: torch.device,
+    data: TrainingData | None = None,
+    world: World = World(),
+    checkpointing: tuple[str, str] | None = None,
 ) -> TrainState:
     """The training state for `recipe` on `device` (see the module's docstring for the
     order); `data` from `frugality.runtime.data.open_training_data` where batches come from
-    the recipe's dataset. The recipe's micro-batch and sequence length key the compiled graphs."""
+    the recipe's dataset. The recipe's micro-batch and sequence length key the compiled graphs.
+    `checkpointing`: the activation checkpointing mode `runtime.plan.fit_memory` chose, and
+    why (by default it chooses here, for one process)."""
     gather = gather_with_grad if world.distributed and recipe.parallel.gather_negatives else None
     task = task_for(
         recipe,
@@ -128,8 +139,13 @@ def build_state(
     policy, note = resolve_policy(recipe.train.precision, device)
     if policy.loss_scaling:
         check_loss_scaling(recipe, world)
+    if checkpointing is None:
+        checkpointing = fit_memory(recipe, policy, world.world_size, device, world.tensor, world.pipeline)
+    checkpointing_mode, why = checkpointing
     tf32 = apply_tf32(device, recipe.train.tf32)  # before any product (the compile cache keys on it)
-    compiled = open_session(recipe, device, policy)  # on XLA, its executable cache opens before any graph
+    compiled = open_session(
+        recipe, device, policy, checkpointing_mode
+    )  # on XLA, its executable cache opens before any graph
     torch.manual_seed(recipe.seed)
     # tensor and pipeline parallel: the model built on the meta device, split, and only this
     # rank's part given its values (those the whole model would have had) on the device;
@@ -146,6 +162,8 @@ def build_state(
         choices = [apply_tensor_parallel(model, mesh, recipe.parallel.sequence), "kernels: none under tensor parallel"]
     else:
         choices = [] if in_parts else specialize(model, device, policy)
+    # (before the pipeline's cut, FSDP2 and compile: they see the same blocks)
+    recomputed = apply_activation_checkpointing(model, checkpointing_mode, recipe.train.selective_every)
     materialize = (
         (lambda parts: choices.extend(_materialize(recipe, device, policy, model, parts))) if in_parts else None
     )
@@ -176,6 +194,11 @@ def build_state(
         model, recipe.optim, policy, seed=recipe.seed, fused=fused_update(recipe, device), whole=whole
     )
     notes = [note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")]
+    if recomputed:
+        notes.append(
+            f"activation checkpointing: {checkpointing_mode}, {recomputed} of {recipe.model.num_layers} blocks "
+            f"recomputed in backward ({why})"
+        )
     loss_scaler = None
     if policy.loss_scaling:
         loss_scaler = LossScaler(device, recipe.train.loss_scale, recipe.train.loss_scale_window)
@@ -208,6 +231,7 @@ def build_state(
         world,
         recent_losses=deque(maxlen=recipe.train.loss_spike_window),
         pipeline=pipeline,
+        checkpointing=checkpointing_mode,
         loss_scaler=loss_scaler,
     )
 

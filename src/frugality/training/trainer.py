@@ -39,7 +39,7 @@ from frugality.precision import resolve_policy
 from frugality.runtime.data import open_training_data
 from frugality.runtime.device import names_xla, resolve_device
 from frugality.runtime.host_memory import keep_freed_memory
-from frugality.runtime.plan import check_fits
+from frugality.runtime.plan import fit_memory
 from frugality.runtime.state import TrainState, build_state, check_loss_scaling, check_recipe
 from frugality.tasks import get_task
 from frugality.training import rng
@@ -136,7 +136,7 @@ def train(
     policy = resolve_policy(recipe.train.precision, device)[0]
     if policy.loss_scaling:
         check_loss_scaling(recipe, world)
-    check_fits(recipe, policy, world.world_size, device, world.tensor, world.pipeline)
+    checkpointing = fit_memory(recipe, policy, world.world_size, device, world.tensor, world.pipeline)
     passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
     with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
         if device.type == "cpu":
@@ -166,7 +166,7 @@ def train(
                 "--resume-optimizer needs --init-from a frugality training checkpoint "
                 "(one with optimizer state) and a new run"
             )
-        state = build_state(recipe, device, data, world)
+        state = build_state(recipe, device, data, world, checkpointing)
         if batch_note:
             state.choices.append(batch_note)
         if recipe.optim.warmup_steps > recipe.train.steps:  # (training.schedule cuts it)
