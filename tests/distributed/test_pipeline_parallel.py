@@ -23,10 +23,12 @@ from frugality.errors import UserError
 @pytest.mark.parametrize(
     "name, nproc, layout, precision, rel",
     [
-        ("micro4", 2, ["parallel.pipeline_schedule=gpipe"], "fp32", 1e-5),
+        # (with activation checkpointing in two of them: the one-process runs recompute nothing)
+        ("micro4", 2, ["parallel.pipeline_schedule=gpipe", "train.activation_checkpointing=selective"], "fp32", 1e-5),
         ("micro4", 2, ["parallel.pipeline_schedule=interleaved-1f1b"], "fp32", 1e-5),
         ("micro8", 4, ["parallel.data=fsdp"], "amp-bf16", 1e-3),
-        ("micro", 2, ["data.micro_batch_size=4"], "bf16-sr", 1e-4),  # one micro-batch of 4: fitted to 2 of 2
+        # one micro-batch of 4: fitted to 2 of 2
+        ("micro", 2, ["data.micro_batch_size=4", "train.activation_checkpointing=full"], "bf16-sr", 1e-4),
     ],
     ids=["gpipe", "interleaved-1f1b", "1f1b-fsdp2-amp-short-validation", "1f1b-bf16sr-fitted-micro-batch"],
 )
@@ -42,6 +44,10 @@ def test_pipeline_trains_as_one_process(layout_recipes, one_process_run, tmp_pat
         *layout,
     )
     assert "pipeline parallel over 2 ranks" in done.stdout
+    for mode in ("full", "selective"):
+        assert (f"train.activation_checkpointing={mode}" in layout) == (
+            f"activation checkpointing: {mode}, " in done.stdout
+        )
     if "data.micro_batch_size=4" in layout:  # the global batch kept, in the micro-batches the stages need
         assert (
             "data.micro_batch_size 4 -> 2: a step of parallel.pipeline 2 needs at least 2 micro-batches" in done.stdout

@@ -20,9 +20,22 @@ from frugality.errors import UserError
 @pytest.mark.parametrize(
     "name, nproc, layout, precision, rel",
     [
-        ("micro-llama", 2, ["parallel.tensor=2", "parallel.sequence=true"], "fp32", 1e-5),
+        # (with activation checkpointing in two of them: the one-process runs recompute nothing)
+        (
+            "micro-llama",
+            2,
+            ["parallel.tensor=2", "parallel.sequence=true", "train.activation_checkpointing=full"],
+            "fp32",
+            1e-5,
+        ),
         ("micro", 2, ["parallel.tensor=2", "parallel.sequence=true"], "bf16-sr", 1e-3),
-        ("micro", 4, ["parallel.tensor=2", "parallel.data=fsdp"], "fp32", 1e-5),
+        (
+            "micro",
+            4,
+            ["parallel.tensor=2", "parallel.data=fsdp", "train.activation_checkpointing=selective"],
+            "fp32",
+            1e-5,
+        ),
     ],
     ids=["llama-tp2-sp", "neox-tp2-sp-bf16sr", "neox-tp2-fsdp2"],
 )
@@ -34,6 +47,10 @@ def test_tensor_parallel_trains_as_one_process(
         layout_recipes / f"{name}.toml", tmp_path / "run", nproc, STEPS, f"train.precision={precision}", *layout
     )
     assert "tensor parallel over 2 ranks" in done.stdout and "kernels: none under tensor parallel" in done.stdout
+    for mode in ("full", "selective"):
+        assert (f"train.activation_checkpointing={mode}" in layout) == (
+            f"activation checkpointing: {mode}, " in done.stdout
+        )
     assert_close(losses(tmp_path / "run"), losses(straight), rel)
     assert_close(losses(tmp_path / "run", "eval"), losses(straight, "eval"), rel)
     # the time a step's rank spent blocked in the tensor-parallel collectives (profiled steps)

@@ -49,7 +49,9 @@ def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, modes, overri
     counts = comma_ints(nprocs, "--nproc")
     names = comma_names(strategies, DATA_PARALLEL, "--strategy")
     asked = resolved.train.activation_checkpointing
-    checkpointing = comma_names(modes or ("none,selective,full" if asked == "auto" else asked), MODES, "--checkpointing")
+    checkpointing = comma_names(
+        modes or ("none,selective,full" if asked == "auto" else asked), MODES, "--checkpointing"
+    )
     if json_path and Path(json_path).exists():
         raise UserError(f"--json {json_path}: exists; choose another path or remove it")
     plans = []

@@ -346,7 +346,8 @@ def markdown_rows(plans: list[MemoryPlan]) -> str:
     gib = 2**30
     lines = [
         "| recipe | parameters | precision | strategy | ranks | sharded over | weights | gradients | optimizer "
-        "| in flight | activation checkpointing | activations (1 micro-batch) | total per rank (GiB) | fits (device GiB) |",
+        "| in flight | activation checkpointing | activations (1 micro-batch) | total per rank (GiB) "
+        "| fits (device GiB) |",
         "|" + "---|" * 14,
     ]
     for p in plans:
@@ -384,7 +385,9 @@ def fit_memory(
 
     def plan(mode: str, r: Recipe = recipe) -> MemoryPlan:
         if tensor > 1 or pipeline > 1:
-            return plan_model_parallel(r, world_size, r.parallel.data, tensor, pipeline, policy=policy, checkpointing=mode)
+            return plan_model_parallel(
+                r, world_size, r.parallel.data, tensor, pipeline, policy=policy, checkpointing=mode
+            )
         return plan_memory(r, world_size, r.parallel.data, policy=policy, fused_output=True, checkpointing=mode)
 
     free, _ = device_memory(device)
@@ -409,7 +412,9 @@ def fit_memory(
         (
             m
             for m in _halvings(micro)
-            if plan(mode, recipe.model_copy(update={"data": recipe.data.model_copy(update={"micro_batch_size": m})})).total
+            if plan(
+                mode, recipe.model_copy(update={"data": recipe.data.model_copy(update={"micro_batch_size": m})})
+            ).total
             <= free
         ),
         None,

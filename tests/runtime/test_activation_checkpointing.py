@@ -1,0 +1,170 @@
+"""Activation checkpointing: the same training bit for bit with and without it (eager, and
+compiled through dynamo and AOTAutograd), what autograd keeps falls as the plan says, the
+plain model's names and eval path untouched, and `auto` choosing by the memory plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from frugality.config.recipe import load_recipe
+from frugality.errors import UserError
+from frugality.models import build_model
+from frugality.runtime.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
+from frugality.runtime.state import build_state
+from frugality.tasks import get_task
+
+
+def _batches(recipe, n=3):
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(0, 1000, (recipe.data.micro_batch_size, recipe.data.seq_len + 1), generator=g) for _ in range(n)
+    ]
+
+
+def _train(recipe, mode, compile_backend=None):
+    """Three steps of `recipe` under `mode`: the losses and the parameters after them."""
+    state = build_state(recipe, torch.device("cpu"), checkpointing=(mode, "asked for"))
+    if compile_backend:
+        for block in state.model.layers:
+            block.compile(backend=compile_backend)
+    losses = []
+    for batch in _batches(recipe):
+        with state.autocast:
+            loss = state.wrapped(batch)
+        loss.backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in state.model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "family, precision",
+    [("gpt-neox", "fp32"), ("gpt-neox", "bf16-sr"), ("llama", "fp32")],
+)
+def test_every_mode_trains_the_same_bits_as_none(micro_recipe_file, family, precision):
+    sets = [f"train.precision={precision}", f"model.family={family}", "model.num_layers=3"]
+    if family == "llama":
+        sets += ["model.intermediate_size=64"]
+    recipe = load_recipe(str(micro_recipe_file), sets)
+    losses, params = _train(recipe, "none")
+    for mode in ("full", "selective"):
+        got_losses, got_params = _train(recipe, mode)
+        assert got_losses == losses, mode
+        assert got_params.keys() == params.keys()  # the plain model's names
+        assert all(torch.equal(got_params[n], params[n]) for n in params), mode
+
+
+def test_compiled_blocks_recompute_and_train_as_eager(micro_recipe_file):
+    """dynamo traces the checkpoint as a region AOTAutograd's partitioner recomputes in the
+    backward graph (Inductor's own code for it runs in benchmarks/activation_checkpointing.py
+    and the README's compile); the eager backend keeps the test in seconds."""
+    recipe = load_recipe(str(micro_recipe_file), ["train.precision=fp32"])
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    eager_losses, _ = _train(recipe, "none")
+    losses, _ = _train(recipe, "full", compile_backend="aot_eager")
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+    torch._dynamo.reset()
+
+
+def test_what_autograd_keeps_falls_as_the_plan_counts(micro_recipe_file):
+    """The tensors saved for backward outside the recomputed blocks, on this CPU: full keeps
+    under half of none's; the plan's profile of the same micro-batch says the same."""
+    from frugality.runtime.plan import activation_profile
+
+    recipe = load_recipe(
+        str(micro_recipe_file), ["model.num_layers=4", "data.micro_batch_size=4", "model.vocab_size=512"]
+    )
+    batch = torch.randint(0, 512, (4, recipe.data.seq_len + 1))
+
+    def kept(mode: str) -> int:
+        model = build_model(recipe.model)
+        apply_activation_checkpointing(model, mode)
+        saved = {}
+
+        def keep(t):
+            base = t._base if t._base is not None else t
+            saved[base.untyped_storage().data_ptr()] = base.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = get_task("causal_lm").training_module(model)(batch)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        loss.backward()  # (the recomputation runs; nothing is left behind)
+        return sum(n for ptr, n in saved.items() if ptr not in params)
+
+    none, selective, full = kept("none"), kept("selective"), kept("full")
+    assert full < selective < none and full < 0.5 * none
+    with torch.device("meta"):
+        profile = activation_profile(build_model(recipe.model), recipe)
+    assert profile.bytes("none", 2) == pytest.approx(none, rel=0.1)
+    # (the plan adds what checkpoint's frames hold, the blocks' inputs, and one block recomputed)
+    assert profile.bytes("full", 2) < 0.5 * profile.bytes("none", 2)
+    assert profile.bytes("full", 2) < profile.bytes("selective", 2) < profile.bytes("none", 2)
+
+
+def test_without_gradients_a_block_runs_as_it_is(micro_recipe_file):
+    recipe = load_recipe(str(micro_recipe_file), [])
+    model = build_model(recipe.model)
+    x = torch.randint(0, 1000, (2, 16))
+    with torch.no_grad():
+        expected = model.hidden_states(x)
+    assert apply_activation_checkpointing(model, "full") == 2
+    assert apply_activation_checkpointing(model, "full") == 2  # twice: still one wrapper
+    block = type(model.layers[0])
+    assert block.__name__ == "CheckpointedBlock" and block.__bases__[0].__name__ == "Block"
+    with torch.no_grad():
+        assert torch.equal(model.hidden_states(x), expected)
+    assert checkpointed_blocks(5, "selective", 2) == [0, 2, 4] and checkpointed_blocks(5, "none", 2) == []
+
+
+def test_auto_takes_the_first_mode_that_fits_and_refuses_when_none_does(micro_recipe_file, monkeypatch):
+    """A memory limit between the plans of full and none: auto recomputes; below full's at
+    every micro-batch: refused in one line, naming the micro-batch that would fit."""
+    from frugality.precision import get_policy
+    from frugality.runtime import plan as planning
+
+    recipe = load_recipe(str(micro_recipe_file), ["model.num_layers=4", "data.micro_batch_size=4"])
+    fp32, cpu = get_policy("fp32"), torch.device("cpu")
+
+    def total(mode, micro=4):
+        r = recipe.model_copy(update={"data": recipe.data.model_copy(update={"micro_batch_size": micro})})
+        return planning.plan_memory(r, 1, "ddp", policy=fp32, fused_output=True, checkpointing=mode).total
+
+    none, selective, full = total("none"), total("selective"), total("full")
+    assert none > selective > full
+    monkeypatch.setattr(planning, "device_memory", lambda device: ((selective + full) // 2, none))
+    mode, why = planning.fit_memory(recipe, fp32, 1, cpu)
+    assert mode == "full" and why.startswith("auto: none ") and "selective" in why and "GiB free" in why
+    monkeypatch.setattr(planning, "device_memory", lambda device: ((selective + none) // 2, none))
+    assert planning.fit_memory(recipe, fp32, 1, cpu)[0] == "selective"
+    monkeypatch.setattr(planning, "device_memory", lambda device: (none, none))
+    assert planning.fit_memory(recipe, fp32, 1, cpu)[0] == "none"
+    between = (total("full", 2) + full) // 2  # the full plan at a micro-batch of 2 fits, at 4 it does not
+    monkeypatch.setattr(planning, "device_memory", lambda device: (between, none))
+    with pytest.raises(
+        UserError,
+        match=r"under activation checkpointing full \(auto: the most it recomputes\).*set data\.micro_batch_size 2 ",
+    ):
+        planning.fit_memory(recipe, fp32, 1, cpu)
+    asked = recipe.model_copy(update={"train": recipe.train.model_copy(update={"activation_checkpointing": "none"})})
+    with pytest.raises(UserError, match=r"under activation checkpointing none \(activations"):
+        planning.fit_memory(asked, fp32, 1, cpu)
+    unchecked = recipe.model_copy(update={"train": recipe.train.model_copy(update={"check_memory": False})})
+    assert planning.fit_memory(unchecked, fp32, 1, cpu)[0] == "none"
+
+
+def test_a_run_says_which_mode_it_took_and_why(micro_recipe_file, tmp_path, monkeypatch, capsys):
+    from frugality.runtime import plan as planning
+    from frugality.training.trainer import train
+
+    recipe = load_recipe(str(micro_recipe_file), ["train.steps=2", "train.precision=fp32"])
+    none = planning.plan_memory(recipe, 1, "ddp", fused_output=True, policy=None).total
+    monkeypatch.setattr(planning, "device_memory", lambda device: (none - 1, none))
+    result = train(recipe, tmp_path / "run", progress=False, tensorboard=False)
+    out = capsys.readouterr().out
+    assert result.final_step == 2
+    assert "activation checkpointing: selective, 1 of 2 blocks recomputed in backward (auto: none " in out, out
