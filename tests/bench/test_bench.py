@@ -31,6 +31,8 @@ def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp
         "1",
         "--set",
         "train.fused_optimizer=false",
+        "--set",
+        "train.activation_checkpointing=full",
         "--json",
         str(out),
         "--markdown",
@@ -38,6 +40,9 @@ def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp
     ]
     assert main(args) == 0
     rows = json.loads(out.read_text())
+    # the mode each row ran with (MFU counts the model's FLOPs, not the recomputation)
+    assert [r["activation_checkpointing"] for r in rows] == ["full", "none", "full", "none"]
+    assert "| frugality | fp32 | eager, full recompute |" in (tmp_path / "table.md").read_text()
     assert [(r["impl"], r["precision"]) for r in rows] == [
         ("frugality", "fp32"),
         ("transformers", "fp32"),

@@ -30,6 +30,7 @@ from frugality.metrics.flops import training_flops_per_token
 from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
 from frugality.metrics.peak import PeakProbe, mfu, peak_flops
 from frugality.precision import get_policy, resolve_policy
+from frugality.runtime.activation_checkpointing import checkpointing_of
 from frugality.runtime.device import resolve_device
 from frugality.runtime.host_memory import keep_freed_memory
 from frugality.runtime.state import build_state
@@ -64,6 +65,7 @@ class BenchRow:
     warmup_s: float | None = None  # the warm-up steps' time: compilation, for compiled implementations
     versus: str | None = None  # frugality's row: the peer its speedup is against
     skipped: str | None = None  # why the implementation did not run here
+    activation_checkpointing: str = "none"  # the blocks recomputed in backward: none, selective, full
 
 
 def make_runner(
@@ -221,6 +223,7 @@ def _bench_pass(
             )
             continue
         _, model, optimizer, _, compiles = runners[impl]
+        recomputes = checkpointing_of(model)
         median = statistics.median(times[impl])
         tokens_per_s = batch * seq / median
         peak = peak_flops(device, dtypes[impl])
@@ -246,6 +249,7 @@ def _bench_pass(
                 pass_peak_flops=round(pass_peak),
                 mfu_vs_pass_peak=_significant(mfu(flops_per_token * tokens_per_s, pass_peak)),
                 warmup_s=round(warmup_s[impl], 2),
+                activation_checkpointing=recomputes,
             )
         )
         log(
@@ -336,12 +340,17 @@ def markdown_table(rows: list[BenchRow]) -> str:
         if r.versus:
             speedup += f" vs {r.versus}"
         lines.append(
-            f"| {r.impl} | {r.runs_as or r.precision} | {r.compile_level or 'eager'} | {r.batch} × {r.seq} | "
+            f"| {r.impl} | {r.runs_as or r.precision} | {r.compile_level or 'eager'}{_recompute(r)} | "
+            f"{r.batch} × {r.seq} | "
             f"{r.tokens_per_s:,.0f} | {speedup} | {r.step_time_s:.3f} | {_percent(r.mfu)} | "
             f"{_percent(r.mfu_vs_pass_peak)} ({_gflops(r.pass_peak_flops)}) | "
             f"{r.state_bytes_per_param:g} | {mem} | {r.warmup_s if r.warmup_s is not None else 'n/a'} |"
         )
     return "\n".join(lines)
+
+
+def _recompute(r: BenchRow) -> str:
+    return "" if r.activation_checkpointing == "none" else f", {r.activation_checkpointing} recompute"
 
 
 def _percent(x: float | None) -> str:

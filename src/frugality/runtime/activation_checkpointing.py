@@ -49,6 +49,13 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
     return len(chosen)
 
 
+def checkpointing_of(model: nn.Module) -> str:
+    """The mode `model`'s blocks run under: none, full (every block) or selective."""
+    layers = list(getattr(model, "layers", []))
+    recomputed = sum(isinstance(block, _Checkpointed) for block in layers)
+    return "none" if not recomputed else "full" if recomputed == len(layers) else "selective"
+
+
 class _Checkpointed:
     """Marks a checkpointed block's class."""
 

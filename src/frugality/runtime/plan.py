@@ -400,8 +400,8 @@ def fit_memory(
         if planned.total <= free:
             if asked != "auto":
                 return mode, "asked for"
-            without = "".join(f"{m} {p.total / gib:.1f} GiB, " for m, p in tried)
-            return mode, f"auto: {without}{mode} {planned.total / gib:.1f} GiB per rank; {free / gib:.1f} GiB free"
+            without = "".join(f"{m} {p.total / gib:.2f} GiB, " for m, p in tried)
+            return mode, f"auto: {without}{mode} {planned.total / gib:.2f} GiB per rank; {free / gib:.2f} GiB free"
         tried.append((mode, planned))
     mode, planned = tried[-1]
     where = (
