@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 
 from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
 from frugality.models import build_model
-from frugality.runtime.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
+from frugality.runtime.activation_checkpointing import (
+    apply_activation_checkpointing,
+    checkpointed_blocks,
+    checkpointing_of,
+)
 from frugality.runtime.state import build_state
 from frugality.tasks import get_task
 
@@ -25,6 +30,10 @@ def _batches(recipe, n=3):
 def _train(recipe, mode, compile_backend=None):
     """Three steps of `recipe` under `mode`: the losses and the parameters after them."""
     state = build_state(recipe, torch.device("cpu"), checkpointing=(mode, "asked for"))
+    assert state.checkpointing == mode and checkpointing_of(state.model) == mode  # (applied, not only named)
+    recomputed = []  # the blocks whose forward ran again in backward (a layer of each, heard)
+    for i, block in enumerate(state.model.layers):
+        next(block.children()).register_forward_hook(lambda *_, i=i: recomputed.append(i))
     if compile_backend:
         for block in state.model.layers:
             block.compile(backend=compile_backend)
@@ -32,7 +41,10 @@ def _train(recipe, mode, compile_backend=None):
     for batch in _batches(recipe):
         with state.autocast:
             loss = state.wrapped(batch)
+        recomputed.clear()
         loss.backward()
+        if not compile_backend:
+            assert recomputed == checkpointed_blocks(len(state.model.layers), mode, 2)[::-1], (mode, recomputed)
         state.optimizer.step()
         state.optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -58,11 +70,16 @@ def test_every_mode_trains_the_same_bits_as_none(micro_recipe_file, family, prec
 
 def test_compiled_blocks_recompute_and_train_as_eager(micro_recipe_file):
     """dynamo traces the checkpoint as a region AOTAutograd's partitioner recomputes in the
-    backward graph (Inductor's own code for it runs in benchmarks/activation_checkpointing.py
-    and the README's compile); the eager backend keeps the test in seconds."""
-    recipe = load_recipe(str(micro_recipe_file), ["train.precision=fp32"])
-    import torch._dynamo
+    backward graph; the eager backend keeps the test in seconds (Inductor at O1 was checked
+    by hand, docs/training.md). Inductor's options for it: no C++ wrapper, which cannot emit
+    the replayed attention's RNG state in torch 2.13."""
+    from frugality.compile.levels import inductor_options
 
+    cpu = torch.device("cpu")
+    assert "cpp_wrapper" not in inductor_options(cpu, torch.float32, recomputes=True)
+    if torch.get_num_threads() <= 4:
+        assert inductor_options(cpu, torch.float32)["cpp_wrapper"] is True
+    recipe = load_recipe(str(micro_recipe_file), ["train.precision=fp32"])
     torch._dynamo.reset()
     eager_losses, _ = _train(recipe, "none")
     losses, _ = _train(recipe, "full", compile_backend="aot_eager")
@@ -119,6 +136,8 @@ def test_without_gradients_a_block_runs_as_it_is(micro_recipe_file):
     with torch.no_grad():
         assert torch.equal(model.hidden_states(x), expected)
     assert checkpointed_blocks(5, "selective", 2) == [0, 2, 4] and checkpointed_blocks(5, "none", 2) == []
+    # under pipeline parallel, within each stage: 11 blocks a stage recompute 6 in each
+    assert checkpointed_blocks(22, "selective", 2, stage=11) == [0, 2, 4, 6, 8, 10, 11, 13, 15, 17, 19, 21]
 
 
 def test_auto_takes_the_first_mode_that_fits_and_refuses_when_none_does(micro_recipe_file, monkeypatch):

@@ -148,7 +148,9 @@ def test_a_model_parallel_run_is_checked_against_its_heaviest_ranks_plan(
     from frugality.runtime import plan as planning
 
     sets = [f"parallel.tensor={tensor}", f"parallel.pipeline={pipeline}", "model.vocab_size=4096"]
-    sets.append("train.activation_checkpointing=none")  # (auto would recompute to fit: tested below)
+    sets.append(
+        "train.activation_checkpointing=none"
+    )  # (auto would recompute to fit: test_activation_checkpointing.py)
     recipe = load_recipe(str(micro_recipe_file), sets)
     fp32, cpu = get_policy("fp32"), torch.device("cpu")
     part = planning.plan_model_parallel(recipe, 2, "ddp", tensor, pipeline, policy=fp32).total

@@ -203,7 +203,11 @@ def _worker() -> None:
         first_done = time.time()
         # The eager reference (the same state at O0) is built after the first step, which it must not delay.
         eager = (
-            build_state(recipe.model_copy(update={"compile": CompileConfig(level="O0")}), device)
+            build_state(
+                recipe.model_copy(update={"compile": CompileConfig(level="O0")}),
+                device,
+                checkpointing=(state.checkpointing, "as the compiled state"),
+            )
             if session.enabled and spec["steps"]
             else None
         )

@@ -276,6 +276,15 @@ def all_mean(value: float, device: torch.device) -> float:
     return (t / dist.get_world_size()).item()
 
 
+def all_min(value: float, device: torch.device) -> float:
+    """The least of a number over the ranks (itself at world size 1)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.item()
+
+
 def all_sum(values: list[float], device: torch.device) -> list[float]:
     """Each number summed over the ranks (as given at world size 1)."""
     if not dist.is_initialized():

@@ -9,10 +9,12 @@ as torchtitan's and Megatron-LM's full recomputation do).
 
 A block is checkpointed by giving it a subclass of its own class whose `forward` wraps the
 original (FSDP2's `fully_shard` changes classes the same way): its parameters, their names and
-checkpoints stay those of the plain model, and compiling the block (`nn.Module.compile`), FSDP2,
-tensor-parallel plans and pipeline stages see the same module. Applied before any of them.
-Without gradients (evaluation, generation) the block runs as it is. The RNG state is kept for
-the recomputation, so a run trains the same with and without it.
+checkpoints stay those of the plain model, and compiling the block (`nn.Module.compile`), FSDP2
+and pipeline stages see the same module: applied before them (and after tensor parallel's
+plans, which swap the blocks' linear layers, not the blocks). Without gradients (evaluation,
+generation) the block runs as it is. The RNG state is kept for the recomputation (the models
+have no random op today; a dropout would need it), so a run trains the same with and without
+it.
 """
 
 from __future__ import annotations
@@ -26,22 +28,24 @@ from torch.utils.checkpoint import checkpoint
 MODES = ("none", "full", "selective")
 
 
-def checkpointed_blocks(num_layers: int, mode: str, every: int) -> list[int]:
+def checkpointed_blocks(num_layers: int, mode: str, every: int, stage: int | None = None) -> list[int]:
     """The indices of the blocks a mode recomputes: every one (full), each `every`-th from the
-    first (selective), none."""
+    first (selective; within each pipeline stage of `stage` blocks, counted from its first),
+    none."""
     if mode == "full":
         return list(range(num_layers))
     if mode == "selective":
-        return list(range(0, num_layers, every))
+        return [i for i in range(num_layers) if (i % (stage or num_layers)) % every == 0]
     return []
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) -> int:
-    """Checkpoint the blocks of `model.layers` that `mode` names, in place; returns how many."""
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2, stage: int | None = None) -> int:
+    """Checkpoint the blocks of `model.layers` that `mode` names (`stage`: blocks a pipeline
+    stage holds), in place; returns how many."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode {mode!r}: one of {MODES}")
     layers = getattr(model, "layers", None)
-    chosen = checkpointed_blocks(len(layers), mode, every) if isinstance(layers, nn.ModuleList) else []
+    chosen = checkpointed_blocks(len(layers), mode, every, stage) if isinstance(layers, nn.ModuleList) else []
     for i in chosen:
         block = layers[i]  # type: ignore[index]
         if not isinstance(block, _Checkpointed):

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from frugality.config.recipe import Recipe
+from frugality.distributed import all_min
 from frugality.errors import UserError
 from frugality.hardware import device_memory
 from frugality.models import Decoder, build_model
@@ -197,7 +198,7 @@ def plan_model_parallel(
     per_block = per_block * kept / 34
     block_input = one.inputs[0] / (tensor if recipe.parallel.sequence else 1)
     recomputed = len(checkpointed_blocks(per_stage, checkpointing, recipe.train.selective_every))
-    stage = (per_stage - recomputed) * per_block + recomputed * block_input
+    stage = (per_stage - recomputed) * per_block + recomputed * block_input  # (selective: counted per stage)
     micro_batches = recipe.data.global_batch_size // (recipe.data.micro_batch_size * dp)
     schedule = resolve_schedule(recipe.parallel.pipeline_schedule)
     in_flight_mb = 1 if pipeline == 1 else (micro_batches if schedule == "gpipe" else min(pipeline, micro_batches))
@@ -393,6 +394,7 @@ def fit_memory(
     free, _ = device_memory(device)
     if device.type == "cpu":
         free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    free = int(all_min(free, device))  # every rank the same answer: the least free memory among them
     gib = 2**30
     tried: list[tuple[str, MemoryPlan]] = []
     for mode in ("none", "selective", "full") if asked == "auto" else (asked,):
@@ -411,7 +413,7 @@ def fit_memory(
     fitting = next(
         (
             m
-            for m in _halvings(micro)
+            for m in _smaller_divisors(micro)
             if plan(
                 mode, recipe.model_copy(update={"data": recipe.data.model_copy(update={"micro_batch_size": m})})
             ).total
@@ -432,13 +434,10 @@ def fit_memory(
     )
 
 
-def _halvings(micro: int) -> list[int]:
-    """Smaller micro-batches to try, largest first: micro // 2, micro // 4, ..., 1."""
-    sizes, m = [], micro // 2
-    while m >= 1:
-        sizes.append(m)
-        m //= 2
-    return sizes
+def _smaller_divisors(micro: int) -> list[int]:
+    """Smaller micro-batches to try, largest first: those that divide `micro` (the global
+    batch it divides, it divides too)."""
+    return [m for m in range(micro - 1, 0, -1) if micro % m == 0]
 
 
 def _layout(p: MemoryPlan) -> str:

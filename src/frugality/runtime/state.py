@@ -143,9 +143,9 @@ def build_state(
         checkpointing = fit_memory(recipe, policy, world.world_size, device, world.tensor, world.pipeline)
     checkpointing_mode, why = checkpointing
     tf32 = apply_tf32(device, recipe.train.tf32)  # before any product (the compile cache keys on it)
-    compiled = open_session(
-        recipe, device, policy, checkpointing_mode
-    )  # on XLA, its executable cache opens before any graph
+    every = recipe.train.selective_every
+    label = f"selective-every-{every}" if checkpointing_mode == "selective" else checkpointing_mode  # (the graphs')
+    compiled = open_session(recipe, device, policy, label)  # on XLA, its executable cache opens before any graph
     torch.manual_seed(recipe.seed)
     # tensor and pipeline parallel: the model built on the meta device, split, and only this
     # rank's part given its values (those the whole model would have had) on the device;
@@ -163,7 +163,9 @@ def build_state(
     else:
         choices = [] if in_parts else specialize(model, device, policy)
     # (before the pipeline's cut, FSDP2 and compile: they see the same blocks)
-    recomputed = apply_activation_checkpointing(model, checkpointing_mode, recipe.train.selective_every)
+    # (selective under pipeline parallel: counted within each stage, as the plan counts them)
+    stage = recipe.model.num_layers // world.pipeline if world.pipeline > 1 else None
+    recomputed = apply_activation_checkpointing(model, checkpointing_mode, every, stage)
     materialize = (
         (lambda parts: choices.extend(_materialize(recipe, device, policy, model, parts))) if in_parts else None
     )
