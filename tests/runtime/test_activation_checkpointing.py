@@ -187,3 +187,23 @@ def test_a_run_says_which_mode_it_took_and_why(micro_recipe_file, tmp_path, monk
     out = capsys.readouterr().out
     assert result.final_step == 2
     assert "activation checkpointing: selective, 1 of 2 blocks recomputed in backward (auto: none " in out, out
+
+
+def test_compile_ahead_compiles_the_mode_the_run_over_its_ranks_takes(micro_recipe_file, monkeypatch):
+    """`frugality compile --ranks 2` of an FSDP2 recipe: auto resolved with the plan of a rank
+    of two (half the state), which fits without recomputation where one process would not."""
+    from frugality.precision import get_policy
+    from frugality.runtime import plan as planning
+    from frugality.training.ahead import _run_checkpointing
+
+    sets = ["parallel.data=fsdp", "train.precision=fp32", "model.num_layers=4", "model.vocab_size=512"]
+    recipe = load_recipe(str(micro_recipe_file), sets)
+    fp32 = get_policy("fp32")
+    one = planning.plan_memory(recipe, 1, "fsdp", policy=fp32, fused_output=True).total
+    two = planning.plan_memory(recipe, 2, "fsdp", policy=fp32, fused_output=True).total
+    assert two < one
+    monkeypatch.setattr(planning, "device_memory", lambda device: ((one + two) // 2, one))
+    assert _run_checkpointing(recipe, 2) == "none"
+    assert _run_checkpointing(recipe, 1) != "none"
+    asked = load_recipe(str(micro_recipe_file), ["train.activation_checkpointing=full"])
+    assert _run_checkpointing(asked, 2) == "full"

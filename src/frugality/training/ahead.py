@@ -50,7 +50,11 @@ def compile_ahead(recipe: Recipe, progress: bool = True, ranks: int = 1) -> dict
         update={
             # one micro-batch of validation: the run's shape (a split smaller than one: the whole of it, as the run's)
             "train": recipe.train.model_copy(
-                update={"eval_samples": recipe.data.micro_batch_size, "keep_checkpoints": 1}
+                update={
+                    "eval_samples": recipe.data.micro_batch_size,
+                    "keep_checkpoints": 1,
+                    "activation_checkpointing": _run_checkpointing(recipe, ranks),
+                }
             ),
             "data": recipe.data.model_copy(update={"global_batch_size": recipe.data.micro_batch_size * here}),
         }
@@ -59,6 +63,20 @@ def compile_ahead(recipe: Recipe, progress: bool = True, ranks: int = 1) -> dict
     with tempfile.TemporaryDirectory(prefix="frugality-compile-") as scratch:
         result = train(trial, run_dir=Path(scratch) / "run", until_step=steps, progress=progress, tensorboard=False)
     return result.summary["compile"]
+
+
+def _run_checkpointing(recipe: Recipe, ranks: int) -> str:
+    """The activation checkpointing mode the run over `ranks` would take on this machine
+    (its graphs differ by mode): `auto` resolved with the run's plan per rank (sharded state
+    and all), not the trial's one process's."""
+    if recipe.train.activation_checkpointing != "auto":
+        return recipe.train.activation_checkpointing
+    from frugality.precision import resolve_policy
+    from frugality.runtime.device import resolve_device
+    from frugality.runtime.plan import fit_memory
+
+    device = resolve_device(recipe.train.device)
+    return fit_memory(recipe, resolve_policy(recipe.train.precision, device)[0], ranks, device)[0]
 
 
 def _trial_on_xla(recipe: Recipe, progress: bool) -> dict:
