@@ -371,7 +371,8 @@ def fit_memory(
     weighed). Its plan per rank (frugality's fused output loss
     counted as it runs; under tensor or pipeline parallel, the heaviest rank's) is held
     against the memory free on its device now (CPU ranks of one machine share its RAM, within
-    any cgroup limit): `auto` takes the first of none, selective and full that fits; a run that
+    any cgroup limit; the least among the ranks): `auto` takes the first of none, selective
+    and full within HEADROOM of it, else the first within all of it; a run that
     fits under none of them (or not under the mode asked for) is refused in one line naming
     the micro-batch that would fit, rather than killed mid-step. `train.check_memory = false`
     checks nothing (`auto`: none)."""
@@ -396,15 +397,20 @@ def fit_memory(
         free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     free = int(all_min(free, device))  # every rank the same answer: the least free memory among them
     gib = 2**30
-    tried: list[tuple[str, MemoryPlan]] = []
-    for mode in ("none", "selective", "full") if asked == "auto" else (asked,):
-        planned = plan(mode)
+    if asked != "auto":
+        planned = plan(asked)
         if planned.total <= free:
-            if asked != "auto":
-                return mode, "asked for"
-            without = "".join(f"{m} {p.total / gib:.2f} GiB, " for m, p in tried)
-            return mode, f"auto: {without}{mode} {planned.total / gib:.2f} GiB per rank; {free / gib:.2f} GiB free"
-        tried.append((mode, planned))
+            return asked, "asked for"
+        tried = [(asked, planned)]
+    else:
+        tried = [(mode, plan(mode)) for mode in ("none", "selective", "full")]
+        # the first within HEADROOM of the free memory (the runtime, the allocator's
+        # fragmentation and workspaces are not counted), else the first within all of it
+        for share in (HEADROOM, 1.0):
+            for mode, planned in tried:
+                if planned.total <= share * free:
+                    weighed = ", ".join(f"{m} {p.total / gib:.2f}" for m, p in tried)
+                    return mode, f"auto: {weighed} GiB per rank planned; {free / gib:.2f} GiB free"
     mode, planned = tried[-1]
     where = (
         "of this machine's RAM" + (" per rank" if world_size > 1 else "") if device.type == "cpu" else f"on {device}"
