@@ -206,6 +206,7 @@ def test_a_run_says_which_mode_it_took_and_why(micro_recipe_file, tmp_path, monk
     out = capsys.readouterr().out
     assert result.final_step == 2
     assert "activation checkpointing: full, 2 of 2 blocks recomputed in backward (auto: none " in out, out
+    assert result.summary["activation_checkpointing"] == "full"
 
 
 def test_compile_ahead_compiles_the_mode_the_run_over_its_ranks_takes(micro_recipe_file, monkeypatch):
