@@ -70,7 +70,9 @@ class Summary(Callback):
             "device": str(state.device),
             "precision": state.policy.label,
             "precision_requested": recipe.train.precision,
-            "activation_checkpointing": state.checkpointing,  # (this session's: auto may choose anew on a resume)
+            "activation_checkpointing": getattr(
+                state, "checkpointing", "none"
+            ),  # (this session's: auto may choose anew on a resume)
             "parameters": _counts(state)[0],
             "non_embedding_parameters": _counts(state)[1],
             "start_step": self.start_step,
