@@ -70,9 +70,8 @@ class Summary(Callback):
             "device": str(state.device),
             "precision": state.policy.label,
             "precision_requested": recipe.train.precision,
-            "activation_checkpointing": getattr(
-                state, "checkpointing", "none"
-            ),  # (this session's: auto may choose anew on a resume)
+            # this session's mode (auto may choose anew on a resume)
+            "activation_checkpointing": getattr(state, "checkpointing", "none"),
             "parameters": _counts(state)[0],
             "non_embedding_parameters": _counts(state)[1],
             "start_step": self.start_step,
