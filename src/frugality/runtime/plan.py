@@ -161,7 +161,7 @@ def plan_model_parallel(
       stream: split over the tensor ranks with sequence parallel), and one of them at a time
       holds its activations again in backward.
     `parallel.pipeline_schedule` and `parallel.sequence` come from the recipe."""
-    from frugality.distributed.pipeline import resolve_schedule
+    from frugality.distributed.pipeline import resolve_schedule, stages_per_rank
 
     if nproc % (tensor * pipeline):
         raise UserError(f"--tensor {tensor} x --pipeline {pipeline}: must divide --nproc ({nproc})")
@@ -197,10 +197,11 @@ def plan_model_parallel(
     kept = 34 / tensor if recipe.parallel.sequence else 10 + 24 / tensor
     per_block = per_block * kept / 34
     block_input = one.inputs[0] / (tensor if recipe.parallel.sequence else 1)
-    recomputed = len(checkpointed_blocks(per_stage, checkpointing, recipe.train.selective_every))
+    schedule = resolve_schedule(recipe.parallel.pipeline_schedule)
+    v = stages_per_rank(schedule) if pipeline > 1 else 1  # (a rank's blocks: v stages of per_stage // v)
+    recomputed = v * len(checkpointed_blocks(per_stage // v, checkpointing, recipe.train.selective_every))
     stage = (per_stage - recomputed) * per_block + recomputed * block_input  # (selective: counted per stage)
     micro_batches = recipe.data.global_batch_size // (recipe.data.micro_batch_size * dp)
-    schedule = resolve_schedule(recipe.parallel.pipeline_schedule)
     in_flight_mb = 1 if pipeline == 1 else (micro_batches if schedule == "gpipe" else min(pipeline, micro_batches))
     activations = int(stage * in_flight_mb + (per_block if recomputed else 0) + output / tensor)
     layout = strategy if dp > 1 else "none"
@@ -410,7 +411,8 @@ def fit_memory(
             for mode, planned in tried:
                 if planned.total <= share * free:
                     weighed = ", ".join(f"{m} {p.total / gib:.2f}" for m, p in tried)
-                    return mode, f"auto: {weighed} GiB per rank planned; {free / gib:.2f} GiB free"
+                    line = f"{HEADROOM:.0%} of it {HEADROOM * free / gib:.2f}"
+                    return mode, f"auto: {weighed} GiB per rank planned; {free / gib:.2f} GiB free, {line}"
     mode, planned = tried[-1]
     where = (
         "of this machine's RAM" + (" per rank" if world_size > 1 else "") if device.type == "cpu" else f"on {device}"

@@ -29,7 +29,7 @@ from frugality.compile.factory import open_session
 from frugality.compile.levels import check_backend
 from frugality.config.recipe import Recipe
 from frugality.distributed import World, describe, gather_with_grad, world_mesh, wrap
-from frugality.distributed.pipeline import Pipeline, build_pipeline
+from frugality.distributed.pipeline import Pipeline, build_pipeline, resolve_schedule, stages_per_rank
 from frugality.distributed.spmd import wrap_spmd
 from frugality.distributed.tensor_parallel import apply_tensor_parallel, loss_context
 from frugality.errors import UserError
@@ -163,8 +163,10 @@ def build_state(
     else:
         choices = [] if in_parts else specialize(model, device, policy)
     # (before the pipeline's cut, FSDP2 and compile: they see the same blocks)
-    # (selective under pipeline parallel: counted within each stage, as the plan counts them)
-    stage = recipe.model.num_layers // world.pipeline if world.pipeline > 1 else None
+    # (selective under pipeline parallel: counted within each stage, two a rank under
+    # interleaved 1F1B, as the plan counts them)
+    stages = world.pipeline * stages_per_rank(resolve_schedule(recipe.parallel.pipeline_schedule))
+    stage = recipe.model.num_layers // stages if world.pipeline > 1 else None
     recomputed = apply_activation_checkpointing(model, checkpointing_mode, every, stage)
     materialize = (
         (lambda parts: choices.extend(_materialize(recipe, device, policy, model, parts))) if in_parts else None
