@@ -227,5 +227,11 @@ def test_compile_ahead_compiles_the_mode_the_run_over_its_ranks_takes(micro_reci
     assert _run_checkpointing(recipe, 2) == "none"
     with pytest.raises(UserError, match="needs about"):  # (one process would fit under no mode)
         _run_checkpointing(recipe, 1)
+    # the trial, one process holding both ranks' state, cannot train the run's graphs: one line, nothing compiled
+    from frugality.training.ahead import compile_ahead
+
+    compiled = recipe.model_copy(update={"compile": recipe.compile.model_copy(update={"level": "O1"})})
+    with pytest.raises(UserError, match=r"^frugality compile --ranks 2: its trial trains the run's graphs in 1 "):
+        compile_ahead(compiled, progress=False, ranks=2)
     asked = load_recipe(str(micro_recipe_file), ["train.activation_checkpointing=full"])
     assert _run_checkpointing(asked, 2) == "full"

@@ -59,10 +59,33 @@ def compile_ahead(recipe: Recipe, progress: bool = True, ranks: int = 1) -> dict
             "data": recipe.data.model_copy(update={"global_batch_size": recipe.data.micro_batch_size * here}),
         }
     )
+    if ranks != here:
+        _check_the_trial_fits(trial, ranks, here)
     steps = min(TRIAL_STEPS, recipe.train.steps)
     with tempfile.TemporaryDirectory(prefix="frugality-compile-") as scratch:
         result = train(trial, run_dir=Path(scratch) / "run", until_step=steps, progress=progress, tensorboard=False)
     return result.summary["compile"]
+
+
+def _check_the_trial_fits(trial: Recipe, ranks: int, here: int) -> None:
+    """The trial trains the run's graphs (its mode of activation checkpointing and all) in
+    `here` processes holding what the run's `ranks` share (FSDP2's state whole): refused in
+    one line, before anything compiles, where they cannot hold it."""
+    from frugality.precision import resolve_policy
+    from frugality.runtime.device import resolve_device
+    from frugality.runtime.plan import fit_memory
+
+    device = resolve_device(trial.train.device)
+    try:
+        fit_memory(trial, resolve_policy(trial.train.precision, device)[0], here, device)
+    except UserError as e:
+        needs = str(e).split(" needs about ", 1)[-1].split(" (activations", 1)[0]
+        raise UserError(
+            f"frugality compile --ranks {ranks}: its trial trains the run's graphs in {here} process"
+            f"{'es' if here > 1 else ''}, which would need about {needs}, more than is free here; the run "
+            "compiles them in its first steps, or compile on a machine with more memory (or under torchrun, "
+            "as many processes as the run)"
+        ) from None
 
 
 def _run_checkpointing(recipe: Recipe, ranks: int) -> str:
