@@ -9,16 +9,18 @@ less both: what the step adds, activations first; what the plan predicts for the
 activations; the median step; the losses, which must be the same bits in every mode.
 
     .venv/bin/python benchmarks/activation_checkpointing.py [--recipe pythia-70m] [--batch 4] [--seq 512]
-        [--precisions fp32,bf16-sr] [--steps 5]
+        [--precisions fp32,bf16-sr] [--steps 5] [--level O1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +29,36 @@ import torch
 from frugality.bench.results import machine_line, write_results
 
 MODES = ("none", "selective", "full")
+
+
+def child_compiled(recipe_name: str, precision: str, mode: str, batch: int, seq: int, steps: int, level: str) -> dict:
+    """The same steps compiled at `level`, as `bench train` runs frugality (its compile
+    session; the first two steps are the warm-up and compile): their time, not their memory
+    (the compiler's own allocations land in the peak)."""
+    import contextlib
+
+    from frugality.bench.train import make_runner
+    from frugality.config.recipe import load_recipe
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    recipe = load_recipe(recipe_name, [f"train.activation_checkpointing={mode}", f"compile.level={level}"])
+    g = torch.Generator().manual_seed(0)
+    losses, times = [], []
+    with contextlib.ExitStack() as stack:
+        step = make_runner("frugality", recipe, precision, device, batch, seq, stack)[0]
+        for _ in range(steps):
+            tokens = torch.randint(0, recipe.model.vocab_size, (batch, seq + 1), generator=g).to(device)
+            started = time.perf_counter()
+            losses.append(float(step(tokens)))
+            times.append(time.perf_counter() - started)
+    return {
+        "precision": precision,
+        "mode": mode,
+        "level": level,
+        "warmup_s": round(sum(times[:2]), 1),
+        "median_step_s": round(statistics.median(times[2:]), 4),
+        "losses": losses,
+    }
 
 
 def child(recipe_name: str, precision: str, mode: str, batch: int, seq: int, steps: int) -> dict:
@@ -77,12 +109,18 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--precisions", default="fp32,bf16-sr")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--level", default="O0", help="O1: also time each mode compiled (a table of its own)")
     parser.add_argument("--child", nargs=3, metavar=("PRECISION", "MODE", "RECIPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         precision, mode, recipe = args.child
-        print(json.dumps(child(recipe, precision, mode, args.batch, args.seq, args.steps)))
+        if args.level != "O0":
+            print(json.dumps(child_compiled(recipe, precision, mode, args.batch, args.seq, args.steps, args.level)))
+        else:
+            print(json.dumps(child(recipe, precision, mode, args.batch, args.seq, args.steps)))
         return 0
+    if args.level != "O0":
+        return compiled_table(args)
     rows = []
     for precision in args.precisions.split(","):
         for mode in MODES:
@@ -120,6 +158,46 @@ def main() -> int:
         Path(__file__).parent / "results",
         "activation_checkpointing",
         args.recipe,
+        header,
+        "\n".join(lines),
+        json.dumps(rows, indent=1),
+    )
+    return 0
+
+
+def compiled_table(args) -> int:
+    rows = []
+    for precision in args.precisions.split(","):
+        for mode in MODES:
+            command = [sys.executable, __file__, "--batch", str(args.batch), "--seq", str(args.seq), "--level"]
+            command += [args.level, "--steps", str(args.steps), "--child", precision, mode, args.recipe]
+            with tempfile.TemporaryDirectory() as cache:  # (nothing compiled before: each mode compiles)
+                env = os.environ | {"FRUGALITY_CACHE": cache, "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor"}
+                done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"{precision} {mode} {args.level}: done", file=sys.stderr)
+    lines = [
+        "| precision | activation checkpointing | compile | warm-up, 2 steps (s) | median step (s) | of none's "
+        "| losses as none's |",
+        "|" + "---|" * 7,
+    ]
+    for row in rows:
+        base = next(r for r in rows if r["precision"] == row["precision"] and r["mode"] == "none")
+        same = "the same bits" if row["losses"] == base["losses"] else "differ"
+        lines.append(
+            f"| {row['precision']} | {row['mode']} | {row['level']} | {row['warmup_s']} | {row['median_step_s']:.3f} "
+            f"| {row['median_step_s'] / base['median_step_s']:.2f}× | {same} |"
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    header = (
+        f"# Activation checkpointing: time compiled\n\n{machine_line()} {args.recipe} at {args.batch} x "
+        f"{args.seq}, {args.steps} steps a run ({device}, compile.level {args.level}: the blocks compiled, the "
+        "first two steps their warm-up), each run a fresh process with an empty Inductor cache of its own.\n\n"
+    )
+    write_results(
+        Path(__file__).parent / "results",
+        "activation_checkpointing",
+        f"{args.recipe}-{args.level.lower()}",
         header,
         "\n".join(lines),
         json.dumps(rows, indent=1),
