@@ -13,8 +13,9 @@ checkpoints stay those of the plain model, and compiling the block (`nn.Module.c
 and pipeline stages see the same module: applied before them (and after tensor parallel's
 plans, which swap the blocks' linear layers, not the blocks). Without gradients (evaluation,
 generation) the block runs as it is. The RNG state is kept for the recomputation (the models
-have no random op today; a dropout would need it), so a run trains the same with and without
-it.
+have no random op today; a dropout would need it), so a run trains the same bits with and
+without it eagerly (compiled in bf16, the low digits differ: Inductor keeps the recomputed
+values in float32; docs/training.md).
 """
 
 from __future__ import annotations
