@@ -404,9 +404,14 @@ def fit_memory(
             return asked, "asked for"
         tried = [(asked, planned)]
     else:
-        tried = [(mode, plan(mode)) for mode in ("none", "selective", "full")]
         # the first within HEADROOM of the free memory (the runtime, the allocator's
-        # fragmentation and workspaces are not counted), else the first within all of it
+        # fragmentation and workspaces are not counted), else the first within all of it;
+        # planned as needed (most runs: none alone)
+        tried = []
+        for mode in ("none", "selective", "full"):
+            tried.append((mode, plan(mode)))
+            if tried[-1][1].total <= HEADROOM * free:
+                break
         for share in (HEADROOM, 1.0):
             for mode, planned in tried:
                 if planned.total <= share * free:
