@@ -121,14 +121,7 @@ def main() -> int:
         return 0
     if args.level != "O0":
         return compiled_table(args)
-    rows = []
-    for precision in args.precisions.split(","):
-        for mode in MODES:
-            command = [sys.executable, __file__, "--batch", str(args.batch), "--seq", str(args.seq)]
-            command += ["--steps", str(args.steps), "--child", precision, mode, args.recipe]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"{precision} {mode}: done", file=sys.stderr)
+    rows = _runs(args)
     mib = 2**20
     lines = [
         "| precision | activation checkpointing | peak (MiB) | training state (MiB) | before the state (MiB) "
@@ -165,17 +158,24 @@ def main() -> int:
     return 0
 
 
-def compiled_table(args) -> int:
+def _runs(args) -> list[dict]:
+    """Each precision and mode in a fresh process of its own (`--child`), with caches of its
+    own (compiled: nothing compiled before, each mode compiles); their rows."""
     rows = []
     for precision in args.precisions.split(","):
         for mode in MODES:
             command = [sys.executable, __file__, "--batch", str(args.batch), "--seq", str(args.seq), "--level"]
             command += [args.level, "--steps", str(args.steps), "--child", precision, mode, args.recipe]
-            with tempfile.TemporaryDirectory() as cache:  # (nothing compiled before: each mode compiles)
+            with tempfile.TemporaryDirectory() as cache:
                 env = os.environ | {"FRUGALITY_CACHE": cache, "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor"}
                 done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"{precision} {mode} {args.level}: done", file=sys.stderr)
+    return rows
+
+
+def compiled_table(args) -> int:
+    rows = _runs(args)
     lines = [
         "| precision | activation checkpointing | compile | warm-up, 2 steps (s) | median step (s) | of none's "
         "| losses as none's |",
