@@ -18,6 +18,7 @@ from frugality.compile.base import (
 )
 from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
+from frugality.runtime.layout import plan_layout
 from frugality.runtime.state import build_state
 from frugality.training.ahead import compile_ahead
 from frugality.training.loop import train_step
@@ -83,7 +84,7 @@ def test_an_altered_signed_entry_is_refused_and_the_run_completes(
 
 def _session(recipe, device=torch.device("cpu")):
     """What train() builds, and its two phases as calls through the session."""
-    state = build_state(recipe, device)
+    state = build_state(plan_layout(recipe, device))
     session = state.compiled
     session.start(state.model)
     reset = lambda: state.optimizer.zero_grad(set_to_none=True)

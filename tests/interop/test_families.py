@@ -8,6 +8,7 @@ import torch
 from frugality.config.recipe import Recipe
 from frugality.interop.hf import BY_FAMILY, export_hf, import_hf
 from frugality.models import FAMILIES, build_model
+from frugality.runtime.layout import plan_layout
 from frugality.runtime.state import build_state
 from frugality.tasks import TASKS
 from frugality.training.loop import train_step
@@ -65,7 +66,7 @@ def test_trains_one_step(family):
                 "train": {"task": tasks[0].name, "precision": "fp32"},
             }
         )
-        state = build_state(recipe, torch.device("cpu"))
+        state = build_state(plan_layout(recipe, torch.device("cpu")))
         before = {k: v.clone() for k, v in state.model.state_dict().items()}
         loss, norm, _ = train_step(state, [tokens])
         after = state.model.state_dict()

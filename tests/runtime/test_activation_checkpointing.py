@@ -4,6 +4,8 @@ plain model's names and eval path untouched, and `auto` choosing by the memory p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch._dynamo
@@ -16,6 +18,7 @@ from frugality.runtime.activation_checkpointing import (
     checkpointed_blocks,
     checkpointing_of,
 )
+from frugality.runtime.layout import plan_layout
 from frugality.runtime.state import build_state
 from frugality.tasks import get_task
 
@@ -29,7 +32,7 @@ def _batches(recipe, n=3):
 
 def _train(recipe, mode, compile_backend=None):
     """Three steps of `recipe` under `mode`: the losses and the parameters after them."""
-    state = build_state(recipe, torch.device("cpu"), checkpointing=(mode, "asked for"))
+    state = build_state(replace(plan_layout(recipe, torch.device("cpu"), fit=False), checkpointing=(mode, "asked for")))
     assert state.checkpointing == mode and checkpointing_of(state.model) == mode  # (applied, not only named)
     recomputed = []  # the blocks whose forward ran again in backward (a layer of each, heard)
     for i, block in enumerate(state.model.layers):

@@ -84,7 +84,7 @@ def test_evaluation_takes_its_loss_and_its_retrieval_embeddings_from_one_forward
 
 
 def test_gather_negatives_is_refused_for_other_tasks():
-    from frugality.runtime.state import check_recipe
+    from frugality.runtime.layout import check_recipe
 
     with pytest.raises(UserError, match="parallel.gather_negatives = true: only contrastive training"):
         check_recipe(load_recipe("tiny", ["parallel.gather_negatives=true"]), torch.device("cpu"))

@@ -15,8 +15,9 @@ from frugality.errors import UserError
 from frugality.models import build_model
 from frugality.precision import get_policy
 from frugality.precision.loss_scale import LossScaler
+from frugality.runtime.layout import check_loss_scaling, plan_layout
 from frugality.runtime.optim import build_optimizer
-from frugality.runtime.state import build_state, check_loss_scaling
+from frugality.runtime.state import build_state
 from frugality.training import loop, trainer
 
 # one micro-batch of 2 a step: fp16 products are emulated on CPUs (about 1 GFLOP/s), and the
@@ -54,7 +55,7 @@ def test_an_overflow_skips_the_step_without_a_bad_step_and_halves_the_scale(micr
 
 def test_a_skipped_step_leaves_the_weights_and_the_optimizer_as_they_were(micro_recipe_file):
     recipe = load_recipe(str(micro_recipe_file), [*FP16, "train.loss_scale=1099511627776"])
-    state = build_state(recipe, torch.device("cpu"))
+    state = build_state(plan_layout(recipe, torch.device("cpu")))
     before = {k: v.clone() for k, v in state.model.state_dict().items()}
     batch = torch.randint(0, 50304, (2, 33))
     loss, norm, rejected = loop.train_step(state, [batch])

@@ -11,6 +11,7 @@ from frugality.checkpoint import CheckpointManager
 from frugality.config.recipe import load_recipe
 from frugality.errors import UserError
 from frugality.models import build_model
+from frugality.runtime.layout import plan_layout
 from frugality.runtime.optim import build_optimizer
 from frugality.runtime.state import build_state
 from frugality.training import loop, trainer
@@ -211,7 +212,7 @@ def test_gradient_accumulation_matches_one_big_batch(micro_recipe_file):
     batch = torch.randint(0, 50000, (4, 33))
     results = []
     for micro in ([batch[:2], batch[2:]], [batch]):
-        state = build_state(recipe, torch.device("cpu"))
+        state = build_state(plan_layout(recipe, torch.device("cpu")))
         state.optimizer = torch.optim.SGD(state.model.parameters(), lr=1.0)  # the update is the gradient
         loss, norm, _ = loop.train_step(state, micro)
         results.append((loss, norm, state.model.state_dict()))
@@ -281,6 +282,6 @@ def test_masked_lm_validation_does_not_depend_on_the_micro_batch(tmp_path):
     losses = []
     for micro in (4, 3, 1):
         recipe = load_recipe("bert-mlm", [*sets, f"data.micro_batch_size={micro}"])
-        state = build_state(recipe, torch.device("cpu"), open_training_data(recipe, progress=False))
+        state = build_state(plan_layout(recipe, torch.device("cpu")), open_training_data(recipe, progress=False))
         losses.append(validation_loss(state)[0])
     assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)

@@ -75,6 +75,7 @@ from frugality import xla
 xla.use_spmd()
 import torch_xla
 from frugality.config.recipe import load_recipe
+from frugality.runtime.layout import plan_layout
 from frugality.runtime.state import build_state
 from frugality.training.loop import train_step
 
@@ -82,7 +83,7 @@ spec = torch_xla._XLAC._get_xla_sharding_spec
 out = {}
 for strategy in ("ddp", "fsdp"):
     recipe = load_recipe(sys.argv[1], ["train.device=xla", "parallel.spmd=true", f"parallel.data={strategy}"])
-    state = build_state(recipe, xla.device())
+    state = build_state(plan_layout(recipe, xla.device()))
     seen = []  # a hook after SPMD's own: the batch as the module gets it
     state.wrapped.register_forward_pre_hook(lambda module, args: seen.append(spec(args[0])))
     train_step(state, [torch.randint(0, 1000, (4, recipe.data.seq_len + 1))])

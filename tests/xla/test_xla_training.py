@@ -12,6 +12,7 @@ import torch
 from frugality import xla
 from frugality.compile.base import RecompileError
 from frugality.config.recipe import load_recipe
+from frugality.runtime.layout import plan_layout
 from frugality.runtime.state import build_state
 from frugality.training import trainer
 from frugality.training.loop import train_step
@@ -74,7 +75,7 @@ def test_the_loss_comes_to_the_host_at_logging_steps_only(micro_recipe_file, pre
     recipe = load_recipe(
         str(micro_recipe_file), ["train.device=xla", "train.log_interval=4", f"train.precision={precision}"]
     )
-    state = build_state(recipe, xla.device())
+    state = build_state(plan_layout(recipe, xla.device()))
     batch = torch.randint(0, 50000, (2, recipe.data.seq_len + 1))
     train_step(state, [batch], read=True)  # warm-up: graphs compiled, the moments made
     train_step(state, [batch], read=True)
@@ -88,7 +89,7 @@ def test_the_loss_comes_to_the_host_at_logging_steps_only(micro_recipe_file, pre
 
 def test_the_guard_catches_a_compilation_after_warm_up(micro_recipe_file):
     recipe = load_recipe(str(micro_recipe_file), ["train.device=xla", "compile.on_recompile=error"])
-    state = build_state(recipe, xla.device())
+    state = build_state(plan_layout(recipe, xla.device()))
     session = state.compiled
     session.start(state.model)
 
@@ -134,7 +135,7 @@ def test_adams_bias_correction_reaching_one_compiles_nothing(micro_recipe_file):
     import torch_xla.debug.metrics as metrics
 
     recipe = load_recipe(str(micro_recipe_file), ["train.device=xla"])
-    state = build_state(recipe, xla.device())
+    state = build_state(plan_layout(recipe, xla.device()))
     batch = torch.randint(0, 50000, (2, recipe.data.seq_len + 1))
     for _ in range(2):
         train_step(state, [batch])

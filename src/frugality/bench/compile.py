@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from frugality.config.recipe import Recipe
 
@@ -173,6 +173,7 @@ def _worker() -> None:
     from frugality.hardware import device_name
     from frugality.runtime.device import resolve_device
     from frugality.runtime.host_memory import keep_freed_memory
+    from frugality.runtime.layout import plan_layout
     from frugality.runtime.state import build_state
     from frugality.training.loop import train_step
 
@@ -183,7 +184,8 @@ def _worker() -> None:
     device = resolve_device(recipe.train.device, what="frugality bench")
     if device.type == "cpu":
         keep_freed_memory()  # as in training
-    state = build_state(recipe, device)
+    layout = plan_layout(recipe, device)
+    state = build_state(layout)
     session = state.compiled
     with session.active(state.model):
 
@@ -202,12 +204,9 @@ def _worker() -> None:
         first = step(0)
         first_done = time.time()
         # The eager reference (the same state at O0) is built after the first step, which it must not delay.
+        eager_recipe = recipe.model_copy(update={"compile": CompileConfig(level="O0")})
         eager = (
-            build_state(
-                recipe.model_copy(update={"compile": CompileConfig(level="O0")}),
-                device,
-                checkpointing=(state.checkpointing, "as the compiled state"),
-            )
+            build_state(replace(layout, recipe=eager_recipe, loads=eager_recipe))
             if session.enabled and spec["steps"]
             else None
         )

@@ -33,6 +33,7 @@ from frugality.precision import get_policy, resolve_policy
 from frugality.runtime.activation_checkpointing import checkpointing_of
 from frugality.runtime.device import resolve_device
 from frugality.runtime.host_memory import keep_freed_memory
+from frugality.runtime.layout import plan_layout
 from frugality.runtime.state import build_state
 from frugality.training.loop import train_step
 
@@ -78,7 +79,7 @@ def make_runner(
     cannot run)."""
     torch.manual_seed(recipe.seed)
     if impl == "frugality":
-        state = build_state(for_shape(recipe, precision, batch, seq), device)
+        state = build_state(plan_layout(for_shape(recipe, precision, batch, seq), device))
         model, optimizer, session = state.model, state.optimizer, state.compiled
         stack.enter_context(session.active(model))
         reset = lambda: optimizer.zero_grad(set_to_none=True)

@@ -133,27 +133,16 @@ def train(
 
 
 def _check_ranks(recipe, nproc: int) -> None:
-    """Refuse, in one line, --nproc beyond this machine's devices (CPU: its cores), a global
-    batch the data-parallel ranks cannot share, and a pipeline its ranks cannot run."""
-    from frugality.distributed.pipeline import check_pipeline, fit_microbatches
-    from frugality.errors import UserError
+    """Refuse, in one line, --nproc beyond this machine's devices (CPU: its cores), and any
+    layout the ranks would refuse (`runtime.layout`'s rules, as a dry run over `nproc`
+    ranks: the batch they share, tensor and pipeline degrees, precision)."""
+    from frugality.distributed import World
     from frugality.runtime.device import check_local_processes, resolve_device
-    from frugality.tasks import get_task
+    from frugality.runtime.layout import plan_layout
 
-    check_local_processes(resolve_device(recipe.train.device, xla_ok=True), nproc)
-    p = recipe.parallel
-    if nproc % (p.pipeline * p.tensor):
-        raise UserError(
-            f"parallel.pipeline {p.pipeline} x parallel.tensor {p.tensor}: must divide the number of processes "
-            f"({nproc})"
-        )
-    data_ranks = nproc // (p.pipeline * p.tensor)
-    fitted, _ = recipe.for_data_parallel(data_ranks, get_task(recipe.train.task).min_micro_batch)
-    if p.pipeline > 1:
-        fitted, _ = fit_microbatches(fitted, data_ranks)
-        d = fitted.data
-        steps = p.pipeline_microbatches or d.global_batch_size // (d.micro_batch_size * data_ranks)
-        check_pipeline(fitted.model, p, nproc, steps)
+    device = resolve_device(recipe.train.device, xla_ok=True)
+    check_local_processes(device, nproc)
+    plan_layout(recipe, device, World(0, nproc), fit=False)
 
 
 def _retrieval(metrics: dict) -> str:

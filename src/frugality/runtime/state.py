@@ -1,10 +1,12 @@
 """The one builder of training state. Every command that trains or times training
-(`train`, `compile`, `bench train`, `bench compile`) assembles its parts here, in this
-order, so that each sees the same model:
+(`train`, `compile`, `bench train`, `bench compile`) assembles its parts here, from the
+run's layout (`frugality.runtime.layout`: device, ranks, batch, precision policy, task and
+activation checkpointing, resolved and checked once), in this order, so that each sees the
+same model:
 
 1. the task, checked against the model and fitted to the run (`frugality.tasks.task_for`);
 2. the model, built plain on the device from the recipe's seed, then cast or converted by
-   the precision policy fitted to the device (`frugality.precision.resolve_policy`);
+   the layout's precision policy;
 3. backend kernels: the device's faster layers swapped in (`frugality.kernels.specialize`),
    and the blocks the activation checkpointing mode names made to recompute their
    activations in backward (`frugality.runtime.activation_checkpointing`);
@@ -26,26 +28,22 @@ from torch import nn
 
 from frugality.compile.base import Session
 from frugality.compile.factory import open_session
-from frugality.compile.levels import check_backend
 from frugality.config.recipe import Recipe
 from frugality.distributed import World, describe, gather_with_grad, world_mesh, wrap
 from frugality.distributed.pipeline import Pipeline, build_pipeline, resolve_schedule, stages_per_rank
 from frugality.distributed.spmd import wrap_spmd
 from frugality.distributed.tensor_parallel import apply_tensor_parallel, loss_context
-from frugality.errors import UserError
 from frugality.interop.weights import placed_like
-from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.kernels.specialize import specialize
 from frugality.metrics.flops import non_embedding_params
-from frugality.metrics.prices import check_cost
 from frugality.models import build_model
 from frugality.models.materialize import allocate, draw_parameters
-from frugality.precision import PrecisionPolicy, apply_tf32, resolve_policy
+from frugality.precision import PrecisionPolicy, apply_tf32
 from frugality.precision.loss_scale import LossScaler
 from frugality.runtime.activation_checkpointing import apply_activation_checkpointing
 from frugality.runtime.data import TrainingData
+from frugality.runtime.layout import Layout
 from frugality.runtime.optim import build_optimizer, fused_update
-from frugality.runtime.plan import fit_memory
 from frugality.tasks import Task, freeze_unused, task_for
 
 if TYPE_CHECKING:
@@ -84,50 +82,11 @@ class TrainState:
         return loss_context(self.world.tensor > 1)
 
 
-def check_loss_scaling(recipe: Recipe, world: World) -> None:
-    """amp-fp16's loss scaling runs in one process and under DDP, where every rank holds the
-    whole gradients (and judges an overflow alike); one line for the layouts it does not run in yet."""
-    p = recipe.parallel
-    layout = (
-        "tensor parallel"
-        if world.tensor > 1
-        else "pipeline parallel"
-        if p.pipeline > 1
-        else f"parallel.data {p.data}"
-        if world.distributed and p.data != "ddp"
-        else None
-    )
-    if layout is not None:
-        chosen = " (what auto picks on this GPU)" if recipe.train.precision == "auto" else ""
-        raise UserError(
-            f"train.precision amp-fp16{chosen} (loss scaling) does not run with {layout} yet; it runs in one "
-            "process and under parallel.data ddp"
-        )
-
-
-def check_recipe(recipe: Recipe, device: torch.device) -> None:
-    """The checks `build_state` makes first (task and model family, precision on this
-    device), for callers that must refuse bad input before doing anything else."""
-    task_for(recipe)
-    resolve_policy(recipe.train.precision, device)
-    disabled_kernels()  # a misspelt FRUGALITY_DISABLE_KERNELS fails now, not mid-run
-    check_cost(recipe.cost.instance, recipe.cost.catalogue)  # an unknown instance or a bad catalogue too
-    if recipe.compile.level != "O0" and recipe.compile.backend != "inductor" and device.type != "xla":
-        check_backend(recipe.compile.backend)
-
-
-def build_state(
-    recipe: Recipe,
-    device: torch.device,
-    data: TrainingData | None = None,
-    world: World = World(),
-    checkpointing: tuple[str, str] | None = None,
-) -> TrainState:
-    """The training state for `recipe` on `device` (see the module's docstring for the
-    order); `data` from `frugality.runtime.data.open_training_data` where batches come from
-    the recipe's dataset. The recipe's micro-batch and sequence length key the compiled graphs.
-    `checkpointing`: the activation checkpointing mode `runtime.plan.fit_memory` chose, and
-    why (by default it chooses here, for one process)."""
+def build_state(layout: Layout, data: TrainingData | None = None) -> TrainState:
+    """The training state `layout` describes (see the module's docstring for the order);
+    `data` from `frugality.runtime.data.open_training_data` where batches come from the
+    recipe's dataset. The recipe's micro-batch and sequence length key the compiled graphs."""
+    recipe, device, world, policy = layout.recipe, layout.device, layout.world, layout.policy
     gather = gather_with_grad if world.distributed and recipe.parallel.gather_negatives else None
     task = task_for(
         recipe,
@@ -136,12 +95,7 @@ def build_state(
         gather=gather,
         unpad=recipe.compile.level == "O0",
     )
-    policy, note = resolve_policy(recipe.train.precision, device)
-    if policy.loss_scaling:
-        check_loss_scaling(recipe, world)
-    if checkpointing is None:
-        checkpointing = fit_memory(recipe, policy, world.world_size, device, world.tensor, world.pipeline)
-    checkpointing_mode, why = checkpointing
+    checkpointing_mode, why = layout.checkpointing
     tf32 = apply_tf32(device, recipe.train.tf32)  # before any product (the compile cache keys on it)
     every = recipe.train.selective_every
     label = f"selective-every-{every}" if checkpointing_mode == "selective" else checkpointing_mode  # (the graphs')
@@ -197,7 +151,7 @@ def build_state(
     optimizer = build_optimizer(
         model, recipe.optim, policy, seed=recipe.seed, fused=fused_update(recipe, device), whole=whole
     )
-    notes = [note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")]
+    notes = [layout.precision_note, "layers: " + (", ".join(choices) or "plain PyTorch (no faster layer applies here)")]
     if recomputed:
         notes.append(
             f"activation checkpointing: {checkpointing_mode}, {recomputed} of {recipe.model.num_layers} blocks "

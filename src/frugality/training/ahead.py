@@ -14,9 +14,10 @@ from pathlib import Path
 
 from frugality import xla
 from frugality.config.recipe import Recipe
-from frugality.distributed import world_from_env
+from frugality.distributed import World, world_from_env
 from frugality.errors import UserError
-from frugality.runtime.device import names_xla
+from frugality.runtime.device import names_xla, resolve_device
+from frugality.runtime.layout import plan_layout
 from frugality.tasks import get_task
 from frugality.training.trainer import train
 
@@ -71,14 +72,12 @@ def _check_the_trial_fits(trial: Recipe, ranks: int, here: int) -> None:
     """The trial trains the run's graphs (its mode of activation checkpointing and all) in
     `here` processes holding what the run's `ranks` share (FSDP2's state whole): refused in
     one line, before anything compiles, where they cannot hold it."""
-    from frugality.precision import resolve_policy
-    from frugality.runtime.device import resolve_device
-    from frugality.runtime.plan import fit_memory
-
     device = resolve_device(trial.train.device)
     try:
-        fit_memory(trial, resolve_policy(trial.train.precision, device)[0], here, device)
+        plan_layout(trial, device, World(0, here))
     except UserError as e:
+        if " needs about " not in str(e):
+            raise
         needs = str(e).split(" needs about ", 1)[-1].split(" (activations", 1)[0]
         raise UserError(
             f"frugality compile --ranks {ranks}: its trial trains the run's graphs in {here} process"
@@ -94,12 +93,7 @@ def _run_checkpointing(recipe: Recipe, ranks: int) -> str:
     and all), not the trial's one process's."""
     if recipe.train.activation_checkpointing != "auto":
         return recipe.train.activation_checkpointing
-    from frugality.precision import resolve_policy
-    from frugality.runtime.device import resolve_device
-    from frugality.runtime.plan import fit_memory
-
-    device = resolve_device(recipe.train.device)
-    return fit_memory(recipe, resolve_policy(recipe.train.precision, device)[0], ranks, device)[0]
+    return plan_layout(recipe, resolve_device(recipe.train.device), World(0, ranks)).checkpointing[0]
 
 
 def _trial_on_xla(recipe: Recipe, progress: bool) -> dict:

@@ -11,19 +11,17 @@ position and RNG states all live in the checkpoint.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
 import torch
 
-from frugality import distributed, xla
+from frugality import distributed
 from frugality.checkpoint import CheckpointManager, step_of
 from frugality.config.recipe import Recipe
 from frugality.data.device_loader import DevicePrefetchStream
 from frugality.data.loader import TrainStream
-from frugality.distributed.pipeline import check_pipeline, fit_microbatches
-from frugality.distributed.tensor_parallel import check_tensor_parallel
 from frugality.errors import UserError
 from frugality.hardware import probe
 from frugality.health.preflight import preflight
@@ -35,13 +33,10 @@ from frugality.interop.weights import (
     resolve_source,
     stored_dtype,
 )
-from frugality.precision import resolve_policy
 from frugality.runtime.data import open_training_data
-from frugality.runtime.device import names_xla, resolve_device
 from frugality.runtime.host_memory import keep_freed_memory
-from frugality.runtime.plan import fit_memory
-from frugality.runtime.state import TrainState, build_state, check_loss_scaling, check_recipe
-from frugality.tasks import get_task
+from frugality.runtime.layout import resolve_layout
+from frugality.runtime.state import TrainState, build_state
 from frugality.training import rng
 from frugality.training import run_dir as rundir
 from frugality.training.callbacks import Callbacks
@@ -91,92 +86,30 @@ def train(
     optimizer state too (`resume_optimizer`, for a frugality checkpoint of the same shapes).
     """
     run_path = Path(run_dir) if run_dir is not None else Path(recipe.train.runs_dir) / recipe.name
-    total = recipe.train.steps
-    if until_step is not None and not 0 < until_step <= total:
-        raise UserError(f"--until-step {until_step}: must lie in 1..train.steps ({total})")
-    stop_at = until_step or total
+    stop_at = _stop_at(recipe.train.steps, until_step)
     rundir.check_run_dir(run_path, fresh)  # (again once locked: nothing moves under another run)
-
     # Everything that can fail on bad input fails here, before the run directory is touched.
-    if recipe.parallel.spmd:
-        _use_spmd(recipe)  # before the XLA client opens
-    device = resolve_device(recipe.train.device, xla_ok=True)
-    check_recipe(recipe, device)
-    if device.type == "xla":
-        _check_xla(recipe)
-    world = distributed.init(device, recipe.parallel.timeout_s)  # world size 1 without torchrun
-    device = distributed.local_device(device, world)
-    min_micro = get_task(recipe.train.task).min_micro_batch
-    if recipe.parallel.spmd:
-        world = replace(world, devices=xla.device_count())
-    p = recipe.parallel
-    if p.tensor > 1:
-        _check_tensor_parallel_run(recipe, device)
-    check_tensor_parallel(recipe.model, p.tensor, p.sequence, world.world_size, recipe.data.seq_len)
-    if p.tensor > 1:
-        world = replace(world, tensor=p.tensor)
-    if resume_optimizer and p.pipeline > 1:
-        raise UserError(
-            "--resume-optimizer with parallel.pipeline: not built yet; start the run in another layout "
-            "(--until-step 1) and resume it under pipeline parallel"
-        )
-    if p.pipeline > 1 or p.pipeline_microbatches:
-        recipe, world = _pipeline_layout(recipe, world, device)
-    ranks = world.devices if recipe.parallel.spmd else world.data_size
-    recipe, batch_note = recipe.for_data_parallel(ranks, min_micro)
-    if p.pipeline > 1:
-        recipe, fitted = fit_microbatches(recipe, world.data_size)
-        batch_note = "; ".join(n for n in (batch_note, fitted) if n) or None
-        accumulated = recipe.data.global_batch_size // (recipe.data.micro_batch_size * world.data_size)
-        check_pipeline(recipe.model, p, world.world_size, accumulated)
-    loads = recipe  # what this process's data stream loads
-    if recipe.parallel.spmd:
-        loads, line = _spmd_batches(recipe, ranks)
-        batch_note = f"{batch_note}; {line}" if batch_note else line
-    policy = resolve_policy(recipe.train.precision, device)[0]
-    if policy.loss_scaling:
-        check_loss_scaling(recipe, world)
-    checkpointing = fit_memory(recipe, policy, world.world_size, device, world.tensor, world.pipeline)
+    layout = resolve_layout(recipe, resume_optimizer)
+    recipe, device, world = layout.recipe, layout.device, layout.world
     passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
     with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
         if device.type == "cpu":
             keep_freed_memory()  # see frugality.runtime.host_memory
-        data = open_training_data(loads, progress, world.data_rank, world.data_size)
+        data = open_training_data(layout.loads, progress, world.data_rank, world.data_size)
         if device.type == "xla":  # the next steps copied to the device while it runs this one
             data.stream = DevicePrefetchStream(cast(TrainStream, data.stream))  # (as opened)
         plan = rundir.plan_run(recipe, run_path, fresh)
         # every rank has read the directory as it was before the first rank writes to it (a
         # rank that planned late saw rank 0's new recipe.toml and no checkpoint: refused)
         distributed.barrier()
-        done = step_of(plan.resume_from) if plan.resume_from is not None else 0
-        if done > stop_at:
-            raise UserError(
-                f"--until-step {until_step}: {run_path} is already at step {done}"
-                if until_step
-                else f"train.steps ({total}): {run_path} is already at step {done}; raise train.steps to "
-                "train on, or start over with --fresh"
-            )
+        done = _steps_done(plan, stop_at, until_step, recipe.train.steps)
         if done == stop_at:  # nothing to do: nothing is written, the run's results stay as they are
-            return TrainResult(
-                run_path, done, done, summary=rundir.read_summary(run_path) if world.is_main else {}, complete=True
-            )
-        source = resolve_source(init_from) if init_from is not None and plan.resume_from is None else None
-        if resume_optimizer and (source is None or not source.has_optimizer):
-            raise UserError(
-                "--resume-optimizer needs --init-from a frugality training checkpoint "
-                "(one with optimizer state) and a new run"
-            )
-        state = build_state(recipe, device, data, world, checkpointing)
-        if batch_note:
-            state.choices.append(batch_note)
-        if recipe.optim.warmup_steps > recipe.train.steps:  # (training.schedule cuts it)
-            state.choices.append(
-                f"optim.warmup_steps {recipe.optim.warmup_steps} -> {recipe.train.steps}: the warm-up is cut to "
-                "train.steps"
-            )
-        if passed is not None:
-            each = " on each rank" if world.distributed else ""
-            state.choices.append(f"preflight: {passed} checks passed{each}")
+            summary = rundir.read_summary(run_path) if world.is_main else {}
+            return TrainResult(run_path, done, done, summary=summary, complete=True)
+        source = _weights_source(init_from, plan, resume_optimizer)
+        state = build_state(layout, data)
+        each = " on each rank" if world.distributed else ""
+        state.choices += [*layout.notes, *([f"preflight: {passed} checks passed{each}"] if passed is not None else [])]
         checkpoints = CheckpointManager(run_path / "checkpoints", keep=recipe.train.keep_checkpoints)
         _restore(state, plan, source, checkpoints, resume_optimizer, stop_at)
         if world.is_main:
@@ -184,162 +117,104 @@ def train(
             if source is not None:  # e.g. the length an embedding model cuts texts to
                 carry_description(source, run_path)
         distributed.barrier()
-
-        # The callbacks, in the order each hook calls them. One rank (the first) writes the log,
-        # shows progress and summarises; the others keep the rest.
-        main = world.is_main
-        faults = os.environ.get(FAULT_ENV_VAR, "")
-        summary = Summary(run_path) if main else None
-        callbacks = Callbacks(
-            *(
-                c
-                for c in (
-                    Watchdog(run_path, recipe.train.step_timeout_s) if recipe.train.step_timeout_s else None,
-                    StopOnSignal(),
-                    CloseCompileSession(),  # publishes the compiled graphs before the summary names them
-                    Throughput(),  # tokens/s and MFU into each step's record
-                    Cost(run_path, main),  # elapsed time, dollars and energy into the records; the summary's cost
-                    DivergenceGuard(checkpoints),  # marks skipped steps (before the log), rolls back
-                    Memory() if main else None,  # the first step's memory, for the log and the summary
-                    RunLog(run_path, tensorboard) if main else None,
-                    Progress(_header(state, plan, source, init_from, resume_optimizer), progress, stop_at)
-                    if main
-                    else None,
-                    Checkpointing(checkpoints, stop_at),  # after evaluation: a checkpoint sees the step's whole result
-                    # the bubble and the collectives' time: its profiled steps begin after the checkpoints
-                    ParallelFigures(state) if world.tensor > 1 or world.pipeline > 1 else None,
-                    summary,  # last at the end: what the others published
-                    FaultInjector(faults, run_path, checkpoints) if "@" in faults else None,  # the reliability suite's
-                )
-                if c is not None
-            )
-        )
+        summary = Summary(run_path) if world.is_main else None
+        header = _header(state, plan, source, init_from, resume_optimizer) if world.is_main else []
+        callbacks = _callbacks(state, run_path, checkpoints, summary, header, progress, tensorboard, stop_at)
         start = state.step
-        try:
-            # the blocks compiled (or fetched) once any checkpoint is loaded; published and cleaned up however it ends
-            with state.compiled.active(state.model):
-                fit(state, callbacks, stop_at)
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            if not _out_of_memory(e):
-                raise
-            raise UserError(
-                f"out of memory on {device} in step {state.step + 1} "
-                f"({str(e).splitlines()[0][:160]}); lower data.micro_batch_size "
-                f"({recipe.data.micro_batch_size}; the global batch is kept, by accumulation); "
-                "checkpoints already written are kept"
-            ) from None
-        finally:
-            if isinstance(data.stream, DevicePrefetchStream):  # its threads first: on_exit may raise
-                data.stream.close()
-            callbacks.on_exit(state)
-        return TrainResult(
-            run_path,
-            start,
-            state.step,
-            state.stop_requested,
-            summary.evals if summary else {},
-            summary.summary if summary else {},
+        _fit(state, callbacks, stop_at)
+        evals, summarised = (summary.evals, summary.summary) if summary else ({}, {})
+        return TrainResult(run_path, start, state.step, state.stop_requested, evals, summarised)
+
+
+def _stop_at(total: int, until_step: int | None) -> int:
+    if until_step is not None and not 0 < until_step <= total:
+        raise UserError(f"--until-step {until_step}: must lie in 1..train.steps ({total})")
+    return until_step or total
+
+
+def _steps_done(plan: rundir.RunPlan, stop_at: int, until_step: int | None, total: int) -> int:
+    """The steps the run directory holds: refused where they pass where this run stops."""
+    done = step_of(plan.resume_from) if plan.resume_from is not None else 0
+    if done > stop_at:
+        raise UserError(
+            f"--until-step {until_step}: {plan.path} is already at step {done}"
+            if until_step
+            else f"train.steps ({total}): {plan.path} is already at step {done}; raise train.steps to "
+            "train on, or start over with --fresh"
         )
+    return done
 
 
-def _pipeline_layout(
-    recipe: Recipe, world: distributed.World, device: torch.device
-) -> tuple[Recipe, distributed.World]:
-    """The world with its pipeline degree, and the recipe with the micro-batch that
-    `parallel.pipeline_microbatches` asks for; what pipeline parallel does not run with
-    yet, one line each."""
-    p = recipe.parallel
-    if p.pipeline > 1:
-        if recipe.compile.level != "O0":
-            raise UserError(
-                f"parallel.pipeline: compile.level {recipe.compile.level} does not run with pipeline parallel yet "
-                "(a block's fallback to eager would desynchronise the stages); use compile.level O0"
+def _weights_source(init_from: str | Path | None, plan: rundir.RunPlan, resume_optimizer: bool) -> WeightsSource | None:
+    """What a new run starts from (`--init-from`); a resumed run starts from its own checkpoint."""
+    source = resolve_source(init_from) if init_from is not None and plan.resume_from is None else None
+    if resume_optimizer and (source is None or not source.has_optimizer):
+        raise UserError(
+            "--resume-optimizer needs --init-from a frugality training checkpoint "
+            "(one with optimizer state) and a new run"
+        )
+    return source
+
+
+def _callbacks(
+    state: TrainState,
+    run_path: Path,
+    checkpoints: CheckpointManager,
+    summary: Summary | None,
+    header: list[str],
+    progress: bool,
+    tensorboard: bool,
+    stop_at: int,
+) -> Callbacks:
+    """The callbacks, in the order each hook calls them. One rank (the first) writes the log,
+    shows progress and summarises; the others keep the rest."""
+    main, recipe, world = state.world.is_main, state.recipe, state.world
+    faults = os.environ.get(FAULT_ENV_VAR, "")
+    return Callbacks(
+        *(
+            c
+            for c in (
+                Watchdog(run_path, recipe.train.step_timeout_s) if recipe.train.step_timeout_s else None,
+                StopOnSignal(),
+                CloseCompileSession(),  # publishes the compiled graphs before the summary names them
+                Throughput(),  # tokens/s and MFU into each step's record
+                Cost(run_path, main),  # elapsed time, dollars and energy into the records; the summary's cost
+                DivergenceGuard(checkpoints),  # marks skipped steps (before the log), rolls back
+                Memory() if main else None,  # the first step's memory, for the log and the summary
+                RunLog(run_path, tensorboard) if main else None,
+                Progress(header, progress, stop_at) if main else None,
+                Checkpointing(checkpoints, stop_at),  # after evaluation: a checkpoint sees the step's whole result
+                # the bubble and the collectives' time: its profiled steps begin after the checkpoints
+                ParallelFigures(state) if world.tensor > 1 or world.pipeline > 1 else None,
+                summary,  # last at the end: what the others published
+                FaultInjector(faults, run_path, checkpoints) if "@" in faults else None,  # the reliability suite's
             )
-        if world.world_size % (p.pipeline * p.tensor):
-            raise UserError(
-                f"parallel.pipeline {p.pipeline} x parallel.tensor {p.tensor}: must divide the number of "
-                f"processes ({world.world_size}); pipeline parallel runs on torchrun (frugality train --nproc N)"
-            )
-        if device.type == "xla":
-            raise UserError("parallel.pipeline: on an xla device, pipeline parallel is not built")
-        if not get_task(recipe.train.task).runs_model_parallel:
-            raise UserError(f"parallel.pipeline: train.task {recipe.train.task} is not pipelined yet (causal_lm is)")
-        world = replace(world, pipeline=p.pipeline)
-    if p.pipeline_microbatches and p.pipeline == 1:
-        raise UserError(
-            "parallel.pipeline_microbatches: needs parallel.pipeline > 1 (data.micro_batch_size sets the rest)"
+            if c is not None
         )
-    if p.pipeline_microbatches:
-        if recipe.data.global_batch_size % world.data_size:
-            raise UserError(
-                f"data.global_batch_size ({recipe.data.global_batch_size}) cannot be shared by {world.data_size} "
-                "data-parallel ranks"
-            )
-        per_rank = recipe.data.global_batch_size // max(1, world.data_size)
-        if per_rank % p.pipeline_microbatches:
-            raise UserError(
-                f"parallel.pipeline_microbatches {p.pipeline_microbatches}: must divide the {per_rank} samples "
-                "each data-parallel rank takes a step"
-            )
-        micro = per_rank // p.pipeline_microbatches
-        recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"micro_batch_size": micro})})
-    return recipe, world
-
-
-def _check_tensor_parallel_run(recipe: Recipe, device) -> None:
-    """What tensor parallel does not run with yet, one line each."""
-    if device.type == "xla":
-        raise UserError("parallel.tensor: on an xla device, tensor parallel is not built (parallel.spmd shares data)")
-    if recipe.train.precision == "fp8":
-        raise UserError(
-            "parallel.tensor: train.precision fp8 does not run with tensor parallel yet (its linears are torchao's)"
-        )
-    if recipe.compile.level != "O0":
-        raise UserError(
-            f"parallel.tensor: compile.level {recipe.compile.level} does not run with tensor parallel yet "
-            "(Inductor fails on its DTensor blocks here); use compile.level O0"
-        )
-    if not get_task(recipe.train.task).runs_model_parallel:
-        raise UserError(
-            f"parallel.tensor: train.task {recipe.train.task} does not run tensor parallel yet (causal_lm does)"
-        )
-
-
-def _check_xla(recipe: Recipe) -> None:
-    """What an XLA device does not run yet, in one line, before anything is written."""
-    task = get_task(recipe.train.task)
-    if not task.runs_on_xla:
-        raise UserError(f"train.task {task.name}: does not run on an xla device yet (causal_lm does; docs/xla.md)")
-    if distributed.world_from_env().distributed:
-        raise UserError(
-            "an xla device trains in one process (torchrun over XLA devices is not built); parallel.spmd = true "
-            "trains over all of one process's devices (docs/xla.md)"
-        )
-
-
-def _use_spmd(recipe: Recipe) -> None:
-    name = recipe.train.device
-    if not names_xla(name):
-        where = "PJRT_DEVICE unset or torch_xla missing" if name == "auto" else name
-        raise UserError(
-            f"parallel.spmd: for an xla device (train.device = xla), not {where!r}; "
-            "--set parallel.spmd=false trains without it"
-        )
-    if recipe.parallel.data == "hsdp":
-        raise UserError('parallel.spmd: parallel.data "hsdp" is not built on XLA; choose ddp or fsdp')
-    xla.use_spmd()
-
-
-def _spmd_batches(recipe: Recipe, count: int) -> tuple[Recipe, str]:
-    """One process loads the micro-batches of all `count` devices, which SPMD splits by rows:
-    the recipe its data stream loads, and a line for the header. (The run's own recipe keeps
-    the per-device micro-batch, so that a resume reads what the user wrote.)"""
-    micro = recipe.data.micro_batch_size
-    line = (
-        f"data.micro_batch_size {micro} per XLA device x {count} devices (SPMD): micro-batches of "
-        f"{micro * count} rows, split by rows"
     )
-    return recipe.model_copy(update={"data": recipe.data.model_copy(update={"micro_batch_size": micro * count})}), line
+
+
+def _fit(state: TrainState, callbacks: Callbacks, stop_at: int) -> None:
+    """The loop, with the blocks compiled (or fetched) once any checkpoint is loaded; the
+    compiled graphs published and the callbacks closed however it ends; running out of
+    memory is one line."""
+    data = state.data
+    try:
+        with state.compiled.active(state.model):
+            fit(state, callbacks, stop_at)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        raise UserError(
+            f"out of memory on {state.device} in step {state.step + 1} "
+            f"({str(e).splitlines()[0][:160]}); lower data.micro_batch_size "
+            f"({state.recipe.data.micro_batch_size}; the global batch is kept, by accumulation); "
+            "checkpoints already written are kept"
+        ) from None
+    finally:
+        if data is not None and isinstance(data.stream, DevicePrefetchStream):  # its threads first: on_exit may raise
+            data.stream.close()
+        callbacks.on_exit(state)
 
 
 def _out_of_memory(error: BaseException) -> bool:
