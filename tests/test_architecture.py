@@ -18,6 +18,7 @@ LAYERS = (
     ("kernels",),
     ("config", "checkpoint", "data"),
     ("models", "hardware"),
+    ("backends",),
     ("xla",),
     ("paths",),
     ("errors", ""),  # "": the root package (frugality.__version__)

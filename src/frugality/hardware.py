@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from frugality import xla
+from frugality.backends import backend
 from frugality.paths import cache_dir
 
 # CPU feature flags that change what frugality runs (Linux /proc/cpuinfo names).
@@ -217,7 +218,7 @@ def product_rate(device: torch.device, dtype: torch.dtype) -> float:
     `measure_product_rate`)."""
     cache_file = cache_dir() / "products.json"
     key = f"{fingerprint(device)}|{dtype}"  # the ISA limits in force change the rate
-    if torch.device(device).type == "cuda" and dtype == torch.float32 and _tf32_on():
+    if backend(device).compute_capability() is not None and dtype == torch.float32 and _tf32_on():
         key += "|tf32"  # train.tf32: fp32 products at TF32's rate, MFU against TF32's peak
     cached = _read_json(cache_file)
     if key not in cached:
@@ -283,11 +284,7 @@ def product_size(device: torch.device, dtype: torch.dtype, largest: int = 2048, 
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xla":  # the product's graph cut, compiled, run, and waited for
-        xla.sync()
-        xla.wait()
+    backend(device).synchronize()  # (XLA: the product's graph cut, compiled, run, and waited for)
 
 
 def report(device: torch.device) -> dict:
@@ -315,37 +312,6 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes of the device's memory: a GPU's, or for CPUs the host's RAM (free:
-    the kernel's estimate of what can be allocated without swapping, MemAvailable), within
-    the limit of this process's memory cgroup (a container's) where one is set."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    free = total
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                free = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    limit = _cgroup_memory()
-    if limit is not None:
-        total, free = min(total, limit[0]), min(free, max(0, limit[0] - limit[1]))
-    return free, total
-
-
-def _cgroup_memory() -> tuple[int, int] | None:
-    """(limit, usage) bytes of this process's memory cgroup (v2, else v1), or None unlimited."""
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
-        try:
-            text = Path(limit_file).read_text().strip()
-            usage = int(Path(usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if text == "max" or not text.isdigit() or int(text) >= 1 << 60:  # v1 says "unlimited" with a huge number
-            return None
-        return int(text), usage
-    return None
+    """(free, total) bytes of the device's memory: a GPU's, or for CPUs the host's RAM
+    (`frugality.backends`)."""
+    return backend(device).memory()

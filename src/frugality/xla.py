@@ -91,10 +91,6 @@ def device() -> torch.device:
     return torch.device(load().device())
 
 
-def is_xla(device: torch.device) -> bool:
-    return device.type == "xla"
-
-
 def sync() -> None:
     """End the graph traced so far: XLA compiles it (once per distinct graph) and runs it."""
     load().sync()

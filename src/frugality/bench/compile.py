@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
+from frugality.backends import backend
 from frugality.config.recipe import Recipe
 
 
@@ -182,7 +183,7 @@ def _worker() -> None:
     recipe = for_shape(Recipe.model_validate(spec["recipe"]), spec["precision"], batch, seq)
     recipe = recipe.model_copy(update={"compile": CompileConfig(level=spec["level"], cache=spec["cache"])})
     device = resolve_device(recipe.train.device, what="frugality bench")
-    if device.type == "cpu":
+    if backend(device).host_memory:
         keep_freed_memory()  # as in training
     layout = plan_layout(recipe, device)
     state = build_state(layout)
@@ -197,8 +198,7 @@ def _worker() -> None:
             st.compiled.run(
                 "train", i + 1, lambda: train_step(st, [data]), reset=lambda: st.optimizer.zero_grad(set_to_none=True)
             )
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            backend(device).synchronize()
             return time.perf_counter() - t0
 
         first = step(0)

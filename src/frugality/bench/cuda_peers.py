@@ -29,6 +29,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from frugality.backends import backend
 from frugality.config.recipe import Recipe
 
 
@@ -175,5 +176,4 @@ def _one_process_group(device: torch.device) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group(backend(device).process_group, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from frugality.backends import backend
 from frugality.bench.results import synchronize
 from frugality.errors import UserError
 from frugality.hardware import device_name
@@ -41,7 +42,7 @@ def bench_device(name: torch.device | str = "auto") -> torch.device:
     """The device `--device` names, checked as every command checks it; a CUDA device with
     its index (the GPU a row names)."""
     device = resolve_device(str(name), key="--device", what="frugality bench infer", xla_ok=True)
-    if device.type == "cuda" and device.index is None:
+    if backend(device).device_per_rank and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from frugality.backends import backend
 from frugality.bench.peers import PeerUnavailable
 from frugality.bench.train import make_runner, random_batch
 from frugality.config.recipe import Recipe
@@ -116,7 +117,7 @@ def profile_steps(
     """Profile `steps` steps of `impl` (frugality or a peer) after `warmup` steps; a peer that
     cannot run here, or fails in its warm-up, is a row saying why."""
     device = resolve_device(recipe.train.device, what="frugality bench")
-    if device.type != "cpu":
+    if not backend(device).on_host:
         raise UserError(
             f"bench profile reads CPU time; {device} runs its work in kernels this version does not "
             "read (--set train.device=cpu, or torch.profiler with CUDA activity)"

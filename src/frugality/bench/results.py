@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from frugality.backends import backend
 from frugality.hardware import device_name
 from frugality.paths import write_atomically
 
@@ -43,13 +44,7 @@ def write_results(folder: Path, kind: str, recipe: str, header: str, table: str,
 def synchronize(device: torch.device) -> None:
     """Wait for what `device` was given to finish: a clock stopped before that times the
     launch, not the work (CUDA queues kernels; XLA traces a graph and runs it at a sync)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xla":
-        from frugality import xla
-
-        xla.sync()
-        xla.wait()
+    backend(device).synchronize()
 
 
 def race(device: torch.device, repeats: int, **paths) -> dict[str, float]:

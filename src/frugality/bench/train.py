@@ -23,6 +23,7 @@ from typing import cast
 
 import torch
 
+from frugality.backends import backend
 from frugality.bench.peers import PeerUnavailable, build_peer
 from frugality.config.recipe import Recipe
 from frugality.hardware import device_name
@@ -102,8 +103,7 @@ def random_batch(recipe: Recipe, batch: int, seq: int, device: torch.device, i: 
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    backend(device).synchronize()
 
 
 def bench_train(
@@ -123,7 +123,7 @@ def bench_train(
     `peer_precisions[peer]`, else at `baseline` when given (e.g. frugality's bf16-sr against
     amp-bf16, the usual way to train the peers), else at the pass's precision."""
     device = resolve_device(recipe.train.device, what="frugality bench")
-    if device.type == "cpu":
+    if backend(device).host_memory:
         keep_freed_memory()  # as in training, for every implementation
     rows = []
     for precision in precisions:
@@ -371,7 +371,7 @@ def _memory_probe() -> None:
     impl, precision, batch, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     recipe = Recipe.model_validate_json(sys.stdin.read())
     device = resolve_device(recipe.train.device, what="frugality bench")
-    if device.type == "cpu":
+    if backend(device).host_memory:
         keep_freed_memory()
     with contextlib.ExitStack() as stack:
         step = make_runner(impl, recipe, precision, device, batch, seq, stack)[0]

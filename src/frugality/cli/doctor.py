@@ -44,6 +44,7 @@ def doctor(recipe, nproc, max_mib, quick, overrides_thresholds, run_dir, overrid
     write speed where runs go, compile cache, dataset), the device's products and
     stochastic rounding against references, its measured peak, and with --nproc the
     collectives (values, latency, bus bandwidth). Exit status 1 when a check fails."""
+    from frugality.backends import backend
     from frugality.config.recipe import load_recipe
     from frugality.errors import UserError
     from frugality.health import failed, markdown_table, threshold_kind, thresholds
@@ -51,7 +52,7 @@ def doctor(recipe, nproc, max_mib, quick, overrides_thresholds, run_dir, overrid
 
     resolved = load_recipe(recipe, list(overrides))
     device = resolve_device(resolved.train.device, what="frugality doctor", xla_ok=True)
-    if device.type == "xla" and nproc > 1:
+    if backend(device).one_process and nproc > 1:
         raise UserError("--nproc: doctor on an xla device checks that one device; drop --nproc")
     if nproc > 1:
         from frugality.runtime.device import check_local_processes

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from frugality import __version__
+from frugality.backends import backend
 from frugality.errors import FrugalityWarning
 from frugality.paths import cache_dir
 
@@ -71,7 +72,7 @@ def cache_url(configured: str | None) -> str:
 
 def device_fingerprint(device: torch.device) -> dict:
     """What compiled code depends on besides the graph: the device kind and its generation."""
-    if device.type == "cuda":
+    if backend(device).compute_capability() is not None:  # a CUDA GPU
         index = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         return {
@@ -81,7 +82,7 @@ def device_fingerprint(device: torch.device) -> dict:
             "cuda": torch.version.cuda,
         }
     info: dict[str, object] = {"type": device.type, "machine": platform.machine()}
-    if device.type == "cpu":
+    if backend(device).on_host:
         # The instruction sets Inductor's C++ may be built for (AMX, AVX-512, ...), and the
         # thread count, which Inductor writes into its OpenMP pragmas. Probing the ISA the way
         # Inductor does builds test programs (seconds each); the CPU's flags say the same.

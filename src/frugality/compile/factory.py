@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from frugality.backends import backend
 from frugality.compile.base import Session
 from frugality.compile.session import CompileSession
 
@@ -13,7 +14,7 @@ def open_session(recipe, device: torch.device, policy, checkpointing: str = "non
     """The session for `recipe` on `device` under the resolved precision `policy` and
     activation checkpointing mode. On XLA its executable cache opens here, before the process
     compiles any graph."""
-    if device.type == "xla":
+    if backend(device).traced:
         from frugality.compile.xla import XlaCompileSession  # (imports torch_xla's helpers)
 
         return XlaCompileSession.for_recipe(recipe, policy.key)

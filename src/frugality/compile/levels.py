@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from frugality.backends import backend
 from frugality.config.recipe import COMPILE_LEVELS as LEVELS  # noqa: F401 - the levels, named once there
 from frugality.errors import UserError
 
@@ -70,7 +71,7 @@ def inductor_options(device: torch.device, compute_dtype: torch.dtype, recompute
     wrapper cannot emit ("AssertionError: RunAndSaveRngState"); the Python wrapper can.
     """
     options = {}
-    if device.type == "cpu":
+    if backend(device).on_host:  # Inductor's C++ for the host
         options["cpp_cache_precompile_headers"] = False  # see frugality.compile.session
         if torch.get_num_threads() <= CPP_WRAPPER_MAX_THREADS and not recomputes:
             options["cpp_wrapper"] = True

@@ -27,6 +27,7 @@ from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as launch
 from torch.nn.parallel import DistributedDataParallel
 
+from frugality.backends import backend
 from frugality.config.recipe import ParallelConfig
 from frugality.errors import UserError
 
@@ -142,19 +143,16 @@ def init(device: torch.device, timeout_s: int) -> World:
     hanging."""
     world = world_from_env()
     if world.distributed and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(world.local_rank)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        kind = backend(device)
+        kind.join(world.local_rank)
+        dist.init_process_group(kind.process_group, timeout=datetime.timedelta(seconds=timeout_s))
         _JOINED.append(True)
     return world
 
 
 def local_device(device: torch.device, world: World) -> torch.device:
     """The device this rank trains on: its own GPU on a multi-GPU machine."""
-    if device.type == "cuda" and world.distributed:
-        return torch.device("cuda", world.local_rank)
-    return device
+    return backend(device).local_device(world.local_rank, world.distributed)
 
 
 def wrap(module: nn.Module, blocks, parallel: ParallelConfig, world: World, device: torch.device) -> nn.Module:
@@ -170,7 +168,7 @@ def wrap(module: nn.Module, blocks, parallel: ParallelConfig, world: World, devi
     if not world.distributed or world.data_size == 1:  # tensor parallel alone: nothing more to wrap
         return module
     if parallel.data == "ddp" and world.tensor == 1:
-        ids = [device.index] if device.type == "cuda" else None
+        ids = [device.index] if backend(device).device_per_rank else None
         # the models' buffers are constant tables (rotary): no broadcast of them every forward
         return DistributedDataParallel(module, device_ids=ids, forward_sync_buffers=False)
     mesh = data_parallel_mesh(parallel, world, device)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from frugality.backends import backend
 from frugality.config.recipe import ParallelConfig
 from frugality.errors import UserError
 from frugality.models import Decoder
@@ -220,7 +221,7 @@ class Pipeline:
         # not as bubble (FSDP2's gathers run inside the forwards and backwards).
         self.compute_s = 0.0
         self.last_step: tuple[float, float] | None = None  # (schedule seconds, compute seconds)
-        self._timed = _device(modules[0]).type == "cpu"
+        self._timed = backend(_device(modules[0])).on_host  # (a host clock times the stages' ops)
         train_loss = loss
         if self._timed:
             for s in self.stages:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from frugality.backends import backend
 from frugality.errors import UserError
 
 PASS, FAIL, INFO = "pass", "fail", "info"
@@ -56,7 +57,7 @@ class Check:
 def threshold_kind(device) -> str:
     """Which thresholds a device is held to: its type, and for an XLA device its client's
     kind (XLA's CPU client: the CPU's)."""
-    if device.type != "xla":
+    if not backend(device).traced:
         return device.type
     from frugality import xla
 

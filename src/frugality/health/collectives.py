@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from frugality.backends import backend
 from frugality.health import FAIL, PASS, Check, at_least, at_most
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -45,8 +46,7 @@ def _iterations(size: int) -> int:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    backend(device).synchronize()
 
 
 def run_collective(op: str, size: int, device: torch.device) -> tuple[float, int]:

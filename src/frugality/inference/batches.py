@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from frugality.backends import backend
+
 # (padded tokens, texts) per batch. On a CPU small batches keep an encoder's products in
 # cache: all-MiniLM-L6-v2 on WordNet glosses ran 225 texts/s at 2,048 tokens and 64 texts,
 # 114 at 16,384 and 512 (2-core EPYC, 2 threads); a GPU wants large ones.
@@ -29,7 +31,7 @@ def embed_in_chunks(
 
     chunks = [texts[i : i + CHUNK] for i in range(0, len(texts), CHUNK)]
     parts, cut = [], 0
-    if encoder.device.type == "cpu":
+    if backend(encoder.device).on_host:  # (the model and the tokenizer share the cores)
         for chunk in chunks:
             rows, chunk_cut = encoder.encode(chunk)
             parts.append(embed_rows(encoder, rows, batch_tokens, max_batch, report))
@@ -59,7 +61,7 @@ def embed_rows(encoder, rows: list[list[int]], batch_tokens: int, max_batch: int
 
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]), reverse=True)
     result = np.empty((len(rows), encoder.dim), dtype=np.float32)
-    static = encoder.device.type == "xla"
+    static = backend(encoder.device).traced
     start = 0
     while start < len(order):
         longest = len(rows[order[start]])

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from frugality.backends import backend
 from frugality.errors import UserError
 from frugality.inference.inputs import Inputs
 from frugality.inference.shards import (
@@ -77,16 +78,14 @@ class EmbedSettings:
 
 def resolve_processes(nproc: int | str, count: int, device) -> int:
     """`nproc` as a number of processes for `count` texts on `device` ('auto': see above)."""
-    if device.type == "xla":
+    if backend(device).one_process:
         if nproc not in ("auto", 1, "1"):
             raise UserError(f"--nproc {nproc}: an xla device embeds in one process (its own device)")
         return 1
     if nproc != "auto":
         return int(nproc)
-    if device.type == "cuda":
-        import torch
-
-        return max(1, torch.cuda.device_count())
+    if backend(device).device_per_rank:
+        return max(1, backend(device).local_count() or 1)
     from frugality.metrics.energy import vcpus
 
     return max(1, min(vcpus(), MAX_CPU_PROCESSES, count // TEXTS_PER_PROCESS))
@@ -425,7 +424,7 @@ def _run_workers(settings, inputs, size, pending, count, nproc, device, bar) -> 
     ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
     q = ctx.Queue()
     threads = max(1, torch.get_num_threads() // nproc)
-    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    gpus = (backend(device).local_count() or 0) if backend(device).device_per_rank else 0
     workers = []
     for rank in range(nproc):
         where = f"cuda:{rank % gpus}" if gpus else str(device)

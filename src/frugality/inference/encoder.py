@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from frugality.backends import backend
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 from frugality.hardware import cpu_flags
@@ -86,7 +87,7 @@ class Encoder:
         self.dim = (model.config.head or (model.config.hidden_size,))[-1]
         # skipping padding: measured on the CPU only (not on XLA, which compiles a graph per
         # shape), and in the model's own forward (ONNX Runtime's body runs the padded layout)
-        self.unpads = device.type == "cpu" and int8 != "onnxruntime"
+        self.unpads = backend(device).on_host and int8 != "onnxruntime"
 
     def identity(self) -> dict:
         """What a resumed job checks is the same model: the folder of the weights and each
@@ -124,7 +125,7 @@ class Encoder:
         """Embeddings of token rows padded to `pad_to`: (len(rows), dim) float32. `fill`
         pads the batch to that many rows (one-token rows, dropped), for a fixed shape."""
         # XLA's linear layers set version counters, which inference tensors refuse
-        with torch.no_grad() if self.device.type == "xla" else torch.inference_mode(), self._torch_threads():
+        with backend(self.device).inference(), self._torch_threads():
             return self._embed(rows, pad_to, fill)
 
     @contextmanager
@@ -188,7 +189,7 @@ def int8_engine(device: torch.device, encoder: bool = True) -> tuple[str, str]:
     AVX512-VNNI or AMX; for encoders on other x86 CPUs with AVX2, ONNX Runtime
     (`frugality.inference.onnx_int8`). FRUGALITY_INT8_ENGINE (torch or onnxruntime) names one.
     Anything else is refused in one line."""
-    if device.type != "cpu":
+    if not backend(device).on_host:
         raise UserError(f"--precision int8: CPUs only, not {device.type}; add --device cpu")
     asked = os.environ.get("FRUGALITY_INT8_ENGINE", "").strip().lower()
     if asked and asked not in INT8_ENGINES:
@@ -291,7 +292,7 @@ def load_encoder(
     elif engine == "onnxruntime":  # the body runs in ONNX Runtime; project() (the head) stays here
         # this instance's forward replaced (pyright allows no assignment over a method)
         model.forward = onnx_int8.quantized_body(model)  # pyright: ignore[reportAttributeAccessIssue]
-    elif dtype == torch.bfloat16 and device.type == "cpu" and bf16_is_native(device)[0]:
+    elif dtype == torch.bfloat16 and backend(device).on_host and bf16_is_native(device)[0]:
         # bf16 weights laid out once for oneDNN, not on every call (a call 1.1-1.4x at a server's batches)
         packed = pack_linear_weights(model, skip=("pooler", "mlm"))
         why += "; linear layers' weights packed for oneDNN" if packed else ""

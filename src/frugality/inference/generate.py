@@ -33,6 +33,7 @@ import torch
 from tokenizers import Tokenizer
 
 from frugality import xla
+from frugality.backends import backend
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
 from frugality.inference.encoder import load_model, resolve_precision
@@ -120,7 +121,7 @@ def load_decoder(
     model = cast(DecoderModel, loaded.model).to(device=device, dtype=dtype)  # as _check_decoder admitted
     if precision == "int8":
         quantize_int8(model)
-    elif pack and dtype == torch.bfloat16 and device.type == "cpu" and bf16_is_native(device)[0]:
+    elif pack and dtype == torch.bfloat16 and backend(device).on_host and bf16_is_native(device)[0]:
         packed = pack_linear_weights(model)  # (the output layer too, unless tied to the embedding)
         why += "; linear layers' weights packed for oneDNN" if packed else ""
     return Decoder(model, tokenizer, eos, device, dtype, loaded.weights), why
@@ -280,7 +281,7 @@ class Engine:
         they will take. On XLA the step's graph ends here (the cache written, the positions
         advanced: one graph per prefill bucket, and one that every decoding step shares)
         and tokens are picked on the host, whose generator draws what it draws on a CPU."""
-        if self.decoder.device.type != "xla":
+        if not backend(self.decoder.device).traced:
             tokens = pick(logits, sampling, generator)
             return tokens, tokens, following
         xla.sync()
@@ -290,7 +291,7 @@ class Engine:
 
 def new_generator(device: torch.device, seed: int) -> torch.Generator:
     """The sampling generator: on the device, or the host's for XLA (which samples there)."""
-    return torch.Generator("cpu" if device.type == "xla" else device).manual_seed(seed)
+    return torch.Generator(backend(device).generator_device()).manual_seed(seed)
 
 
 class RowText:
@@ -370,7 +371,7 @@ def generate_all(
         raise UserError(f"prompt {empty}: no tokens (an empty prompt)")
     encoded, cut = fit_prompts(decoder, encoded, sampling.max_new_tokens)
     length = cache_length(max(map(len, encoded)), sampling.max_new_tokens, decoder.max_seq_len)
-    if compile and decoder.device.type == "xla":
+    if compile and backend(decoder.device).traced:
         raise UserError("--compile: on an xla device XLA compiles the graphs itself; leave --compile out")
     engine = Engine(decoder, min(batch, len(items)), length, compile)
     generator = new_generator(decoder.device, sampling.seed)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import resource
-import sys
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
+
+from frugality.backends import backend
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -31,7 +30,7 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         tensors += [_local(t) for t in state.values() if isinstance(t, torch.Tensor)]
     seen: dict[tuple, int] = {}
     for t in tensors:
-        if t.device.type == "xla":  # XLA tensors have no storage pointer: each counts alone
+        if backend(t.device).traced:  # XLA tensors have no storage pointer: each counts alone
             seen[(t.device, id(t))] = t.numel() * t.element_size()
             continue
         storage = t.untyped_storage()
@@ -44,21 +43,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def peak_memory_bytes(device: torch.device) -> int | None:
-    """CUDA: the allocator's peak on the device. CPU: the process's peak resident set.
-
-    On Linux this reads VmHWM from /proc/self/status rather than getrusage's ru_maxrss,
-    which a process inherits from its parent across fork and exec (so a small child of a
-    big parent would report the parent's peak)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    if device.type == "xla" and os.environ.get("PJRT_DEVICE", "CPU") != "CPU":
-        return None  # a TPU's or Trainium's memory is not the host's (XLA's CPU client's is)
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+    """The process's peak memory on `device`: the allocator's peak on a GPU, the process's
+    peak resident set on a CPU (`frugality.backends`)."""
+    return backend(device).peak_memory()

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import nn
 
+from frugality.backends import backend
 from frugality.config.recipe import PRECISIONS as RECIPE_PRECISIONS
 from frugality.errors import UserError
 from frugality.hardware import probe
@@ -87,7 +88,7 @@ class PrecisionPolicy:
     def check_device(self, device: torch.device) -> None:
         if self.name == "fp8":
             _check_fp8(device)
-        if self.name == "amp-fp16" and device.type not in ("cuda", "cpu"):
+        if self.name == "amp-fp16" and backend(device).traced:
             raise UserError(
                 f"precision amp-fp16 is for CUDA GPUs without bf16 (T4, V100), not {device.type} devices: "
                 "use auto or amp-bf16"
@@ -153,7 +154,7 @@ def resolve_policy(name: str, device: torch.device) -> tuple[PrecisionPolicy, st
     policy = get_policy(name)
     policy.check_device(device)
     if name == "amp-fp16" and not _fp16_tensor_cores(device):
-        where = "on this CPU" if device.type == "cpu" else "on this GPU (no fp16 tensor cores)"
+        where = "on this CPU" if backend(device).on_host else "on this GPU (no fp16 tensor cores)"
         return policy, (
             f"precision amp-fp16: fp16 products are emulated {where}, many times slower than fp32 "
             "(amp-fp16 is for CUDA GPUs of compute capability 7.x: T4, V100)"
@@ -174,7 +175,8 @@ def resolve_policy(name: str, device: torch.device) -> tuple[PrecisionPolicy, st
 
 
 def _fp16_tensor_cores(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP16_TENSOR_CORES
+    capability = backend(device).compute_capability()
+    return capability is not None and capability >= FP16_TENSOR_CORES
 
 
 def apply_tf32(device: torch.device, enabled: bool) -> str | None:
@@ -182,7 +184,8 @@ def apply_tf32(device: torch.device, enabled: bool) -> str | None:
     GPU has TF32 (compute capability 8.0+); the header's line saying which, or None where
     TF32 does not exist. TF32 keeps fp32's range with a 10-bit mantissa; PyTorch leaves it
     off by default for matmuls; JAX and TensorFlow turn it on."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+    capability = backend(device).compute_capability()
+    if capability is None or capability < (8, 0):
         return None
     # the API every torch >= 1.12 has, and that Inductor's autotuning reads (setting the newer
     # `matmul.fp32_precision` alone makes `get_float32_matmul_precision` raise); cuDNN's
@@ -194,7 +197,7 @@ def apply_tf32(device: torch.device, enabled: bool) -> str | None:
 
 
 def _check_fp8(device: torch.device) -> None:
-    if device.type != "cuda":
+    if backend(device).compute_capability() is None:
         raise UserError(
             f"precision fp8 needs a CUDA GPU of compute capability 8.9 or later (Ada, Hopper, "
             f"Blackwell); this run is on {device.type}. Use bf16-sr or amp-bf16 here."

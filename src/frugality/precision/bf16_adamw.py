@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from frugality import kernels
+from frugality.backends import backend
 from frugality.precision.stochastic_rounding import mix_key, noise16x3, round_to_bf16
 
 Rounding = Literal["stochastic", "nearest"]
@@ -116,7 +117,7 @@ def _compiled_rounding_is_right(device: torch.device) -> bool:
     noise hash, the rounding and the index arithmetic compiled alone are right under AVX2 too.
     A CPU whose Inductor vectors are narrower than AVX-512 takes eager ops (only where the C
     kernel is off or cannot build: CPUs run the kernel)."""
-    if device.type != "cpu":
+    if not backend(device).on_host:  # (Inductor's C++ for the host's vectors)
         return True
     from torch._inductor import cpu_vec_isa
 
@@ -165,7 +166,7 @@ class BF16AdamW(torch.optim.Optimizer):
             # XLA: no flat buffers; each parameter its own tensors (reading a view of a buffer
             # to the host, as a checkpoint does, changes the next step's graph), and XLA fuses
             # the per-parameter updates of a step into one graph anyway
-            apart = any(sharded) or any(p.device.type == "xla" for p in group["params"])
+            apart = any(sharded) or any(backend(p.device).traced for p in group["params"])
             self._flat.append({} if apart else self._flatten(group))
             if apart:
                 self._shard_state(group)
@@ -274,7 +275,7 @@ class BF16AdamW(torch.optim.Optimizer):
             total = self._norm(grads)
         if sum_squares is not None:
             total = sum_squares(total.square()).sqrt()
-        if total.device.type == "xla":  # the scale stays on the device: no host read inside the step
+        if backend(total.device).traced:  # the scale stays on the device: no host read inside the step
             self._grad_scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # (a NaN norm stays NaN)
             return total
         value = float(total)
@@ -287,7 +288,7 @@ class BF16AdamW(torch.optim.Optimizer):
         """The float32 norm of this rank's part of `grads`. On CPUs a C kernel (whatever
         `fused` says: every update path then clips by the same scale): one read of each
         gradient, where torch's bf16 norm ran at ~4 GB/s."""
-        kernel = kernels.bf16_sum_squares() if grads[0].device.type == "cpu" else None
+        kernel = kernels.bf16_sum_squares() if backend(grads[0].device).c_kernels else None
         if kernel is not None:
             threads = torch.get_num_threads()
             local = map(_bf16_contiguous, map(_local, grads))
@@ -344,7 +345,7 @@ class BF16AdamW(torch.optim.Optimizer):
             self._update_buffers([p, grad.to(torch.bfloat16), m, v], start, scalars, stochastic)
 
     def _cpu_kernel(self, device: torch.device):
-        return kernels.adamw_bf16_step() if self._fused and device.type == "cpu" else None
+        return kernels.adamw_bf16_step() if self._fused and backend(device).c_kernels else None
 
     def _update_buffers(
         self,
@@ -406,7 +407,7 @@ class BF16AdamW(torch.optim.Optimizer):
                     stacklevel=1,
                 )
                 self._fused = False
-        size = n if device.type == "xla" else _EAGER_CHUNK  # XLA traces one pass and fuses it: no chunks
+        size = n if backend(device).traced else _EAGER_CHUNK  # XLA traces one pass and fuses it: no chunks
         if rows_on_device is not None:  # chunks of whole rows
             cols, stride = (int(x) for x in rows_on_device)
             size = max(cols, size // cols * cols)

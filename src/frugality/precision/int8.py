@@ -27,6 +27,7 @@ import warnings
 import torch
 from torch import nn
 
+from frugality.backends import backend
 from frugality.errors import UserError
 from frugality.hardware import cpu_flags, onednn_capped_below
 
@@ -129,7 +130,7 @@ def quantize_int8(model: nn.Module, skip: tuple[str, ...] = (), compiled: bool =
     """Swap `model`'s nn.Linear layers (but those whose name is in `skip`) for Int8Linear in
     place; the count swapped. Subclasses of nn.Linear stay as they are: a decoder's output
     layer (`OutputLayer`, which fuses the loss) keeps its float32 product."""
-    if next(model.parameters()).device.type != "cpu":
+    if not backend(next(model.parameters()).device).on_host:
         raise UserError("--precision int8: CPUs only (int8 products through oneDNN)")
     swapped = 0
     for parent_name, parent in list(model.named_modules()):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from frugality import xla
+from frugality.backends import backend
 
 _MASK32 = 0xFFFFFFFF
 
@@ -72,7 +73,7 @@ def round_to_bf16(x: torch.Tensor, noise16: torch.Tensor | None) -> torch.Tensor
     # and masking with ...FFFF0000 keeps every finite value inside the int32 range.
     # Infinities stay infinite; a quiet NaN (0x7FC00000, what arithmetic produces) stays
     # NaN. No isnan() guard: on CPU it costs more than the rest of the rounding.
-    if x.device.type == "xla":  # a view as another dtype would run the step's graph so far
+    if backend(x.device).traced:  # a view as another dtype would run the step's graph so far
         bits = (xla.bitcast(x, torch.int32).to(torch.int64) + noise16) & -0x10000
         return xla.bitcast(bits.to(torch.int32), torch.float32).to(torch.bfloat16)
     bits = (x.view(torch.int32).to(torch.int64) + noise16) & -0x10000

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from frugality import xla
+from frugality.backends import backend
 from frugality.errors import UserError
 
 
@@ -38,7 +39,7 @@ def resolve_device(
         device = torch.device(name)
     except RuntimeError:
         raise UserError(f"{key}: {name!r} is not a device (cpu, cuda, cuda:1, xla, ...)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if not backend(device).available():
         raise UserError(f"{key}: {name!r} requested but this torch build sees no CUDA device")
     return device
 
@@ -49,10 +50,12 @@ def check_local_processes(device: torch.device, nproc: int, flag: str = "--nproc
     `doctor --nproc` alike."""
     import os
 
-    if device.type == "cuda" and nproc > torch.cuda.device_count():
-        raise UserError(f"{flag} {nproc}: this machine has {torch.cuda.device_count()} CUDA device(s), one per rank")
+    kind = backend(device)
+    slots = kind.local_count()
+    if kind.device_per_rank and slots is not None and nproc > slots:
+        raise UserError(f"{flag} {nproc}: this machine has {slots} CUDA device(s), one per rank")
     cores = len(os.sched_getaffinity(0))
-    if device.type == "cpu" and nproc > cores:
+    if kind.on_host and nproc > cores:
         raise UserError(
             f"{flag} {nproc}: this machine has {cores} CPU cores, and each CPU rank needs one; "
             "more ranks than cores only contend for them (use torchrun across machines for more)"

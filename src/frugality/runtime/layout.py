@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from frugality import distributed, xla
+from frugality.backends import backend
 from frugality.compile.levels import check_backend
 from frugality.config.recipe import Recipe
 from frugality.distributed import World
@@ -63,7 +64,7 @@ def resolve_layout(recipe: Recipe, resume_optimizer: bool = False) -> Layout:
         _use_spmd(recipe)  # before the XLA client opens
     device = resolve_device(recipe.train.device, xla_ok=True)
     check_recipe(recipe, device)
-    if device.type == "xla":
+    if backend(device).traced:
         _check_xla(recipe)
     world = distributed.init(device, recipe.parallel.timeout_s)  # world size 1 without torchrun
     device = distributed.local_device(device, world)
@@ -132,7 +133,7 @@ def check_recipe(recipe: Recipe, device: torch.device) -> None:
     resolve_policy(recipe.train.precision, device)
     disabled_kernels()  # a misspelt FRUGALITY_DISABLE_KERNELS fails now, not mid-run
     check_cost(recipe.cost.instance, recipe.cost.catalogue)  # an unknown instance or a bad catalogue too
-    if recipe.compile.level != "O0" and recipe.compile.backend != "inductor" and device.type != "xla":
+    if recipe.compile.level != "O0" and recipe.compile.backend != "inductor" and not backend(device).traced:
         check_backend(recipe.compile.backend)
 
 
@@ -173,7 +174,7 @@ def _pipeline_layout(recipe: Recipe, world: World, device: torch.device, task: T
                 f"parallel.pipeline {p.pipeline} x parallel.tensor {p.tensor}: must divide the number of "
                 f"processes ({world.world_size}); pipeline parallel runs on torchrun (frugality train --nproc N)"
             )
-        if device.type == "xla":
+        if not backend(device).model_parallel:
             raise UserError("parallel.pipeline: on an xla device, pipeline parallel is not built")
         if not task.runs_model_parallel:
             raise UserError(f"parallel.pipeline: train.task {recipe.train.task} is not pipelined yet (causal_lm is)")
@@ -201,7 +202,7 @@ def _pipeline_layout(recipe: Recipe, world: World, device: torch.device, task: T
 
 def _check_tensor_parallel_run(recipe: Recipe, device: torch.device, task: Task) -> None:
     """What tensor parallel does not run with yet, one line each."""
-    if device.type == "xla":
+    if not backend(device).model_parallel:
         raise UserError("parallel.tensor: on an xla device, tensor parallel is not built (parallel.spmd shares data)")
     if recipe.train.precision == "fp8":
         raise UserError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from frugality.backends import backend
 from frugality.config.recipe import OptimConfig
 from frugality.precision import PrecisionPolicy, get_policy
 from frugality.precision.bf16_adamw import BF16AdamW
@@ -22,7 +23,7 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def fused_update(recipe, device: torch.device) -> bool:
     """Whether the optimizer runs its one fused pass (`train.fused_optimizer`): not on XLA,
     where the update is traced into the step's graph and XLA fuses it there."""
-    return recipe.train.fused_optimizer and device.type != "xla"
+    return recipe.train.fused_optimizer and backend(device).fused_optimizer
 
 
 def apply_fused_choice(optimizer: torch.optim.Optimizer, fused: bool) -> None:

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from frugality.backends import backend
 from frugality.config.recipe import Recipe
 from frugality.distributed import all_min
 from frugality.errors import UserError
@@ -378,12 +379,12 @@ def fit_memory(
     the micro-batch that would fit, rather than killed mid-step. `train.check_memory = false`
     checks nothing (`auto`: none)."""
     asked = recipe.train.activation_checkpointing
-    if device.type == "xla" and asked not in ("auto", "none"):
+    if not backend(device).recomputes and asked not in ("auto", "none"):
         raise UserError(
             f"train.activation_checkpointing {asked}: not on XLA devices yet (torch_xla's own checkpoint is not "
             "wired in); set none or auto"
         )
-    if device.type not in ("cpu", "cuda") or not recipe.train.check_memory:
+    if not backend(device).plans_memory or not recipe.train.check_memory:
         return ("none", "auto: memory not checked here") if asked == "auto" else (asked, "asked for")
 
     def plan(mode: str, r: Recipe = recipe) -> MemoryPlan:
@@ -394,7 +395,7 @@ def fit_memory(
         return plan_memory(r, world_size, r.parallel.data, policy=policy, fused_output=True, checkpointing=mode)
 
     free, _ = device_memory(device)
-    if device.type == "cpu":
+    if backend(device).host_memory:  # (the machine's ranks share it)
         free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     free = int(all_min(free, device))  # every rank the same answer: the least free memory among them
     gib = 2**30
@@ -420,7 +421,9 @@ def fit_memory(
                     return mode, f"auto: {weighed} GiB per rank planned; {free / gib:.2f} GiB free, {line}"
     mode, planned = tried[-1]
     where = (
-        "of this machine's RAM" + (" per rank" if world_size > 1 else "") if device.type == "cpu" else f"on {device}"
+        "of this machine's RAM" + (" per rank" if world_size > 1 else "")
+        if backend(device).host_memory
+        else f"on {device}"
     )
     micro = recipe.data.micro_batch_size
     fitting = next(

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from frugality.backends import backend
 from frugality.compile.base import Session
 from frugality.compile.factory import open_session
 from frugality.config.recipe import Recipe
@@ -104,8 +105,8 @@ def build_state(layout: Layout, data: TrainingData | None = None) -> TrainState:
     # tensor and pipeline parallel: the model built on the meta device, split, and only this
     # rank's part given its values (those the whole model would have had) on the device;
     # fp8 converts its layers as they are built, so it builds the whole model first
-    in_parts = (world.tensor > 1 or world.pipeline > 1) and policy.name != "fp8" and device.type != "xla"
-    if device.type == "xla":  # initialised on the host, as on a CPU, so a seed gives the same weights
+    in_parts = (world.tensor > 1 or world.pipeline > 1) and policy.name != "fp8"  # (not on XLA: see runtime.layout)
+    if backend(device).initialises_on_host:  # initialised on the host, as on a CPU, so a seed gives the same weights
         model = policy.prepare_model(build_model(recipe.model)).to(device)
     else:
         with torch.device("meta") if in_parts else device:
@@ -145,7 +146,7 @@ def build_state(layout: Layout, data: TrainingData | None = None) -> TrainState:
     if world.distributed and pipeline is None:
         wrapped = wrap(wrapped, getattr(model, "layers", []), recipe.parallel, world, device)
         choices.append(describe(recipe.parallel, world))
-    elif device.type == "xla" and recipe.parallel.spmd:
+    elif recipe.parallel.spmd:  # (an XLA device: see runtime.layout)
         wrapped, line = wrap_spmd(wrapped, model, recipe.parallel)
         choices.append(line)
     optimizer = build_optimizer(

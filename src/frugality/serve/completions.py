@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from frugality import xla
+from frugality.backends import backend
 from frugality.inference.generate import (
     Completion,
     RowText,
@@ -272,7 +273,7 @@ class CompletionService:
     def _host(self, logits: torch.Tensor) -> torch.Tensor:
         """On XLA: the step's graph ended (the cache written) and the logits on the host,
         where the rows sample, as `generate` does; elsewhere as they are."""
-        if self.decoder.device.type != "xla":
+        if not backend(self.decoder.device).traced:
             return logits
         xla.sync()
         return logits.cpu()

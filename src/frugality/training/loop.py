@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from frugality import xla
+from frugality.backends import backend
 from frugality.distributed import all_gather_rows, all_mean, all_sum, no_sync
 from frugality.distributed.pipeline import Pipeline
 from frugality.precision.bf16_adamw import BF16AdamW
@@ -130,7 +131,7 @@ def train_step(
     the loss and norm read (for the log and the bad-step policy, which then rolls back) only
     where `read` says: at logging steps (`train.log_interval`) and the last one. Elsewhere
     (None, None, None) comes back."""
-    if state.device.type == "xla":
+    if backend(state.device).traced:
         return _train_step_xla(state, micro_batches, read)
     if state.pipeline is not None:
         return _train_step_pipeline(state, state.pipeline, micro_batches)
@@ -276,7 +277,7 @@ def validation_loss(state: TrainState) -> tuple[float, dict]:
         return _validation_loss_pipeline(state, state.pipeline)
     assert state.data is not None  # (see fit)
     done = []
-    on_xla = state.device.type == "xla"
+    on_xla = backend(state.device).traced
     for batch in state.data.val_batches:
         with state.autocast, state.loss_context():
             done.append(state.wrapped(batch.to(state.device), evaluate=True))

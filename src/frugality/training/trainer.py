@@ -18,6 +18,7 @@ from typing import cast
 import torch
 
 from frugality import distributed
+from frugality.backends import backend
 from frugality.checkpoint import CheckpointManager, step_of
 from frugality.config.recipe import Recipe
 from frugality.data.device_loader import DevicePrefetchStream
@@ -93,10 +94,10 @@ def train(
     recipe, device, world = layout.recipe, layout.device, layout.world
     passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
     with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
-        if device.type == "cpu":
+        if backend(device).host_memory:
             keep_freed_memory()  # see frugality.runtime.host_memory
         data = open_training_data(layout.loads, progress, world.data_rank, world.data_size)
-        if device.type == "xla":  # the next steps copied to the device while it runs this one
+        if backend(device).traced:  # the next steps copied to the device while it runs this one
             data.stream = DevicePrefetchStream(cast(TrainStream, data.stream))  # (as opened)
         plan = rundir.plan_run(recipe, run_path, fresh)
         # every rank has read the directory as it was before the first rank writes to it (a

@@ -20,6 +20,7 @@ import json
 import os
 import time
 
+from frugality.backends import backend
 from frugality.distributed import all_sum
 from frugality.hardware import probe
 from frugality.metrics import cost as costs
@@ -50,7 +51,7 @@ class Cost(Callback):
         world, c = state.world, state.recipe.cost
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         hosts = max(1, world.world_size // local)
-        devices = world.world_size if state.device.type == "cuda" else hosts
+        devices = world.world_size if backend(state.device).device_per_rank else hosts
         catalogue = check_cost(c.instance, c.catalogue)
         self.price = resolve_price(
             catalogue,

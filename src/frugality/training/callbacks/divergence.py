@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 
+from frugality.backends import backend
 from frugality.checkpoint import CheckpointManager
 from frugality.errors import FrugalityWarning, RunDiverged
 from frugality.training.callbacks import Callback
@@ -49,7 +50,7 @@ class DivergenceGuard(Callback):
         result.record["skipped"] = result.rejected
         train = state.recipe.train
         what = f"step {result.step}: {result.rejected}"
-        applied = state.device.type == "xla"  # XLA applies every update; a bad one is undone by rolling back
+        applied = backend(state.device).traced  # XLA applies every update; a bad one is undone by rolling back
         if train.on_nonfinite == "stop":
             done = "applied (XLA); stopping" if applied else "stopping before applying it"
             self._stop(f'{what}; {done} (train.on_nonfinite = "stop")')

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 
+from frugality.backends import backend
 from frugality.distributed import all_sum
 from frugality.training.callbacks import Callback
 
@@ -26,7 +27,7 @@ PROFILED = (2, 4, 6)  # the session's steps profiled (after its first), each alo
 
 class ParallelFigures(Callback):
     def __init__(self, state) -> None:
-        self.on_cpu = state.device.type == "cpu"
+        self.on_cpu = backend(state.device).on_host  # (the CPU profiler times the collectives)
         self.profiled = {state.step + k for k in PROFILED}  # counted from the session's start
         self.idle: list[float] = []  # per step, the pipeline schedule's share not computing
         self.blocked: list[float] = []  # per profiled step, seconds in collectives

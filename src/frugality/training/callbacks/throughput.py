@@ -4,6 +4,7 @@ log's, and the summary's medians); the peak, in the summary's section."""
 
 from __future__ import annotations
 
+from frugality.backends import backend
 from frugality.metrics.flops import training_flops_per_token
 from frugality.metrics.peak import mfu, peak_flops
 from frugality.training.callbacks import Callback
@@ -30,7 +31,7 @@ class Throughput(Callback):
         self.peak *= state.world.world_size * state.world.devices  # tokens/s are global: every device's peak
 
     def on_step_end(self, state, result) -> None:
-        if state.device.type == "xla" and result.loss is None:
+        if backend(state.device).traced and result.loss is None:
             # XLA runs a step's graphs while the host traces the next: a step not read is only
             # its tracing; the time of the steps since the last read is measured at the next
             self._pending = (self._pending[0] + result.tokens, self._pending[1] + result.seconds, self._pending[2] + 1)
