@@ -60,13 +60,21 @@ def test_a_warm_up_longer_than_the_run_is_cut_and_said():
     assert layout.notes == ("optim.warmup_steps 10 -> 4: the warm-up is cut to train.steps",)
 
 
-def test_fitting_to_memory_chooses_the_checkpointing_mode_and_a_dry_run_does_not():
+def test_fitting_to_memory_chooses_the_checkpointing_mode_and_a_dry_run_does_not(monkeypatch):
+    from frugality.runtime import plan as planning
+
     assert _layout("tiny", ["train.activation_checkpointing=full"]).checkpointing == (
         "full",
         "not fitted to the memory (a dry run)",
     )
-    fitted = plan_layout(load_recipe("tiny", ["train.activation_checkpointing=selective"]), CPU)
-    assert fitted.checkpointing == ("selective", "asked for")
+    recipe = load_recipe("tiny", ["train.precision=fp32"])  # (auto is the default mode)
+    monkeypatch.setattr(planning, "device_memory", lambda device: (2**40, 2**40))
+    mode, why = plan_layout(recipe, CPU).checkpointing
+    assert mode == "none" and why.startswith("auto: none ") and "GiB free" in why
+    monkeypatch.setattr(planning, "device_memory", lambda device: (2**20, 2**40))  # 1 MiB free: nothing fits
+    with pytest.raises(UserError, match="needs about .* more than the 0.0 GiB free"):
+        plan_layout(recipe, CPU)
+    assert _layout("tiny", ["train.precision=fp32"]).checkpointing[0] == "auto"  # (a dry run weighs nothing)
 
 
 @pytest.mark.parametrize(

@@ -204,7 +204,7 @@ def _worker() -> None:
         first = step(0)
         first_done = time.time()
         # The eager reference (the same state at O0) is built after the first step, which it must not delay.
-        eager_recipe = recipe.model_copy(update={"compile": CompileConfig(level="O0")})
+        eager_recipe = layout.recipe.model_copy(update={"compile": CompileConfig(level="O0")})
         eager = (
             build_state(replace(layout, recipe=eager_recipe, loads=eager_recipe))
             if session.enabled and spec["steps"]

@@ -92,9 +92,15 @@ def make_runner(
 
 
 def for_shape(recipe: Recipe, precision: str, batch: int, seq: int) -> Recipe:
-    """`recipe` at `precision`, training one micro-batch of `batch` x `seq` tokens a step."""
+    """`recipe` at `precision`, training one micro-batch of `batch` x `seq` tokens a step, in
+    one process (a recipe's tensor and pipeline degrees and SPMD set aside, as before the
+    layout checked them: `bench scale` times layouts)."""
     data = recipe.data.model_copy(update={"micro_batch_size": batch, "global_batch_size": batch, "seq_len": seq})
-    return recipe.model_copy(update={"data": data, "train": recipe.train.model_copy(update={"precision": precision})})
+    parallel = recipe.parallel.model_copy(
+        update={"tensor": 1, "pipeline": 1, "pipeline_microbatches": None, "spmd": False}
+    )
+    train = recipe.train.model_copy(update={"precision": precision})
+    return recipe.model_copy(update={"data": data, "train": train, "parallel": parallel})
 
 
 def random_batch(recipe: Recipe, batch: int, seq: int, device: torch.device, i: int) -> torch.Tensor:

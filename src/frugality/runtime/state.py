@@ -128,11 +128,12 @@ def build_state(layout: Layout, data: TrainingData | None = None) -> TrainState:
     )
     pipeline, whole = None, None
     if world.pipeline > 1:  # the model becomes this rank's stages, driven by the schedule
-        accumulated = recipe.data.global_batch_size // (recipe.data.micro_batch_size * world.data_size)
         whole = model
         counts = (sum(p.numel() for p in whole.parameters()), non_embedding_params(whole))
         autocast = lambda: policy.autocast_context(device)  # noqa: E731 - a new context each forward
-        pipeline, model = build_pipeline(model, recipe.parallel, world, device, accumulated, autocast, materialize)
+        pipeline, model = build_pipeline(
+            model, recipe.parallel, world, device, layout.accumulation, autocast, materialize
+        )
         pipeline.parameters, pipeline.non_embedding_parameters = counts
         wrapped = model
         choices += [pipeline.describe(), describe(recipe.parallel, world)]
