@@ -89,7 +89,7 @@ def test_fitting_to_memory_chooses_the_checkpointing_mode_and_a_dry_run_does_not
             "compile.level O1 does not run with tensor parallel",
         ),
         ("tiny", ["parallel.tensor=2", "train.precision=fp8"], 2, CPU, "fp8 does not run with tensor parallel yet"),
-        ("tiny", ["parallel.tensor=2"], 2, torch.device("xla"), "on an xla device, tensor parallel is not built"),
+        ("tiny", ["parallel.tensor=2"], 2, torch.device("xla"), "on xla devices, tensor parallel is not built"),
         ("minilm-pairs", ["parallel.tensor=2"], 2, CPU, "train.task contrastive does not run tensor parallel yet"),
         ("tiny", ["parallel.tensor=3"], 3, CPU, "do not divide among 3 ranks"),
         (
@@ -106,7 +106,7 @@ def test_fitting_to_memory_chooses_the_checkpointing_mode_and_a_dry_run_does_not
             CPU,
             "compile.level O1 does not run with pipeline parallel",
         ),
-        ("tiny", ["parallel.pipeline=2"], 2, torch.device("xla"), "on an xla device, pipeline parallel is not built"),
+        ("tiny", ["parallel.pipeline=2"], 2, torch.device("xla"), "on xla devices, pipeline parallel is not built"),
         ("minilm-pairs", ["parallel.pipeline=2"], 2, CPU, "train.task contrastive is not pipelined yet"),
         (
             "tiny",

@@ -19,7 +19,7 @@ class Backend:
     kind: ClassVar[str]
     process_group: ClassVar[str] = "gloo"  # torch.distributed's backend for its ranks
     traced: ClassVar[bool] = False  # ops recorded into graphs, compiled and run at a step's end
-    host_memory: ClassVar[bool] = False  # its memory is the host's RAM, which a machine's ranks share
+    host_memory: ClassVar[bool] = False  # a CPU: its memory is the host's RAM, which a machine's ranks share
     plans_memory: ClassVar[bool] = True  # its free memory is known: a run is planned against it
     model_parallel: ClassVar[bool] = True  # tensor and pipeline parallel are built for it
     recomputes: ClassVar[bool] = True  # activation checkpointing is built for it
@@ -49,8 +49,8 @@ class Backend:
         return True
 
     def local_count(self) -> int | None:
-        """How many ranks this machine holds for the kind, one each (None: one process drives
-        them all)."""
+        """How many ranks this machine holds for the kind, one each (None: not counted; XLA:
+        one process drives them all)."""
         return None
 
     def compute_capability(self) -> tuple[int, int] | None:
@@ -78,16 +78,11 @@ class Backend:
 
 
 class OtherBackend(Backend):
-    """A kind frugality has no backend for (`meta`, `mps`, ...): nothing of its own is built
-    for it, its memory is not read."""
+    """A kind frugality has no backend for (`meta`, `mps`, ...): run as plain PyTorch, none
+    of frugality's kernels, its free memory not planned against (the host's peak is read)."""
 
     kind: ClassVar[str] = "other"
     plans_memory: ClassVar[bool] = False
-    model_parallel: ClassVar[bool] = False
-    recomputes: ClassVar[bool] = False
-
-    def peak_memory(self) -> int | None:
-        return None
 
 
 def host_peak_memory() -> int | None:

@@ -12,6 +12,7 @@ import torch
 from frugality.config.recipe import Recipe
 from frugality.errors import UserError
 from frugality.interop import hf_gpt_neox, hf_llama
+from frugality.models.families import DECODERS
 from frugality.runtime.optim import parameter_groups
 
 if TYPE_CHECKING:
@@ -52,8 +53,8 @@ def hf_model_class_and_config(transformers, recipe: Recipe) -> tuple[type[torch.
     """transformers' causal-LM class and config for the recipe's architecture (the class as
     an nn.Module's: its `to`, wrapped by functools.wraps, does not bind as a method for pyright)."""
     family = recipe.model.family
-    if family not in ("gpt-neox", "llama"):
-        raise UserError(f"no transformers reference for model family {family!r} (gpt-neox and llama have one)")
+    if family not in DECODERS:
+        raise UserError(f"no transformers reference for model family {family!r} ({' and '.join(DECODERS)} have one)")
     interop, config_class, model_class = (
         (hf_gpt_neox, transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM)
         if family == "gpt-neox"

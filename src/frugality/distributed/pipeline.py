@@ -29,6 +29,7 @@ from frugality.backends import backend
 from frugality.config.recipe import ParallelConfig
 from frugality.errors import UserError
 from frugality.models import Decoder
+from frugality.models.families import family, names
 from frugality.models.layers import check_length
 
 if TYPE_CHECKING:
@@ -100,9 +101,10 @@ def check_pipeline(model_config, parallel, world_size: int, micro_batches: int) 
             f"parallel.pipeline {pipeline} x parallel.tensor {parallel.tensor}: must divide the number of "
             f"processes ({world_size})"
         )
-    if model_config.family not in ("gpt-neox", "llama"):
+    if not family(model_config).pipelined:
         raise UserError(
-            f"parallel.pipeline: model family {model_config.family!r} is not cut into stages yet (the decoders are)"
+            f"parallel.pipeline: model family {model_config.family!r} is not cut into stages yet "
+            f"({names(lambda f: f.pipelined)} are)"
         )
     if getattr(model_config, "tie_embeddings", False):
         raise UserError(

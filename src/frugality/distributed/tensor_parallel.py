@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 
 from frugality.errors import UserError
 from frugality.models import Decoder
+from frugality.models.families import family, names
 
 
 def check_tensor_parallel(model_config, tensor: int, sequence: bool, world_size: int, seq_len: int) -> None:
@@ -51,18 +52,16 @@ def check_tensor_parallel(model_config, tensor: int, sequence: bool, world_size:
             f"parallel.tensor {tensor}: must divide the number of processes ({world_size}); tensor parallel "
             "runs on torchrun (frugality train --nproc N, a multiple of it)"
         )
-    family = model_config.family
-    if family not in PLANS:
+    spec = family(model_config)
+    if not spec.tensor_parallel:
         raise UserError(
-            f"parallel.tensor {tensor}: model family {family!r} has no tensor-parallel plan (gpt-neox and llama do)"
+            f"parallel.tensor {tensor}: model family {spec.name!r} has no tensor-parallel plan "
+            f"({names(lambda f: f.tensor_parallel)} do)"
         )
-    heads = {"heads": model_config.num_heads}
-    if family == "llama":
-        heads["key-value heads"] = model_config.kv_heads
-    for what, count in heads.items():
+    for what, count in spec.heads_to_split(model_config).items():
         if count % tensor:
             raise UserError(f"parallel.tensor {tensor}: the model's {count} {what} do not divide among {tensor} ranks")
-    ffn = model_config.ffn_size if family == "gpt-neox" else model_config.intermediate_size
+    ffn = spec.width_of_mlp(model_config)
     if ffn % tensor:
         raise UserError(f"parallel.tensor {tensor}: the MLP's width ({ffn}) does not divide among {tensor} ranks")
     if model_config.vocab_size % tensor:
@@ -103,7 +102,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence: bool) ->
     place; a line for the run header. The weights each rank starts from are the slices of
     the same full weights (every rank built the model from the recipe's seed)."""
     model = cast(Decoder, model)  # a family of PLANS (`check_tensor_parallel`)
-    family = model.config.family
+    name = model.config.family
     seq = Shard(1) if sequence else Replicate()  # the residual stream between the split layers
     top = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -114,7 +113,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence: bool) ->
         top["final_norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
     for block in model.layers:
-        plan = PLANS[family](sequence)
+        plan = PLANS[name](sequence)
         if sequence:
             plan["attn_norm"] = SequenceParallel()
             plan["mlp_norm"] = SequenceParallel()

@@ -32,6 +32,7 @@ from frugality.interop.weights import WeightsSource, file_beside, load_weights, 
 from frugality.kernels.packed_linear import pack_linear_weights
 from frugality.models import Model
 from frugality.models.bert import Bert, pool
+from frugality.models.families import family
 from frugality.models.materialize import build_empty
 from frugality.precision import bf16_is_native
 from frugality.precision.int8 import int8_products, quantize_int8
@@ -300,5 +301,5 @@ def load_encoder(
 
 
 def _check_encoder(config, folder: Path) -> None:
-    if config.family != "bert":
+    if family(config).decoder:
         raise UserError(f"model {folder}: a {config.family} model; `embed` takes an encoder (BERT family)")

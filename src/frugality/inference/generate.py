@@ -39,11 +39,11 @@ from frugality.errors import UserError
 from frugality.inference.encoder import load_model, resolve_precision
 from frugality.kernels.packed_linear import pack_linear_weights
 from frugality.models import Decoder as DecoderModel
+from frugality.models.families import DECODERS
 from frugality.models.kv_cache import KVCache
 from frugality.precision import bf16_is_native
 from frugality.precision.int8 import quantize_int8
 
-DECODERS = ("gpt-neox", "llama")
 # End-of-text tokens looked for in a tokenizer when the model's config names none.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
 MIN_BUCKET = 16

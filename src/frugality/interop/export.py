@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -11,7 +12,8 @@ from frugality.errors import UserError
 from frugality.interop.hf import export_hf
 from frugality.interop.sentence_transformers import module_files
 from frugality.interop.weights import file_beside, load_weights, recipe_beside, resolve_source, stored_dtype
-from frugality.models import build_model
+from frugality.models import BertConfig, build_model
+from frugality.models.families import family
 
 
 def embedding_length(source) -> int | None:
@@ -39,7 +41,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     except UserError:
         files = {}  # the recipe's tokenizer is gone: export the weights alone
     state = model.state_dict()
-    if recipe.model.family == "bert":  # an embedding model: sentence-transformers loads it as it embeds
-        files.update(module_files(recipe.model, state, embedding_length(source) or recipe.model.max_seq_len))
+    if not family(recipe.model).decoder:  # an embedding model: sentence-transformers loads it as it embeds
+        files.update(
+            module_files(cast(BertConfig, recipe.model), state, embedding_length(source) or recipe.model.max_seq_len)
+        )
     # Buffers (rotary tables) are not exported; only the loaded parameters are.
     return export_hf(recipe.model, state, out, files)

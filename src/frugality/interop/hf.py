@@ -21,6 +21,7 @@ import torch
 from frugality.errors import UserError
 from frugality.interop import hf_bert, hf_gpt_neox, hf_llama
 from frugality.interop.sentence_transformers import read_modules
+from frugality.models.families import family
 
 # sentence-transformers' files that say how an encoder pools; carried along by import.
 SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json")
@@ -110,7 +111,7 @@ def import_hf(folder: str | Path):
         state = _from_hf(config, weights if weights is not None else read_hf_weights(folder))
     except KeyError as e:
         raise UserError(f"{folder}: {e.args[0]}") from None
-    if config.family == "bert":  # a sentence-transformers folder: its pooling, Dense head, Normalize
+    if not family(config).decoder:  # a sentence-transformers folder: its pooling, Dense head, Normalize
         fields, head = read_modules(folder)
         config = config.model_copy(update=fields)
         state.update(head)

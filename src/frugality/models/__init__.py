@@ -7,6 +7,7 @@ from typing import Annotated, Any, TypeAlias
 from pydantic import Discriminator, Tag
 
 from frugality.models.bert import Bert, BertConfig
+from frugality.models.families import DECODERS, ENCODERS, SPECS, Family, family
 from frugality.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 from frugality.models.llama import Llama, LlamaConfig
 
@@ -14,7 +15,7 @@ from frugality.models.llama import Llama, LlamaConfig
 Model: TypeAlias = GPTNeoX | Llama | Bert
 Decoder: TypeAlias = GPTNeoX | Llama  # the causal LMs: an output layer, a KV cache
 
-FAMILIES = {"gpt-neox": (GPTNeoXConfig, GPTNeoX), "llama": (LlamaConfig, Llama), "bert": (BertConfig, Bert)}
+FAMILIES = {name: (f.config, f.model) for name, f in SPECS.items()}  # name -> (config class, model class)
 
 
 def _family(value: Any) -> str:
@@ -42,7 +43,12 @@ def build_model(cfg) -> Model:
 
 
 __all__ = [
+    "DECODERS",
+    "ENCODERS",
     "FAMILIES",
+    "SPECS",
+    "Family",
+    "family",
     "Bert",
     "BertConfig",
     "Decoder",

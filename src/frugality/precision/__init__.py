@@ -88,7 +88,8 @@ class PrecisionPolicy:
     def check_device(self, device: torch.device) -> None:
         if self.name == "fp8":
             _check_fp8(device)
-        if self.name == "amp-fp16" and backend(device).traced:
+        kind = backend(device)
+        if self.name == "amp-fp16" and not (kind.on_host or kind.compute_capability() is not None):
             raise UserError(
                 f"precision amp-fp16 is for CUDA GPUs without bf16 (T4, V100), not {device.type} devices: "
                 "use auto or amp-bf16"

@@ -175,7 +175,7 @@ def _pipeline_layout(recipe: Recipe, world: World, device: torch.device, task: T
                 f"processes ({world.world_size}); pipeline parallel runs on torchrun (frugality train --nproc N)"
             )
         if not backend(device).model_parallel:
-            raise UserError("parallel.pipeline: on an xla device, pipeline parallel is not built")
+            raise UserError(f"parallel.pipeline: on {device.type} devices, pipeline parallel is not built")
         if not task.runs_model_parallel:
             raise UserError(f"parallel.pipeline: train.task {recipe.train.task} is not pipelined yet (causal_lm is)")
         world = replace(world, pipeline=p.pipeline)
@@ -203,7 +203,10 @@ def _pipeline_layout(recipe: Recipe, world: World, device: torch.device, task: T
 def _check_tensor_parallel_run(recipe: Recipe, device: torch.device, task: Task) -> None:
     """What tensor parallel does not run with yet, one line each."""
     if not backend(device).model_parallel:
-        raise UserError("parallel.tensor: on an xla device, tensor parallel is not built (parallel.spmd shares data)")
+        raise UserError(
+            f"parallel.tensor: on {device.type} devices, tensor parallel is not built"
+            " (on XLA, parallel.spmd shares data)"
+        )
     if recipe.train.precision == "fp8":
         raise UserError(
             "parallel.tensor: train.precision fp8 does not run with tensor parallel yet (its linears are torchao's)"

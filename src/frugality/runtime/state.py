@@ -147,7 +147,7 @@ def build_state(layout: Layout, data: TrainingData | None = None) -> TrainState:
     if world.distributed and pipeline is None:
         wrapped = wrap(wrapped, getattr(model, "layers", []), recipe.parallel, world, device)
         choices.append(describe(recipe.parallel, world))
-    elif recipe.parallel.spmd:  # (an XLA device: see runtime.layout)
+    elif recipe.parallel.spmd and backend(device).one_process:  # over one process's XLA devices
         wrapped, line = wrap_spmd(wrapped, model, recipe.parallel)
         choices.append(line)
     optimizer = build_optimizer(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from frugality.errors import UserError
+from frugality.models.families import SPECS
 from frugality.serve.app import State, build_app
 from frugality.serve.edge import QuietCancel
 from frugality.serve.metrics import ServeMetrics
@@ -75,7 +76,7 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
     if not Path(settings.model).exists():
         raise UserError(f"model {settings.model}: no such folder")
     family = model_family(settings.model)  # a model neither kind is refused before the port is taken
-    if family not in ("bert", "gpt-neox", "llama"):
+    if family not in SPECS:
         raise UserError(f"model {settings.model}: a {family} model; serve takes an encoder or a decoder")
     from frugality.metrics.energy import open_meter
     from frugality.runtime.device import resolve_device
@@ -150,7 +151,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _load(settings: ServeSettings, family: str, device, state: State, log, where: str, server) -> None:
     try:
-        if family == "bert":
+        if not SPECS[family].decoder:  # an encoder: embeddings
             from frugality.inference.batches import BATCH_DEFAULTS
             from frugality.inference.encoder import load_encoder
             from frugality.serve.embeddings import EmbeddingService
@@ -193,7 +194,7 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
     gc.collect()
     gc.freeze()
     state.service = service
-    path = "/v1/embeddings" if family == "bert" else "/v1/completions"
+    path = "/v1/completions" if SPECS[family].decoder else "/v1/embeddings"
     log(f"frugality serve: ready, POST {where}{path} ({why})")
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from frugality.errors import UserError
 from frugality.models import Decoder
+from frugality.models.families import DECODERS
 from frugality.tasks.base import Evaluated, PackedBlocks, Task
 
 
@@ -30,7 +31,7 @@ class CausalLMModule(nn.Module):
 
 class CausalLM(Task):
     name = "causal_lm"
-    families = ("gpt-neox", "llama")
+    families = DECODERS
     trains = "decoders"
     runs_on_xla = True
     runs_model_parallel = True

@@ -14,6 +14,7 @@ from torch import nn
 
 from frugality.data.pairs import TextBatch
 from frugality.models.bert import Bert, pool
+from frugality.models.families import ENCODERS
 from frugality.tasks.base import Evaluated, RunSetup, Task
 
 RECALL_AT = (1, 10)
@@ -66,7 +67,7 @@ def info_nce(embeddings: torch.Tensor, groups: int, scale: torch.Tensor | float,
 
 class Contrastive(Task):
     name = "contrastive"
-    families = ("bert",)
+    families = ENCODERS
     trains = "encoders"
     unused = ("pooler.", "mlm.")  # BERT's pooler and masked-LM head (the tied decoder weight is the embedding's)
     gathers_negatives = True

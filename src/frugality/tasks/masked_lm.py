@@ -23,6 +23,7 @@ from torch import nn
 
 from frugality.errors import UserError
 from frugality.models.bert import Bert
+from frugality.models.families import ENCODERS
 from frugality.tasks.base import Evaluated, PackedBlocks, RunSetup, Task, rank
 
 EVAL_SEED = 0xB3E7
@@ -81,7 +82,7 @@ def mask(tokens: torch.Tensor, setup: RunSetup, vocab_size: int, generator=None)
 
 class MaskedLM(Task):
     name = "masked_lm"
-    families = ("bert",)
+    families = ENCODERS
     trains = "encoders"
     needs_mask_token = True
     unused = ("pooler.", "head.", "logit_scale")  # the embedding model's parts
