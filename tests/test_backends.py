@@ -47,19 +47,23 @@ def test_the_host_memory_and_peak_are_read_through_the_cpu_backend():
     assert 0 < free <= total and backend("cpu").memory()[1] == total
     block = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched
     holding = _resident()
-    del block  # (an allocation this large is its own mapping: freeing it returns it)
-    assert _resident() < holding - 128 * 2**20  # the resident set fell...
+    del block
     peak = peak_memory_bytes(torch.device("cpu"))
-    assert peak is not None and peak > holding - 8 * 2**20  # ...the peak did not (the kernel notes it at the unmap)
+    # the process's high-water mark (VmHWM), whatever the allocator did with the block since
+    assert peak is not None and peak > holding - 8 * 2**20 and abs(peak - _status("VmHWM")) < 8 * 2**20
     with backend("cpu").inference():
         assert torch.is_inference_mode_enabled()
     with backend("xla").inference():
         assert not torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
 
 
-def _resident() -> int:
+def _status(field: str) -> int:
     status = Path("/proc/self/status").read_text()
-    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith(f"{field}:"))
+
+
+def _resident() -> int:
+    return _status("VmRSS")
 
 
 def _kind_comparisons(path: Path):

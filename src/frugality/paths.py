@@ -80,6 +80,38 @@ def write_atomically(path: str | Path, data, overwrite: bool = True, digest: boo
         tmp.unlink(missing_ok=True)
 
 
+def move_into_place(written: Path, path: Path) -> None:
+    """A file another writer made whole under a temporary name beside `path` (a compiler's
+    output, an exporter's) synced and renamed to `path`, the rename made durable; on a
+    failure the temporary file is removed. `write_atomically` for what frugality writes itself."""
+    try:
+        with open(written, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(written, path)
+        fsync_dir(path.parent)
+    finally:
+        Path(written).unlink(missing_ok=True)
+
+
+def publish_folder(partial: Path, final: Path) -> None:
+    """A folder written whole under a temporary name (`partial`) renamed to `final`, an
+    empty `final` replaced; the rename made durable. The caller removes `partial` on a
+    failure, as it wrote it."""
+    if final.exists():
+        final.rmdir()  # (only an empty one: anything else was refused before writing)
+    partial.rename(final)
+    fsync_dir(final.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _link_new(tmp: Path, path: Path) -> None:
     """`tmp` as `path`, which must not exist: a hard link (atomic), or where the file system
     has none, a copy into a file created exclusively."""

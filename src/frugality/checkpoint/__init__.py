@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from frugality.checkpoint.safe import SafePlanner, SafeReader, UnsafeCheckpointError, legacy_state, read_metadata
 from frugality.errors import FrugalityWarning, UserError
+from frugality.paths import fsync_dir
 
 _NAME = re.compile(r"^step_(\d{8,})$")
 MANIFEST = "manifest.json"
@@ -446,15 +447,6 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def step_of(path: Path) -> int:

@@ -26,6 +26,7 @@ import torch
 from tokenizers import Tokenizer
 
 from frugality.errors import UserError
+from frugality.paths import write_atomically
 
 
 @dataclass
@@ -81,7 +82,6 @@ def read_pairs(path: Path, fields: tuple[str, ...]) -> list[list[str]]:
 def _tokenized(path: Path, tokenizer: Tokenizer, fields: tuple[str, ...], longest: int):
     """The ids and starts of each field's texts: from the cache, or tokenized and cached."""
     import hashlib
-    import os
 
     from frugality.paths import cache_dir
 
@@ -108,11 +108,8 @@ def _tokenized(path: Path, tokenizer: Tokenizer, fields: tuple[str, ...], longes
         ids.append(np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(lengths.sum())))
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_name(f"{cached.stem}.{os.getpid()}.partial.npz")
-        np.savez(
-            partial, **{f"ids{g}": a for g, a in enumerate(ids)}, **{f"starts{g}": a for g, a in enumerate(starts)}
-        )
-        os.replace(partial, cached)
+        arrays = {f"ids{g}": a for g, a in enumerate(ids)} | {f"starts{g}": a for g, a in enumerate(starts)}
+        write_atomically(cached, lambda f: np.savez(f, **arrays))
     except OSError:  # a cache that cannot be written: tokenized again next time
         pass
     return ids, starts

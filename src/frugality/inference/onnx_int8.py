@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -33,10 +32,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from frugality.checkpoint import fsync_dir
 from frugality.errors import UserError
 from frugality.models.bert import Attention, Bert
-from frugality.paths import cache_dir
+from frugality.paths import cache_dir, move_into_place
 
 
 def available() -> tuple[bool, str]:
@@ -218,7 +216,4 @@ def _export_quantized(model: Bert, path: Path) -> None:
             ) from None
         finally:
             root.removeHandler(quiet)
-        with open(int8, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(int8, path)
-        fsync_dir(path.parent)
+        move_into_place(int8, path)

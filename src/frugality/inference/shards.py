@@ -15,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from frugality.checkpoint import fsync_dir
 from frugality.errors import FrugalityWarning
 from frugality.inference.batches import BATCH_DEFAULTS, embed_in_chunks
 from frugality.inference.inputs import Inputs
-from frugality.paths import write_atomically
+from frugality.paths import fsync_dir, write_atomically
 
 # tests: kill@N, the process kills itself after writing N shards; stall@N, it waits there (for a signal)
 FAULT_ENV = "FRUGALITY_INJECT_FAULT"

@@ -22,6 +22,7 @@ from frugality.errors import UserError
 from frugality.interop import hf_bert, hf_gpt_neox, hf_llama
 from frugality.interop.sentence_transformers import read_modules
 from frugality.models.families import family
+from frugality.paths import publish_folder
 
 # sentence-transformers' files that say how an encoder pools; carried along by import.
 SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json")
@@ -161,9 +162,7 @@ def export_hf(
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             (staging / name).write_bytes(data)
         _same_mode(staging)
-        if out.exists():
-            out.rmdir()
-        staging.rename(out)
+        publish_folder(staging, out)
     except BaseException as e:  # a full disk, Ctrl-C: no OUT.partial left behind
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(e, OSError) and e.errno is not None:  # named by the path asked for (a write's error has none)

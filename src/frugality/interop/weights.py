@@ -22,6 +22,7 @@ from frugality.checkpoint.safe import read_metadata
 from frugality.config.recipe import Recipe
 from frugality.errors import UserError
 from frugality.interop.hf import import_hf
+from frugality.paths import publish_folder
 
 
 @dataclass(frozen=True)
@@ -158,9 +159,7 @@ def save_weights(
         for name, data in files.items():
             (partial / name).parent.mkdir(parents=True, exist_ok=True)  # e.g. 1_Pooling/config.json
             (partial / name).write_bytes(data)
-        if final.exists():
-            final.rmdir()
-        partial.rename(final)
+        publish_folder(partial, final)
     except BaseException as e:  # a full disk, Ctrl-C: no partial folder left behind
         shutil.rmtree(partial, ignore_errors=True)
         # DCP wraps a writer's OSError in its own exception; the CLI's one line names the folder asked for

@@ -20,7 +20,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from frugality.paths import cache_dir
+from frugality.paths import cache_dir, move_into_place
 
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 if platform.machine().lower() in ("x86_64", "amd64"):
@@ -79,5 +79,5 @@ def library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                 f"could not build the C kernel {name}; using torch ops:\n" + done.stderr[-2000:], stacklevel=1
             )
             return None
-        os.replace(tmp, path)  # atomic: concurrent builders never load a partial file
+        move_into_place(tmp, path)  # atomic: concurrent builders never load a partial file
     return ctypes.CDLL(str(path))
