@@ -102,7 +102,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence: bool) ->
     place; a line for the run header. The weights each rank starts from are the slices of
     the same full weights (every rank built the model from the recipe's seed)."""
     model = cast(Decoder, model)  # a family of PLANS (`check_tensor_parallel`)
-    name = model.config.family
+    plan_of = PLANS[model.config.family]
     seq = Shard(1) if sequence else Replicate()  # the residual stream between the split layers
     top = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -113,7 +113,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence: bool) ->
         top["final_norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
     for block in model.layers:
-        plan = PLANS[name](sequence)
+        plan = plan_of(sequence)
         if sequence:
             plan["attn_norm"] = SequenceParallel()
             plan["mlp_norm"] = SequenceParallel()
