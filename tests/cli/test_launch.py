@@ -105,6 +105,32 @@ def test_its_training_command_runs_here_with_two_processes(micro_recipe_file, tm
     assert summary["final_step"] == 4
 
 
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        # tiny's global batch of 8 over 3 CPU ranks
+        (["--nodes", "3"], "data.global_batch_size (8) cannot be shared evenly by 3 data-parallel ranks"),
+        # 16 GPUs, none here: the rules of the kind are enough
+        (
+            ["--nodes", "2", "--gpus-per-node", "8", "--set", "parallel.tensor=3"],
+            "must divide the number of processes (16)",
+        ),
+        (
+            ["--gpus-per-node", "2", "--set", "parallel.pipeline=2", "--set", "compile.level=O1"],
+            "does not run with pipeline",
+        ),
+        (["--gpus-per-node", "2", "--set", "train.precision=amp-fp16", "--set", "parallel.data=fsdp"], "amp-fp16"),
+    ],
+)
+def test_a_job_its_ranks_would_refuse_is_refused_before_it_is_written(tmp_path, capsys, args, said):
+    out = tmp_path / "job.sbatch"
+    assert main(["launch", "slurm", "tiny", *args, "--run-dir", str(tmp_path / "run"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1 and not out.exists()
+    assert main(["launch", "slurm", "tiny", "--nodes", "2", "--run-dir", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert out.exists()  # (8 over 2 ranks: written)
+
+
 def test_shipped_scale_recipes_compile_first_for_the_jobs_ranks(tmp_path):
     """The README's promise, "compile, then torchrun", holds for the published recipes."""
     out = tmp_path / "job.sbatch"

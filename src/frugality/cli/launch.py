@@ -37,10 +37,14 @@ def slurm(
 ) -> None:
     """Write an sbatch script that trains RECIPE on SLURM: the compile step, then torchrun
     on every node with c10d rendezvous; requeued on preemption, resuming its checkpoint."""
+    import torch
+
     from frugality.config.recipe import load_recipe
+    from frugality.distributed import World
     from frugality.distributed.slurm import SlurmJob, render
     from frugality.errors import UserError
     from frugality.paths import write_atomically
+    from frugality.runtime.layout import check_layout
 
     resolved = load_recipe(recipe, list(overrides))  # checked here, before anything is written
     if gpus_per_node and procs_per_node and procs_per_node != gpus_per_node:
@@ -48,6 +52,9 @@ def slurm(
             f"--procs-per-node {procs_per_node}: on GPU nodes there is one rank per GPU "
             f"(--gpus-per-node {gpus_per_node})"
         )
+    ranks = nodes * (gpus_per_node or procs_per_node or 1)
+    # the ranks' layout, before the job waits in a queue: what they would refuse on arrival
+    check_layout(resolved, torch.device("cuda" if gpus_per_node else "cpu"), World(0, ranks))
     run_dir = run_dir or str(Path(resolved.train.runs_dir) / resolved.name)
     job = SlurmJob(
         recipe or "tiny",

@@ -81,10 +81,36 @@ def plan_layout(
     fit: bool = True,
 ) -> Layout:
     """The layout of `recipe` over `world` (its rank and size as torchrun gives them; the
-    parallel degrees come from the recipe): the micro-batch fitted to the data-parallel
-    ranks (and a pipeline's micro-batches), the policy, the task and, with `fit`, the
-    activation checkpointing mode the memory free now allows (`runtime.plan.fit_memory`).
-    Each layout that does not run is a UserError of one line."""
+    parallel degrees come from the recipe): `check_layout`'s rules and fitting, then the
+    precision policy resolved on `device` and, with `fit`, the activation checkpointing mode
+    the memory free now allows (`runtime.plan.fit_memory`). Each layout that does not run is
+    a UserError of one line."""
+    fitted = check_layout(recipe, device, world, resume_optimizer)
+    recipe, world = fitted.recipe, fitted.world
+    policy, precision_note = resolve_policy(recipe.train.precision, device)
+    if policy.loss_scaling:
+        check_loss_scaling(recipe, world)
+    if fit:
+        checkpointing = fit_memory(recipe, policy, world.world_size, device, world.tensor, world.pipeline)
+    else:
+        checkpointing = (recipe.train.activation_checkpointing, "not fitted to the memory (a dry run)")
+    return Layout(recipe, fitted.loads, device, world, policy, precision_note, fitted.task, checkpointing, fitted.notes)
+
+
+@dataclass(frozen=True)
+class FittedBatch:
+    recipe: Recipe  # the micro-batch fitted to the data-parallel ranks
+    loads: Recipe
+    world: World  # with its tensor and pipeline degrees
+    task: Task
+    notes: tuple[str, ...]
+
+
+def check_layout(recipe: Recipe, device: torch.device, world: World, resume_optimizer: bool = False) -> FittedBatch:
+    """The rules of a layout that need no device at hand (a device of the kind is enough:
+    `launch slurm` checks a job for GPU nodes from a login node): tensor and pipeline
+    degrees over the ranks, the batch fitted to them, what the stream loads; amp-fp16's loss
+    scaling where the recipe names it (`auto` resolves on the device: `plan_layout`)."""
     p = recipe.parallel
     task = get_task(recipe.train.task)
     if p.tensor > 1:
@@ -115,14 +141,9 @@ def plan_layout(
         notes.append(
             f"optim.warmup_steps {recipe.optim.warmup_steps} -> {recipe.train.steps}: the warm-up is cut to train.steps"
         )
-    policy, precision_note = resolve_policy(recipe.train.precision, device)
-    if policy.loss_scaling:
+    if recipe.train.precision == "amp-fp16":
         check_loss_scaling(recipe, world)
-    if fit:
-        checkpointing = fit_memory(recipe, policy, world.world_size, device, world.tensor, world.pipeline)
-    else:
-        checkpointing = (recipe.train.activation_checkpointing, "not fitted to the memory (a dry run)")
-    return Layout(recipe, loads, device, world, policy, precision_note, task, checkpointing, tuple(notes))
+    return FittedBatch(recipe, loads, world, task, tuple(notes))
 
 
 def check_recipe(recipe: Recipe, device: torch.device) -> None:
