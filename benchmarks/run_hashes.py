@@ -1,7 +1,8 @@
 """Hashes of short runs' losses and final weights, to show a refactor changed nothing.
 
-Trains 16 fp32 steps of `tiny`, `minilm-pairs` (16 pairs a step) and `bert-mlm` in one
-process into a scratch folder, then prints, per recipe, a hash of every train and eval loss
+Trains 16 fp32 steps of `tiny`, `minilm-pairs` (16 pairs a step) and `bert-mlm`, and 16
+bf16-sr steps of `tiny` (its own rounding kernels, BF16AdamW), in one process into a scratch
+folder, then prints, per recipe, a hash of every train and eval loss
 (as logged) and a hash of the last checkpoint's weights. Run it before and after a change:
 equal hashes mean bit-identical training.
 
@@ -16,9 +17,12 @@ import json
 import tempfile
 from pathlib import Path
 
+import torch
+
 from frugality.checkpoint import CheckpointManager
 from frugality.config.recipe import load_recipe
 from frugality.models import build_model
+from frugality.precision import get_policy
 from frugality.runtime.optim import build_optimizer
 from frugality.tasks import freeze_unused, get_task
 from frugality.training import trainer
@@ -30,32 +34,34 @@ SHORT = [
     "train.eval_interval=8",
     "train.save_interval=16",
 ]
-RUNS = [
-    ("tiny", SHORT),
-    ("minilm-pairs", [*SHORT, "data.global_batch_size=16", "data.micro_batch_size=8"]),
-    ("bert-mlm", SHORT),
+RUNS = [  # (label, recipe, overrides)
+    ("tiny", "tiny", SHORT),
+    ("minilm-pairs", "minilm-pairs", [*SHORT, "data.global_batch_size=16", "data.micro_batch_size=8"]),
+    ("bert-mlm", "bert-mlm", SHORT),
+    ("tiny bf16-sr", "tiny", [*SHORT, "train.precision=bf16-sr"]),
 ]
 
 
 def run_hashes(out: Path) -> list[dict]:
     rows = []
-    for name, sets in RUNS:
+    for label, name, sets in RUNS:
         recipe = load_recipe(name, sets)
-        run = out / name
+        run = out / label.replace(" ", "-")
         trainer.train(recipe, run_dir=run, fresh=True, progress=False, tensorboard=False)
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         losses = [(r["step"], r["kind"], r.get("loss")) for r in records if r["kind"] in ("train", "eval")]
-        model = build_model(recipe.model)
+        model = get_policy(recipe.train.precision).prepare_model(build_model(recipe.model))  # (bf16 weights too)
         freeze_unused(get_task(recipe.train.task), model)
         checkpoints = CheckpointManager(run / "checkpoints")
-        checkpoints.load(checkpoints.latest(), model, build_optimizer(model, recipe.optim))
+        policy = get_policy(recipe.train.precision)
+        checkpoints.load(checkpoints.latest(), model, build_optimizer(model, recipe.optim, policy))
         weights = hashlib.sha256()
         for key, value in sorted(model.state_dict().items()):
             weights.update(key.encode())
-            weights.update(value.detach().contiguous().numpy().tobytes())
+            weights.update(value.detach().contiguous().view(torch.uint8).numpy().tobytes())  # (bf16's bits too)
         rows.append(
             {
-                "recipe": name,
+                "recipe": label,
                 "losses": hashlib.sha256(json.dumps(losses).encode()).hexdigest()[:16],
                 "weights": weights.hexdigest()[:16],
                 "final_val_loss": losses[-1][2],
