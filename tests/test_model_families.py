@@ -10,25 +10,26 @@ import frugality
 from frugality.config.recipe import load_recipe
 from frugality.distributed.tensor_parallel import PLANS
 from frugality.errors import UserError
+from frugality.interop.hf import ADAPTERS
 from frugality.models import DECODERS, ENCODERS, SPECS, Decoder, family
 from frugality.tasks import TASKS
 
 SRC = Path(frugality.__file__).parent
 # where a family's name is the point: the families themselves, their Hugging Face adapters,
 # and the peers raced on their own architectures (torchtitan and liger-kernel: Llama only)
-NAMED_HERE = ("models/", "interop/", "bench/peers.py", "bench/cuda_peers.py", "bench/reference.py")
+NAMED_HERE = ("models/", "interop/hf_", "bench/peers.py", "bench/cuda_peers.py", "bench/reference.py")
 
 
 def test_each_spec_agrees_with_what_is_built_for_its_family():
     assert set(PLANS) == {name for name, f in SPECS.items() if f.tensor_parallel}
     assert set(DECODERS) | set(ENCODERS) == set(SPECS) and not set(DECODERS) & set(ENCODERS)
     assert all(issubclass(SPECS[name].model, Decoder.__args__) for name in DECODERS)  # (the causal LMs)
-    for name in ("pythia-70m", "llama-135m", "bert-mlm"):
+    assert not any(issubclass(SPECS[name].model, Decoder.__args__) for name in ENCODERS)
+    assert {f.hf_model_type: name for name, f in SPECS.items()} == {a.MODEL_TYPE: a.FAMILY for a in ADAPTERS.values()}
+    widths = {"pythia-70m": 2048, "llama-135m": 1536, "bert-mlm": 512}  # the MLPs: 4 x 512; as written (Llama, BERT)
+    for name, width in widths.items():
         config = load_recipe(name).model
-        spec = family(config)
-        assert spec is family(config.family) and isinstance(config, spec.config)
-        assert spec.width_of_mlp(config) > config.hidden_size
-        assert spec.heads_to_split(config)["heads"] == config.num_heads
+        assert isinstance(config, family(config).config) and family(config).width_of_mlp(config) == width
     assert family(load_recipe("llama-135m").model).heads_to_split(load_recipe("llama-135m").model) == {
         "heads": 9,
         "key-value heads": 3,
@@ -54,17 +55,33 @@ def test_a_family_without_a_plan_or_stages_is_refused_by_its_spec():
         check_pipeline(bert.model, parallel, 2, 4)
 
 
+def _name_comparisons(path: Path) -> list[int]:
+    """Lines comparing something with a family's name (==, !=, in; either side; a tuple,
+    list or set of names), or indexing by one (`PLANS["llama"]`)."""
+    names, lines = set(SPECS), []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            values = [v for s in sides for v in (s.elts if isinstance(s, (ast.Tuple, ast.List, ast.Set)) else [s])]
+        elif isinstance(node, ast.Subscript):
+            values = [node.slice]
+        else:
+            continue
+        if any(isinstance(v, ast.Constant) and v.value in names for v in values):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_walk_finds_each_way_of_naming_a_family(tmp_path):
+    code = tmp_path / "c.py"
+    code.write_text('a = f == "bert"\nb = "llama" != f\nc = f in ["gpt-neox"]\nd = PLANS["llama"]\ne = f == "t5"\n')
+    assert _name_comparisons(code) == [1, 2, 3, 4]
+
+
 def test_code_outside_the_families_asks_their_spec_rather_than_their_names():
-    names = set(SPECS)
     found = []
     for path in sorted(SRC.rglob("*.py")):
         rel = path.relative_to(SRC).as_posix()
-        if rel.startswith(NAMED_HERE):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare):
-                sides = [node.left, *node.comparators]
-                values = [v for s in sides for v in (s.elts if isinstance(s, (ast.Tuple, ast.List, ast.Set)) else [s])]
-                if any(isinstance(v, ast.Constant) and v.value in names for v in values):
-                    found.append((rel, node.lineno))
+        if not rel.startswith(NAMED_HERE):
+            found += [(rel, line) for line in _name_comparisons(path)]
     assert not found, "ask frugality.models.family(config) instead:\n" + "\n".join(map(str, found))

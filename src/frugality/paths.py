@@ -88,7 +88,7 @@ def move_into_place(written: Path, path: Path) -> None:
         with open(written, "rb") as f:
             os.fsync(f.fileno())
         os.replace(written, path)
-        fsync_dir(path.parent)
+        _fsync_dir_if_possible(path.parent)
     finally:
         Path(written).unlink(missing_ok=True)
 
@@ -100,7 +100,14 @@ def publish_folder(partial: Path, final: Path) -> None:
     if final.exists():
         final.rmdir()  # (only an empty one: anything else was refused before writing)
     partial.rename(final)
-    fsync_dir(final.parent)
+    _fsync_dir_if_possible(final.parent)
+
+
+def _fsync_dir_if_possible(path: Path) -> None:
+    """After the rename, which has happened: a failure to make it durable is not a failure
+    to write (the file or folder is whole in place)."""
+    with contextlib.suppress(OSError):
+        fsync_dir(path)
 
 
 def fsync_dir(path: Path) -> None:

@@ -117,9 +117,13 @@ def test_its_training_command_runs_here_with_two_processes(micro_recipe_file, tm
         ),
         (
             ["--gpus-per-node", "2", "--set", "parallel.pipeline=2", "--set", "compile.level=O1"],
-            "does not run with pipeline",
+            "compile.level O1 does not run with pipeline parallel",
         ),
-        (["--gpus-per-node", "2", "--set", "train.precision=amp-fp16", "--set", "parallel.data=fsdp"], "amp-fp16"),
+        (
+            ["--gpus-per-node", "2", "--set", "train.precision=amp-fp16", "--set", "parallel.data=fsdp"],
+            "(loss scaling) does not run with parallel.data fsdp",
+        ),
+        (["--set", "train.task=masked_lm"], "model.family 'gpt-neox': task masked_lm trains"),
     ],
 )
 def test_a_job_its_ranks_would_refuse_is_refused_before_it_is_written(tmp_path, capsys, args, said):
@@ -129,6 +133,21 @@ def test_a_job_its_ranks_would_refuse_is_refused_before_it_is_written(tmp_path, 
     assert said in err and len(err.strip().splitlines()) == 1 and not out.exists()
     assert main(["launch", "slurm", "tiny", "--nodes", "2", "--run-dir", str(tmp_path / "run"), "--out", str(out)]) == 0
     assert out.exists()  # (8 over 2 ranks: written)
+
+
+def test_a_job_for_gpu_nodes_is_checked_from_a_machine_without_them(tmp_path, monkeypatch):
+    """The rules need a device of the kind, not the device: nothing asks CUDA (as on a
+    login node), and the 20B model's TP 8 x PP 4 over 4 nodes of 8 GPUs passes."""
+    import torch
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("CUDA was asked")
+
+    for name in ("device_count", "current_device", "get_device_capability", "get_device_properties", "mem_get_info"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    out = tmp_path / "job.sbatch"
+    args = ["--nodes", "4", "--gpus-per-node", "8", "--run-dir", str(tmp_path / "run"), "--out", str(out)]
+    assert main(["launch", "slurm", "gpt-neox-20b:tp8-pp4", *args]) == 0 and out.exists()
 
 
 def test_shipped_scale_recipes_compile_first_for_the_jobs_ranks(tmp_path):

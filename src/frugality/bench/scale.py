@@ -144,13 +144,14 @@ def layouts(n: int, tensors, pipelines) -> list[tuple[int, int]]:
 
 
 def _check_layout(recipe: Recipe, n: int, t: int, p: int) -> None:
-    from frugality.distributed.pipeline import check_pipeline
-    from frugality.distributed.tensor_parallel import check_tensor_parallel
+    """The run's layout rules (`runtime.layout.check_layout`), before any process starts."""
+    from frugality.distributed import World
+    from frugality.runtime.device import resolve_device
+    from frugality.runtime.layout import check_layout
 
     parallel = recipe.parallel.model_copy(update={"tensor": t, "pipeline": p})
-    check_tensor_parallel(recipe.model, t, parallel.sequence, n, recipe.data.seq_len)
-    if p > 1:
-        check_pipeline(recipe.model, parallel, n, p)  # (the micro-batches are the run's to check)
+    device = resolve_device(recipe.train.device, xla_ok=True)
+    check_layout(recipe.model_copy(update={"parallel": parallel}), device, World(0, n))
 
 
 def layout_name(t: int, p: int, data: int, strategy: str) -> str:

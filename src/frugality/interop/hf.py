@@ -106,7 +106,9 @@ def import_hf(folder: str | Path):
         hf = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{config_path}: not valid JSON ({e.msg})") from None
-    weights = read_hf_weights(folder) if hf.get("model_type") == "bert" else None
+    adapter = ADAPTERS.get(hf.get("model_type"))
+    # an encoder's config is read with its tensors' names (which heads the folder holds)
+    weights = read_hf_weights(folder) if adapter is not None and not family(adapter.FAMILY).decoder else None
     config = config_from_hf(hf, config_path, set(weights or ()))
     try:
         state = _from_hf(config, weights if weights is not None else read_hf_weights(folder))

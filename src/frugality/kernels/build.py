@@ -79,5 +79,9 @@ def library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                 f"could not build the C kernel {name}; using torch ops:\n" + done.stderr[-2000:], stacklevel=1
             )
             return None
-        move_into_place(tmp, path)  # atomic: concurrent builders never load a partial file
+        try:
+            move_into_place(tmp, path)  # atomic: concurrent builders never load a partial file
+        except OSError as e:  # (a full disk at the sync): as a failed build
+            warnings.warn(f"could not keep the C kernel {name} ({e}); using torch ops", stacklevel=1)
+            return None
     return ctypes.CDLL(str(path))

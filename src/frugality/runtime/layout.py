@@ -109,9 +109,12 @@ class FittedBatch:
 def check_layout(recipe: Recipe, device: torch.device, world: World, resume_optimizer: bool = False) -> FittedBatch:
     """The rules of a layout that need no device at hand (a device of the kind is enough:
     `launch slurm` checks a job for GPU nodes from a login node): tensor and pipeline
-    degrees over the ranks, the batch fitted to them, what the stream loads; amp-fp16's loss
-    scaling where the recipe names it (`auto` resolves on the device: `plan_layout`)."""
+    degrees over the ranks, the batch fitted to them, what the stream loads; the task against
+    the model, the cost catalogue; amp-fp16's loss scaling where the recipe names it (`auto`
+    resolves on the device: `plan_layout`)."""
     p = recipe.parallel
+    task_for(recipe)  # the task against the model family (and its own settings)
+    check_cost(recipe.cost.instance, recipe.cost.catalogue)
     task = get_task(recipe.train.task)
     if p.tensor > 1:
         _check_tensor_parallel_run(recipe, device, task)
