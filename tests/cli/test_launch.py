@@ -44,6 +44,8 @@ def test_the_script_says_what_the_cluster_needs(micro_recipe_file, tmp_path, cap
         "12:00:00",
         "--set",
         "compile.level=O1",
+        "--set",
+        "data.global_batch_size=32",  # (a sample for each of the 32 ranks: checked before the script is written)
         "--run-dir",
         str(tmp_path / "run"),
         "--out",
