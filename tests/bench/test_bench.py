@@ -146,6 +146,21 @@ def test_bench_train_races_every_peer_and_names_those_that_cannot_run(micro_reci
     assert "| torchtitan | fp32 | | 2 × 16 | not run: torchtitan needs CUDA" in (tmp_path / "t.md").read_text()
 
 
+def test_bench_train_says_it_sets_a_recipes_parallel_degrees_aside(micro_recipe_file, tmp_path, capsys):
+    """One process's race: a TP or PP recipe is timed whole here, and the line says where
+    its layout is timed (it was set aside silently)."""
+    out = tmp_path / "rows.json"
+    sets = ["--set", "parallel.tensor=2", "--set", "parallel.pipeline=2"]
+    args = ["bench", "train", str(micro_recipe_file), *sets, "--precision", "fp32", "--only", "frugality"]
+    assert (
+        main([*args, "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0", "--no-memory", "--json", str(out)])
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "bench train races one process: parallel.tensor 2 and parallel.pipeline 2 set aside" in err
+    assert [r["impl"] for r in json.loads(out.read_text())] == ["frugality"]
+
+
 def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
     assert main(["bench", "train", str(micro_recipe_file), "--precision", "fp16"]) == 2
     assert "choose one of" in capsys.readouterr().err

@@ -119,6 +119,14 @@ def bench_train(
             f"bench train times causal language models; recipe {resolved.name} trains "
             f"{resolved.train.task} (time it with frugality train: summary.json has tokens/s)"
         )
+    p = resolved.parallel
+    aside = [f"parallel.tensor {p.tensor}"] * (p.tensor > 1) + [f"parallel.pipeline {p.pipeline}"] * (p.pipeline > 1)
+    if aside:  # (said, not silently dropped: the rows are one process's)
+        click.echo(
+            f"bench train races one process: {' and '.join(aside)} set aside (frugality bench scale "
+            f"--tensor/--pipeline times the layout over ranks)",
+            err=True,
+        )
     peers = parse_baselines(baseline)
     impls = ("frugality", *dict.fromkeys(name for name, _ in peers))
     if only:
