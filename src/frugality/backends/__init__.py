@@ -1,6 +1,7 @@
 """One backend per device kind (CPU, CUDA, XLA): what differs between them, in one place,
-named for why the code asks. Code outside the backends, `hardware` (the probes they call)
-and `kernels/` asks `backend(device)` rather than comparing `device.type`:
+named for why the code asks. Code outside the backends, `hardware`'s probes (a device's
+name, native bf16, product size) and `kernels/` asks `backend(device)` rather than
+comparing `device.type` (`tests/test_backends.py`):
 
 - what a process does once for its device (the process group's backend, the local device
   under torchrun, memory settings at start),

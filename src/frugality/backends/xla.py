@@ -36,4 +36,4 @@ class XlaBackend(Backend):
         return torch.device("cpu")  # draws on the host, as a CPU would: the same tokens
 
     def inference(self) -> contextlib.AbstractContextManager:
-        return torch.no_grad()  # (inference tensors cannot be traced)
+        return torch.no_grad()  # (XLA's linear layers set version counters, which inference tensors refuse)
