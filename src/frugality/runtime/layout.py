@@ -2,11 +2,14 @@
 batch each rank takes and what its data stream loads, the precision policy, the task, and
 the activation checkpointing mode; every refusal about a layout, one line each.
 
-Two steps, so that the rules can be asked without starting anything:
+Three ways in, so that the rules can be asked without starting anything:
 - `resolve_layout(recipe)`: what the process is (the device, torchrun's ranks, an SPMD
-  client's devices), then the rules; what `frugality train` runs;
-- `plan_layout(recipe, device, world)`: the rules alone, for a world given (a dry run
-  before ranks start, a table test, one process of `bench`). No process group is needed.
+  client's devices), then `plan_layout`; what `frugality train` runs;
+- `plan_layout(recipe, device, world)`: the rules, the policy resolved on the device and
+  the memory weighed, for a world given (the launcher's dry run before ranks start, a table
+  test, one process of `bench`). No process group is needed;
+- `check_layout(recipe, device, world)`: the rules alone, for which a device of the kind is
+  enough (`launch slurm`, from a login node without the job's GPUs; `bench scale`).
 
 `runtime.state.build_state(layout, data)` builds what the layout says.
 """
