@@ -62,10 +62,13 @@ def child_compiled(recipe_name: str, precision: str, mode: str, batch: int, seq:
 
 
 def child(recipe_name: str, precision: str, mode: str, batch: int, seq: int, steps: int) -> dict:
+    from dataclasses import replace
+
     from frugality.bench.train import for_shape
     from frugality.config.recipe import load_recipe
     from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
     from frugality.runtime.host_memory import keep_freed_memory
+    from frugality.runtime.layout import plan_layout
     from frugality.runtime.plan import plan_memory
     from frugality.runtime.state import build_state
 
@@ -76,7 +79,7 @@ def child(recipe_name: str, precision: str, mode: str, batch: int, seq: int, ste
         load_recipe(recipe_name, [f"train.activation_checkpointing={mode}", "compile.level=O0"]), precision, batch, seq
     )
     before = peak_memory_bytes(device) or 0
-    state = build_state(recipe, device, checkpointing=(mode, "asked for"))
+    state = build_state(replace(plan_layout(recipe, device, fit=False), checkpointing=(mode, "asked for")))
     g = torch.Generator().manual_seed(0)
     losses, times = [], []
     for _ in range(steps):

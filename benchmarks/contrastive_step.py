@@ -22,6 +22,7 @@ import torch
 from frugality.bench.results import machine_line, write_results
 from frugality.config.recipe import load_recipe
 from frugality.runtime.data import open_training_data
+from frugality.runtime.layout import plan_layout
 from frugality.runtime.state import build_state
 from frugality.training.loop import train_step
 
@@ -36,7 +37,7 @@ def main() -> int:
     steps = [data.stream.next_step() for _ in range(args.warmup + args.steps)]
     states = {}
     for unpad in (False, True):
-        state = build_state(recipe, torch.device("cpu"), data)
+        state = build_state(plan_layout(recipe, torch.device("cpu")), data)
         state.task = state.task.configured(unpad=unpad)
         state.wrapped = state.task.training_module(state.model)  # the module that runs, with the setting
         states["skipped" if unpad else "kept"] = state
