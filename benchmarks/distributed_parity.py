@@ -28,7 +28,9 @@ from frugality.config.recipe import load_recipe
 def train(
     recipe: str, precision: str, nproc: int, strategy: str, run_dir: Path, micro: int
 ) -> dict[str, dict[int, float]]:
-    threads = max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) // nproc)
+    threads = max(
+        1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)) // nproc
+    )
     command = [
         sys.executable,
         "-m",

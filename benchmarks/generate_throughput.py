@@ -40,7 +40,8 @@ MODELS = {
             intermediate_size=2048,
             vocab_size=50304,
             max_position_embeddings=2048,
-            rotary_pct=0.25,
+            # Pythia's rotary share (4.x's `rotary_pct=0.25`, the same config in 5.x)
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
             bos_token_id=0,
             eos_token_id=0,
         ),

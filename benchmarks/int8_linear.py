@@ -73,7 +73,8 @@ def qlinear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor
     """Per-token int8 activations times per-channel int8 weights (wq: K x N), in fp32."""
     s = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
     xq = (x / s).round().clamp(-127, 127).to(torch.int8)
-    return torch._int_mm(xq, wq).float() * s * sw
+    # torch's int8 product (cuBLASLt / oneDNN), private in its stub
+    return torch._int_mm(xq, wq).float() * s * sw  # pyright: ignore[reportPrivateImportUsage]
 
 
 def _onnx_runtime(x: torch.Tensor, w: torch.Tensor) -> dict:

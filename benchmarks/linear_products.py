@@ -20,6 +20,7 @@ benchmarks/results/linear_products-<machine>-<date>.md. Needs a CPU with AMX.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -161,11 +162,13 @@ def _steps(count: int) -> list[tuple[str, list[float], float]]:
     with its AMXLinear layers turned into plain nn.Linear."""
     recipe = load_recipe("pythia-70m", ["compile.level=O1", "train.device=cpu"])
     device = torch.device("cpu")
-    kernel_step = make_runner("frugality", recipe, "bf16-sr", device, 4, 512)[0]
-    plain_step, plain_model, *_ = make_runner("frugality", recipe, "bf16-sr", device, 4, 512)
+    stack = contextlib.ExitStack()  # the compile sessions, closed when the steps are done
+    kernel_step = make_runner("frugality", recipe, "bf16-sr", device, 4, 512, stack)[0]
+    plain_step, plain_model, *_ = make_runner("frugality", recipe, "bf16-sr", device, 4, 512, stack)
     for module in plain_model.modules():
         if type(module) is cpu_linear.AMXLinear:
-            module.__class__ = torch.nn.Linear  # the same parameters, torch's backward
+            # the same parameters, torch's backward (pyright: a class assigned to an instance)
+            module.__class__ = torch.nn.Linear  # pyright: ignore[reportAttributeAccessIssue]
     paths = {"AMXLinear (AMX kernels)": kernel_step, "nn.Linear (oneDNN)": plain_step}
     times = {name: [] for name in paths}
     losses = {}
@@ -176,6 +179,7 @@ def _steps(count: int) -> list[tuple[str, list[float], float]]:
             losses[name] = step(batch)
             if i >= 2:
                 times[name].append(time.perf_counter() - t0)
+    stack.close()
     return [(name, times[name], losses[name]) for name in paths]
 
 

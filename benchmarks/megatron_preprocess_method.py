@@ -48,7 +48,8 @@ def main(input_path: str, out_prefix: str, workers: int) -> int:
     with multiprocessing.Pool(workers, initializer=_load, initargs=(saved,)) as pool, open(input_path) as lines:
         for ids, _ in pool.imap(_encode, lines, 32):
             ids.append(tokenizer.eod_id)
-            builder.add_document(ids, [len(ids)])
+            # a list, as Megatron's own preprocess_data.py passes (its stub says Tensor)
+            builder.add_document(ids, [len(ids)])  # pyright: ignore[reportArgumentType]
             documents += 1
             tokens += len(ids)
     builder.finalize(f"{out_prefix}.idx")

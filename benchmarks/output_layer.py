@@ -52,14 +52,14 @@ def main() -> int:
     fast_name = "C kernel" if device.type == "cpu" else "compiled graph"
     fast = loss.rows_in_c if device.type == "cpu" else loss.rows_compiled
 
-    def chunked():
+    def chunked(work: torch.Tensor = work):
         saved, loss.CHUNK_BYTES_OFF_CPU = loss.CHUNK_BYTES_OFF_CPU, 0  # 64-row chunks everywhere
         try:
             loss.rows_in_torch(work, targets, scale, True)
         finally:
             loss.CHUNK_BYTES_OFF_CPU = saved
 
-    t = race(device, args.repeats, fast=lambda: fast(work, targets, scale, True), chunked=chunked)
+    t = race(device, args.repeats, fast=lambda work=work: fast(work, targets, scale, True), chunked=chunked)
     rows.append(
         (
             f"cross-entropy rows, {args.tokens} x {VOCAB}",

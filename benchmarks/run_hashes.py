@@ -54,7 +54,9 @@ def run_hashes(out: Path) -> list[dict]:
         freeze_unused(get_task(recipe.train.task), model)
         checkpoints = CheckpointManager(run / "checkpoints")
         policy = get_policy(recipe.train.precision)
-        checkpoints.load(checkpoints.latest(), model, build_optimizer(model, recipe.optim, policy))
+        latest = checkpoints.latest()
+        assert latest is not None  # (saved at step 16)
+        checkpoints.load(latest, model, build_optimizer(model, recipe.optim, policy))
         weights = hashlib.sha256()
         for key, value in sorted(model.state_dict().items()):
             weights.update(key.encode())
