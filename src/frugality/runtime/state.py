@@ -105,7 +105,7 @@ def build_state(layout: Layout, data: TrainingData | None = None) -> TrainState:
     # tensor and pipeline parallel: the model built on the meta device, split, and only this
     # rank's part given its values (those the whole model would have had) on the device;
     # fp8 converts its layers as they are built, so it builds the whole model first
-    in_parts = (world.tensor > 1 or world.pipeline > 1) and policy.name != "fp8"  # (not on XLA: see runtime.layout)
+    in_parts = layout.model_parallel and policy.name != "fp8"  # (not on XLA: see runtime.layout)
     if backend(device).initialises_on_host:  # initialised on the host, as on a CPU, so a seed gives the same weights
         model = policy.prepare_model(build_model(recipe.model)).to(device)
     else:
