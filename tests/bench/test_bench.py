@@ -12,8 +12,27 @@ from frugality.cli.main import main
 from frugality.hardware import cpu_name
 
 
+class _ForkedProbes:
+    """`bench train`'s memory probes (`python -m frugality.bench.train ...`, a fresh process
+    each) forked from a process that imported torch and frugality (tests/forked_cli.py): the
+    same script, its peak resident set counting the same imports, without ~3 s of them each.
+    The README's `bench train` starts them fresh."""
+
+    @staticmethod
+    def run(command, input=None, **kw):
+        import forked_cli
+
+        import frugality.bench.train
+
+        assert command[1:3] == ["-m", "frugality.bench.train"], command
+        return forked_cli.run(*command[3:], input=input, script=frugality.bench.train.__file__)
+
+
 @pytest.mark.slow
-def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp_path, capsys):
+def test_bench_train_writes_rows_for_both_implementations(micro_recipe_file, tmp_path, capsys, monkeypatch):
+    import frugality.bench.train
+
+    monkeypatch.setattr(frugality.bench.train, "subprocess", _ForkedProbes)
     out = tmp_path / "rows.json"
     args = [
         "bench",
