@@ -75,8 +75,8 @@ def child(recipe_name: str, precision: str, mode: str, batch: int, seq: int, ste
     from frugality.runtime.state import build_state
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        keep_freed_memory()  # as `frugality train` runs
+    if device.type == "cpu" and mode == "none":
+        keep_freed_memory()  # as `frugality train` runs (not under a checkpointing mode: memory was asked for)
     recipe = for_shape(
         load_recipe(recipe_name, [f"train.activation_checkpointing={mode}", "compile.level=O0"]), precision, batch, seq
     )

@@ -40,10 +40,15 @@ def _train(recipe, mode, compile_backend=None):
     if compile_backend:
         for block in state.model.layers:
             block.compile(backend=compile_backend)
+    from frugality.kernels import output_loss
+
+    fused = [m for m in state.model.modules() if isinstance(m, output_loss.FusedOutputLayer)]
     losses = []
     for batch in _batches(recipe):
         with state.autocast:
             loss = state.wrapped(batch)
+        # the logits buffer: kept for the next step without recomputation, given back under it
+        assert fused and bool(output_loss._WORKSPACE) == (mode == "none"), mode
         recomputed.clear()
         loss.backward()
         if not compile_backend:
@@ -205,9 +210,11 @@ def test_a_run_says_which_mode_it_took_and_why(micro_recipe_file, tmp_path, monk
     recipe = load_recipe(str(micro_recipe_file), ["train.steps=2", "train.precision=fp32"])
     none, _, full = _totals(recipe)
     monkeypatch.setattr(planning, "device_memory", lambda device: (full, none))
+    kept = []  # (a mode that asks for memory leaves glibc to give freed memory back)
+    monkeypatch.setattr("frugality.training.trainer.keep_freed_memory", lambda: kept.append(True))
     result = train(recipe, tmp_path / "run", progress=False, tensorboard=False)
     out = capsys.readouterr().out
-    assert result.final_step == 2
+    assert result.final_step == 2 and not kept
     assert "activation checkpointing: full, 2 of 2 blocks recomputed in backward (auto: none " in out, out
     assert result.summary["activation_checkpointing"] == "full"
 

@@ -36,11 +36,18 @@ CHUNK_BYTES_OFF_CPU = 256 << 20  # GPUs: few, large chunks (each chunk is ~10 ke
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
 
 
-def _workspace(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The tokens x vocab buffer, kept between steps: allocating hundreds of MB afresh each
-    step costs page faults (about 50 ms per 200 MB on a CPU). It never outlives its use
-    within one forward, so reusing it across steps and micro-batches is safe."""
+def _workspace(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, keep: bool = True) -> torch.Tensor:
+    """The tokens x vocab buffer, kept between steps (`keep`): allocating hundreds of MB afresh
+    each step costs page faults (about 50 ms per 200 MB on a CPU). It never outlives its use
+    within one forward, so reusing it across steps and micro-batches is safe. Not kept, it is
+    given back when the forward ends: under activation checkpointing, where memory is what
+    was asked for, it would otherwise sit beside the gradients and the optimizer's moments
+    at the step's peak (Pythia-70m at 4 x 512 in fp32: 393 MiB, more than the activations
+    full recomputation keeps)."""
     key = (shape, dtype, device)
+    if not keep:
+        _WORKSPACE.clear()
+        return torch.empty(shape, dtype=dtype, device=device)
     if key not in _WORKSPACE:
         _WORKSPACE.clear()  # one live buffer: a new shape (e.g. evaluation) replaces it
         _WORKSPACE[key] = torch.empty(shape, dtype=dtype, device=device)
@@ -56,6 +63,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,
         grad_mode: bool,
         compute_dtype: torch.dtype | None,
+        keep_workspace: bool = True,
     ) -> torch.Tensor:
         device_type = hidden.device.type
         dtype = compute_dtype or (
@@ -66,13 +74,15 @@ class LinearCrossEntropy(torch.autograd.Function):
         # mode, evaluation would pay for the gradient's two products (2/3 of the layer).
         want_grad = grad_mode and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         with torch.autocast(device_type, enabled=False):  # casts are explicit below
-            return LinearCrossEntropy._forward(ctx, hidden.to(dtype), weight.to(dtype), targets, want_grad)
+            return LinearCrossEntropy._forward(
+                ctx, hidden.to(dtype), weight.to(dtype), targets, want_grad, keep_workspace
+            )
 
     @staticmethod
     def _forward(
-        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_grad: bool
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_grad: bool, keep: bool
     ) -> torch.Tensor:
-        logits = _workspace((hidden.shape[0], weight.shape[0]), hidden.dtype, hidden.device)
+        logits = _workspace((hidden.shape[0], weight.shape[0]), hidden.dtype, hidden.device, keep)
         amx_layout = _transpose_first(hidden)
         if amx_product_applies(hidden, weight, None, transposed=True):  # AMX: the weight as it is
             amx_product_into(hidden, weight, None, True, logits)
@@ -109,9 +119,9 @@ class LinearCrossEntropy(torch.autograd.Function):
         hidden_dtype, weight_dtype = ctx.dtypes
         if grad_output.device.type == "cpu" and grad_output.item() == 1.0:
             # the usual case: scaling two 25M-element tensors by one would cost ~30 ms
-            return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None, None
+            return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None, None, None
         scale = grad_output.to(grad_hidden.dtype)
-        return (grad_hidden * scale).to(hidden_dtype), (grad_weight * scale).to(weight_dtype), None, None, None
+        return (grad_hidden * scale).to(hidden_dtype), (grad_weight * scale).to(weight_dtype), None, None, None, None
 
 
 def _transpose_first(hidden: torch.Tensor) -> bool:
@@ -229,12 +239,17 @@ def rows_in_torch(logits: torch.Tensor, targets: torch.Tensor, scale: float, wan
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compute_dtype: torch.dtype | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    compute_dtype: torch.dtype | None = None,
+    keep_workspace: bool = True,
 ) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, without materialising
     float32 logits. hidden: (tokens, d); weight: (vocab, d); targets: (tokens,) int64. The
-    products run in `compute_dtype` if given, else autocast's dtype or hidden's."""
-    return LinearCrossEntropy.apply(hidden, weight, targets, torch.is_grad_enabled(), compute_dtype)
+    products run in `compute_dtype` if given, else autocast's dtype or hidden's;
+    `keep_workspace`: the tokens x vocab buffer kept for the next call (`_workspace`)."""
+    return LinearCrossEntropy.apply(hidden, weight, targets, torch.is_grad_enabled(), compute_dtype, keep_workspace)
 
 
 class FusedOutputLayer(OutputLayer):
@@ -242,6 +257,10 @@ class FusedOutputLayer(OutputLayer):
     to rounding order, a quarter of the memory)."""
 
     compute_dtype: torch.dtype | None = None  # float32 for bf16 weights without native bf16 products
+    # the logits buffer kept between steps; given back after each forward under activation
+    # checkpointing (frugality.runtime.activation_checkpointing sets it)
+    keep_workspace: bool = True
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy(hidden.flatten(0, 1), self.weight, targets.flatten(), self.compute_dtype)
+        flat = hidden.flatten(0, 1)
+        return linear_cross_entropy(flat, self.weight, targets.flatten(), self.compute_dtype, self.keep_workspace)

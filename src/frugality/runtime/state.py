@@ -41,7 +41,7 @@ from frugality.models import build_model
 from frugality.models.materialize import allocate, draw_parameters
 from frugality.precision import PrecisionPolicy, apply_tf32
 from frugality.precision.loss_scale import LossScaler
-from frugality.runtime.activation_checkpointing import apply_activation_checkpointing
+from frugality.runtime.activation_checkpointing import apply_activation_checkpointing, keep_output_workspace
 from frugality.runtime.data import TrainingData
 from frugality.runtime.layout import Layout
 from frugality.runtime.optim import build_optimizer, fused_update
@@ -124,7 +124,9 @@ def build_state(layout: Layout, data: TrainingData | None = None) -> TrainState:
     stage = recipe.model.num_layers // stages if world.pipeline > 1 else None
     recomputed = apply_activation_checkpointing(model, checkpointing_mode, every, stage)
     materialize = (
-        (lambda parts: choices.extend(_materialize(recipe, device, policy, model, parts))) if in_parts else None
+        (lambda parts: choices.extend(_materialize(recipe, device, policy, model, parts, checkpointing_mode)))
+        if in_parts
+        else None
     )
     pipeline, whole = None, None
     if world.pipeline > 1:  # the model becomes this rank's stages, driven by the schedule
@@ -196,7 +198,9 @@ def build_state(layout: Layout, data: TrainingData | None = None) -> TrainState:
     )
 
 
-def _materialize(recipe: Recipe, device: torch.device, policy, whole: nn.Module, parts: list) -> list[str]:
+def _materialize(
+    recipe: Recipe, device: torch.device, policy, whole: nn.Module, parts: list, checkpointing: str
+) -> list[str]:
     """Give `parts` of `whole` (on the meta device; tensor-parallel layers hold DTensors)
     storage on `device` and the values `build_model` would have given them under the
     recipe's seed (drawn a layer at a time, each rank keeping its shards); then, without
@@ -219,7 +223,10 @@ def _materialize(recipe: Recipe, device: torch.device, policy, whole: nn.Module,
     draw_parameters(recipe.model, device, keep)
     if any(hasattr(p, "to_local") for p in whole.parameters()):
         return []
-    return sorted({choice for part in parts for choice in specialize(part, device, policy)})
+    choices = sorted({choice for part in parts for choice in specialize(part, device, policy)})
+    for part in parts:
+        keep_output_workspace(part, checkpointing)
+    return choices
 
 
 def _prefixes(names: list[str]) -> str:

@@ -94,8 +94,8 @@ def train(
     recipe, device, world = layout.recipe, layout.device, layout.world
     passed = preflight(device, run_path.parent) if recipe.train.preflight else None  # before any write
     with rundir.locked(run_path, world, device):  # one writer per run directory, until the end
-        if backend(device).host_memory:
-            keep_freed_memory()  # see frugality.runtime.host_memory
+        if backend(device).host_memory and layout.checkpointing[0] == "none":
+            keep_freed_memory()  # (a checkpointing mode asked for memory: freed memory goes back)
         data = open_training_data(layout.loads, progress, world.data_rank, world.data_size)
         if backend(device).traced:  # the next steps copied to the device while it runs this one
             data.stream = DevicePrefetchStream(cast(TrainStream, data.stream))  # (as opened)
