@@ -69,7 +69,7 @@ def child(recipe_name: str, precision: str, mode: str, batch: int, seq: int, ste
     from frugality.bench.train import for_shape
     from frugality.config.recipe import load_recipe
     from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
-    from frugality.runtime.host_memory import keep_freed_memory
+    from frugality.runtime.host_memory import give_back_freed_memory, keep_freed_memory
     from frugality.runtime.layout import plan_layout
     from frugality.runtime.plan import plan_memory
     from frugality.runtime.state import build_state
@@ -92,6 +92,8 @@ def child(recipe_name: str, precision: str, mode: str, batch: int, seq: int, ste
         loss.backward()
         state.optimizer.step()
         state.optimizer.zero_grad(set_to_none=True)
+        if device.type == "cpu" and mode != "none":
+            give_back_freed_memory()  # as `frugality train` does after a step under a checkpointing mode
         losses.append(loss.item())  # (a device synchronisation: the clock stops after the step's work)
         times.append(time.perf_counter() - started)
     planned = plan_memory(recipe, 1, "ddp", policy=state.policy, fused_output=True, checkpointing=mode)

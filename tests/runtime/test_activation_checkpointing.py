@@ -210,11 +210,12 @@ def test_a_run_says_which_mode_it_took_and_why(micro_recipe_file, tmp_path, monk
     recipe = load_recipe(str(micro_recipe_file), ["train.steps=2", "train.precision=fp32"])
     none, _, full = _totals(recipe)
     monkeypatch.setattr(planning, "device_memory", lambda device: (full, none))
-    kept = []  # (a mode that asks for memory leaves glibc to give freed memory back)
+    kept, given_back = [], []  # (a mode that asks for memory: glibc's defaults, the heap trimmed a step)
     monkeypatch.setattr("frugality.training.trainer.keep_freed_memory", lambda: kept.append(True))
+    monkeypatch.setattr("frugality.training.loop.give_back_freed_memory", lambda: given_back.append(True))
     result = train(recipe, tmp_path / "run", progress=False, tensorboard=False)
     out = capsys.readouterr().out
-    assert result.final_step == 2 and not kept
+    assert result.final_step == 2 and not kept and len(given_back) == 2
     assert "activation checkpointing: full, 2 of 2 blocks recomputed in backward (auto: none " in out, out
     assert result.summary["activation_checkpointing"] == "full"
 

@@ -38,3 +38,23 @@ def test_repeated_steps_reuse_freed_blocks_instead_of_faulting_them_in():
     # Fresh pages would be ~100,000 faults (397 MB) a step; glibc's defaults fault nearly all
     # of them every step. (In a test process other allocations can shift the heap once more.)
     assert min(faults) < 2_000, faults
+
+
+def _resident_mb() -> float:
+    from pathlib import Path
+
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) / 1024
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
+def test_giving_freed_memory_back_lowers_the_resident_set_the_kept_blocks_held():
+    """What a step under activation checkpointing ends with: the blocks the heap kept (with
+    the thresholds raised) go back to the kernel."""
+    from frugality.runtime.host_memory import give_back_freed_memory
+
+    assert keep_freed_memory()
+    _step()  # (its blocks freed, kept in the heap: 400 MB)
+    kept = _resident_mb()
+    assert give_back_freed_memory()
+    assert _resident_mb() < kept - 100, (kept, _resident_mb())

@@ -21,6 +21,7 @@ from frugality.backends import backend
 from frugality.distributed import all_gather_rows, all_mean, all_sum, no_sync
 from frugality.distributed.pipeline import Pipeline
 from frugality.precision.bf16_adamw import BF16AdamW
+from frugality.runtime.host_memory import give_back_freed_memory
 from frugality.runtime.state import TrainState
 from frugality.training.schedule import learning_rate
 
@@ -180,6 +181,8 @@ def _clip_and_update(state: TrainState, mean: float, over_stages=None) -> tuple[
     if scaler is not None:
         scaler.update(overflow, applied=rejected is None and not overflow)
     optimizer.zero_grad(set_to_none=True)  # (BF16AdamW: drops a pending clip scale too)
+    if state.checkpointing != "none" and backend(state.device).host_memory:
+        give_back_freed_memory()  # (memory asked for over time: runtime.host_memory)
     return loss, norm, rejected
 
 
