@@ -4,6 +4,7 @@ import json
 import math
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,17 +16,18 @@ from frugality.hardware import cpu_name
 class _ForkedProbes:
     """`bench train`'s memory probes (`python -m frugality.bench.train ...`, a fresh process
     each) forked from a process that imported torch and frugality (tests/forked_cli.py): the
-    same script, its peak resident set counting the same imports, without ~3 s of them each.
-    The README's `bench train` starts them fresh."""
+    same module run as `-m` runs it, without ~3 s of imports each. Its peak resident set
+    starts from the forking process's (what it imported for every command: a few tens of MB
+    more than the probe's own imports, alike for every implementation). The README's `bench
+    train` starts them fresh."""
 
     @staticmethod
     def run(command, input=None, **kw):
         import forked_cli
 
-        import frugality.bench.train
-
-        assert command[1:3] == ["-m", "frugality.bench.train"], command
-        return forked_cli.run(*command[3:], input=input, script=frugality.bench.train.__file__)
+        assert command[1:3] == ["-m", "frugality.bench.train"] and kw == {"capture_output": True, "text": True}
+        script = Path(__file__).with_name("run_bench_train_module.py")
+        return forked_cli.run(*command[3:], input=input, script=script)
 
 
 @pytest.mark.slow

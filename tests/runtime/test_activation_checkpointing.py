@@ -218,6 +218,10 @@ def test_a_run_says_which_mode_it_took_and_why(micro_recipe_file, tmp_path, monk
     assert result.final_step == 2 and not kept and len(given_back) == 2
     assert "activation checkpointing: full, 2 of 2 blocks recomputed in backward (auto: none " in out, out
     assert result.summary["activation_checkpointing"] == "full"
+    # where `none` fits, `auto` takes it: freed memory kept for speed, nothing trimmed
+    monkeypatch.setattr(planning, "device_memory", lambda device: (none * 2, none * 2))
+    result = train(recipe, tmp_path / "roomy", progress=False, tensorboard=False)
+    assert result.summary["activation_checkpointing"] == "none" and kept == [True] and len(given_back) == 2
 
 
 def test_compile_ahead_compiles_the_mode_the_run_over_its_ranks_takes(micro_recipe_file, monkeypatch):

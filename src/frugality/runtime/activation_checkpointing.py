@@ -59,7 +59,7 @@ def keep_output_workspace(model: nn.Module, mode: str) -> None:
     """Under a checkpointing mode, the fused output loss gives its tokens x vocab buffer back
     after each forward rather than keeping it for the next step (kernels.output_loss): at the
     step's peak, beside the gradients and moments, it outweighed what recomputation saves.
-    For layers swapped in after the mode was applied too (tensor and pipeline parallel's parts)."""
+    Called again for layers swapped in after the mode was applied (a pipeline stage's parts)."""
     for module in model.modules():
         if hasattr(module, "keep_workspace"):
             module.keep_workspace = mode == "none"  # pyright: ignore[reportArgumentType] (a plain attribute)

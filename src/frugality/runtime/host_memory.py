@@ -21,7 +21,9 @@ each step there (`give_back_freed_memory`): Pythia-70m at 4 x 512 in fp32 with f
 recomputation held about 600 MiB of freed memory in the heap at its peak (holes the next
 step's blocks did not fit), more than the recomputation saved; trimmed, its peak less the
 training state fell from 567-669 to 413-426 MiB for 6-7% more time a step (the pages
-faulted in again).
+faulted in again). The setting holds for the rest of the process once made: a process that
+trains under a checkpointing mode after one that kept freed memory (Python calling `train`
+twice, `bench train`) keeps it.
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def _materialize(
     if any(hasattr(p, "to_local") for p in whole.parameters()):
         return []
     choices = sorted({choice for part in parts for choice in specialize(part, device, policy)})
-    for part in parts:
+    for part in parts:  # (the fused output layer specialize swapped in: a pipeline's last stage)
         keep_output_workspace(part, checkpointing)
     return choices
 
