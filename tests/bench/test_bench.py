@@ -178,8 +178,67 @@ def test_bench_train_says_it_sets_a_recipes_parallel_degrees_aside(micro_recipe_
         == 0
     )
     err = capsys.readouterr().err
-    assert "bench train races one process: parallel.tensor 2 and parallel.pipeline 2 set aside" in err
-    assert [r["impl"] for r in json.loads(out.read_text())] == ["frugality"]
+    assert (
+        "bench train races one process: parallel.tensor 2 and parallel.pipeline 2 set aside "
+        "(--nproc N times frugality at the layout over N ranks)" in err
+    )
+    rows = json.loads(out.read_text())
+    assert [r["impl"] for r in rows] == ["frugality"] and rows[0]["ranks"] == 1 and rows[0]["layout"] is None
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "layout, name, shares, precisions",
+    [
+        (["parallel.tensor=2"], "tp2", 1, "fp32,bf16-sr"),
+        (["parallel.pipeline=2", "parallel.pipeline_microbatches=2"], "pp2", 1, "fp32"),
+        (["parallel.data=fsdp"], "fsdp2", 2, "fp32"),
+    ],
+    ids=["tp2", "pp2", "fsdp2"],
+)
+def test_bench_train_over_ranks_times_the_recipes_layout(micro_recipe_file, tmp_path, layout, name, shares, precisions):
+    """`bench train --nproc 2`'s ranks (forked as torchrun starts them; the launcher is
+    train's, tested in tests/distributed/): frugality at the recipe's layout, its row naming
+    the layout the state was built at; rank 0 holds its share of the model, the tokens count
+    every data-parallel rank's batch, the step is the slowest rank's."""
+    import forked_cli
+
+    out = tmp_path / "rows.json"
+    sets = [a for s in ["compile.level=O0", *layout] for a in ("--set", s)]
+    args = ["bench", "train", str(micro_recipe_file), *sets, "--precision", precisions, "--batch", "4", "--seq", "16"]
+    done = forked_cli.ranks(2, *args, "--steps", "2", "--warmup", "1", "--json", out, "--markdown", tmp_path / "t.md")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    from frugality.config.recipe import load_recipe
+    from frugality.models import build_model
+
+    whole = sum(p.numel() for p in build_model(load_recipe(str(micro_recipe_file)).model).parameters())
+    assert [r["precision"] for r in rows] == precisions.split(",")
+    for r in rows:
+        assert r["impl"] == "frugality" and r["ranks"] == 2 and r["layout"] == name, r
+        assert r["tokens_per_s"] == pytest.approx(shares * 4 * 16 / r["step_time_s"], rel=1e-3)
+        assert 0 < r["rank_parameters"] < whole * 0.75  # a share, not the whole model
+        assert r["peak_memory_bytes"] > 0 and r["mfu"] > 0 and r["state_bytes_per_param"] > 0
+    assert f"| frugality ({name}, 2 ranks) | fp32 | O0 | 4 × 16 |" in (tmp_path / "t.md").read_text()
+    assert "(rank 0) |" in (tmp_path / "t.md").read_text()
+
+
+def test_bench_train_over_ranks_refuses_what_the_ranks_would(micro_recipe_file, capsys):
+    """Each refusal in one line before any rank starts: peers and XLA race in one process,
+    more ranks than cores, a layout the ranks would refuse."""
+    recipe = str(micro_recipe_file)
+    cases = [
+        (["--nproc", "2", "--baseline", "transformers"], "--nproc 2 with --baseline: over ranks frugality alone runs"),
+        (["--nproc", "2", "--only", "litgpt"], "--nproc 2 with --only litgpt: over ranks frugality alone runs"),
+        (["--nproc", "0"], "--nproc 0: a positive number of processes"),
+        (["--nproc", "4096"], "--nproc 4096: this machine has"),
+        (["--nproc", "2", "--set", "parallel.tensor=3"], "parallel.tensor 3"),
+        (["--nproc", "2", "--set", "parallel.tensor=2", "--set", "compile.level=O1"], "compile.level O1 does not run"),
+    ]
+    for extra, line in cases:
+        assert main(["bench", "train", recipe, "--set", "compile.level=O0", *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert line in err and err.count("\n") == 1, (extra, err)
 
 
 def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):

@@ -7,6 +7,11 @@ length and precision class, one step each in turn (A B C A B C ...) after warm-u
 alike; the table reports medians. Peak memory is measured per implementation in a fresh
 subprocess, since a process's peak cannot be split between models living in it. A peer
 that cannot run here is a row saying why.
+
+Over ranks (`bench train --nproc N`, each rank a process torchrun starts), frugality alone
+runs the recipe's layout as `train` does (its data-parallel strategy, tensor and pipeline
+degrees); a step's time is the slowest rank's, tokens/s count every data-parallel rank's
+batch, and the peak memory is rank 0's own (its process trained frugality alone).
 """
 
 from __future__ import annotations
@@ -18,14 +23,18 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 
+from frugality import distributed
 from frugality.backends import backend
 from frugality.bench.peers import PeerUnavailable, build_peer
+from frugality.bench.scale import layout_name
 from frugality.config.recipe import Recipe
+from frugality.distributed import World
 from frugality.hardware import device_name
 from frugality.metrics.flops import training_flops_per_token
 from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
@@ -68,37 +77,68 @@ class BenchRow:
     versus: str | None = None  # frugality's row: the peer its speedup is against
     skipped: str | None = None  # why the implementation did not run here
     activation_checkpointing: str = "none"  # the blocks recomputed in backward: none, selective, full
+    ranks: int = 1  # processes the implementation ran over (torchrun's ranks)
+    layout: str | None = None  # over ranks: the layout, e.g. "tp2 x ddp2"; `batch` is each data-parallel rank's
+    rank_parameters: int | None = None  # over ranks: the parameters rank 0 holds (its shard, its stage)
+
+
+class Runner(NamedTuple):
+    step: Callable[[torch.Tensor], float | None]  # one optimizer step over a batch
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    session: object | None  # frugality's compile session
+    compiles: bool
+    # the whole model's non-embedding parameters where `model` is this rank's part of it
+    # (a pipeline stage's), for the FLOPs of a token
+    parameters: int | None = None
+    world: World = World()  # the ranks and degrees it runs over, as its layout resolved them
 
 
 def make_runner(
-    impl: str, recipe: Recipe, precision: str, device: torch.device, batch: int, seq: int, stack: contextlib.ExitStack
-):
+    impl: str,
+    recipe: Recipe,
+    precision: str,
+    device: torch.device,
+    batch: int,
+    seq: int,
+    stack: contextlib.ExitStack,
+    world: World = World(),
+) -> Runner:
     """A `step(batch) -> loss` closure, the objects it trains, its compile session (frugality)
     and whether it compiles. frugality's come from the same builder as `frugality train`
-    (`build_state`), at the recipe's `compile.level`, its compile session active until
-    `stack` closes; a peer's from `frugality.bench.peers` (raising PeerUnavailable where it
-    cannot run)."""
+    (`build_state` over the layout of `world`'s ranks), at the recipe's `compile.level`, its
+    compile session active until `stack` closes; a peer's from `frugality.bench.peers`
+    (raising PeerUnavailable where it cannot run)."""
     torch.manual_seed(recipe.seed)
     if impl == "frugality":
-        state = build_state(plan_layout(for_shape(recipe, precision, batch, seq), device))
+        layout = plan_layout(for_shape(recipe, precision, batch, seq, world), device, world)
+        state = build_state(layout)
         model, optimizer, session = state.model, state.optimizer, state.compiled
         stack.enter_context(session.active(model))
         reset = lambda: optimizer.zero_grad(set_to_none=True)
         numbers = itertools.count(1)  # step numbers for the guard's messages
-        step = lambda b: session.run("train", next(numbers), lambda: train_step(state, [b]), reset)[0]
-        return step, model, optimizer, session, session.enabled
+        micro = layout.recipe.data.micro_batch_size  # (a pipeline's schedule takes the batch in these)
+        run = lambda b: train_step(state, list(b.split(micro)))
+        step = lambda b: session.run("train", next(numbers), lambda: run(b), reset)[0]
+        whole = state.pipeline.non_embedding_parameters if state.pipeline is not None else None
+        return Runner(step, model, optimizer, session, session.enabled, whole, layout.world)
     peer = build_peer(impl, recipe, precision, device)
-    return peer.step, peer.model, peer.optimizer, None, peer.compiled
+    return Runner(peer.step, peer.model, peer.optimizer, None, peer.compiled)
 
 
-def for_shape(recipe: Recipe, precision: str, batch: int, seq: int) -> Recipe:
-    """`recipe` at `precision`, training one micro-batch of `batch` x `seq` tokens a step, in
-    one process (a recipe's tensor and pipeline degrees and SPMD set aside, as before the
-    layout checked them: `bench scale` times layouts)."""
-    data = recipe.data.model_copy(update={"micro_batch_size": batch, "global_batch_size": batch, "seq_len": seq})
-    parallel = recipe.parallel.model_copy(
-        update={"tensor": 1, "pipeline": 1, "pipeline_microbatches": None, "spmd": False}
+def for_shape(recipe: Recipe, precision: str, batch: int, seq: int, world: World = World()) -> Recipe:
+    """`recipe` at `precision`, each data-parallel rank training `batch` x `seq` tokens a
+    step. In one process, one micro-batch of them (a recipe's tensor and pipeline degrees
+    and SPMD set aside: one process's race); over ranks, the recipe's layout, its parallel
+    degrees kept (a pipeline's schedule splits the batch into its micro-batches)."""
+    data_ranks = world.world_size // (recipe.parallel.tensor * recipe.parallel.pipeline) if world.distributed else 1
+    data = recipe.data.model_copy(
+        update={"micro_batch_size": batch, "global_batch_size": batch * max(1, data_ranks), "seq_len": seq}
     )
+    parallel = recipe.parallel
+    if not world.distributed:
+        one = {"tensor": 1, "pipeline": 1, "pipeline_microbatches": None, "spmd": False}
+        parallel = parallel.model_copy(update=one)
     train = recipe.train.model_copy(update={"precision": precision})
     return recipe.model_copy(update={"data": data, "train": train, "parallel": parallel})
 
@@ -129,6 +169,11 @@ def bench_train(
     `peer_precisions[peer]`, else at `baseline` when given (e.g. frugality's bf16-sr against
     amp-bf16, the usual way to train the peers), else at the pass's precision."""
     device = resolve_device(recipe.train.device, what="frugality bench")
+    world = distributed.world_from_env()
+    if world.distributed:  # a rank of `bench train --nproc N`: frugality alone, at the recipe's layout
+        assert tuple(impls) == ("frugality",), "over ranks, frugality alone runs"
+        world = distributed.init(device, recipe.parallel.timeout_s)
+        device = distributed.local_device(device, world)
     if backend(device).host_memory:
         # as `train` runs without activation checkpointing, for every implementation (one
         # setting a process: a checkpointing mode's steps are timed with freed memory kept
@@ -151,12 +196,13 @@ def bench_train(
                 peer_precisions,
                 device,
                 stack,
+                world,
             )
     return rows
 
 
 def _bench_pass(
-    recipe, precision, batch, seq, steps, warmup, impls, memory, baseline, log, peer_precisions, device, stack
+    recipe, precision, batch, seq, steps, warmup, impls, memory, baseline, log, peer_precisions, device, stack, world
 ) -> list[BenchRow]:
     """One precision's pass: every implementation's steps, alternating, and their rows."""
     rows = []
@@ -170,16 +216,20 @@ def _bench_pass(
     runners, skipped = {}, {}
     for impl in impls:
         try:
-            runners[impl] = make_runner(impl, recipe, impl_precision[impl], device, batch, seq, stack)
+            runners[impl] = make_runner(impl, recipe, impl_precision[impl], device, batch, seq, stack, world)
         except PeerUnavailable as e:
             skipped[impl] = str(e)
             log(f"{impl:21} skipped: {e}")
     running = [impl for impl in impls if impl in runners]
+    first = runners[running[0]] if running else None
+    m = recipe.model
     flops_per_token = (
-        training_flops_per_token(runners[running[0]][1], recipe.model.num_layers, recipe.model.hidden_size, seq)
-        if running
-        else 0.0
+        training_flops_per_token(first.model, m.num_layers, m.hidden_size, seq, first.parameters) if first else 0.0
     )
+    # over ranks: every data-parallel rank's batch a step, against every device's peak
+    built = runners["frugality"].world if "frugality" in runners else world  # (degrees as the layout resolved them)
+    data_ranks = built.data_size
+    layout = layout_name(built.tensor, built.pipeline, data_ranks, recipe.parallel.data) if world.distributed else None
     times: dict[str, list[float]] = {impl: [] for impl in running}
     warmup_s = {impl: 0.0 for impl in running}
     dtypes = {impl: _policy(impl, impl_precision[impl], device).compute_dtype for impl in running}
@@ -193,6 +243,8 @@ def _bench_pass(
             # a compiled peer's graphs are its own, not frugality's (counted, published)
             with ours.outside() if ours is not None and impl != "frugality" else contextlib.nullcontext():
                 _sync(device)
+                if world.distributed:  # every rank starts the step together
+                    torch.distributed.barrier()
                 t0 = time.perf_counter()
                 try:
                     step(data)
@@ -213,6 +265,8 @@ def _bench_pass(
             for dtype, probe in probes.items():
                 probe_rates[dtype].append(probe.sample())
     del probes
+    if world.distributed:  # a step of the layout lasts as long as its slowest rank's
+        times = {impl: _slowest(times[impl]) for impl in running}
     for impl in impls:
         if impl in skipped:
             rows.append(
@@ -232,13 +286,20 @@ def _bench_pass(
                 )
             )
             continue
-        _, model, optimizer, _, compiles = runners[impl]
+        model, optimizer, compiles = runners[impl].model, runners[impl].optimizer, runners[impl].compiles
         recomputes = checkpointing_of(model)
         median = statistics.median(times[impl])
-        tokens_per_s = batch * seq / median
-        peak = peak_flops(device, dtypes[impl])
-        pass_peak = statistics.median(probe_rates[dtypes[impl]])
-        mem = _peak_memory_subprocess(impl, recipe, impl_precision[impl], batch, seq) if memory else None
+        tokens_per_s = batch * seq * data_ranks / median
+        devices = world.world_size  # tokens/s are every rank's: against every device's peak
+        peak = peak_flops(device, dtypes[impl]) * devices
+        pass_peak = statistics.median(probe_rates[dtypes[impl]]) * devices
+        mem = None
+        if memory:  # a rank's process trained frugality alone: its own peak is the rank's
+            mem = (
+                peak_memory_bytes(device)
+                if world.distributed
+                else _peak_memory_subprocess(impl, recipe, impl_precision[impl], batch, seq)
+            )
         rows.append(
             BenchRow(
                 impl=impl,
@@ -250,7 +311,7 @@ def _bench_pass(
                 mfu=_significant(mfu(flops_per_token * tokens_per_s, peak)),
                 peak_memory_bytes=mem,
                 state_bytes_per_param=round(
-                    training_state_bytes(model, optimizer) / sum(p.numel() for p in model.parameters()), 2
+                    training_state_bytes(model, optimizer) / sum(_local_numel(p) for p in model.parameters()), 2
                 ),
                 steps=steps,
                 device=device_name(device),
@@ -260,6 +321,9 @@ def _bench_pass(
                 mfu_vs_pass_peak=_significant(mfu(flops_per_token * tokens_per_s, pass_peak)),
                 warmup_s=round(warmup_s[impl], 2),
                 activation_checkpointing=recomputes,
+                ranks=world.world_size,
+                layout=layout,
+                rank_parameters=sum(_local_numel(p) for p in model.parameters()) if world.distributed else None,
             )
         )
         log(
@@ -268,6 +332,20 @@ def _bench_pass(
         )
     _speedups({r.impl: r for r in rows[len(rows) - len(impls) :] if r.skipped is None}, times)
     return rows
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    """The elements this rank holds (a tensor-parallel or FSDP2 shard's, not the whole's)."""
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def _slowest(times: list[float]) -> list[float]:
+    """Each step's time on the slowest rank (gathered from every rank)."""
+    gathered: list[list[float] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, times)
+    return [max(step) for step in zip(*(t for t in gathered if t is not None), strict=True)]
 
 
 def _speedups(pass_rows: dict[str, BenchRow], times: dict[str, list[float]]) -> None:
@@ -343,14 +421,17 @@ def markdown_table(rows: list[BenchRow]) -> str:
             lines.append(f"| {r.impl} | {r.precision} | | {r.batch} × {r.seq} | not run: {r.skipped} |" + " |" * 7)
             continue
         mem = f"{r.peak_memory_bytes / 2**30:.2f}" if r.peak_memory_bytes else "n/a"
+        if r.layout and r.peak_memory_bytes:
+            mem += " (rank 0)"
         speedup = f"{r.speedup:.2f}×" if r.speedup else ""
         if r.speedup_pairs:
             q1, median, q3 = r.speedup_pairs
             speedup += f" (pairs {median:.2f}×, {q1:.2f}–{q3:.2f})"
         if r.versus:
             speedup += f" vs {r.versus}"
+        impl = f"{r.impl} ({r.layout}, {r.ranks} ranks)" if r.layout else r.impl
         lines.append(
-            f"| {r.impl} | {r.runs_as or r.precision} | {r.compile_level or 'eager'}{_recompute(r)} | "
+            f"| {impl} | {r.runs_as or r.precision} | {r.compile_level or 'eager'}{_recompute(r)} | "
             f"{r.batch} × {r.seq} | "
             f"{r.tokens_per_s:,.0f} | {speedup} | {r.step_time_s:.3f} | {_percent(r.mfu)} | "
             f"{_percent(r.mfu_vs_pass_peak)} ({_gflops(r.pass_peak_flops)}) | "

@@ -72,6 +72,14 @@ def _write(table: str, rows_json: str, markdown_path, json_path) -> None:
 )
 @click.option("--no-memory", is_flag=True, help="Skip the peak-memory subprocesses.")
 @click.option(
+    "--nproc",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Processes on this machine to run the recipe's layout over (parallel.*, as train --nproc; "
+    "frugality alone: its peers race in one process).",
+)
+@click.option(
     "--device",
     type=click.Choice(["xla"]),
     help="xla: XLA beside the CPU backend, eager and compiled, each a fresh training run (.venv-xla; docs/xla.md).",
@@ -89,6 +97,7 @@ def bench_train(
     only,
     baseline,
     no_memory,
+    nproc,
     device,
     overrides,
     json_path,
@@ -97,12 +106,25 @@ def bench_train(
     """Training throughput of frugality against its peers (transformers' GPTNeoXForCausalLM +
     AdamW eager or compiled, litgpt, ...) on RECIPE's architecture, alternating steps in one
     process; medians of --steps. A peer that cannot run here is a row saying why. With
-    --device xla: frugality on XLA, on the CPU eager and on the CPU compiled (O1)."""
+    --nproc N: frugality alone at the recipe's layout over N ranks (data, tensor and pipeline
+    parallel, as train --nproc N runs it). With --device xla: frugality on XLA, on the CPU
+    eager and on the CPU compiled (O1)."""
+    from frugality import distributed
     from frugality.bench.peers import PEERS, parse_baselines
     from frugality.bench.train import bench_train as run
     from frugality.bench.train import markdown_table, rows_json
     from frugality.errors import UserError
 
+    distributed.follow_launcher()  # a rank of --nproc N: end with the launcher
+    rank = distributed.world_from_env()
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc}: a positive number of processes")
+    if nproc > 1 and (device or only not in (None, "frugality") or baseline):
+        given = "--device xla" if device else "--baseline" if baseline else f"--only {only}"
+        raise UserError(
+            f"--nproc {nproc} with {given}: over ranks frugality alone runs (its peers race in one process, "
+            "XLA trains in one process); drop one of them"
+        )
     if device == "xla":
         if only or baseline or no_memory:
             raise UserError(
@@ -121,12 +143,16 @@ def bench_train(
         )
     p = resolved.parallel
     aside = [f"parallel.tensor {p.tensor}"] * (p.tensor > 1) + [f"parallel.pipeline {p.pipeline}"] * (p.pipeline > 1)
-    if aside:  # (said, not silently dropped: the rows are one process's)
+    if aside and nproc == 1 and not rank.distributed:  # (said, not silently dropped: the rows are one process's)
         click.echo(
-            f"bench train races one process: {' and '.join(aside)} set aside (frugality bench scale "
-            f"--tensor/--pipeline times the layout over ranks)",
+            f"bench train races one process: {' and '.join(aside)} set aside (--nproc N times frugality "
+            "at the layout over N ranks)",
             err=True,
         )
+    if nproc > 1 and not rank.distributed:  # the same command in N ranks, checked first as train checks
+        _launch_bench_ranks(resolved, names, batch, seq, nproc)
+    if rank.distributed:
+        only = "frugality"
     peers = parse_baselines(baseline)
     impls = ("frugality", *dict.fromkeys(name for name, _ in peers))
     if only:
@@ -154,9 +180,27 @@ def bench_train(
         impls=impls,
         peer_precisions={name: p for name, p in peers if p},
         memory=not no_memory,
-        log=lambda line: click.echo(line, err=True),
+        log=lambda line: click.echo(line, err=True) if rank.is_main else None,
     )
-    _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
+    distributed.shutdown()
+    if rank.is_main:
+        _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
+
+
+def _launch_bench_ranks(recipe, precisions: list[str], batch: int, seq: int, nproc: int) -> None:
+    """`bench train` again in `nproc` ranks as torchrun starts them, after the layout each
+    pass runs is checked over them (one line, before any rank starts); exits with theirs."""
+    import sys
+
+    from frugality import distributed
+    from frugality.bench.train import for_shape
+    from frugality.distributed import World
+    from frugality.runtime.layout import check_ranks
+
+    for precision in precisions:
+        check_ranks(for_shape(recipe, precision, batch, seq, World(0, nproc)), nproc)
+    argv = click.get_current_context().find_root().obj["argv"]
+    sys.exit(distributed.launch_local(nproc, [*argv, "--nproc", "1"], recipe.parallel.timeout_s))
 
 
 def _bench_xla(recipe, precisions, batch, seq, steps, warmup, overrides, json_path, markdown_path) -> None:

@@ -77,7 +77,9 @@ def train(
     if not distributed.world_from_env().distributed:  # (a rank: its launcher checked)
         check_run_dir(where, fresh)  # before any process starts or anything is written
     if nproc > 1:  # what would stop every rank is said once, here, before any starts
-        _check_ranks(resolved, nproc, resume_optimizer)
+        from frugality.runtime.layout import check_ranks
+
+        check_ranks(resolved, nproc, resume_optimizer)
     # The command as given, for the processes that run it again: a later option wins over an
     # earlier one, so each adds only what differs for it.
     argv = click.get_current_context().find_root().obj["argv"]
@@ -130,21 +132,6 @@ def train(
         click.echo(cost_line(s["cost"]))
     if result.interrupted:
         sys.exit(130)
-
-
-def _check_ranks(recipe, nproc: int, resume_optimizer: bool) -> None:
-    """Refuse, in one line, --nproc beyond this machine's devices (CPU: its cores), and any
-    layout the ranks would refuse (`runtime.layout`'s rules, as a dry run over `nproc`
-    ranks: the batch they share, tensor and pipeline degrees, precision; not the memory,
-    which each rank weighs where it runs)."""
-    from frugality.distributed import World
-    from frugality.runtime.device import check_local_processes, resolve_device
-    from frugality.runtime.layout import check_recipe, plan_layout
-
-    device = resolve_device(recipe.train.device, xla_ok=True)
-    check_local_processes(device, nproc)
-    check_recipe(recipe, device)
-    plan_layout(recipe, device, World(0, nproc), resume_optimizer, fit=False)
 
 
 def _retrieval(metrics: dict) -> str:

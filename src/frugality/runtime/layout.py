@@ -31,7 +31,7 @@ from frugality.errors import UserError
 from frugality.kernels.dispatch import disabled as disabled_kernels
 from frugality.metrics.prices import check_cost
 from frugality.precision import PrecisionPolicy, resolve_policy
-from frugality.runtime.device import names_xla, resolve_device
+from frugality.runtime.device import check_local_processes, names_xla, resolve_device
 from frugality.runtime.plan import fit_memory
 from frugality.tasks import Task, get_task, task_for
 
@@ -150,6 +150,18 @@ def check_layout(recipe: Recipe, device: torch.device, world: World, resume_opti
     if recipe.train.precision == "amp-fp16":
         check_loss_scaling(recipe, world)
     return FittedBatch(recipe, loads, world, task, tuple(notes))
+
+
+def check_ranks(recipe: Recipe, nproc: int, resume_optimizer: bool = False) -> None:
+    """Before a launcher starts `nproc` local ranks (`train --nproc`, `bench train --nproc`):
+    refuse, in one line, more ranks than this machine has devices for (CPU: its cores), and
+    any layout the ranks would refuse (`plan_layout`'s rules as a dry run over `nproc` ranks:
+    the batch they share, tensor and pipeline degrees, precision; not the memory, which each
+    rank weighs where it runs)."""
+    device = resolve_device(recipe.train.device, xla_ok=True)
+    check_local_processes(device, nproc)
+    check_recipe(recipe, device)
+    plan_layout(recipe, device, World(0, nproc), resume_optimizer, fit=False)
 
 
 def check_recipe(recipe: Recipe, device: torch.device) -> None:
