@@ -114,6 +114,30 @@ def test_plan_command_prints_rows_and_refuses_bad_input(micro_recipe_file, tmp_p
     assert "--strategy zero: choose from ddp, fsdp, hsdp" in capsys.readouterr().err
 
 
+def test_plan_counts_the_micro_batch_the_ranks_take_and_refuses_what_they_would(micro_recipe_file, tmp_path, capsys):
+    """Through the layout's rules: 4 ranks share the micro recipe's global batch of 4, a
+    sample each (the recipe's micro-batch of 2 would not divide it), so a rank's activations
+    are counted for 1; a layout the ranks refuse is that line, naming it."""
+    out = tmp_path / "plan.json"
+    args = ["plan", str(micro_recipe_file), "--nproc", "1,4", "--strategy", "ddp", "--checkpointing", "none"]
+    assert main([*args, "--json", str(out)]) == 0
+    one, four = json.loads(out.read_text())
+    assert (one["micro_batch"], four["micro_batch"]) == (2, 1)
+    assert four["activations"] == pytest.approx(one["activations"] / 2, rel=0.02)
+    assert "(b=1, s=32)" in capsys.readouterr().out
+    assert main(["plan", str(micro_recipe_file), "--nproc", "3", "--tensor", "3"]) == 2
+    assert "error: --nproc 3 --strategy ddp: parallel.tensor 3: the model's 4 heads" in capsys.readouterr().err
+    overrides = ["--set", "train.precision=amp-fp16"]
+    assert main(["plan", str(micro_recipe_file), "--nproc", "2", "--pipeline", "2", *overrides]) == 2
+    assert (
+        "--nproc 2 --strategy ddp: train.precision amp-fp16 (loss scaling) does not run with pipeline parallel yet"
+        in capsys.readouterr().err
+    )
+    # a compiled recipe's layout is planned as it runs, eagerly, and the line says so
+    assert main(["plan", str(micro_recipe_file), "--nproc", "2", "--tensor", "2", "--set", "compile.level=O1"]) == 0
+    assert "compile.level O1: planned at O0, as tensor and pipeline parallel run" in capsys.readouterr().out
+
+
 def test_the_model_parallel_plans_in_the_docs_are_the_commands_rows(capsys):
     """docs/distributed.md's tables under `--tensor T --pipeline P`: each is what its command
     prints now (the issue's GPT-NeoX-20B at TP 8 x PP 4 on 32 devices of 32 and 80 GB)."""

@@ -54,19 +54,25 @@ def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, modes, overri
     )
     if json_path and Path(json_path).exists():
         raise UserError(f"--json {json_path}: exists; choose another path or remove it")
-    plans = []
+    plans, notes = [], dict[str, None]()  # (notes in order, once each)
     for n in counts:
-        data_ranks = n // (tensor * pipeline) if n % (tensor * pipeline) == 0 else n
+        if n % (tensor * pipeline):
+            raise UserError(f"--tensor {tensor} x --pipeline {pipeline}: must divide --nproc ({n})")
+        data_ranks = n // (tensor * pipeline)
         for strategy in names if data_ranks > 1 else names[:1]:  # one data-parallel rank: no strategy applies
             memory = int(memory_gib * 2**30) if memory_gib else _device_memory(n)
+            # the run the ranks would make of it (`runtime.layout`'s rules, its micro-batch fitted
+            # to them), or the line they would refuse it with
+            ranks, note = _as_the_ranks_run(resolved, n, strategy, tensor, pipeline)
+            notes.update({note: None} if note else {})
             for mode in checkpointing:
                 if tensor > 1 or pipeline > 1:
-                    plans.append(
-                        plan_model_parallel(resolved, n, strategy, tensor, pipeline, memory, checkpointing=mode)
-                    )
+                    plans.append(plan_model_parallel(ranks, n, strategy, tensor, pipeline, memory, checkpointing=mode))
                 else:
-                    plans.append(plan_memory(resolved, n, strategy, memory, checkpointing=mode))
+                    plans.append(plan_memory(ranks, n, strategy, memory, checkpointing=mode))
     click.echo(markdown_rows(plans))
+    for line in notes:
+        click.echo(line)
     if resolved.train.precision == "auto":
         click.echo(
             "train.precision auto: planned as bf16-sr, what it picks where bf16 products are native "
@@ -81,6 +87,33 @@ def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, modes, overri
         from frugality.paths import write_atomically
 
         write_atomically(json_path, json.dumps([p.as_dict() for p in plans], indent=1) + "\n")
+
+
+def _as_the_ranks_run(recipe, nproc: int, strategy: str, tensor: int, pipeline: int):
+    """`recipe` as `nproc` ranks of `strategy`, `tensor` and `pipeline` would run it: the
+    layout's rules (`runtime.layout.check_layout`; a device of the recipe's kind is enough),
+    each refusal one line naming the layout; the micro-batch fitted to the data-parallel
+    ranks (and a pipeline's schedule) as the run fits it. Under tensor or pipeline parallel
+    the blocks run eagerly: a compiled recipe is planned at compile.level O0 (the layout
+    variants set it), said in the returned note."""
+    from frugality.distributed import World
+    from frugality.errors import UserError
+    from frugality.runtime.device import resolve_device
+    from frugality.runtime.layout import check_layout
+
+    parallel = recipe.parallel.model_copy(update={"data": strategy, "tensor": tensor, "pipeline": pipeline})
+    asked = recipe.model_copy(update={"parallel": parallel})
+    note = None
+    if (tensor > 1 or pipeline > 1) and recipe.compile.level != "O0":
+        asked = asked.model_copy(update={"compile": recipe.compile.model_copy(update={"level": "O0"})})
+        note = (
+            f"compile.level {recipe.compile.level}: planned at O0, as tensor and pipeline parallel run "
+            "(--set compile.level=O0 in the run)"
+        )
+    try:
+        return check_layout(asked, resolve_device(recipe.train.device, xla_ok=True), World(0, nproc)).recipe, note
+    except UserError as e:
+        raise UserError(f"--nproc {nproc} --strategy {strategy}: {e}") from None
 
 
 def _device_memory(nproc: int) -> int:
