@@ -355,6 +355,13 @@ def run(*args, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
     return _server(os.environ if env is None else env)(*args, env=env, **kw)
 
 
+_TORCHRUN = (
+    "import sys; from torch.distributed.run import get_args_parser, run; n = int(sys.argv[1]); "
+    "config = get_args_parser().parse_args(sys.argv[2 : 2 + n]); config.training_script_args = sys.argv[2 + n :]; "
+    "run(config)"
+)
+
+
 def ranks(
     nproc: int, *args, cwd=None, env: dict | None = None, timeout: float = 600, script=None
 ) -> subprocess.CompletedProcess:
@@ -373,10 +380,12 @@ def ranks(
     env.setdefault("OMP_NUM_THREADS", "1")  # (torchrun's default for several ranks a node)
     server = _server(env)
     if not server.forkable(env) or server.server.poll() is not None:
+        # torchrun's own launcher, the command's arguments given to it apart, as
+        # `distributed.launch_local` gives them: through torchrun's parser, one such as
+        # `--nproc` would read as an abbreviation of its own options
+        launcher = ["--standalone", f"--nproc_per_node={nproc}", *([str(script)] if script else ["-m", "frugality"])]
         return subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-            + ([str(script)] if script else ["-m", "frugality"])
-            + args,
+            [sys.executable, "-c", _TORCHRUN, str(len(launcher)), *launcher, *args],
             cwd=cwd,
             env=env,
             capture_output=True,

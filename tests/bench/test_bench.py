@@ -196,18 +196,34 @@ def test_bench_train_says_it_sets_a_recipes_parallel_degrees_aside(micro_recipe_
     ],
     ids=["tp2", "pp2", "fsdp2"],
 )
-def test_bench_train_over_ranks_times_the_recipes_layout(micro_recipe_file, tmp_path, layout, name, shares, precisions):
-    """`bench train --nproc 2`'s ranks (forked as torchrun starts them; the launcher is
-    train's, tested in tests/distributed/): frugality at the recipe's layout, its row naming
-    the layout the state was built at; rank 0 holds its share of the model, the tokens count
-    every data-parallel rank's batch, the step is the slowest rank's."""
+def test_bench_train_over_ranks_times_the_recipes_layout(
+    micro_recipe_file, tmp_path, monkeypatch, layout, name, shares, precisions
+):
+    """`bench train --nproc 2`: its checks, then a launch a precision, each of ranks forked as
+    torchrun starts them (torchrun itself is train's launcher, tested in tests/distributed/);
+    frugality at the recipe's layout, its row naming the layout the state was built at; rank
+    0 holds its share of the model, the tokens count every data-parallel rank's batch."""
     import forked_cli
 
+    import frugality.distributed
+
+    launches = []
+
+    def launch_local(nproc, args, timeout_s=None):
+        launches.append(args)
+        done = forked_cli.ranks(nproc, *args)
+        print(done.stdout, done.stderr)  # (shown where the test fails)
+        return done.returncode
+
+    monkeypatch.setattr(frugality.distributed, "launch_local", launch_local)
     out = tmp_path / "rows.json"
     sets = [a for s in ["compile.level=O0", *layout] for a in ("--set", s)]
     args = ["bench", "train", str(micro_recipe_file), *sets, "--precision", precisions, "--batch", "4", "--seq", "16"]
-    done = forked_cli.ranks(2, *args, "--steps", "2", "--warmup", "1", "--json", out, "--markdown", tmp_path / "t.md")
-    assert done.returncode == 0, done.stderr
+    assert (
+        main([*args, "--nproc", "2", "--steps", "2", "--warmup", "1", "--json", out, "--markdown", tmp_path / "t.md"])
+        == 0
+    )
+    assert [a[a.index("--precision", len(args)) + 1] for a in launches] == precisions.split(",")  # one a precision
     rows = json.loads(out.read_text())
     from frugality.config.recipe import load_recipe
     from frugality.models import build_model
@@ -219,13 +235,21 @@ def test_bench_train_over_ranks_times_the_recipes_layout(micro_recipe_file, tmp_
         assert r["tokens_per_s"] == pytest.approx(shares * 4 * 16 / r["step_time_s"], rel=1e-3)
         assert 0 < r["rank_parameters"] < whole * 0.75  # a share, not the whole model
         assert r["peak_memory_bytes"] > 0 and r["mfu"] > 0 and r["state_bytes_per_param"] > 0
-    assert f"| frugality ({name}, 2 ranks) | fp32 | O0 | 4 × 16 |" in (tmp_path / "t.md").read_text()
-    assert "(rank 0) |" in (tmp_path / "t.md").read_text()
+    table = (tmp_path / "t.md").read_text()
+    assert f"| frugality ({name}, 2 ranks) | fp32 | O0 | 4 × 16 |" in table and "(heaviest rank) |" in table
 
 
-def test_bench_train_over_ranks_refuses_what_the_ranks_would(micro_recipe_file, capsys):
+def test_over_ranks_a_step_is_the_slowest_ranks_and_the_peak_the_heaviest():
+    from frugality.bench.train import _across_ranks
+
+    everyone = [([0.5, 0.7], 1.0, 300), ([0.6, 0.4], 2.0, 500), ([0.1, 0.2], 0.5, None)]
+    assert _across_ranks([0.5, 0.7], 1.0, 300, gather=lambda mine: everyone) == ([0.6, 0.7], 2.0, 500)
+
+
+def test_bench_train_over_ranks_refuses_what_the_ranks_would(micro_recipe_file, capsys, monkeypatch):
     """Each refusal in one line before any rank starts: peers and XLA race in one process,
-    more ranks than cores, a layout the ranks would refuse."""
+    more ranks than cores, a layout the ranks would refuse, a compiled first step timed; a
+    rank (as an outside torchrun starts it) runs one precision."""
     recipe = str(micro_recipe_file)
     cases = [
         (["--nproc", "2", "--baseline", "transformers"], "--nproc 2 with --baseline: over ranks frugality alone runs"),
@@ -234,26 +258,18 @@ def test_bench_train_over_ranks_refuses_what_the_ranks_would(micro_recipe_file, 
         (["--nproc", "4096"], "--nproc 4096: this machine has"),
         (["--nproc", "2", "--set", "parallel.tensor=3"], "parallel.tensor 3"),
         (["--nproc", "2", "--set", "parallel.tensor=2", "--set", "compile.level=O1"], "compile.level O1 does not run"),
+        (["--nproc", "2", "--set", "compile.level=O1", "--warmup", "0"], "--warmup 0: frugality compile in"),
     ]
     for extra, line in cases:
-        assert main(["bench", "train", recipe, "--set", "compile.level=O0", *extra]) == 2, extra
+        args = ["bench", "train", recipe, "--set", "compile.level=O0", "--set", "train.device=cpu", *extra]
+        assert main(args) == 2, extra
         err = capsys.readouterr().err
         assert line in err and err.count("\n") == 1, (extra, err)
-
-
-def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
-    assert main(["bench", "train", str(micro_recipe_file), "--precision", "fp16"]) == 2
-    assert "choose one of" in capsys.readouterr().err
-    assert main(["bench", "train", str(micro_recipe_file), "--seq", "4096"]) == 2
-    assert "exceeds model.max_seq_len" in capsys.readouterr().err
-    assert main(["bench", "train", str(micro_recipe_file), "--baseline", "fp17"]) == 2
-    assert "choose peers from transformers, transformers-compiled, litgpt" in capsys.readouterr().err
-    assert main(["bench", "train", str(micro_recipe_file), "--baseline", "litgpt:fp17"]) == 2
-    assert "unknown precision 'fp17'" in capsys.readouterr().err
-    assert main(["bench", "train", str(micro_recipe_file), "--baseline", "litgpt,litgpt:amp-bf16"]) == 2
-    assert "names litgpt twice" in capsys.readouterr().err
-    assert main(["bench", "train", str(micro_recipe_file), "--baseline", "litgpt", "--warmup", "0"]) == 2
-    assert "litgpt compile in their first step" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a rank of an outside torchrun
+    assert main(["bench", "train", recipe, "--baseline", "transformers"]) == 2
+    assert "--nproc 2 with --baseline: over ranks frugality alone runs" in capsys.readouterr().err
+    assert main(["bench", "train", recipe, "--precision", "fp32,bf16-sr"]) == 2
+    assert "--precision fp32,bf16-sr over ranks: one precision a launch" in capsys.readouterr().err
 
 
 class _Forked:

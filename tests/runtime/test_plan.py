@@ -117,7 +117,8 @@ def test_plan_command_prints_rows_and_refuses_bad_input(micro_recipe_file, tmp_p
 def test_plan_counts_the_micro_batch_the_ranks_take_and_refuses_what_they_would(micro_recipe_file, tmp_path, capsys):
     """Through the layout's rules: 4 ranks share the micro recipe's global batch of 4, a
     sample each (the recipe's micro-batch of 2 would not divide it), so a rank's activations
-    are counted for 1; a layout the ranks refuse is that line, naming it."""
+    are counted for 1; a layout the ranks refuse is that line, naming it, beside the others'
+    rows (the error itself when no layout is left)."""
     out = tmp_path / "plan.json"
     args = ["plan", str(micro_recipe_file), "--nproc", "1,4", "--strategy", "ddp", "--checkpointing", "none"]
     assert main([*args, "--json", str(out)]) == 0
@@ -126,11 +127,18 @@ def test_plan_counts_the_micro_batch_the_ranks_take_and_refuses_what_they_would(
     assert four["activations"] == pytest.approx(one["activations"] / 2, rel=0.02)
     assert "(b=1, s=32)" in capsys.readouterr().out
     assert main(["plan", str(micro_recipe_file), "--nproc", "3", "--tensor", "3"]) == 2
-    assert "error: --nproc 3 --strategy ddp: parallel.tensor 3: the model's 4 heads" in capsys.readouterr().err
+    assert "error: --nproc 3 (tp3): parallel.tensor 3: the model's 4 heads" in capsys.readouterr().err
+    assert main(["plan", str(micro_recipe_file), "--nproc", "1,8", "--strategy", "ddp,fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "| micro | " in out and "| none | 1 |" in out and "| ddp | 8 |" not in out
+    assert "not planned: --nproc 8 (ddp8): data.global_batch_size (4) cannot be shared evenly by 8" in out
+    assert "not planned: --nproc 8 (fsdp8): " in out
+    # the rules of the recipe's kind of device, which need not be here
+    assert main(["plan", str(micro_recipe_file), "--nproc", "2", "--tensor", "2", "--set", "train.device=cuda"]) == 0
     overrides = ["--set", "train.precision=amp-fp16"]
     assert main(["plan", str(micro_recipe_file), "--nproc", "2", "--pipeline", "2", *overrides]) == 2
     assert (
-        "--nproc 2 --strategy ddp: train.precision amp-fp16 (loss scaling) does not run with pipeline parallel yet"
+        "--nproc 2 (pp2): train.precision amp-fp16 (loss scaling) does not run with pipeline parallel yet"
         in capsys.readouterr().err
     )
     # a compiled recipe's layout is planned as it runs, eagerly, and the line says so

@@ -8,10 +8,12 @@ alike; the table reports medians. Peak memory is measured per implementation in 
 subprocess, since a process's peak cannot be split between models living in it. A peer
 that cannot run here is a row saying why.
 
-Over ranks (`bench train --nproc N`, each rank a process torchrun starts), frugality alone
-runs the recipe's layout as `train` does (its data-parallel strategy, tensor and pipeline
-degrees); a step's time is the slowest rank's, tokens/s count every data-parallel rank's
-batch, and the peak memory is rank 0's own (its process trained frugality alone).
+Over ranks (`bench train --nproc N`, each rank a process torchrun starts, one precision a
+launch), frugality alone runs the recipe's layout as `train` does (its data-parallel
+strategy, tensor and pipeline degrees, its micro-batches and accumulation); a step's time is
+the slowest rank's, tokens/s count every data-parallel rank's batch, and the peak memory is
+the heaviest rank's after two steps (its process trained frugality alone; read before the
+matmul probe's matrices exist).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class BenchRow:
     ranks: int = 1  # processes the implementation ran over (torchrun's ranks)
     layout: str | None = None  # over ranks: the layout, e.g. "tp2 x ddp2"; `batch` is each data-parallel rank's
     rank_parameters: int | None = None  # over ranks: the parameters rank 0 holds (its shard, its stage)
+    # (over ranks, `peak_memory_bytes` is the heaviest rank's, `warmup_s` the slowest's)
 
 
 class Runner(NamedTuple):
@@ -129,16 +132,18 @@ def make_runner(
 def for_shape(recipe: Recipe, precision: str, batch: int, seq: int, world: World = World()) -> Recipe:
     """`recipe` at `precision`, each data-parallel rank training `batch` x `seq` tokens a
     step. In one process, one micro-batch of them (a recipe's tensor and pipeline degrees
-    and SPMD set aside: one process's race); over ranks, the recipe's layout, its parallel
-    degrees kept (a pipeline's schedule splits the batch into its micro-batches)."""
-    data_ranks = world.world_size // (recipe.parallel.tensor * recipe.parallel.pipeline) if world.distributed else 1
-    data = recipe.data.model_copy(
-        update={"micro_batch_size": batch, "global_batch_size": batch * max(1, data_ranks), "seq_len": seq}
-    )
-    parallel = recipe.parallel
-    if not world.distributed:
+    set aside: one process's race); over ranks, the recipe's layout, its parallel degrees
+    and micro-batch kept (the layout fits the micro-batch to the batch, and a pipeline's
+    schedule to its stages, as for `train`). SPMD is XLA's, which trains in one process."""
+    if world.distributed:
+        data_ranks = world.world_size // (recipe.parallel.tensor * recipe.parallel.pipeline)
+        shape = {"global_batch_size": batch * max(1, data_ranks), "seq_len": seq}
+        parallel = recipe.parallel.model_copy(update={"spmd": False})
+    else:
+        shape = {"micro_batch_size": batch, "global_batch_size": batch, "seq_len": seq}
         one = {"tensor": 1, "pipeline": 1, "pipeline_microbatches": None, "spmd": False}
-        parallel = parallel.model_copy(update=one)
+        parallel = recipe.parallel.model_copy(update=one)
+    data = recipe.data.model_copy(update=shape)
     train = recipe.train.model_copy(update={"precision": precision})
     return recipe.model_copy(update={"data": data, "train": train, "parallel": parallel})
 
@@ -171,7 +176,8 @@ def bench_train(
     device = resolve_device(recipe.train.device, what="frugality bench")
     world = distributed.world_from_env()
     if world.distributed:  # a rank of `bench train --nproc N`: frugality alone, at the recipe's layout
-        assert tuple(impls) == ("frugality",), "over ranks, frugality alone runs"
+        if tuple(impls) != ("frugality",):
+            raise ValueError(f"over ranks frugality alone runs, not {', '.join(impls)}")
         world = distributed.init(device, recipe.parallel.timeout_s)
         device = distributed.local_device(device, world)
     if backend(device).host_memory:
@@ -233,8 +239,13 @@ def _bench_pass(
     times: dict[str, list[float]] = {impl: [] for impl in running}
     warmup_s = {impl: 0.0 for impl in running}
     dtypes = {impl: _policy(impl, impl_precision[impl], device).compute_dtype for impl in running}
-    probes = {dtype: PeakProbe(device, dtype) for dtype in set(dtypes.values())}
-    probe_rates: dict[torch.dtype, list[float]] = {dtype: [] for dtype in probes}
+    make_probes = lambda: {dtype: PeakProbe(device, dtype) for dtype in set(dtypes.values())}
+    # over ranks the rank's peak is read in this process, after two steps (as the fresh
+    # process of one implementation trains), before the probes' matrices exist
+    read_peak_at = min(1, warmup + steps - 1) if world.distributed else None
+    rank_peak = None
+    probes = make_probes() if read_peak_at is None else {}
+    probe_rates: dict[torch.dtype, list[float]] = {dtype: [] for dtype in set(dtypes.values())}
     ours = runners["frugality"][3] if "frugality" in runners else None
     for i in range(warmup + steps):
         data = random_batch(recipe, batch, seq, device, i)
@@ -261,12 +272,17 @@ def _bench_pass(
                 times[impl].append(seconds)
             else:
                 warmup_s[impl] += seconds
+        if i == read_peak_at:
+            rank_peak = peak_memory_bytes(device) if memory else None
+            probes = make_probes()
         if i >= warmup:
             for dtype, probe in probes.items():
                 probe_rates[dtype].append(probe.sample())
     del probes
-    if world.distributed:  # a step of the layout lasts as long as its slowest rank's
-        times = {impl: _slowest(times[impl]) for impl in running}
+    if world.distributed:  # the layout's: a step as long as its slowest rank's, the heaviest rank's peak
+        times["frugality"], warmup_s["frugality"], rank_peak = _across_ranks(
+            times["frugality"], warmup_s["frugality"], rank_peak
+        )
     for impl in impls:
         if impl in skipped:
             rows.append(
@@ -293,13 +309,9 @@ def _bench_pass(
         devices = world.world_size  # tokens/s are every rank's: against every device's peak
         peak = peak_flops(device, dtypes[impl]) * devices
         pass_peak = statistics.median(probe_rates[dtypes[impl]]) * devices
-        mem = None
-        if memory:  # a rank's process trained frugality alone: its own peak is the rank's
-            mem = (
-                peak_memory_bytes(device)
-                if world.distributed
-                else _peak_memory_subprocess(impl, recipe, impl_precision[impl], batch, seq)
-            )
+        mem = rank_peak
+        if memory and not world.distributed:
+            mem = _peak_memory_subprocess(impl, recipe, impl_precision[impl], batch, seq)
         rows.append(
             BenchRow(
                 impl=impl,
@@ -341,11 +353,22 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
-def _slowest(times: list[float]) -> list[float]:
-    """Each step's time on the slowest rank (gathered from every rank)."""
-    gathered: list[list[float] | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, times)
-    return [max(step) for step in zip(*(t for t in gathered if t is not None), strict=True)]
+def _all_gather(figures) -> list:
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, figures)
+    return everyone
+
+
+def _across_ranks(
+    times: list[float], warmup_s: float, peak: int | None, gather=None
+) -> tuple[list[float], float, int | None]:
+    """Every rank's figures gathered: each step's time on the slowest rank, the slowest
+    warm-up, the heaviest rank's peak (a pipeline's last stage holds the output layer).
+    `gather(figures) -> [every rank's]` is torch.distributed's `all_gather_object`."""
+    ranks = (gather or _all_gather)((times, warmup_s, peak))
+    steps = [max(step) for step in zip(*(t for t, _, _ in ranks), strict=True)]
+    peaks = [p for _, _, p in ranks if p is not None]
+    return steps, max(w for _, w, _ in ranks), max(peaks) if peaks else None
 
 
 def _speedups(pass_rows: dict[str, BenchRow], times: dict[str, list[float]]) -> None:
@@ -422,7 +445,7 @@ def markdown_table(rows: list[BenchRow]) -> str:
             continue
         mem = f"{r.peak_memory_bytes / 2**30:.2f}" if r.peak_memory_bytes else "n/a"
         if r.layout and r.peak_memory_bytes:
-            mem += " (rank 0)"
+            mem += " (heaviest rank)"
         speedup = f"{r.speedup:.2f}×" if r.speedup else ""
         if r.speedup_pairs:
             q1, median, q3 = r.speedup_pairs

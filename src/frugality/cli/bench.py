@@ -87,6 +87,7 @@ def _write(table: str, rows_json: str, markdown_path, json_path) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(), help="Also write the table to a file.")
+@click.option("--rows-to", "rows_to", type=click.Path(), hidden=True)  # (--nproc's ranks: rank 0 hands its rows back)
 def bench_train(
     recipe,
     precisions,
@@ -102,13 +103,15 @@ def bench_train(
     overrides,
     json_path,
     markdown_path,
+    rows_to,
 ) -> None:
     """Training throughput of frugality against its peers (transformers' GPTNeoXForCausalLM +
     AdamW eager or compiled, litgpt, ...) on RECIPE's architecture, alternating steps in one
     process; medians of --steps. A peer that cannot run here is a row saying why. With
     --nproc N: frugality alone at the recipe's layout over N ranks (data, tensor and pipeline
-    parallel, as train --nproc N runs it). With --device xla: frugality on XLA, on the CPU
-    eager and on the CPU compiled (O1)."""
+    parallel, as train --nproc N runs it; --batch is each data-parallel rank's, by default its
+    share of the global batch). With --device xla: frugality on XLA, on the CPU eager and on
+    the CPU compiled (O1)."""
     from frugality import distributed
     from frugality.bench.peers import PEERS, parse_baselines
     from frugality.bench.train import bench_train as run
@@ -119,10 +122,11 @@ def bench_train(
     rank = distributed.world_from_env()
     if nproc < 1:
         raise UserError(f"--nproc {nproc}: a positive number of processes")
-    if nproc > 1 and (device or only not in (None, "frugality") or baseline):
+    ranks = nproc if nproc > 1 else rank.world_size  # (torchrun's ranks, started by this command or not)
+    if ranks > 1 and (device or only not in (None, "frugality") or baseline):
         given = "--device xla" if device else "--baseline" if baseline else f"--only {only}"
         raise UserError(
-            f"--nproc {nproc} with {given}: over ranks frugality alone runs (its peers race in one process, "
+            f"--nproc {ranks} with {given}: over ranks frugality alone runs (its peers race in one process, "
             "XLA trains in one process); drop one of them"
         )
     if device == "xla":
@@ -133,7 +137,12 @@ def bench_train(
             )
         _bench_xla(recipe, precisions, batch, seq, steps, warmup, overrides, json_path, markdown_path)
         return
+    batch_given = batch
     resolved, names, batch, seq = _resolve(recipe, overrides, precisions, batch, seq)
+    if ranks > 1 and not batch_given:  # a data-parallel rank's share of a step, as `train` takes it
+        batch = resolved.data.global_batch_size // max(
+            1, ranks // (resolved.parallel.tensor * resolved.parallel.pipeline)
+        )
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be positive, --warmup not negative")
     if resolved.train.task != "causal_lm":
@@ -143,15 +152,18 @@ def bench_train(
         )
     p = resolved.parallel
     aside = [f"parallel.tensor {p.tensor}"] * (p.tensor > 1) + [f"parallel.pipeline {p.pipeline}"] * (p.pipeline > 1)
-    if aside and nproc == 1 and not rank.distributed:  # (said, not silently dropped: the rows are one process's)
+    if aside and ranks == 1:  # (said, not silently dropped: the rows are one process's)
         click.echo(
             f"bench train races one process: {' and '.join(aside)} set aside (--nproc N times frugality "
             "at the layout over N ranks)",
             err=True,
         )
-    if nproc > 1 and not rank.distributed:  # the same command in N ranks, checked first as train checks
-        _launch_bench_ranks(resolved, names, batch, seq, nproc)
-    if rank.distributed:
+    if rank.distributed and len(names) > 1:  # (the launcher of --nproc N starts one launch a precision)
+        raise UserError(
+            f"--precision {','.join(names)} over ranks: one precision a launch (a process's peak memory is "
+            "its precision's); bench train --nproc N launches one for each"
+        )
+    if ranks > 1:
         only = "frugality"
     peers = parse_baselines(baseline)
     impls = ("frugality", *dict.fromkeys(name for name, _ in peers))
@@ -170,37 +182,64 @@ def bench_train(
             f"--warmup 0: {', '.join(compiled)} compile in their first step; "
             "it must be a warm-up step (--warmup 1 or more)"
         )
-    rows = run(
-        resolved,
-        names,
-        batch,
-        seq,
-        steps=steps,
-        warmup=warmup,
-        impls=impls,
-        peer_precisions={name: p for name, p in peers if p},
-        memory=not no_memory,
-        log=lambda line: click.echo(line, err=True) if rank.is_main else None,
-    )
-    distributed.shutdown()
+    if nproc > 1 and not rank.distributed:  # the same command in N ranks, checked first as train checks
+        rows = _launch_bench_ranks(resolved, names, batch, seq, nproc)
+    else:
+        try:
+            rows = run(
+                resolved,
+                names,
+                batch,
+                seq,
+                steps=steps,
+                warmup=warmup,
+                impls=impls,
+                peer_precisions={name: p for name, p in peers if p},
+                memory=not no_memory,
+                log=lambda line: click.echo(line, err=True) if rank.is_main else None,
+            )
+        finally:
+            distributed.shutdown()
+        if rows_to:  # a rank of --nproc N: its launcher prints the table of every precision's launch
+            if rank.is_main:
+                from frugality.paths import write_atomically
+
+                write_atomically(rows_to, rows_json(rows) + "\n")
+            return
     if rank.is_main:
         _write(markdown_table(rows), rows_json(rows), markdown_path, json_path)
 
 
-def _launch_bench_ranks(recipe, precisions: list[str], batch: int, seq: int, nproc: int) -> None:
-    """`bench train` again in `nproc` ranks as torchrun starts them, after the layout each
-    pass runs is checked over them (one line, before any rank starts); exits with theirs."""
+def _launch_bench_ranks(recipe, precisions: list[str], batch: int, seq: int, nproc: int) -> list:
+    """`bench train` again in `nproc` ranks as torchrun starts them, a launch per precision
+    (a process's peak is its one precision's), after the layout each runs is checked over
+    them (one line, before any rank starts); every launch's rows, or exit with the status of
+    the first that failed."""
+    import json
     import sys
+    import tempfile
+    from pathlib import Path
 
     from frugality import distributed
-    from frugality.bench.train import for_shape
+    from frugality.bench.train import BenchRow, for_shape
     from frugality.distributed import World
+    from frugality.runtime.device import resolve_device
     from frugality.runtime.layout import check_ranks
 
+    resolve_device(recipe.train.device, what="frugality bench")  # as the ranks will (XLA refused)
     for precision in precisions:
         check_ranks(for_shape(recipe, precision, batch, seq, World(0, nproc)), nproc)
     argv = click.get_current_context().find_root().obj["argv"]
-    sys.exit(distributed.launch_local(nproc, [*argv, "--nproc", "1"], recipe.parallel.timeout_s))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="frugality-bench-") as scratch:
+        for precision in precisions:
+            back = Path(scratch) / f"{precision}.json"
+            again = [*argv, "--nproc", "1", "--precision", precision, "--batch", str(batch), "--rows-to", str(back)]
+            status = distributed.launch_local(nproc, again, recipe.parallel.timeout_s)
+            if status != 0:
+                sys.exit(status)
+            rows += [BenchRow(**row) for row in json.loads(back.read_text())]
+    return rows
 
 
 def _bench_xla(recipe, precisions, batch, seq, steps, warmup, overrides, json_path, markdown_path) -> None:

@@ -54,7 +54,7 @@ def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, modes, overri
     )
     if json_path and Path(json_path).exists():
         raise UserError(f"--json {json_path}: exists; choose another path or remove it")
-    plans, notes = [], dict[str, None]()  # (notes in order, once each)
+    plans, notes, refused = [], dict[str, None](), []  # (notes in order, once each)
     for n in counts:
         if n % (tensor * pipeline):
             raise UserError(f"--tensor {tensor} x --pipeline {pipeline}: must divide --nproc ({n})")
@@ -63,16 +63,24 @@ def plan(recipe, nprocs, strategies, memory_gib, tensor, pipeline, modes, overri
             memory = int(memory_gib * 2**30) if memory_gib else _device_memory(n)
             # the run the ranks would make of it (`runtime.layout`'s rules, its micro-batch fitted
             # to them), or the line they would refuse it with
-            ranks, note = _as_the_ranks_run(resolved, n, strategy, tensor, pipeline)
+            try:
+                ranks, note = _as_the_ranks_run(resolved, n, strategy, tensor, pipeline)
+            except UserError as e:  # that layout's line; the others are planned
+                refused.append(str(e))
+                continue
             notes.update({note: None} if note else {})
             for mode in checkpointing:
                 if tensor > 1 or pipeline > 1:
                     plans.append(plan_model_parallel(ranks, n, strategy, tensor, pipeline, memory, checkpointing=mode))
                 else:
                     plans.append(plan_memory(ranks, n, strategy, memory, checkpointing=mode))
+    if not plans:  # every layout asked for refused: the first one's line
+        raise UserError(refused[0])
     click.echo(markdown_rows(plans))
     for line in notes:
         click.echo(line)
+    for line in refused:
+        click.echo(f"not planned: {line}")
     if resolved.train.precision == "auto":
         click.echo(
             "train.precision auto: planned as bf16-sr, what it picks where bf16 products are native "
@@ -96,9 +104,12 @@ def _as_the_ranks_run(recipe, nproc: int, strategy: str, tensor: int, pipeline: 
     ranks (and a pipeline's schedule) as the run fits it. Under tensor or pipeline parallel
     the blocks run eagerly: a compiled recipe is planned at compile.level O0 (the layout
     variants set it), said in the returned note."""
+    import torch
+
+    from frugality.bench.scale import layout_name
     from frugality.distributed import World
     from frugality.errors import UserError
-    from frugality.runtime.device import resolve_device
+    from frugality.runtime.device import names_xla
     from frugality.runtime.layout import check_layout
 
     parallel = recipe.parallel.model_copy(update={"data": strategy, "tensor": tensor, "pipeline": pipeline})
@@ -110,10 +121,14 @@ def _as_the_ranks_run(recipe, nproc: int, strategy: str, tensor: int, pipeline: 
             f"compile.level {recipe.compile.level}: planned at O0, as tensor and pipeline parallel run "
             "(--set compile.level=O0 in the run)"
         )
+    # the rules of the recipe's kind of device, none needed at hand (a plan for GPUs from a laptop)
+    name = recipe.train.device
+    kind = "xla" if names_xla(name) else "cuda" if name.split(":")[0] == "cuda" else "cpu"
     try:
-        return check_layout(asked, resolve_device(recipe.train.device, xla_ok=True), World(0, nproc)).recipe, note
+        return check_layout(asked, torch.device(kind), World(0, nproc)).recipe, note
     except UserError as e:
-        raise UserError(f"--nproc {nproc} --strategy {strategy}: {e}") from None
+        layout = layout_name(tensor, pipeline, nproc // (tensor * pipeline), strategy) or "one process"
+        raise UserError(f"--nproc {nproc} ({layout}): {e}") from None
 
 
 def _device_memory(nproc: int) -> int:
