@@ -2,9 +2,11 @@
 plain `F.linear`, on the CPU: all-MiniLM-L6-v2's layer shapes at a server's and an offline
 job's row counts, then the whole encoder's call (`Encoder.embed_tokens`) at batch sizes from
 one text (a lone request) to 64 (what `frugality embed` runs), texts from the bundled corpus;
-then `frugality generate`'s engine, eager, on a random decoder of Pythia-70m's shape (as
-benchmarks/generate_throughput.py builds it), greedy, 128-token prompts, 32 new tokens, a
-batch of 1 and of 8: the whole run's tokens/s, and whether both complete alike.
+then the same call with each attention's query, key and value products stacked into one
+(`PackedAttention`, the default) against packed apart; then `frugality generate`'s engine,
+eager, on a random decoder of Pythia-70m's shape (as benchmarks/generate_throughput.py
+builds it), greedy, 128-token prompts, 32 new tokens, a batch of 1 and of 8: the whole
+run's tokens/s, and whether both complete alike.
 
 Both in one process, alternating rounds (plain, packed, plain, ...), medians of each; the
 largest difference between their outputs is printed (packing changes the layout of the
@@ -93,6 +95,9 @@ def main() -> int:
     encoder_module.pack_linear_weights = lambda *a, **k: 0  # the same encoder, its layers left plain
     try:
         plain_encoder, _ = encoder_module.load_encoder(model, torch.device("cpu"), "bf16")
+        # packed, an attention's four layers apart (before PackedAttention)
+        encoder_module.pack_linear_weights = lambda model, skip=(): swap(model, skip, stack_attention=False)
+        apart_encoder, _ = encoder_module.load_encoder(model, torch.device("cpu"), "bf16")
     finally:
         encoder_module.pack_linear_weights = swap
     texts = []
@@ -115,12 +120,33 @@ def main() -> int:
             f"{t['plain'] / t['packed']:.2f}× | {diff:.2g} |"
         )
         rows_json.append({"what": "all-MiniLM-L6-v2 call", "texts": batch, "pad_to": pad, **t, "max_difference": diff})
+    stacked = [  # (a table of its own, after the generate rows)
+        "",
+        "| q, k and v stacked (one product) against packed apart | texts | apart ms | stacked ms | speed-up "
+        "| max difference |",
+        "|---|---|---|---|---|---|",
+    ]
+    for batch in BATCHES:
+        token_rows = packed_encoder.tokenize(texts[:batch])
+        pad = max(map(len, token_rows))
+        runs = {
+            "apart": lambda r=token_rows, p=pad: apart_encoder.embed_tokens(r, p),
+            "stacked": lambda r=token_rows, p=pad: packed_encoder.embed_tokens(r, p),
+        }
+        diff = float(abs(runs["apart"]() - runs["stacked"]()).max())
+        t = alternate(runs, args.rounds)
+        stacked.append(
+            f"| all-MiniLM-L6-v2, a call | {batch} texts (padded to {pad}) | {t['apart']:.2f} | {t['stacked']:.2f} | "
+            f"{t['apart'] / t['stacked']:.2f}× | {diff:.2g} |"
+        )
+        rows_json.append({"what": "stacked q/k/v", "texts": batch, "pad_to": pad, **t, "max_difference": diff})
     header = (
         f"# bf16 linear layers, weights packed once against plain F.linear\n\n{machine_line()} {why}; "
         f"{args.rounds} alternating rounds in one process, medians; texts: the bundled corpus's lines. "
         f"`generate` rows: a warm-up run each, then the best of {max(2, args.rounds // 2)} alternating runs.\n\n"
     )
     rows_json += _generation(args.rounds, lines)
+    lines += stacked
     results = Path(__file__).parent / "results"
     write_results(results, "packed_linear", "minilm", header, "\n".join(lines), json.dumps(rows_json, indent=1))
     return 0

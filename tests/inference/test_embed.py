@@ -459,13 +459,15 @@ def test_a_missing_model_or_input_and_inputs_without_text_are_said_before_torch_
 )
 def test_a_bf16_encoder_packs_its_layers_and_embeds_the_same_bits(monkeypatch):
     """Where bf16 is native, a bf16 encoder's 36 block layers run with their weights packed
-    for oneDNN (`frugality.kernels.packed_linear`): the vectors of the same encoder with
-    plain layers (bit for bit where measured so); in fp32 nothing is packed."""
+    for oneDNN (`frugality.kernels.packed_linear`; each attention's query, key and value as
+    one product: 24 packed layers): the vectors of the same encoder with plain layers (bit
+    for bit where measured so); in fp32 nothing is packed."""
     from frugality.inference import encoder as encoder_module
-    from frugality.kernels.packed_linear import PackedLinear
+    from frugality.kernels.packed_linear import PackedAttention, PackedLinear
 
     packed, why = encoder_module.load_encoder(MODEL, torch.device("cpu"), "bf16")
-    assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == 36
+    assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == 24
+    assert sum(isinstance(m, PackedAttention) for m in packed.model.modules()) == 6
     assert why.endswith("; linear layers' weights packed for oneDNN")  # (the precision line says so)
     fp32, _ = encoder_module.load_encoder(MODEL, torch.device("cpu"), "fp32")
     assert not any(isinstance(m, PackedLinear) for m in fp32.model.modules())

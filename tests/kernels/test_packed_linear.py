@@ -77,6 +77,41 @@ def test_only_unshared_bf16_cpu_layers_outside_skip_are_swapped():
     assert torch.equal(after, before) if EXACT else torch.allclose(after, before, rtol=2e-2, atol=2e-2)
 
 
+@packs
+def test_a_stacked_attention_gives_the_plain_attentions_output_padded_or_not():
+    """BERT's attention with q, k and v as one packed product (`PackedAttention`): the plain
+    layer's output on a padded batch and on its real tokens alone (`Unpadded`), and
+    `pack_linear_weights` swaps it whole (its four layers counted) or, asked, packs them apart."""
+    from frugality.kernels.packed_linear import PackedAttention
+    from frugality.models.bert import Attention, BertConfig, Unpadded
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=64, num_layers=1, num_heads=4, intermediate_size=128, vocab_size=100)
+    plain = Attention(cfg).to(torch.bfloat16)
+    stacked = PackedAttention(plain)
+    x = torch.randn(3, 7, 64).to(torch.bfloat16)
+    keep = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])
+    mask = keep.bool()[:, None, None, :]
+    tokens = Unpadded(keep)
+    with torch.inference_mode():
+        rows = tokens.unpad(x.flatten(0, 1))
+        for ours, theirs in (
+            (stacked(x, mask), plain(x, mask)),
+            (stacked(rows, mask, tokens), plain(rows, mask, tokens)),
+        ):
+            assert ours.shape == theirs.shape and ours.dtype == torch.bfloat16
+            assert torch.equal(ours, theirs) if EXACT else torch.allclose(ours, theirs, rtol=2e-2, atol=2e-2)
+        assert stacked(rows, mask, tokens).shape == rows.shape
+    model = nn.Module()
+    model.attn, model.other = Attention(cfg).to(torch.bfloat16), Attention(cfg).to(torch.bfloat16)
+    assert pack_linear_weights(model, skip=("other.out",)) == 4 + 3  # `other` is left whole: its layers apart
+    assert type(model.attn) is PackedAttention and type(model.other) is Attention
+    assert type(model.other.query) is PackedLinear and type(model.other.out) is nn.Linear
+    apart = nn.Module()
+    apart.attn = Attention(cfg).to(torch.bfloat16)
+    assert pack_linear_weights(apart, stack_attention=False) == 4 and type(apart.attn) is Attention
+
+
 @pytest.mark.skipif(packing_runs(), reason="oneDNN's bf16 products run here")
 def test_without_onednn_bf16_nothing_is_swapped():
     model = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
