@@ -89,10 +89,11 @@ def test_a_stacked_attention_gives_the_plain_attentions_output_padded_or_not():
     cfg = BertConfig(hidden_size=64, num_layers=1, num_heads=4, intermediate_size=128, vocab_size=100)
     plain = Attention(cfg).to(torch.bfloat16)
     stacked = PackedAttention(plain)
-    x = torch.randn(3, 7, 64).to(torch.bfloat16)
-    keep = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])
+    x = torch.randn(4, 40, 64).to(torch.bfloat16)
+    keep = (torch.arange(40) < torch.tensor([[9], [5], [2], [1]])).long()  # 17 real of 160 positions
     mask = keep.bool()[:, None, None, :]
     tokens = Unpadded(keep)
+    assert len(tokens.index) == Unpadded.MULTIPLE < keep.numel()  # (rows dropped: the unpadded path's own)
     with torch.inference_mode():
         rows = tokens.unpad(x.flatten(0, 1))
         for ours, theirs in (

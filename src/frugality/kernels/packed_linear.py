@@ -9,7 +9,7 @@ models), the same product runs through `torch.ops.mkldnn._linear_pointwise`, wit
 bits on the Zen 4 measured (on AMX the two are different oneDNN kernels: not yet compared).
 
 Measured (benchmarks/packed_linear.py, AMD EPYC Zen 4, 2 threads, all-MiniLM-L6-v2's shapes,
-the committed table): 1.59-1.88x a layer at 11 rows, 1.16-1.40x
+the 2026-11-27 table): 1.59-1.88x a layer at 11 rows, 1.16-1.40x
 at 96, 1.06-1.16x at 1,000; the whole encoder's call 1.43x for one text, 1.05-1.28x for 4-8
 (a server's batches), 1.09-1.11x for 16-64; `generate`'s eager engine on a decoder of
 Pythia-70m's shape, its output layer packed too, 1.19x at batch 1 and 1.13x at 8, the same
@@ -18,7 +18,8 @@ completions. Runs of the same evening gave a call 1.28-1.37x for one text (the t
 (`torch.ops.mkl._mkl_linear`) gained under 10% at these shapes in a hand probe: not used.
 
 A BERT attention's query, key and value products become one packed product of three times
-the width (`PackedAttention`): one oneDNN call instead of three, the same bits; against the
+the width (`PackedAttention`): one oneDNN call instead of three, the same bits on the Zen 4
+(AMX not compared); against the
 layers packed apart, an encoder call 1.07-1.36x for one text, 1.03-1.11x for 4, 0.99-1.07x
 for 8-64 (all-MiniLM-L6-v2, the Zen 4 above, three runs of the benchmark in a noisy hour:
 a server's lone requests gain, a job's batches about nothing).
@@ -85,10 +86,10 @@ class PackedAttention(Attention):
         nn.Module.__init__(self)  # (the plain layer's own three projections are not made)
         self.heads, self.head_size = attention.heads, attention.head_size
         parts = (attention.query, attention.key, attention.value)
-        stacked = nn.Linear(parts[0].in_features, 3 * parts[0].out_features, dtype=parts[0].weight.dtype)
-        with torch.no_grad():
-            stacked.weight.copy_(torch.cat([p.weight for p in parts]))
-            stacked.bias.copy_(torch.cat([p.bias for p in parts]))
+        stacked = nn.Linear(parts[0].in_features, 3 * parts[0].out_features, device="meta")  # (no values drawn)
+        with torch.no_grad():  # the three weights one after another: q's features, then k's, then v's
+            stacked.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
+            stacked.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
         self.qkv = PackedLinear(stacked)
         self.out = PackedLinear(attention.out)
 
@@ -107,7 +108,8 @@ def pack_linear_weights(model: nn.Module, skip: tuple[str, ...] = (), stack_atte
     """Swap `model`'s bf16 CPU linear layers for `PackedLinear` (an `OutputLayer` for
     `PackedOutputLayer`, a BERT attention's four for `PackedAttention`'s two), except those
     whose name starts with one of `skip` and those whose weight another module shares (a
-    tied output layer keeps the embedding's tensor). Returns how many linear layers were
+    tied output layer keeps the embedding's tensor; an attention any of whose four layers is
+    skipped or shared stays whole, its other layers packed apart). Returns how many linear layers were
     swapped (0 where packing does not run here). The packed weights are opaque oneDNN
     tensors: the model's state dict no longer holds them, and it cannot be copied, cast or
     compiled by Inductor; load another for that. `stack_attention` False packs an
