@@ -272,6 +272,50 @@ def test_bench_train_over_ranks_refuses_what_the_ranks_would(micro_recipe_file, 
     assert "--precision fp32,bf16-sr over ranks: one precision a launch" in capsys.readouterr().err
 
 
+def test_a_peer_that_runs_out_of_memory_is_a_row_saying_it_does_not_fit(micro_recipe_file, tmp_path, monkeypatch):
+    """A peer the device cannot hold (an amp-bf16 peer's 16 bytes a parameter of a model that
+    fits frugality's 8: the largest model per device) is a row saying so, whether the memory
+    runs out while it is built or in its first steps; frugality's row is measured beside it."""
+    import frugality.bench.train
+
+    real = frugality.bench.train.build_peer
+
+    def build_peer(name, recipe, precision, device):
+        if name == "litgpt":  # out of memory building it
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 26.00 GiB")
+        peer = real(name, recipe, precision, device)
+
+        def step(batch):  # out of memory in its first step (its optimizer's state)
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes")
+
+        peer.step = step
+        return peer
+
+    monkeypatch.setattr(frugality.bench.train, "build_peer", build_peer)
+    out = tmp_path / "rows.json"
+    args = ["bench", "train", str(micro_recipe_file), "--precision", "fp32", "--baseline", "transformers,litgpt"]
+    assert main([*args, "--batch", "2", "--seq", "16", "--steps", "1", "--no-memory", "--json", str(out)]) == 0
+    rows = {r["impl"]: r for r in json.loads(out.read_text())}
+    assert rows["frugality"]["tokens_per_s"] > 0 and rows["frugality"]["speedup"] is None  # no peer ran
+    assert rows["litgpt"]["skipped"].startswith(f"does not fit: out of memory on {cpu_name()} building it (CUDA out")
+    assert rows["transformers"]["skipped"].startswith(f"does not fit: out of memory on {cpu_name()} in step 1 (")
+
+
+def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
+    assert main(["bench", "train", str(micro_recipe_file), "--precision", "fp16"]) == 2
+    assert "choose one of" in capsys.readouterr().err
+    assert main(["bench", "train", str(micro_recipe_file), "--seq", "4096"]) == 2
+    assert "exceeds model.max_seq_len" in capsys.readouterr().err
+    assert main(["bench", "train", str(micro_recipe_file), "--baseline", "fp17"]) == 2
+    assert "choose peers from transformers, transformers-compiled, litgpt" in capsys.readouterr().err
+    assert main(["bench", "train", str(micro_recipe_file), "--baseline", "litgpt:fp17"]) == 2
+    assert "unknown precision 'fp17'" in capsys.readouterr().err
+    assert main(["bench", "train", str(micro_recipe_file), "--baseline", "litgpt,litgpt:amp-bf16"]) == 2
+    assert "names litgpt twice" in capsys.readouterr().err
+    assert main(["bench", "train", str(micro_recipe_file), "--baseline", "litgpt", "--warmup", "0"]) == 2
+    assert "litgpt compile in their first step" in capsys.readouterr().err
+
+
 class _Forked:
     """`bench scale`'s process forked (tests/forked_cli.py) rather than started fresh: one
     process, or `--nproc N`'s ranks as torchrun starts them (torchrun itself is tested in

@@ -48,6 +48,7 @@ from frugality.runtime.host_memory import keep_freed_memory
 from frugality.runtime.layout import plan_layout
 from frugality.runtime.state import build_state
 from frugality.training.loop import train_step
+from frugality.training.trainer import out_of_memory
 
 
 @dataclass
@@ -226,6 +227,11 @@ def _bench_pass(
         except PeerUnavailable as e:
             skipped[impl] = str(e)
             log(f"{impl:21} skipped: {e}")
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # a peer too large for the device: a row saying so
+            if impl == "frugality" or not out_of_memory(e):
+                raise
+            skipped[impl] = _does_not_fit(e, device, "building it")
+            log(f"{impl:21} {skipped[impl]}")
     running = [impl for impl in impls if impl in runners]
     first = runners[running[0]] if running else None
     m = recipe.model
@@ -260,11 +266,13 @@ def _bench_pass(
                 try:
                     step(data)
                 except Exception as e:  # noqa: BLE001 - a peer that fails (to compile) is a row saying so
-                    if impl == "frugality" or i >= warmup:
+                    if impl == "frugality" or (i >= warmup and not out_of_memory(e)):
                         raise
-                    skipped[impl] = f"failed in its warm-up: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    why = f"failed in its warm-up: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    skipped[impl] = _does_not_fit(e, device, f"in step {i + 1}") if out_of_memory(e) else why
                     log(f"{impl:21} {skipped[impl]}")
                     running.remove(impl)
+                    del runners[impl]  # (its model and optimizer state freed for the others)
                     continue
                 _sync(device)
                 seconds = time.perf_counter() - t0
@@ -344,6 +352,10 @@ def _bench_pass(
         )
     _speedups({r.impl: r for r in rows[len(rows) - len(impls) :] if r.skipped is None}, times)
     return rows
+
+
+def _does_not_fit(error: BaseException, device: torch.device, when: str) -> str:
+    return f"does not fit: out of memory on {device_name(device)} {when} ({str(error).splitlines()[0][:120]})"
 
 
 def _local_numel(p: torch.Tensor) -> int:

@@ -204,7 +204,7 @@ def _fit(state: TrainState, callbacks: Callbacks, stop_at: int) -> None:
         with state.compiled.active(state.model):
             fit(state, callbacks, stop_at)
     except (torch.OutOfMemoryError, RuntimeError) as e:
-        if not _out_of_memory(e):
+        if not out_of_memory(e):
             raise
         raise UserError(
             f"out of memory on {state.device} in step {state.step + 1} "
@@ -218,7 +218,7 @@ def _fit(state: TrainState, callbacks: Callbacks, stop_at: int) -> None:
         callbacks.on_exit(state)
 
 
-def _out_of_memory(error: BaseException) -> bool:
+def out_of_memory(error: BaseException) -> bool:
     """An allocation that failed: CUDA's OutOfMemoryError, or the CPU allocator's error."""
     return isinstance(error, torch.OutOfMemoryError) or any(
         text in str(error) for text in ("can't allocate memory", "not enough memory", "std::bad_alloc")
