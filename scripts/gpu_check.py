@@ -21,6 +21,11 @@ Sections:
 - `generate`: `bench infer --generate` of a Pythia-160M-shaped decoder against
   transformers' generate.
 - `serve`: `bench serve` of the encoder, closed and open loop.
+- `largest`: the largest Pythia one GPU trains (6.9B on 80 GB, 12B from about 120 GB) in
+  bf16-sr, activation checkpointing as `auto` picks it: tokens/s, MFU and peak memory;
+  transformers in amp-bf16 on the same recipe alone (a row saying it does not fit where it
+  runs out of memory); `plan`'s rows for both precisions. The dry run: the recipe at a
+  small width.
 - `energy`: a `tiny` run, and its J/token with the energy's source (NVML on a GPU).
 
 The encoder and the decoder have random weights in their real shapes: throughput does not
@@ -162,6 +167,37 @@ def sections(out: Path, scratch: Path, dry: bool, models: dict[str, Path]) -> li
             ["serve.md"],
         )
     )
+    big = "pythia-6.9b" if dry or _gpu_gib() < 120 else "pythia-12b"
+    shape = ["--batch", "1", "--seq", "32", "--steps", "1", "--warmup", "1"] if dry else ["--steps", "10"]
+    sets = [a for s in ([*SMALL["gpt-neox"], "compile.level=O0"] if dry else []) for a in ("--set", s)]
+    common = ["bench", "train", f"{big}:one-gpu", *shape, *sets]  # (the variant: bf16-sr, the mode left to auto)
+    plans = [
+        frugality(
+            "plan", big, "--nproc", "1", "--set", f"train.precision={p}", "--json", str(out / f"largest-plan-{p}.json")
+        )
+        for p in ("bf16-sr", "amp-bf16")
+    ]
+    found.append(
+        Section(
+            "largest",
+            150,
+            [
+                frugality(*common, "--only", "frugality", "--precision", "bf16-sr", *_table(out, "largest")),
+                frugality(
+                    *common,
+                    "--only",
+                    "transformers",
+                    "--precision",
+                    "amp-bf16",
+                    "--no-memory",
+                    *_table(out, "largest-peer"),
+                ),
+                *plans,
+            ],
+            f"{big} at a small width (no GPU)" if dry else "",
+            ["largest.md", "largest-peer.md", "largest-plan-bf16-sr.json", "largest-plan-amp-bf16.json"],
+        )
+    )
     run = scratch / "runs" / "tiny"
     steps = ["train.steps=5", "optim.warmup_steps=2"] if dry else ["train.steps=300"]
     found.append(
@@ -185,9 +221,15 @@ def sections(out: Path, scratch: Path, dry: bool, models: dict[str, Path]) -> li
         )
     )
     # the README's rows first (the 1B recipes against the peers), then the rest
-    order = ["cuda-tests", "train-pythia-1b", "train-llama-1b", "embed", "generate", "serve", "energy"]
+    order = ["cuda-tests", "train-pythia-1b", "train-llama-1b", "embed", "generate", "serve", "largest", "energy"]
     order += ["train-pythia-1b-precisions", "train-llama-1b-precisions"]
     return sorted(found, key=lambda s: order.index(s.name) if s.name in order else len(order))
+
+
+def _gpu_gib() -> float:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
 
 
 def _table(out: Path, name: str) -> list[str]:

@@ -68,6 +68,10 @@ class Backend:
         """(free, total) bytes: the host's RAM unless the kind says otherwise."""
         return host_memory()
 
+    def release_cached(self) -> None:
+        """Hand the device memory this process's allocator keeps for reuse back to the device
+        (for another process to have it: a benchmark's fresh memory probe)."""
+
     def generator_device(self) -> torch.device:
         """Where a torch.Generator drawing for this device lives."""
         return self.device

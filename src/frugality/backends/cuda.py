@@ -39,3 +39,6 @@ class CudaBackend(Backend):
 
     def peak_memory(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device)
+
+    def release_cached(self) -> None:
+        torch.cuda.empty_cache()

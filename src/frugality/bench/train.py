@@ -19,6 +19,7 @@ matmul probe's matrices exist).
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import statistics
@@ -189,7 +190,7 @@ def bench_train(
     rows = []
     for precision in precisions:
         with contextlib.ExitStack() as stack:  # frugality's compile session, for the pass
-            rows += _bench_pass(
+            passed = _bench_pass(
                 recipe,
                 precision,
                 batch,
@@ -205,6 +206,15 @@ def bench_train(
                 stack,
                 world,
             )
+        # each implementation's peak in a fresh process of its own, once this pass's models are
+        # gone from this one (a model that fills a GPU leaves no room for a second)
+        if memory and not world.distributed:
+            gc.collect()
+            backend(device).release_cached()
+            for row in passed:
+                if row.skipped is None:
+                    row.peak_memory_bytes = _peak_memory_subprocess(row.impl, recipe, row.precision, batch, seq)
+        rows += passed
     return rows
 
 
@@ -317,9 +327,7 @@ def _bench_pass(
         devices = world.world_size  # tokens/s are every rank's: against every device's peak
         peak = peak_flops(device, dtypes[impl]) * devices
         pass_peak = statistics.median(probe_rates[dtypes[impl]]) * devices
-        mem = rank_peak
-        if memory and not world.distributed:
-            mem = _peak_memory_subprocess(impl, recipe, impl_precision[impl], batch, seq)
+        mem = rank_peak  # (one process: measured once the pass's models are gone, by `bench_train`)
         rows.append(
             BenchRow(
                 impl=impl,
