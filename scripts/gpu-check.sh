@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: the cuda tests, `bench train` against the peers, embedding, generation,
-# serving and measured energy on a GPU machine, in one go within a time budget; every
+# serving, the largest model one GPU trains and measured energy on a GPU machine, in one go within a time budget; every
 # table under one folder (scripts/gpu_check.py says what each section runs).
 #
 #   scripts/gpu-check.sh --fetch-wheels      on a machine with PyPI: the packages a GPU image

@@ -263,6 +263,7 @@ def _bench_pass(
     probes = make_probes() if read_peak_at is None else {}
     probe_rates: dict[torch.dtype, list[float]] = {dtype: [] for dtype in set(dtypes.values())}
     ours = runners["frugality"][3] if "frugality" in runners else None
+    dropped = False
     for i in range(warmup + steps):
         data = random_batch(recipe, batch, seq, device, i)
         for impl in list(running):  # A B C A B C ...: the same conditions for all
@@ -283,6 +284,7 @@ def _bench_pass(
                     log(f"{impl:21} {skipped[impl]}")
                     running.remove(impl)
                     del runners[impl]  # (its model and optimizer state freed for the others)
+                    step = dropped = None  # (the closure held them too; collected below)
                     continue
                 _sync(device)
                 seconds = time.perf_counter() - t0
@@ -290,6 +292,9 @@ def _bench_pass(
                 times[impl].append(seconds)
             else:
                 warmup_s[impl] += seconds
+        if dropped is None:  # a peer dropped this round: its state collected before the next step
+            gc.collect()
+            dropped = False
         if i == read_peak_at:
             rank_peak = peak_memory_bytes(device) if memory else None
             probes = make_probes()
