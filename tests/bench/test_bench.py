@@ -301,6 +301,23 @@ def test_a_peer_that_runs_out_of_memory_is_a_row_saying_it_does_not_fit(micro_re
     assert rows["transformers"]["skipped"].startswith(f"does not fit: out of memory on {cpu_name()} in step 1 (")
 
 
+def test_what_counts_as_running_out_of_memory():
+    from frugality.training.trainer import out_of_memory
+
+    assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    try:  # an allocation failed inside a compiler's work: the error it raises wraps it
+        try:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")
+        except RuntimeError as inner:
+            raise ValueError("InductorError: compiling the block failed") from inner
+    except ValueError as wrapped:
+        assert out_of_memory(wrapped)
+    assert not out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
+    assert not out_of_memory(None)
+
+
 def test_bench_rejects_bad_arguments(micro_recipe_file, capsys):
     assert main(["bench", "train", str(micro_recipe_file), "--precision", "fp16"]) == 2
     assert "choose one of" in capsys.readouterr().err

@@ -218,11 +218,23 @@ def _fit(state: TrainState, callbacks: Callbacks, stop_at: int) -> None:
         callbacks.on_exit(state)
 
 
-def out_of_memory(error: BaseException) -> bool:
-    """An allocation that failed: CUDA's OutOfMemoryError, or the CPU allocator's error."""
-    return isinstance(error, torch.OutOfMemoryError) or any(
-        text in str(error) for text in ("can't allocate memory", "not enough memory", "std::bad_alloc")
+def out_of_memory(error: BaseException | None) -> bool:
+    """An allocation that failed: CUDA's OutOfMemoryError, the CPU allocator's error, CUDA's
+    and cuBLAS's own, here or as the cause of another error (a compiler's, wrapping it)."""
+    texts = (
+        "can't allocate memory",
+        "not enough memory",
+        "std::bad_alloc",
+        "CUDA error: out of memory",
+        "CUBLAS_STATUS_ALLOC_FAILED",
     )
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, torch.OutOfMemoryError) or any(text in str(error) for text in texts):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _restore(
