@@ -106,40 +106,14 @@ def main() -> int:
             texts.append(text[:400].replace("\n", " "))
         if len(texts) == max(BATCHES):
             break
-    for batch in BATCHES:
-        token_rows = packed_encoder.tokenize(texts[:batch])
-        pad = max(map(len, token_rows))
-        runs = {
-            "plain": lambda r=token_rows, p=pad: plain_encoder.embed_tokens(r, p),
-            "packed": lambda r=token_rows, p=pad: packed_encoder.embed_tokens(r, p),
-        }
-        diff = float(abs(runs["plain"]() - runs["packed"]()).max())
-        t = alternate(runs, args.rounds)
-        lines.append(
-            f"| all-MiniLM-L6-v2, a call | {batch} texts (padded to {pad}) | {t['plain']:.2f} | {t['packed']:.2f} | "
-            f"{t['plain'] / t['packed']:.2f}× | {diff:.2g} |"
-        )
-        rows_json.append({"what": "all-MiniLM-L6-v2 call", "texts": batch, "pad_to": pad, **t, "max_difference": diff})
+    lines += _encoder_calls({"plain": plain_encoder, "packed": packed_encoder}, texts, args.rounds, rows_json)
     stacked = [  # (a table of its own, after the generate rows)
         "",
         "| q, k and v stacked (one product) against packed apart | texts | apart ms | stacked ms | speed-up "
         "| max difference |",
         "|---|---|---|---|---|---|",
     ]
-    for batch in BATCHES:
-        token_rows = packed_encoder.tokenize(texts[:batch])
-        pad = max(map(len, token_rows))
-        runs = {
-            "apart": lambda r=token_rows, p=pad: apart_encoder.embed_tokens(r, p),
-            "stacked": lambda r=token_rows, p=pad: packed_encoder.embed_tokens(r, p),
-        }
-        diff = float(abs(runs["apart"]() - runs["stacked"]()).max())
-        t = alternate(runs, args.rounds)
-        stacked.append(
-            f"| all-MiniLM-L6-v2, a call | {batch} texts (padded to {pad}) | {t['apart']:.2f} | {t['stacked']:.2f} | "
-            f"{t['apart'] / t['stacked']:.2f}× | {diff:.2g} |"
-        )
-        rows_json.append({"what": "stacked q/k/v", "texts": batch, "pad_to": pad, **t, "max_difference": diff})
+    stacked += _encoder_calls({"apart": apart_encoder, "stacked": packed_encoder}, texts, args.rounds, rows_json)
     header = (
         f"# bf16 linear layers, weights packed once against plain F.linear\n\n{machine_line()} {why}; "
         f"{args.rounds} alternating rounds in one process, medians; texts: the bundled corpus's lines. "
@@ -150,6 +124,29 @@ def main() -> int:
     results = Path(__file__).parent / "results"
     write_results(results, "packed_linear", "minilm", header, "\n".join(lines), json.dumps(rows_json, indent=1))
     return 0
+
+
+def _encoder_calls(encoders: dict, texts: list[str], rounds: int, rows_json: list) -> list[str]:
+    """A table row per batch size: the call of the first encoder named against the second's
+    (alternating rounds), and the largest difference between their vectors."""
+    (before, first), (after, second) = encoders.items()
+    lines = []
+    for batch in BATCHES:
+        token_rows = second.tokenize(texts[:batch])
+        pad = max(map(len, token_rows))
+        runs = {
+            before: lambda r=token_rows, p=pad: first.embed_tokens(r, p),
+            after: lambda r=token_rows, p=pad: second.embed_tokens(r, p),
+        }
+        diff = float(abs(runs[before]() - runs[after]()).max())
+        t = alternate(runs, rounds)
+        lines.append(
+            f"| all-MiniLM-L6-v2, a call | {batch} texts (padded to {pad}) | {t[before]:.2f} | {t[after]:.2f} | "
+            f"{t[before] / t[after]:.2f}× | {diff:.2g} |"
+        )
+        what = "all-MiniLM-L6-v2 call" if before == "plain" else f"{after} q/k/v"
+        rows_json.append({"what": what, "texts": batch, "pad_to": pad, **t, "max_difference": diff})
+    return lines
 
 
 def _generation(rounds: int, lines: list[str]) -> list[dict]:
