@@ -284,7 +284,7 @@ def _bench_pass(
                     log(f"{impl:21} {skipped[impl]}")
                     running.remove(impl)
                     del runners[impl]  # (its model and optimizer state freed for the others)
-                    step = dropped = None  # (the closure held them too; collected below)
+                    step, dropped = None, True  # (the closure held them too; collected below)
                     continue
                 _sync(device)
                 seconds = time.perf_counter() - t0
@@ -292,7 +292,7 @@ def _bench_pass(
                 times[impl].append(seconds)
             else:
                 warmup_s[impl] += seconds
-        if dropped is None:  # a peer dropped this round: its state collected before the next step
+        if dropped:  # a peer dropped this round: its state collected before the next step
             gc.collect()
             dropped = False
         if i == read_peak_at:
