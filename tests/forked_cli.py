@@ -72,6 +72,12 @@ import atexit, importlib, json, os, random, select, signal, socket, sys, threadi
 from frugality.cli import main  # the console script's (before frugality.cli.main, the module, shadows it)
 for name in sys.argv[2].split(","):
     importlib.import_module(name)
+if os.environ.get("PJRT_DEVICE"):  # started for XLA (.venv-xla): torch_xla too, ~3 s a process
+    os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")  # (as frugality.xla.load sets it first)
+    try:
+        import torch_xla, torch_xla.debug.metrics, torch_xla.runtime  # (no client opened: no threads)
+    except ImportError:
+        pass
 
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 listener.bind(sys.argv[1])
@@ -324,15 +330,17 @@ _asked: dict[frozenset, int] = {}
 MAX_SERVERS = 4  # (past them the one used least lately, if idle, is closed)
 
 
-def _server(env: dict) -> ForkedCLI:
+def _server(env: dict, fresh_processes: int = 1) -> ForkedCLI:
     """This test process's server for `env`'s import-time variables: started at the second
     command that asks for it (a one-off environment costs a fresh process either way, and
-    would push out a server in use), closed when the process ends or when MAX_SERVERS others
-    were used after it. Else the first server, which starts a fresh process for `env`."""
+    would push out a server in use), or at the first whose fresh start would cost several
+    processes (torchrun's agent and its ranks: `fresh_processes`); closed when the process
+    ends or when MAX_SERVERS others were used after it. Else the first server, which starts
+    a fresh process for `env`."""
     key = frozenset(import_time(env).items())
     _asked[key] = _asked.get(key, 0) + 1
     default = not _servers
-    if key not in _servers and (default or _asked[key] >= 2):
+    if key not in _servers and (default or _asked[key] >= 2 or fresh_processes >= 2):
         idle = [k for k, server in _servers.items() if not server.running]
         if len(_servers) >= MAX_SERVERS and idle:
             _servers.pop(idle[0]).close()
@@ -378,7 +386,7 @@ def ranks(
     args = [str(a) for a in args]
     env = {**(os.environ if env is None else env)}
     env.setdefault("OMP_NUM_THREADS", "1")  # (torchrun's default for several ranks a node)
-    server = _server(env)
+    server = _server(env, fresh_processes=nproc + 1)  # (torchrun's agent and its ranks)
     if not server.forkable(env) or server.server.poll() is not None:
         # torchrun's own launcher, the command's arguments given to it apart, as
         # `distributed.launch_local` gives them: through torchrun's parser, one such as

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
+import forked_cli
 import pytest
 
 from frugality.config.recipe import load_recipe
@@ -27,22 +27,20 @@ def _on_cpu(recipe_file, run, until_step=None):
     return trainer.train(recipe, run_dir=run, progress=False, tensorboard=False, until_step=until_step)
 
 
-def _two_devices(command: list[str]) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        command,
-        env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def _two_devices(*args, script=None) -> subprocess.CompletedProcess:
+    """`frugality ARGS` (or `python SCRIPT ARGS`) in a process of its own, forked from one that
+    imported torch, torch_xla and frugality (tests/forked_cli.py), with XLA's CPU client made
+    of two devices: the client opens in the command, after the fork."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
+    done = forked_cli.run(*args, env=env, timeout=600, script=script)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
 
 def _spmd(recipe_file, run, strategy, *extra) -> str:
     sets = ["train.device=xla", "parallel.spmd=true", f"parallel.data={strategy}", "train.eval_samples=3"]
-    command = [sys.executable, "-m", "frugality", "train", str(recipe_file), "--run-dir", str(run), "--no-progress"]
-    return _two_devices([*command, *(a for s in sets for a in ("--set", s)), *extra]).stdout
+    command = ["train", str(recipe_file), "--run-dir", str(run), "--no-progress"]
+    return _two_devices(*command, *(a for s in sets for a in ("--set", s)), *extra).stdout
 
 
 def test_fsdp_over_two_devices_resumes_a_cpu_checkpoint_and_trains_as_one(micro_recipe_file, tmp_path):
@@ -94,7 +92,9 @@ print(json.dumps(out))
 
 
 def test_the_batch_the_parameters_and_the_moments_carry_the_shardings_asked_for(micro_recipe_file):
-    done = _two_devices([sys.executable, "-c", SHARDINGS, str(micro_recipe_file)])
+    script = micro_recipe_file.parent / "shardings.py"
+    script.write_text(SHARDINGS)
+    done = _two_devices(micro_recipe_file, script=script)
     split, whole = "{devices=[2,1]0,1}", "{replicated}"
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {
         "ddp": [split, whole, whole],  # rows split; parameters and moments whole on each device
@@ -118,8 +118,8 @@ def test_spmd_asked_for_where_it_cannot_be_is_one_line(micro_recipe_file, tmp_pa
 
 
 def test_compile_runs_an_spmd_recipes_trial_over_its_devices(micro_recipe_file):
-    command = [sys.executable, "-m", "frugality", "compile", str(micro_recipe_file), "--device", "xla"]
-    done = _two_devices([*command, "--set", "parallel.spmd=true", "--set", "parallel.data=fsdp", "--no-progress"])
+    command = ["compile", str(micro_recipe_file), "--device", "xla"]
+    done = _two_devices(*command, "--set", "parallel.spmd=true", "--set", "parallel.data=fsdp", "--no-progress")
     assert "SPMD over 2 XLA devices (fsdp)" in done.stdout
     assert (
         "compiled micro on XLA (CPU): " in done.stdout

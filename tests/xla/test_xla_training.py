@@ -171,14 +171,14 @@ def test_the_trials_executables_are_the_runs_fetched_from_the_shared_cache(micro
     finds in them the graph of every phase it runs. (XLA's CPU client then fails to load
     each, as it says, and compiles it again; so does a TPU with torch_xla 2.9.)"""
     import os
-    import subprocess
-    import sys
+
+    import forked_cli
 
     env = {**os.environ, "PJRT_DEVICE": "CPU", "FRUGALITY_CACHE": str(tmp_path / "local")}
     sets = ["--set", "compile.xla_executables=on", "--set", f"compile.cache={tmp_path / 'shared'}"]
 
-    def cli(*args):
-        done = subprocess.run([sys.executable, "-m", "frugality", *args], env=env, capture_output=True, text=True)
+    def cli(*args):  # (a process each, forked from one that imported torch, torch_xla and frugality)
+        done = forked_cli.run(*args, env=env, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout
 
