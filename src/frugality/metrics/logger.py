@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 from frugality.paths import NamedFile, naming
@@ -21,8 +22,9 @@ class RunLogger:
 
             self._tb = SummaryWriter(log_dir=str(run_dir))
 
-    def log(self, kind: str, step: int, values: dict[str, float]) -> None:
-        """kind: 'train' or 'eval'; scalars appear in TensorBoard as kind/name."""
+    def log(self, kind: str, step: int, values: Mapping[str, object]) -> None:
+        """kind: 'train', 'eval', ...; the values as JSON (None where a figure is unknown); the
+        numbers appear in TensorBoard as kind/name."""
         record = {"kind": kind, "step": step, **{k: _finite(v) for k, v in values.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
@@ -36,7 +38,7 @@ class RunLogger:
             self._tb.close()
 
 
-def _finite(value):
+def _finite(value: object) -> object:
     """JSON has no NaN or Infinity; write them as strings so every line stays valid JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)

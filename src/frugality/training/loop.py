@@ -26,6 +26,8 @@ from frugality.runtime.state import TrainState
 from frugality.training.schedule import learning_rate
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch.distributed.tensor import DTensor
 
 
@@ -151,7 +153,9 @@ def train_step(
     return _clip_and_update(state, (total / len(micro_batches)).item())
 
 
-def _clip_and_update(state: TrainState, mean: float, over_stages=None) -> tuple[float, float, str | None]:
+def _clip_and_update(
+    state: TrainState, mean: float, over_stages: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[float, float, str | None]:
     """After a step's backward: the global gradient norm (`over_stages`: summing the other
     pipeline stages' squares), then the update with clipping unless the loss (every rank's
     mean of `mean`) or the gradients are bad; returns (loss, norm, why not applied). amp-fp16:

@@ -18,6 +18,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, TYPE_CHECKING
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -26,6 +27,9 @@ from frugality.checkpoint import CheckpointManager, read_extra
 from frugality.config.recipe import Recipe
 from frugality.errors import FrugalityWarning, UserError
 from frugality.paths import check_output_folder, write_atomically
+
+if TYPE_CHECKING:
+    import torch
 
 RECIPE_FILE = "recipe.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -56,7 +60,7 @@ class RunPlan:
 
 
 @contextmanager
-def locked(run_dir: Path, world: distributed.World, device):
+def locked(run_dir: Path, world: distributed.World, device: torch.device):
     """Hold the run directory for this run: an advisory lock (`flock`) on `.<name>.lock`
     beside it, holding the host, PID and start time, taken before anything in the directory
     is read or moved and kept to the end. A second run of the same directory stops with
@@ -96,7 +100,7 @@ def held(run_dir: Path, hint: str):
         _release(run_dir, f)
 
 
-def _release(run_dir: Path, f) -> None:
+def _release(run_dir: Path, f: IO) -> None:
     """Removed while still held (a process that opened it meanwhile sees it gone and opens
     anew); closing releases the flock."""
     lock_path(run_dir).unlink(missing_ok=True)
@@ -280,7 +284,7 @@ def read_summary(run_dir: Path) -> dict:
         return {}
 
 
-def _finite(value):
+def _finite(value: object) -> object:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
@@ -327,7 +331,7 @@ def _check_compatible(then: dict, now: dict, run_dir: Path, source: str) -> None
         )
 
 
-def differences(then, now, prefix: str = "") -> list[str]:
+def differences(then: object, now: object, prefix: str = "") -> list[str]:
     """'key then -> now' for every leaf that differs, in key order ('(unset)' where absent)."""
     if isinstance(then, dict) and isinstance(now, dict):
         found = []
@@ -341,7 +345,7 @@ def differences(then, now, prefix: str = "") -> list[str]:
 _UNSET = object()
 
 
-def _show(value) -> str:
+def _show(value: object) -> str:
     return "(unset)" if value is _UNSET else json.dumps(value)
 
 
@@ -415,7 +419,8 @@ def active_runs(root: Path) -> list[dict]:
     return found
 
 
-def _alive(pid) -> bool:
+def _alive(pid: object) -> bool:
+    """Whether `pid` (as a lock file holds it: anything) is a live process here."""
     if not isinstance(pid, int):
         return False
     try:

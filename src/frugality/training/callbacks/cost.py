@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import TYPE_CHECKING
 
 from frugality.backends import backend
 from frugality.distributed import all_sum
@@ -28,6 +29,10 @@ from frugality.metrics.energy import Meter, open_meter, vcpus
 from frugality.metrics.prices import PROVIDER_PUE, Price, check_cost, resolve_price
 from frugality.training import run_dir as rundir
 from frugality.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from frugality.runtime.state import TrainState
+    from frugality.training.loop import EvalResult, RunEnd, StepResult
 
 # The figures of the summary's cost block that also go into the last train record.
 LOGGED = ("kwh", "joules_per_token", "kg_co2e", "tokens_per_dollar", "usd_per_million_tokens")
@@ -47,7 +52,7 @@ class Cost(Callback):
         self.measuring_ranks = 0
         self.tokens_seen = 0  # as of the last step (Throughput counts them)
 
-    def on_train_start(self, state) -> None:
+    def on_train_start(self, state: TrainState) -> None:
         world, c = state.world, state.recipe.cost
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         hosts = max(1, world.world_size // local)
@@ -124,7 +129,7 @@ class Cost(Callback):
     def energy_j(self) -> float:
         return self.before["energy_j"] + self.joules
 
-    def on_step_end(self, state, result) -> None:
+    def on_step_end(self, state: TrainState, result: StepResult) -> None:
         self.tokens_seen = result.record.get("tokens", 0)  # counted by Throughput, before this callback
         assert self.meter is not None  # (see __init__)
         self.meter.sample()  # counters that wrap are read often
@@ -139,7 +144,7 @@ class Cost(Callback):
                     energy_j=round(self.energy_j(), 1), **{k: figures[k] for k in LOGGED if figures[k] is not None}
                 )
 
-    def on_eval(self, state, result) -> None:
+    def on_eval(self, state: TrainState, result: EvalResult) -> None:
         self._gather(state)
         if self.main:
             elapsed = self.elapsed_s()
@@ -153,14 +158,14 @@ class Cost(Callback):
             self.evals = [p for p in self.evals if p["step"] < state.step] + [point]  # a rollback re-evaluates
             result.record.update({k: v for k, v in point.items() if k not in ("step", "loss")}, tokens=self.tokens_seen)
 
-    def on_train_end(self, state, end) -> None:
+    def on_train_end(self, state: TrainState, end: RunEnd) -> None:
         # the session's cost up to its last step and evaluation (a final asynchronous
         # checkpoint's wait comes after, and is in the summary's wall time only)
         self._gather(state)
         if self.main:
             end.summary["cost"] = self.figures(state.tokens_seen, state.recipe.cost.target_loss)
 
-    def _gather(self, state) -> None:
+    def _gather(self, state: TrainState) -> None:
         """Every rank's joules of this session summed, and how many ranks measured them."""
         assert self.meter is not None  # (see __init__)
         mine = [self.meter.joules(), float(self.meter.measured)]

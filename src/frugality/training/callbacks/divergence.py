@@ -17,12 +17,17 @@ alike: the loss is the ranks' mean and the norm global.
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 from frugality.backends import backend
 from frugality.checkpoint import CheckpointManager
 from frugality.errors import FrugalityWarning, RunDiverged
 from frugality.training.callbacks import Callback
 from frugality.training.restore import restore
+
+if TYPE_CHECKING:
+    from frugality.runtime.state import TrainState
+    from frugality.training.loop import StepResult
 
 
 class DivergenceGuard(Callback):
@@ -39,7 +44,7 @@ class DivergenceGuard(Callback):
             self.checkpoints.wait()
         raise RunDiverged(message)
 
-    def on_step_end(self, state, result) -> None:
+    def on_step_end(self, state: TrainState, result: StepResult) -> None:
         if result.overflow is not None:  # amp-fp16's loss scale overflowed: neither a bad step nor a good one
             return
         if result.rejected is None:
@@ -68,8 +73,9 @@ class DivergenceGuard(Callback):
                 stacklevel=2,
             )
 
-    def _roll_back(self, state, what: str) -> int:
+    def _roll_back(self, state: TrainState, what: str) -> int:
         train = state.recipe.train
+        assert state.data is not None  # (a training run's state has its data)
         # Rollbacks so far: this session's, or those the restored checkpoints recorded (a
         # restore rewinds the data stream's record, never this count)
         done = max(self.rollbacks, len(state.data.stream.reshuffles))

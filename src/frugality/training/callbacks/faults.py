@@ -24,11 +24,16 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from frugality.errors import UserError
 from frugality.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from frugality.runtime.state import TrainState
+    from frugality.training.loop import StepResult
 
 ENV_VAR = "FRUGALITY_INJECT_FAULT"
 KINDS = ("kill", "sigterm", "kill_in_save", "truncate", "enospc", "nan", "hang")
@@ -52,27 +57,27 @@ class FaultInjector(Callback):
         self.marker = Path(run_dir) / f".fault-{self.kind}@{self.step}"
         self.checkpoints = checkpoints
 
-    def _due(self, state, step: int, every_rank: bool = False) -> bool:
+    def _due(self, state: TrainState, step: int, every_rank: bool = False) -> bool:
         return step == self.step and (every_rank or state.world.rank == self.rank) and not self.marker.exists()
 
     def _fired(self) -> None:
         self.marker.parent.mkdir(parents=True, exist_ok=True)
         self.marker.write_text("")
 
-    def on_train_start(self, state) -> None:
+    def on_train_start(self, state: TrainState) -> None:
         if self.kind in ("kill_in_save", "enospc"):
             self.checkpoints.on_files_written = lambda step, partial: self._in_save(state, step)
         if self.kind == "nan":
             for p in state.model.parameters():
                 p.register_hook(lambda g, state=state: self._poison(state, g))
 
-    def _poison(self, state, grad: torch.Tensor) -> torch.Tensor:
+    def _poison(self, state: TrainState, grad: torch.Tensor) -> torch.Tensor:
         # all ranks alike: the marker is written by rank 0 after the step (on_step_end)
         if state.step + 1 == self.step and not self.marker.exists():
             return torch.full_like(grad, float("nan"))
         return grad
 
-    def _in_save(self, state, step: int) -> None:
+    def _in_save(self, state: TrainState, step: int) -> None:
         if not self._due(state, step):
             return
         self._fired()
@@ -80,7 +85,7 @@ class FaultInjector(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    def on_step_end(self, state, result) -> None:
+    def on_step_end(self, state: TrainState, result: StepResult) -> None:
         if self.kind == "nan" and result.step == self.step and state.world.rank == 0 and not self.marker.exists():
             self._fired()
         if self.kind in ("kill", "sigterm", "hang") and self._due(state, result.step):
@@ -90,7 +95,7 @@ class FaultInjector(Callback):
                     time.sleep(60)
             os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGTERM)
 
-    def on_step_done(self, state) -> None:
+    def on_step_done(self, state: TrainState) -> None:
         if self.kind == "truncate" and self._due(state, state.step):
             shard = next((self.checkpoints.folder / f"step_{state.step:08d}").glob("*.distcp"), None)
             if shard is not None:  # a step without a checkpoint: nothing to cut

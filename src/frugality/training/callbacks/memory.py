@@ -4,15 +4,21 @@ as the step's "memory" record for the log, and as the summary's `memory` section
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from frugality.metrics.memory import peak_memory_bytes, training_state_bytes
 from frugality.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from frugality.runtime.state import TrainState
+    from frugality.training.loop import RunEnd, StepResult
 
 
 class Memory(Callback):
     def __init__(self) -> None:
         self.record: dict[str, float | None] = {}  # (peak memory: None where the device does not say)
 
-    def on_step_end(self, state, result) -> None:
+    def on_step_end(self, state: TrainState, result: StepResult) -> None:
         if self.record:
             return
         n = sum(p.numel() for p in state.model.parameters())
@@ -25,5 +31,5 @@ class Memory(Callback):
         }
         result.logs["memory"] = dict(self.record)
 
-    def on_train_end(self, state, end) -> None:
+    def on_train_end(self, state: TrainState, end: RunEnd) -> None:
         end.summary["memory"] = self.record | {"peak_memory_bytes": peak_memory_bytes(state.device)}

@@ -17,23 +17,30 @@ Measured with host clocks, so on CPUs only: a GPU's work is asynchronous to them
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
 
 from frugality.backends import backend
 from frugality.distributed import all_sum
 from frugality.training.callbacks import Callback
 
+if TYPE_CHECKING:
+    import torch
+
+    from frugality.runtime.state import TrainState
+    from frugality.training.loop import RunEnd, StepResult
+
 PROFILED = (2, 4, 6)  # the session's steps profiled (after its first), each alone
 
 
 class ParallelFigures(Callback):
-    def __init__(self, state) -> None:
+    def __init__(self, state: TrainState) -> None:
         self.on_cpu = backend(state.device).on_host  # (the CPU profiler times the collectives)
         self.profiled = {state.step + k for k in PROFILED}  # counted from the session's start
         self.idle: list[float] = []  # per step, the pipeline schedule's share not computing
         self.blocked: list[float] = []  # per profiled step, seconds in collectives
         self._profiler = None
 
-    def on_step_end(self, state, result) -> None:
+    def on_step_end(self, state: TrainState, result: StepResult) -> None:
         pipeline = state.pipeline
         if pipeline is not None and pipeline.last_step is not None and result.rolled_back_to is None:
             elapsed, computing = pipeline.last_step
@@ -44,7 +51,7 @@ class ParallelFigures(Callback):
                 self.blocked.append(_collective_seconds(self._profiler))
             self._profiler = None
 
-    def on_step_done(self, state) -> None:
+    def on_step_done(self, state: TrainState) -> None:
         # after the step's evaluation and checkpoint (this callback comes after checkpointing):
         # the next step, alone, is profiled
         if not (self.on_cpu and state.world.tensor > 1 and state.step + 1 in self.profiled):
@@ -59,7 +66,7 @@ class ParallelFigures(Callback):
         self._profiler = profile(activities=[ProfilerActivity.CPU])
         self._profiler.start()
 
-    def on_train_end(self, state, end) -> None:
+    def on_train_end(self, state: TrainState, end: RunEnd) -> None:
         world = state.world
         if world.pipeline == 1 and world.tensor == 1:
             return
@@ -68,7 +75,7 @@ class ParallelFigures(Callback):
         blocked = statistics.median(self.blocked) if self.blocked else 0.0
         # per pipeline rank (its slot; the others zero): idle share and how many ranks measured it
         stages = [0.0] * (2 * world.pipeline)
-        if self.idle:
+        if self.idle and state.pipeline is not None:  # (idle time is measured under a pipeline only)
             at = state.pipeline.rank
             stages[2 * at : 2 * at + 2] = [idle, 1.0]
         mine = [blocked, float(bool(self.blocked)), *stages]
@@ -89,13 +96,13 @@ class ParallelFigures(Callback):
             section["tensor_collectives_s"] = round(blocked_sum / blocked_ranks, 5) if blocked_ranks else None
         end.summary["parallel"] = section
 
-    def on_exit(self, state) -> None:
+    def on_exit(self, state: TrainState) -> None:
         if self._profiler is not None:
             self._profiler.stop()
             self._profiler = None
 
 
-def _collective_seconds(profiler) -> float:
+def _collective_seconds(profiler: torch.profiler.profile) -> float:
     """The main thread's own time in DTensor's collectives (the functional collectives
     tensor parallel issues, and their waits: `_c10d_functional::wait_tensor` holds the time
     blocked on a peer). Other collectives (data parallel's, the pipeline's sends) record

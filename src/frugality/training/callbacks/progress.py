@@ -3,9 +3,15 @@ compile reports, validation losses, and how the run stopped."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tqdm import tqdm
 
 from frugality.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from frugality.runtime.state import TrainState
+    from frugality.training.loop import EvalResult, RunEnd, StepResult
 
 
 class Progress(Callback):
@@ -13,18 +19,18 @@ class Progress(Callback):
         self.header, self.enabled, self.stop_at = header, enabled, stop_at
         self.bar: tqdm | None = None
 
-    def on_train_start(self, state) -> None:
+    def on_train_start(self, state: TrainState) -> None:
         for line in self.header:  # with --no-progress too: a log (SLURM's) shows what ran
             tqdm.write(line)
         self.bar = tqdm(
             total=self.stop_at, initial=state.step, unit="step", disable=not self.enabled, dynamic_ncols=True
         )
 
-    def on_compiled(self, state, phase: str) -> None:
+    def on_compiled(self, state: TrainState, phase: str) -> None:
         if self.enabled:
             tqdm.write(compile_line(phase, state.compiled.stats))
 
-    def on_step_end(self, state, result) -> None:
+    def on_step_end(self, state: TrainState, result: StepResult) -> None:
         assert self.bar is not None  # opened at on_train_start
         # the figures first, then the count that redraws the bar: the loss shown is the step's named
         if result.loss is not None:  # (XLA reads it at logging steps only)
@@ -33,16 +39,16 @@ class Progress(Callback):
             )
         self.bar.update(1)
 
-    def on_eval(self, state, result) -> None:
+    def on_eval(self, state: TrainState, result: EvalResult) -> None:
         if self.bar is not None and state.step:
             self.bar.set_postfix(val=f"{result.loss:.3f}", refresh=False)
 
-    def on_train_end(self, state, end) -> None:
+    def on_train_end(self, state: TrainState, end: RunEnd) -> None:
         self.on_exit(state)
         if state.stop_requested:  # the checkpoint was written at the step's end
             tqdm.write(f"stopped by signal after step {state.step}; checkpoint saved, rerun to resume")
 
-    def on_exit(self, state) -> None:
+    def on_exit(self, state: TrainState) -> None:
         if self.bar is not None:
             self.bar.close()
 

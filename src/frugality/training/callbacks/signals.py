@@ -8,9 +8,16 @@ stops after the same step and saves the same checkpoint."""
 from __future__ import annotations
 
 import signal
+from typing import TYPE_CHECKING
 
 from frugality.distributed import all_sum
 from frugality.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from frugality.runtime.state import TrainState
+    from frugality.training.loop import RunEnd, StepResult
 
 
 class StopOnSignal(Callback):
@@ -18,27 +25,27 @@ class StopOnSignal(Callback):
         self.previous: dict = {}
         self.asked = False  # a signal reached this rank
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.asked:  # a second signal: stop now
             raise KeyboardInterrupt
         self.asked = True
 
-    def on_train_start(self, state) -> None:
+    def on_train_start(self, state: TrainState) -> None:
         try:
             self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         except ValueError:  # not the main thread: leave signals alone
             self.previous = {}
 
-    def on_step_end(self, state, result) -> None:
+    def on_step_end(self, state: TrainState, result: StepResult) -> None:
         asked = self.asked or state.stop_requested
         if state.world.distributed:
             asked = all_sum([float(asked)], state.device)[0] > 0
         state.stop_requested = asked
 
-    def on_train_end(self, state, end) -> None:
+    def on_train_end(self, state: TrainState, end: RunEnd) -> None:
         self.on_exit(state)
 
-    def on_exit(self, state) -> None:
+    def on_exit(self, state: TrainState) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
         self.previous = {}

@@ -13,10 +13,17 @@ import json
 import math
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 from frugality.metrics.flops import non_embedding_params
 from frugality.training import run_dir as rundir
 from frugality.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from frugality.runtime.state import TrainState
+    from frugality.training.loop import EvalResult, RunEnd, StepResult
 
 
 class Summary(Callback):
@@ -33,22 +40,22 @@ class Summary(Callback):
         self.train_loss: float | None = None
         self.summary: dict = {}
 
-    def on_train_start(self, state) -> None:
+    def on_train_start(self, state: TrainState) -> None:
         self.start_step = state.step
         self.wall_start = time.perf_counter()
 
-    def on_step_end(self, state, result) -> None:
+    def on_step_end(self, state: TrainState, result: StepResult) -> None:
         self.train_time_s += result.seconds
         if result.loss is not None:
             self.train_loss = result.loss
         if "step_time_s" in result.record:  # (XLA: steps measured together, at the steps read)
             self.steps.append({k: result.record.get(k) for k in ("step_time_s", "tokens_per_s", "mfu")})
 
-    def on_eval(self, state, result) -> None:
+    def on_eval(self, state: TrainState, result: EvalResult) -> None:
         self.evals[state.step] = result.loss
         self.eval_metrics[state.step] = _retrieval(result.record)
 
-    def on_train_end(self, state, end) -> None:
+    def on_train_end(self, state: TrainState, end: RunEnd) -> None:
         recipe = state.recipe
         evals, metrics, earlier = dict(self.evals), dict(self.eval_metrics), []
         for record in _records(self.run_dir / rundir.METRICS_FILE):
@@ -109,7 +116,7 @@ def _retrieval(record: dict) -> dict:
     return {k: v for k, v in record.items() if k.startswith("recall@") or k in ("mrr", "candidates")}
 
 
-def _records(path) -> list[dict]:
+def _records(path: Path) -> list[dict]:
     """The log's records; a line cut by a crash or a full disk is skipped."""
     found = []
     try:
@@ -126,7 +133,7 @@ def _records(path) -> list[dict]:
     return found
 
 
-def _number(value) -> bool:
+def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
@@ -134,7 +141,7 @@ def _median(values: list[float], digits: int) -> float | None:
     return round(statistics.median(values), digits) if values else None
 
 
-def _counts(state) -> tuple[int, int]:
+def _counts(state: TrainState) -> tuple[int, int]:
     """The model's parameters and non-embedding parameters (under pipeline parallel, the
     whole model's, not this rank's stages')."""
     pipeline = getattr(state, "pipeline", None)

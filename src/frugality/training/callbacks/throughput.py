@@ -4,10 +4,16 @@ log's, and the summary's medians); the peak, in the summary's section."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from frugality.backends import backend
 from frugality.metrics.flops import training_flops_per_token
 from frugality.metrics.peak import mfu, peak_flops
 from frugality.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from frugality.runtime.state import TrainState
+    from frugality.training.loop import RunEnd, StepResult
 
 
 class Throughput(Callback):
@@ -16,7 +22,7 @@ class Throughput(Callback):
         self.flops_per_token = 0.0
         self._pending = (0, 0.0, 0)  # XLA: tokens, seconds and steps since the last step read
 
-    def on_train_start(self, state) -> None:
+    def on_train_start(self, state: TrainState) -> None:
         r = state.recipe
         pipeline = getattr(state, "pipeline", None)  # a rank holds its stages: the whole model's count
         params = pipeline.non_embedding_parameters if pipeline is not None else None
@@ -30,7 +36,7 @@ class Throughput(Callback):
         )
         self.peak *= state.world.world_size * state.world.devices  # tokens/s are global: every device's peak
 
-    def on_step_end(self, state, result) -> None:
+    def on_step_end(self, state: TrainState, result: StepResult) -> None:
         if backend(state.device).traced and result.loss is None:
             # XLA runs a step's graphs while the host traces the next: a step not read is only
             # its tracing; the time of the steps since the last read is measured at the next
@@ -50,5 +56,5 @@ class Throughput(Callback):
             tokens=state.tokens_seen,
         )
 
-    def on_train_end(self, state, end) -> None:
+    def on_train_end(self, state: TrainState, end: RunEnd) -> None:
         end.summary["peak_flops"] = self.peak

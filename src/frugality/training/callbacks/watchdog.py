@@ -12,9 +12,13 @@ import faulthandler
 import os
 import threading
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from frugality.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from frugality.runtime.state import TrainState
+    from frugality.training.loop import EvalResult, StepResult
 
 HANG_EXIT = 5
 
@@ -28,14 +32,14 @@ class Watchdog(Callback):
         self._thread: threading.Thread | None = None
         self._file: TextIO | None = None
 
-    def on_step_end(self, state, result) -> None:
+    def on_step_end(self, state: TrainState, result: StepResult) -> None:
         self._arm(state)
 
-    def on_eval(self, state, result) -> None:
+    def on_eval(self, state: TrainState, result: EvalResult) -> None:
         if self._thread is not None:
             self._arm(state)
 
-    def on_exit(self, state) -> None:
+    def on_exit(self, state: TrainState) -> None:
         self._stop.set()
         self._deadline.set()
         if self._file is not None:
@@ -43,7 +47,7 @@ class Watchdog(Callback):
             self._file.close()
             self._file = None
 
-    def _arm(self, state) -> None:
+    def _arm(self, state: TrainState) -> None:
         if self._thread is None:
             self._file = open(str(self.path).format(rank=state.world.rank), "w")  # noqa: SIM115 - closed by on_exit
             self._thread = threading.Thread(
