@@ -31,6 +31,7 @@ from pathlib import Path
 IMPORT_TIME = (
     *("OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "ONEDNN_", "DNNL_", "ATEN_", "TORCH", "PYTORCH", "CUDA"),
     *("LD_", "PYTHON"),
+    *("PT_XLA", "TPU_", "NEURON"),  # (torch_xla's, read when it is imported)
 )
 IMPORT_TIME_NAMES = (
     "FRUGALITY_NO_C_KERNEL",
@@ -41,6 +42,10 @@ IMPORT_TIME_NAMES = (
     "TMP",
     "TEMP",
     "FRUGALITY_README_HIDDEN",  # (what the README test's sitecustomize hides, read at start-up)
+    # torch_xla's, read when it is imported (the XLA environment's server imports it)
+    "XLA_REGISTER_INSTALLED_PLUGINS",
+    "XLA_USE_EAGER_DEBUG_MODE",
+    "PJRT_SELECT_DEFAULT_DEVICE",
 )
 
 
@@ -72,12 +77,15 @@ import atexit, importlib, json, os, random, select, signal, socket, sys, threadi
 from frugality.cli import main  # the console script's (before frugality.cli.main, the module, shadows it)
 for name in sys.argv[2].split(","):
     importlib.import_module(name)
+set_by_imports = {}  # what the imports put in the environment, for each command to find there
 if os.environ.get("PJRT_DEVICE"):  # started for XLA (.venv-xla): torch_xla too, ~3 s a process
+    before = dict(os.environ)
     os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")  # (as frugality.xla.load sets it first)
     try:
         import torch_xla, torch_xla.debug.metrics, torch_xla.runtime  # (no client opened: no threads)
     except ImportError:
         pass
+    set_by_imports = {n: v for n, v in os.environ.items() if before.get(n) != v}
 
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 listener.bind(sys.argv[1])
@@ -119,6 +127,11 @@ while True:
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
+            for name, value in set_by_imports.items():  # (its C++ side reads them when the client opens)
+                if name == "XLA_FLAGS":
+                    torch_xla._setup_xla_flags()  # its flags added to the command's own
+                else:
+                    os.environ.setdefault(name, value)
             random.seed()  # (not the server's sequence in every command)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             if request.get("script"):  # python SCRIPT ARGS
