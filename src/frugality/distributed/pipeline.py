@@ -26,9 +26,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from frugality.backends import backend
-from frugality.config.recipe import ParallelConfig
+from frugality.config.recipe import ParallelConfig, Recipe
 from frugality.errors import UserError
-from frugality.models import Decoder
+from frugality.models import Decoder, ModelConfig
 from frugality.models.families import family, names
 from frugality.models.layers import check_length
 
@@ -55,7 +55,7 @@ def resolve_schedule(schedule: str) -> str:
     return "1f1b" if schedule == "auto" else schedule
 
 
-def fit_microbatches(recipe, data_ranks: int):
+def fit_microbatches(recipe: Recipe, data_ranks: int) -> tuple[Recipe, str | None]:
     """The recipe with a micro-batch small enough that a step has the micro-batches its
     schedule needs (at least one a stage; interleaved: a multiple of the stages), keeping
     the global batch, as `--nproc` keeps it; and the header's note (None when nothing
@@ -90,7 +90,7 @@ def fit_microbatches(recipe, data_ranks: int):
     return recipe.model_copy(update={"data": d.model_copy(update={"micro_batch_size": micro})}), note
 
 
-def check_pipeline(model_config, parallel, world_size: int, micro_batches: int) -> None:
+def check_pipeline(model_config: ModelConfig, parallel: ParallelConfig, world_size: int, micro_batches: int) -> None:
     """Bad combinations, one line each, before anything starts. `micro_batches`: those of
     a step on each data-parallel rank."""
     pipeline = parallel.pipeline

@@ -37,11 +37,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from frugality.errors import UserError
-from frugality.models import Decoder
+from frugality.models import Decoder, ModelConfig
 from frugality.models.families import family, names
 
 
-def check_tensor_parallel(model_config, tensor: int, sequence: bool, world_size: int, seq_len: int) -> None:
+def check_tensor_parallel(
+    model_config: ModelConfig, tensor: int, sequence: bool, world_size: int, seq_len: int
+) -> None:
     """Bad combinations, one line each, before anything starts."""
     if tensor == 1:
         if sequence:

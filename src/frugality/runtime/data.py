@@ -13,7 +13,7 @@ from frugality.data.bundled import BUNDLED_PREFIX, bundled_dataset, bundled_pair
 from frugality.data.indexed import IndexedDataset
 from frugality.data.loader import PackedSamples, TrainStream, validation_batches
 from frugality.data.pairs import PairSamples
-from frugality.data.tokenizer import load_tokenizer
+from frugality.data.tokenizer import LoadedTokenizer, load_tokenizer
 from frugality.errors import UserError
 from frugality.tasks import get_task
 
@@ -77,7 +77,7 @@ def open_training_data(recipe: Recipe, progress: bool = True, rank: int = 0, wor
     return TrainingData(samples, stream, val_batches, val_counted, description, mask_id, specials)
 
 
-def _open_pairs(recipe: Recipe, tokenizer) -> PairSamples:
+def _open_pairs(recipe: Recipe, tokenizer: LoadedTokenizer) -> PairSamples:
     name = recipe.data.dataset
     if name.startswith(BUNDLED_PREFIX):
         try:
@@ -88,7 +88,7 @@ def _open_pairs(recipe: Recipe, tokenizer) -> PairSamples:
     return PairSamples(name, tokenizer.tokenizer, recipe.data.fields, buckets, recipe.data.val_fraction, recipe.seed)
 
 
-def _open_dataset(recipe: Recipe, tokenizer, progress: bool) -> IndexedDataset:
+def _open_dataset(recipe: Recipe, tokenizer: LoadedTokenizer, progress: bool) -> IndexedDataset:
     name = recipe.data.dataset
     if name.startswith(BUNDLED_PREFIX):
         try:

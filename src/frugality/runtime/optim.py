@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from frugality.backends import backend
-from frugality.config.recipe import OptimConfig
+from frugality.config.recipe import OptimConfig, Recipe
 from frugality.precision import PrecisionPolicy, get_policy
 from frugality.precision.bf16_adamw import BF16AdamW
 
@@ -20,7 +20,7 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def fused_update(recipe, device: torch.device) -> bool:
+def fused_update(recipe: Recipe, device: torch.device) -> bool:
     """Whether the optimizer runs its one fused pass (`train.fused_optimizer`): not on XLA,
     where the update is traced into the step's graph and XLA fuses it there."""
     return recipe.train.fused_optimizer and backend(device).fused_optimizer

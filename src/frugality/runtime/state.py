@@ -199,7 +199,7 @@ def build_state(layout: Layout, data: TrainingData | None = None) -> TrainState:
 
 
 def _materialize(
-    recipe: Recipe, device: torch.device, policy, whole: nn.Module, parts: list, checkpointing: str
+    recipe: Recipe, device: torch.device, policy: PrecisionPolicy, whole: nn.Module, parts: list, checkpointing: str
 ) -> list[str]:
     """Give `parts` of `whole` (on the meta device; tensor-parallel layers hold DTensors)
     storage on `device` and the values `build_model` would have given them under the
