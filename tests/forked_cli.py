@@ -80,12 +80,13 @@ for name in sys.argv[2].split(","):
 set_by_imports = {}  # what the imports put in the environment, for each command to find there
 if os.environ.get("PJRT_DEVICE"):  # started for XLA (.venv-xla): torch_xla too, ~3 s a process
     before = dict(os.environ)
-    os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")  # (as frugality.xla.load sets it first)
     try:
+        os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")  # (as frugality.xla.load sets it first)
         import torch_xla, torch_xla.debug.metrics, torch_xla.runtime  # (no client opened: no threads)
-    except ImportError:
-        pass
-    set_by_imports = {n: v for n, v in os.environ.items() if before.get(n) != v}
+        set_by_imports = {n: v for n, v in os.environ.items() if before.get(n) != v}
+    except ImportError:  # (not installed here: the environment as it was)
+        os.environ.clear()
+        os.environ.update(before)
 
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 listener.bind(sys.argv[1])
