@@ -90,6 +90,7 @@ def test_a_resume_past_a_damaged_checkpoint_without_manifest_says_so(
     shutil.copytree(micro_reference_run, run)  # the micro recipe's 8 steps, saved at 4 and 8 (read only: a copy)
     command = ["train", micro_recipe_file, "--run-dir", run, "--no-progress"]
     newest = run / "checkpoints" / "step_00000008"
+    assert sorted(p.name for p in newest.parent.iterdir()) == ["step_00000004", newest.name]
     (newest / MANIFEST).unlink()
     _distcp(newest).write_bytes(_distcp(newest).read_bytes()[:1000])
     resumed = frugality_cli(*command, "--set", "train.steps=9")
