@@ -14,7 +14,8 @@ in the same run) against `frugality serve`, one-text embedding requests, closed 
     .venv/bin/python benchmarks/serve_limit.py --model tiny [--duration 5] [--precision auto]
     .venv/bin/python benchmarks/serve_limit.py --model minilm --peer infinity
 
-Writes benchmarks/results/serve_limit-<model>-<machine>-<date>.md and .json.
+Writes benchmarks/results/serve_limit-<model>[-<precision>]-<machine>-<date>.md and .json
+(the precision named unless it is `auto`).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def main() -> int:
     write_results(
         Path(__file__).parent / "results",
         "serve_limit",
-        args.model,
+        args.model if args.precision == "auto" else f"{args.model}-{args.precision}",
         header,
         table + footer,
         json.dumps(result, indent=2),

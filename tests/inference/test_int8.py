@@ -117,6 +117,9 @@ def test_minilm_int8_vectors_keep_the_cosine_measured_to_fp32(tmp_path, capsys):
     # measured on glosses: min 0.991, mean 0.997 (5,000, against sentence-transformers' fp32,
     # benchmarks/embed_throughput.py); single words go lower, to 0.9796 (benchmarks/int8_quality.py)
     assert cosine.min() >= 0.98 and cosine.mean() >= 0.99 and cosine.max() < 1 - 1e-6
+    # without the bar (it once read the description of a disabled one: a traceback)
+    quiet = _embed(str(minilm.get_model_path()), texts, tmp_path / "quiet", "int8")
+    assert np.array_equal(quiet, int8)
 
 
 @needs_fast_int8

@@ -310,7 +310,9 @@ def run_job(
         t0 = time.perf_counter()
         # int8 (PyTorch's) compiles its fused passes in the first batches: tens of seconds on a
         # machine whose Inductor cache is cold, said on the bar until the first texts are done
-        first = "int8: compiling its fused passes (Inductor; cached after)" if encoder.int8 == "torch" else None
+        # (a disabled bar has no description to clear: --no-progress)
+        said = progress and encoder.int8 == "torch"
+        first = "int8: compiling its fused passes (Inductor; cached after)" if said else None
         with tqdm(
             total=count,
             initial=count - todo,
