@@ -63,10 +63,19 @@ def test_a_nan_row_gives_a_nan_loss_and_leaves_other_rows_finite():
     assert torch.isnan(logits[1]).all() and torch.isfinite(logits[[0, 2]]).all()
 
 
-@pytest.mark.c_kernel
-def test_a_target_outside_the_vocabulary_is_an_error():
+DEVICES = [pytest.param("cpu", marks=pytest.mark.c_kernel), pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _served(device: str):
+    """The path that serves each device's rows: the C kernel on CPUs, the compiled function on GPUs."""
+    return rows_in_c if device == "cpu" else rows_compiled
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_target_outside_the_vocabulary_is_an_error(device):
+    # (on a GPU said before the index stops the device with an assert)
     with pytest.raises(IndexError, match=r"1 target\(s\) outside the vocabulary \[0, 64\)"):
-        rows_in_c(torch.randn(3, 64), torch.tensor([0, 64, 1]), 1 / 3, True)
+        _served(device)(torch.randn(3, 64, device=device), torch.tensor([0, 64, 1], device=device), 1 / 3, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -85,37 +94,36 @@ def test_the_graph_gpus_compile_matches_torch_cross_entropy(dtype):
     assert rows_compiled(logits.clone(), targets, 1.0 / 37, True) is None  # not on CPUs
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_rows_on_cuda_match_torch_cross_entropy(dtype):
+def test_the_rows_each_device_serves_match_torch_cross_entropy(dtype, device):
+    """A GPU's compiled rows at a real vocabulary; the CPU's kernel (CI's twin) at a small one."""
     torch.manual_seed(0)
-    logits = (torch.randn(300, 50304) * 4).to(dtype)
-    targets = torch.randint(0, 50304, (300,))
+    tokens, vocab = (300, 50304) if device == "cuda" else (37, 1001)
+    logits = (torch.randn(tokens, vocab) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (tokens,))
     ref_losses, ref_grad = _reference(logits, targets)
-    work = logits.cuda()
-    losses = rows_compiled(work, targets.cuda(), 1.0 / 300, want_grad=True)
-    assert losses is not None, "the compiled path should serve on a GPU"
+    work = logits.to(device, copy=True)  # (the rows write their gradient over it)
+    losses = _served(device)(work, targets.to(device), 1.0 / tokens, want_grad=True)
+    assert losses is not None, f"{_served(device).__name__} should serve on {device}"
     torch.testing.assert_close(losses.cpu().double(), ref_losses, rtol=1e-5, atol=1e-5)
     tolerance = dict(rtol=1e-4, atol=1e-9) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-7)
     torch.testing.assert_close(work.cpu().double(), ref_grad, **tolerance)
     # the chunked torch-ops fallback agrees with it
-    chunked = logits.cuda()
-    torch.testing.assert_close(rows_in_torch(chunked, targets.cuda(), 1.0 / 300, True), losses, rtol=1e-5, atol=1e-5)
+    chunked = logits.to(device, copy=True)
+    torch.testing.assert_close(
+        rows_in_torch(chunked, targets.to(device), 1.0 / tokens, True), losses, rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(chunked.float(), work.float(), rtol=8e-3, atol=1e-7)
 
 
-@pytest.mark.cuda
-def test_a_target_outside_the_vocabulary_is_an_error_on_cuda_too():
-    with pytest.raises(IndexError, match=r"1 target\(s\) outside the vocabulary \[0, 64\)"):
-        rows_compiled(torch.randn(3, 64, device="cuda"), torch.tensor([0, 64, 1], device="cuda"), 1 / 3, True)
-
-
-@pytest.mark.cuda
-def test_the_compiled_rows_serve_more_shapes_than_dynamos_default_limit():
-    """One process may train several models (a benchmark, a test session): dynamo allows 8
-    compilations per function by default, and the graph is compiled per shape, so more than
-    8 shapes must still be served compiled (the limit is raised around its call), with the
-    torch ops' losses."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_every_shape_is_served_by_the_devices_own_rows(device):
+    """One process may train several models (a benchmark, a test session): on a GPU, dynamo
+    allows 8 compilations per function by default and the graph is compiled per shape, so
+    more than 8 shapes must still be served compiled (the limit is raised around its call),
+    with the torch ops' losses. On the CPU (CI's twin) the same shapes go to the CPU's own
+    rows, the compiled function left out."""
     import frugality.kernels.output_loss as output_loss
 
     for tokens, vocab in [
@@ -129,11 +137,14 @@ def test_the_compiled_rows_serve_more_shapes_than_dynamos_default_limit():
         (11, 512),
         (13, 2048),
     ]:
-        logits = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16)
-        targets = torch.randint(0, vocab, (tokens,), device="cuda")
+        logits = torch.randn(tokens, vocab, device=device, dtype=torch.bfloat16)
+        targets = torch.randint(0, vocab, (tokens,), device=device)
         reference = rows_in_torch(logits.clone(), targets, 1.0 / tokens, False)
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="compiled cross-entropy failed")  # the fallback's
-            losses = rows_compiled(logits, targets, 1.0 / tokens, True)
-        assert losses is not None and output_loss._COMPILED["fn"] is not None  # compiled, every shape
+            losses = output_loss.rows(logits, targets, 1.0 / tokens, True)
+        if device == "cuda":
+            assert output_loss._COMPILED["fn"] is not None  # compiled, every shape
+        else:
+            assert rows_compiled(logits.clone(), targets, 1.0 / tokens, True) is None
         torch.testing.assert_close(losses.float(), reference.float(), rtol=1e-2, atol=1e-2)

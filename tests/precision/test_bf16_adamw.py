@@ -131,16 +131,19 @@ def test_cpu_kernel_gives_the_same_bits_as_torch_ops(rounding):
         assert torch.equal(a, b)
 
 
-def test_compiled_update_matches_eager(monkeypatch):
-    """The torch.compile path (what GPUs use) computes the same update."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_compiled_update_matches_the_eager_one(monkeypatch, device):
+    """The torch.compile path (Triton on a GPU, C++ on the CPU with the C kernel set aside)
+    against the eager update on the CPU (whose bits the C kernel gives, above)."""
     from frugality.precision.bf16_adamw import _compiled_rounding_is_right
 
-    if not _compiled_rounding_is_right(torch.device("cpu")):
-        pytest.skip("Inductor's vectors here are narrower than AVX-512: the update runs eagerly (next test)")
-    monkeypatch.setattr(kernels, "adamw_bf16_step", lambda: None)
-    for a, b in zip(_three_steps(True), _three_steps(False), strict=True):
-        # Same formula and noise; the compiler may order float32 operations differently,
-        # which can move a value across a rounding boundary now and then.
+    if device == "cpu":
+        if not _compiled_rounding_is_right(torch.device("cpu")):
+            pytest.skip("Inductor's vectors here are narrower than AVX-512: the update runs eagerly (next test)")
+        monkeypatch.setattr(kernels, "adamw_bf16_step", lambda: None)
+    for a, b in zip(_three_steps(True, "stochastic", device), _three_steps(False), strict=True):
+        # Same formula and noise; the compiler may order float32 operations differently (or
+        # contract a multiply and an add into one FMA), moving a value across a rounding boundary now and then.
         assert (a != b).float().mean().item() < 0.01
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
@@ -169,25 +172,17 @@ def test_the_compiled_update_rounds_stochastically_only_where_inductors_vectors_
         assert torch.equal(a, b)
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=pytest.mark.c_kernel), pytest.param("cuda", marks=pytest.mark.cuda)]
+)
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-def test_eager_update_on_cuda_gives_the_cpu_kernels_bits(rounding):
+def test_the_eager_update_gives_the_cpu_kernels_bits(rounding, device):
     """The rounding noise is a hash of (key, index), so a GPU rounds exactly as the CPU does.
     (No clipping here: the norm's reduction order differs between devices.)"""
     for a, b in zip(
-        _three_steps(True, rounding, "cpu", clip=False), _three_steps(False, rounding, "cuda", clip=False), strict=True
+        _three_steps(True, rounding, "cpu", clip=False), _three_steps(False, rounding, device, clip=False), strict=True
     ):
         assert torch.equal(a, b)
-
-
-@pytest.mark.cuda
-def test_compiled_update_on_cuda_matches_the_cpu_kernel():
-    """The fused (Triton) update GPUs run: the same formula and noise; the compiler may
-    contract a multiply and an add into one FMA, moving a value across a rounding boundary
-    now and then."""
-    for a, b in zip(_three_steps(True, "stochastic", "cpu"), _three_steps(True, "stochastic", "cuda"), strict=True):
-        assert (a != b).float().mean().item() < 0.01
-        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_clipping_is_folded_into_the_next_step_in_float32():

@@ -162,14 +162,20 @@ def test_amp_fp16_on_an_xla_device_is_refused():
         get_policy("amp-fp16").check_device(torch.device("xla"))
 
 
-@pytest.mark.cuda
-def test_amp_fp16_on_a_gpu_trains_like_amp_bf16_with_tf32_on(micro_recipe_file, tmp_path):
-    on_gpu = ["train.device=cuda", "train.steps=16", "train.fused_optimizer=true"]
-    fp16 = _train(micro_recipe_file, tmp_path / "fp16", *on_gpu)
-    bf16 = load_recipe(str(micro_recipe_file), ["train.precision=amp-bf16", *on_gpu])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_amp_fp16_trains_like_amp_bf16(micro_recipe_file, tmp_path, device):
+    """On a GPU: 16 steps, the fused update, TF32 on (train.tf32's default); the CPU case is CI's
+    twin of the same contract in a few steps."""
+    steps = 16 if device == "cuda" else 4
+    fused = "true" if device == "cuda" else "false"
+    same = [f"train.device={device}", f"train.steps={steps}", f"train.fused_optimizer={fused}"]
+    fp16 = _train(micro_recipe_file, tmp_path / "fp16", *same)
+    # the same global batch as fp16's (the two once trained on batches of 2 and 4)
+    bf16 = load_recipe(str(micro_recipe_file), ["train.precision=amp-bf16", FP16[-1], *same])
+    assert bf16.data.global_batch_size == load_recipe(str(micro_recipe_file), [*FP16, *same]).data.global_batch_size
     trainer.train(bf16, run_dir=tmp_path / "bf16", progress=False, tensorboard=False)
     losses = [_records(tmp_path / d, "eval")[-1]["loss"] for d in ("fp16", "bf16")]
     assert losses[0] == pytest.approx(losses[1], rel=0.01)
-    assert fp16.summary["loss_scale"]["overflow_steps"] < 16  # most steps applied
-    if torch.cuda.get_device_capability() >= (8, 0):
+    assert fp16.summary["loss_scale"]["overflow_steps"] < steps  # most steps applied
+    if device == "cuda" and torch.cuda.get_device_capability() >= (8, 0):
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # train.tf32's default

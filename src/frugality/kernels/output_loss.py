@@ -92,11 +92,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         # Over the rows, in place: the loss per row, and (softmax - onehot) / n if wanted.
         # the row pass's own profiler range, apart from this Function's products (`bench profile`)
         with torch.profiler.record_function("frugality::cross_entropy_rows"):
-            row_losses = rows_in_c(logits, targets, 1.0 / n, want_grad)
-            if row_losses is None:
-                row_losses = rows_compiled(logits, targets, 1.0 / n, want_grad)
-            if row_losses is None:
-                row_losses = rows_in_torch(logits, targets, 1.0 / n, want_grad)
+            row_losses = rows(logits, targets, 1.0 / n, want_grad)
         if want_grad:
             grad_logits = logits  # now holds d(mean loss)/d(logits)
             if weight_grad_applies(grad_logits, hidden):  # AMX: straight into the weight's layout
@@ -130,6 +126,15 @@ def _transpose_first(hidden: torch.Tensor) -> bool:
     (weight gradient) on a 2-core Xeon at 2048 tokens x 512 x 50k, for 20 ms of
     transposing each."""
     return hidden.device.type == "cpu" and hidden.element_size() == 2
+
+
+def rows(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_grad: bool) -> torch.Tensor:
+    """The rows' losses (float32), and with `want_grad` their gradient times `scale` written
+    over `logits`: through the CPU kernel, else the compiled function (GPUs), else torch ops."""
+    losses = rows_in_c(logits, targets, scale, want_grad)
+    if losses is None:
+        losses = rows_compiled(logits, targets, scale, want_grad)
+    return losses if losses is not None else rows_in_torch(logits, targets, scale, want_grad)
 
 
 def rows_in_c(logits: torch.Tensor, targets: torch.Tensor, scale: float, want_grad: bool):

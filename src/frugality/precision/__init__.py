@@ -215,17 +215,19 @@ def _check_fp8(device: torch.device) -> None:
         raise UserError("precision fp8 uses torchao's float8 training: pip install torchao") from None
 
 
+def float8_eligible(module: nn.Module, fqn: str) -> bool:
+    """Whether fp8 converts this module (`fqn`: its name in the model) to a float8 linear:
+    float8 matmuls need both dimensions divisible by 16; the output layer stays bf16 (its
+    gradient is the most precision-sensitive, as in torchao's own recipes)."""
+    return (
+        isinstance(module, nn.Linear)
+        and fqn != "output"
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
+    )
+
+
 def _to_float8(model: M) -> M:
     from torchao.float8 import convert_to_float8_training
 
-    def eligible(module: nn.Module, fqn: str) -> bool:
-        # float8 matmuls need both dimensions divisible by 16; the output layer stays bf16
-        # (its gradient is the most precision-sensitive, as in torchao's own recipes).
-        return (
-            isinstance(module, nn.Linear)
-            and fqn != "output"
-            and module.in_features % 16 == 0
-            and module.out_features % 16 == 0
-        )
-
-    return convert_to_float8_training(model, module_filter_fn=eligible)
+    return convert_to_float8_training(model, module_filter_fn=float8_eligible)
