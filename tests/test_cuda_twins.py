@@ -1,0 +1,59 @@
+"""Every test marked `cuda` has a CPU twin that CI runs: the mark sits on a `pytest.param` of a
+device parameter beside a CPU one, never on the whole function (whose body CI would then
+never run, so that a change of contract shows only on the next GPU machine)."""
+
+import ast
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _is_cuda_mark(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "cuda" and ast.unparse(node).endswith("mark.cuda")
+
+
+def _params(decorator: ast.AST) -> list[ast.AST]:
+    """The values of a `pytest.mark.parametrize(...)` decorator's list of cases."""
+    if not (isinstance(decorator, ast.Call) and ast.unparse(decorator.func).endswith("mark.parametrize")):
+        return []
+    cases = decorator.args[1] if len(decorator.args) > 1 else None
+    return list(cases.elts) if isinstance(cases, ast.List | ast.Tuple) else []
+
+
+def _marked_cuda(case: ast.AST) -> bool:
+    return isinstance(case, ast.Call) and any(
+        k.arg == "marks" and any(_is_cuda_mark(n) for n in ast.walk(k.value)) for k in case.keywords
+    )
+
+
+def cuda_tests_without_twins(folder: Path = TESTS) -> list[str]:
+    lonely = []
+    for path in sorted(folder.rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or not node.name.startswith("test"):
+                continue
+            where = f"{path.relative_to(folder)}::{node.name}"
+            if any(_is_cuda_mark(d) for d in node.decorator_list):
+                lonely.append(where)
+                continue
+            for decorator in node.decorator_list:
+                cases = _params(decorator)
+                if any(map(_marked_cuda, cases)) and all(map(_marked_cuda, cases)):
+                    lonely.append(where)
+    return lonely
+
+
+def test_every_cuda_test_has_a_cpu_twin():
+    assert cuda_tests_without_twins() == []
+
+
+def test_a_test_marked_cuda_as_a_whole_is_found(tmp_path):
+    (tmp_path / "test_gpu.py").write_text(
+        "import pytest\n\n@pytest.mark.cuda\ndef test_alone():\n    pass\n\n"
+        '@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.cuda)])\n'
+        "def test_no_cpu_case(device):\n    pass\n\n"
+        '@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])\n'
+        "def test_twinned(device):\n    pass\n"
+    )
+    assert cuda_tests_without_twins(tmp_path) == ["test_gpu.py::test_alone", "test_gpu.py::test_no_cpu_case"]
