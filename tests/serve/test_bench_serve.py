@@ -12,6 +12,7 @@ from conftest import KEY, MINILM
 
 from frugality.bench.serve import LAG_MS
 from frugality.cli.main import main
+from frugality.hardware import cpu_name
 
 
 @pytest.mark.slow
@@ -30,6 +31,7 @@ def test_bench_serve_measures_levels_and_cost_serve_sizes_the_fleet_from_them(
     assert result["endpoint"] == "embeddings"
     levels = result["levels"]
     assert [(r["mode"], r["level"]) for r in levels] == [("rate", 10), ("rate", 30), ("concurrency", 4)]
+    assert {r["device"] for r in levels} == {None}  # a server at a URL: not known here, and said so
     for r in levels:
         assert r["ok"] == r["requests"] > 0 and r["errors"] == 0
         assert r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] and r["throughput_per_s"] > 0
@@ -52,7 +54,7 @@ def test_bench_serve_measures_levels_and_cost_serve_sizes_the_fleet_from_them(
     assert best["throughput_per_s"] == counted[-1]["throughput_per_s"]
     said = capsys.readouterr()
     printed = said.out
-    assert "| open | 30 req/s |" in printed and "saturation" in printed
+    assert "| unknown (a server at a URL), unknown | open | 30 req/s |" in printed and "saturation" in printed
     assert "the generator's ceiling:" in said.err and "generator ceiling req/s" in printed
 
     assert main(["cost", "serve", "--rate", "1e6", "--from", str(out), "--price-per-hour", "2", "--json"]) == 0
@@ -96,9 +98,14 @@ def test_bench_serve_races_infinity_level_by_level_on_the_same_model(tmp_path, c
         assert [(r["mode"], r["level"]) for r in peer["levels"]] == [("rate", 20), ("concurrency", 2)]
         for r in [*result["levels"], *peer["levels"]]:
             assert r["ok"] == r["requests"] > 0 and r["errors"] == 0
+        # every row names where it ran and in what: the device each server said (or was given)
+        assert {r["device"] for r in result["levels"]} == {f"cpu ({cpu_name()})"} == {result["device"]}
+        assert {r["device"] for r in peer["levels"]} == {"cpu (its --device)"}
+        assert {r["precision"] for r in result["levels"]} == {"fp32"}
         assert peer["levels"][0]["rows_per_call"] is None  # (infinity's /metrics has no such counter)
         printed = capsys.readouterr().out
-        assert "| infinity-emb 0.0." in printed and "| frugality | closed | 2 clients |" in printed
+        assert "| infinity-emb 0.0." in printed
+        assert f"| frugality | cpu ({cpu_name()}), fp32 | closed | 2 clients |" in printed
     monkeypatch.setattr(serve_peers, "find_venv", lambda name: None)  # a machine without the peer
     assert main(command) == 0
     result = json.loads(out.read_text())

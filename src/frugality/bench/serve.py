@@ -49,6 +49,8 @@ class Level:
     queue_ms: float | None = None
     ceiling: float | None = None  # what the generator drove against the no-op server at this level
     server: str = "frugality"
+    device: str | None = None  # where the server ran: "cuda:0 (NVIDIA H200)"; None for a server at a URL
+    precision: str | None = None  # what it said it runs in
 
     @property
     def driven(self) -> bool:
@@ -71,6 +73,8 @@ class Level:
         ok, seconds = len(t.latencies_ms), t.seconds
         return {
             "server": self.server,
+            "device": self.device,
+            "precision": self.precision,
             "mode": self.mode,
             "level": self.level,
             "requests": t.sent,
@@ -105,6 +109,7 @@ class Target:
     def __init__(self, target: str, api_key: str | None, serve_args: list[str], log, name: str = "frugality") -> None:
         self.process: subprocess.Popen | None = None
         self.name, self.precision = name, None  # the precision a started server says it chose
+        self.device: str | None = None  # and its device, "cuda:0 (NVIDIA H200)" (unknown at a URL)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if re.match(r"https?://", target):
             url = target.rstrip("/").removesuffix("/v1")
@@ -167,6 +172,8 @@ class Target:
             ready = re.search(r"ready, POST (http://\S+?)/v1/\S+ \((\w+)", text)
             if ready:
                 self.precision = ready.group(2)
+                device = re.search(r"; device: (.+)$", text[ready.start() :].splitlines()[0])
+                self.device = device.group(1).strip() if device else None
                 return ready.group(1)
             if self.process.poll() is not None:
                 error = [line for line in text.splitlines() if line.startswith("error:")]
@@ -385,6 +392,8 @@ def _measure(target: Target, mode: str, level: float, run, ceiling: float | None
         queue_ms=queued / taken * 1000 if queued is not None and taken else None,
         ceiling=ceiling,
         server=target.name,
+        device=target.device,
+        precision=target.precision,
     )
 
 
@@ -394,9 +403,10 @@ def markdown_table(levels: list[Level], missing: dict[str, str] | None = None) -
     servers = len({lv.server for lv in levels}) > 1 or bool(missing)
     first = "| server " * servers
     lines = [
-        f"{first}| mode | level | requests | ok | errors | req/s | p50 ms | p95 ms | p99 ms | rows/call | queued ms "
+        f"{first}| device, precision | mode | level | requests | ok | errors | req/s | p50 ms | p95 ms | p99 ms "
+        "| rows/call | queued ms "
         "| generator busy | generator ceiling req/s | J/1,000 requests |",
-        "|---" * (14 + servers) + "|",
+        "|---" * (15 + servers) + "|",
     ]
     dash = lambda v: "—" if v is None else f"{v:g}"  # noqa: E731
     for lv in levels:
@@ -405,14 +415,16 @@ def markdown_table(levels: list[Level], missing: dict[str, str] | None = None) -
         unit = "req/s" if r["mode"] == "rate" else "clients"
         errors = str(r["errors"]) + "".join(f", {n} {kind}" for kind, n in r["errors_by_kind"].items())
         busy = f"{r['generator_busy']:.0%}" + ("" if r["driven"] else " (its limit: not the server's)")
+        where = f"{lv.device or 'unknown (a server at a URL)'}, {lv.precision or 'unknown'}"
         lines.append(
-            f"{f'| {lv.server} ' * servers}| {'open' if r['mode'] == 'rate' else 'closed'} | {r['level']:g} {unit} | "
+            f"{f'| {lv.server} ' * servers}| {where} | {'open' if r['mode'] == 'rate' else 'closed'} | "
+            f"{r['level']:g} {unit} | "
             f"{r['requests']} | {r['ok']} | {errors} | {r['throughput_per_s']} | {r['p50_ms']} | {r['p95_ms']} | "
             f"{r['p99_ms']} | {dash(r['rows_per_call'])} | {dash(r['queue_ms'])} | {busy} | "
             f"{dash(r['generator_ceiling_per_s'])} | {energy} |"
         )
     for name, why in (missing or {}).items():
-        lines.append(f"| {name} | {why} |" + " |" * 13)
+        lines.append(f"| {name} | {why} |" + " |" * 14)
     return "\n".join(lines)
 
 
@@ -440,6 +452,7 @@ def _figures(target: Target, levels: list[Level], slo_ms: float) -> dict:
         "model": target.model,
         "endpoint": target.endpoint,
         "precision": target.precision,
+        "device": target.device,
         "levels": [lv.row() for lv in own],
         "saturation": None
         if best is None

@@ -85,4 +85,5 @@ def start_infinity(model: str, precision: str | None, device: str, log):
     assert target is not None  # (each other way out returned or raised above)
     target.process, target.log = process, out
     target.precision = dtype  # (the --dtype it was started with, in its own words)
+    target.device = f"{device} (its --device)"
     return target

@@ -195,7 +195,10 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
     gc.freeze()
     state.service = service
     path = "/v1/completions" if SPECS[family].decoder else "/v1/embeddings"
-    log(f"frugality serve: ready, POST {where}{path} ({why})")
+    from frugality.hardware import device_name
+
+    # (the device last: `bench serve` names it in every row)
+    log(f"frugality serve: ready, POST {where}{path} ({why}); device: {device} ({device_name(device)})")
 
 
 def _answered(state: State) -> int:
