@@ -8,18 +8,26 @@ important sections come first. `--dry-run` runs the same sections with the same 
 on the CPU, with small shapes, short runs, and the CUDA-only parts left out (saying so):
 CI runs it, so the script works the first time a GPU is at hand.
 
+Each section's limit is the time it took on an H200 on 2026-11-27
+(`../shared/measurements/h200-2026-11-27/`) with about a third more, a compile's cold start
+included; the order is the importance today: the tests, then inference (never measured on a
+GPU before), then the training races (measured), so that the check fits ten minutes of a
+lease and what is cut is the least needed. On a GPU machine a table row that ran on the CPU
+fails its section: the figure would be the host's, not the GPU's.
+
 Sections:
 
 - `environment`: GPU, driver, torch, and what `auto` picks.
 - `cuda-tests`: the tests marked `cuda`. The dry run collects them.
-- `train-RECIPE`: `bench train` of frugality in bf16-sr against transformers-compiled,
-  liger-kernel and torchtitan (each in amp-bf16, their usual way), on Pythia-1B, Llama 1B,
-  Pythia-410M and Pythia-160M; MFU against the measured dense peak of the dtype the
-  products run in. `train-RECIPE-precisions`: frugality alone in amp-bf16 and fp8.
+- `train-RECIPE`: `bench train` of frugality in bf16-sr against transformers-compiled and
+  torchtitan (each in amp-bf16, their usual way; liger-kernel, 1.56x behind on 2026-11-27,
+  in `train-llama-1b-liger`, after the rest), on Pythia-1B, Llama 1B, Pythia-410M and
+  Pythia-160M; MFU against the measured dense peak of the dtype the products run in.
+  `train-RECIPE-precisions`: frugality alone in amp-bf16 and fp8.
 - `embed`: `bench infer` of an all-MiniLM-L6-v2-shaped encoder against
   sentence-transformers, in bf16.
 - `generate`: `bench infer --generate` of a Pythia-160M-shaped decoder against
-  transformers' generate.
+  transformers' generate (its static cache, compiled), bf16, batch 1 and 16.
 - `serve`: `bench serve` of the encoder, closed and open loop.
 - `largest`: the largest Pythia one GPU trains (6.9B on 80 GB, 12B from 120 GiB) in
   bf16-sr, activation checkpointing as `auto` picks it: tokens/s, MFU and peak memory;
@@ -51,7 +59,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS = "transformers-compiled:amp-bf16,liger-kernel:amp-bf16,torchtitan:amp-bf16"
+PEERS = "transformers-compiled:amp-bf16,torchtitan:amp-bf16"  # (three models' state at once: 48 GB at 1B)
+# Measured on an H200, 2026-11-27 (s): cuda-tests 53, train-pythia-1b 92, train-llama-1b's first
+# command ~113 (three impls), embed 36 (the CPU's rows then), serve 54, energy 32 (200 steps);
+# generate did not finish its compiles in 116 s. Limits: these and about a third more.
+LIMITS_S = {
+    "cuda-tests": 75,
+    "embed": 60,
+    "serve": 75,
+    "generate": 150,
+    "train-pythia-1b": 120,
+    "train-llama-1b": 150,
+    "energy": 45,
+}
 TRAIN_RECIPES = ("pythia-1b", "llama-1b", "pythia-410m", "pythia-160m")
 # The dry run's shapes: each recipe's family at a few layers and a small width.
 SMALL = {
@@ -96,7 +116,7 @@ def sections(out: Path, scratch: Path, dry: bool, models: dict[str, Path]) -> li
     found.append(
         Section(
             "cuda-tests",
-            90,
+            LIMITS_S["cuda-tests"],
             [pytest + (["--collect-only"] if dry else ["--junitxml", str(out / "cuda-tests.xml")])],
             "collected only (no GPU)" if dry else "",
         )
@@ -109,23 +129,37 @@ def sections(out: Path, scratch: Path, dry: bool, models: dict[str, Path]) -> li
         sets = [a for s in ([*SMALL[family], "compile.level=O0"] if dry else []) for a in ("--set", s)]
         common = ["bench", "train", recipe, *shape, *sets, "--no-memory"]
 
-        # Llama 1B: the peers in two commands, so that no more than three models' training
-        # state (16 bytes a parameter each for the peers) shares the GPU at once
-        groups = [PEERS] if family == "gpt-neox" else [PEERS.rsplit(",", 1)[0], PEERS.rsplit(",", 1)[1]]
+        # no more than three models' training state (16 bytes a parameter each for the peers)
+        # shares the GPU at once: liger-kernel (Llama only) in a command of its own, later
         name = f"train-{recipe}"
-        names = [name] + [f"{name}-{i + 2}" for i in range(len(groups) - 1)]
         found.append(
             Section(
                 name,
-                150 if recipe.endswith("1b") else 75,
-                [
-                    frugality(*common, "--precision", "bf16-sr", "--baseline", peers, *_table(out, part))
-                    for peers, part in zip(groups, names, strict=True)
-                ],
-                "liger-kernel and torchtitan rows say they need CUDA" if dry else "",
-                [f"{part}.md" for part in names],
+                LIMITS_S.get(name, 75),
+                [frugality(*common, "--precision", "bf16-sr", "--baseline", PEERS, *_table(out, name))],
+                "the torchtitan row says it needs CUDA" if dry else "",
+                [f"{name}.md"],
             )
         )
+        if family == "llama":
+            found.append(
+                Section(
+                    f"{name}-liger",
+                    100,
+                    [
+                        frugality(
+                            *common,
+                            "--precision",
+                            "bf16-sr",
+                            "--baseline",
+                            "liger-kernel:amp-bf16",
+                            *_table(out, f"{name}-liger"),
+                        )
+                    ],
+                    "the liger-kernel row says it needs CUDA" if dry else "",
+                    [f"{name}-liger.md"],
+                )
+            )
         precisions, alone = ("amp-bf16" if dry else "amp-bf16,fp8"), f"{name}-precisions"
         found.append(
             Section(
@@ -141,20 +175,20 @@ def sections(out: Path, scratch: Path, dry: bool, models: dict[str, Path]) -> li
     found.append(
         Section(
             "embed",
-            45,
+            LIMITS_S["embed"],
             [frugality("bench", "infer", str(models["encoder"]), *embed, *_table(out, "embed"))],
             "fp32 (bf16 is slow on CPUs without native bf16)" if dry else "",
             ["embed.md"],
         )
     )
-    generate = ["--batch", "1", "--prompt-tokens", "16", "--new-tokens", "4", "--rounds", "1"]
-    generate = generate if dry else ["--batch", "1,8,32", "--compile"]
+    generate = ["--batch", "1", "--prompt-tokens", "16", "--new-tokens", "4", "--rounds", "1", "--compile"]
+    generate = generate if dry else ["--batch", "1,16", "--precision", "bf16", "--compile"]
     found.append(
         Section(
             "generate",
-            60,
+            LIMITS_S["generate"],
             [frugality("bench", "infer", "--generate", str(models["decoder"]), *generate, *_table(out, "generate"))],
-            "eager, batch 1" if dry else "",
+            "fp32, batch 1 (Inductor's C++; no CUDA graphs)" if dry else "",
             ["generate.md"],
         )
     )
@@ -163,7 +197,7 @@ def sections(out: Path, scratch: Path, dry: bool, models: dict[str, Path]) -> li
     found.append(
         Section(
             "serve",
-            60,
+            LIMITS_S["serve"],
             [frugality("bench", "serve", str(models["encoder"]), *load, *_table(out, "serve"))],
             "",
             ["serve.md"],
@@ -206,7 +240,7 @@ def sections(out: Path, scratch: Path, dry: bool, models: dict[str, Path]) -> li
     found.append(
         Section(
             "energy",
-            45,
+            LIMITS_S["energy"],
             [
                 frugality(
                     "train",
@@ -223,9 +257,10 @@ def sections(out: Path, scratch: Path, dry: bool, models: dict[str, Path]) -> li
             ["energy.md"],
         )
     )
-    # the README's rows first (the 1B recipes against the peers), then the rest
-    order = ["cuda-tests", "train-pythia-1b", "train-llama-1b", "embed", "generate", "serve", "largest", "energy"]
-    order += ["train-pythia-1b-precisions", "train-llama-1b-precisions"]
+    # what has never been measured on a GPU first (inference), then the README's training rows,
+    # then the rest; `largest` (300 s) alone
+    order = ["cuda-tests", "embed", "serve", "generate", "train-pythia-1b", "train-llama-1b", "energy"]
+    order += ["train-llama-1b-liger", "largest", "train-pythia-1b-precisions", "train-llama-1b-precisions"]
     return sorted(found, key=lambda s: order.index(s.name) if s.name in order else len(order))
 
 
@@ -292,6 +327,32 @@ def build_models(folder: Path, dry: bool) -> dict[str, Path]:
         )
         tokenizer.save_pretrained(decoder)
     return {"encoder": encoder, "decoder": decoder}
+
+
+def cpu_rows(out: Path, section: Section, cpu: str) -> list[str]:
+    """The rows of `section`'s JSON tables that name the CPU as their device (`cpu`: its
+    model name, as `bench train` writes it; `bench infer` writes "cpu"), as "table: value"."""
+    found = []
+
+    def walk(node, table: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "device" and isinstance(value, str) and (value.lower().startswith("cpu") or value == cpu):
+                    found.append(f"{table}: {value}")
+                else:
+                    walk(value, table)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item, table)
+
+    for table in section.tables:
+        path = out / table.replace(".md", ".json")
+        if table.endswith(".md") and path.is_file():
+            try:
+                walk(json.loads(path.read_text()), path.name)
+            except ValueError:
+                found.append(f"{path.name}: not JSON")
+    return found
 
 
 def run_section(section: Section, out: Path, deadline: float) -> Outcome:
@@ -392,6 +453,13 @@ def energy_table(run_dir: Path, target: Path) -> None:
         f"| tiny, {summary['final_step']} steps | {summary['device']} | {cost['tokens']:,} | "
         f"{cost['tokens_per_s']:,.0f} | {cost['joules_per_token']:.4g} | {cost['labels']['energy']} |\n"
     )
+    row = {
+        "device": summary["device"],
+        "steps": summary["final_step"],
+        **{k: cost[k] for k in ("tokens", "tokens_per_s")},
+    }
+    row |= {"joules_per_token": cost["joules_per_token"], "energy": cost["labels"]["energy"]}
+    target.with_suffix(".json").write_text(json.dumps([row], indent=1))  # (checked for a CPU row as the others)
     print(target.read_text())
 
 
@@ -402,7 +470,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="the same sections on the CPU, small and short")
     parser.add_argument("--out", type=Path, help="the folder for every table and log")
-    parser.add_argument("--budget-s", type=float, default=540, help="the whole check's time [default: 540]")
+    parser.add_argument(
+        "--budget-s", type=float, default=570, help="the whole check's time, set-up included [default: 570]"
+    )
     parser.add_argument("--only", help="comma-separated section names (default: all)")
     args = parser.parse_args()
     started = time.monotonic()
@@ -430,10 +500,19 @@ def main() -> int:
             print(f"gpu_check: --only {','.join(sorted(unknown))}: no such section", file=sys.stderr)
             return 2
         plan = [s for s in plan if s.name in wanted]
+    import torch
+
+    from frugality.hardware import cpu_name
+
+    gpu = torch.cuda.is_available()
     outcomes = {}
     for section in plan:
         print(f"== {section.name}", flush=True)
         outcomes[section.name] = run_section(section, out, deadline)
+        if not args.dry_run and outcomes[section.name].status == "ok" and gpu:
+            on_cpu = cpu_rows(out, section, cpu_name())
+            if on_cpu:  # the host's figure in a GPU's table: the section did not measure the GPU
+                outcomes[section.name].status = f"failed (rows ran on the CPU: {'; '.join(on_cpu[:3])})"
         print(f"   {outcomes[section.name].status} ({outcomes[section.name].seconds:.0f} s)", flush=True)
     write_summary(out, args.dry_run, machine, plan, outcomes, time.monotonic() - started)
     shutil.rmtree(scratch, ignore_errors=True)

@@ -510,9 +510,23 @@ def test_bench_infer_generate_times_both_and_compares_their_tokens(tmp_path, cap
     assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
     assert [r["same_tokens"] for r in rows] == [None, True, None, True]
     assert f"| frugality | cpu ({cpu_name()}) | fp32 | 2 | 12 | 5 |" in capsys.readouterr().out
-    # the precisions a generation row takes: fp32, or int8 against transformers' fp32
-    assert main(["bench", "infer", str(tmp_path / "neox"), "--generate", "--precision", "bf16"]) == 2
-    assert "--precision bf16 with --generate: fp32, or int8 (frugality's) against fp32" in capsys.readouterr().err
+    assert all(r["warmup_s"] > 0 for r in rows)  # timed apart from the rounds
+    # the precisions a generation row takes: fp32 or bf16 on both sides, or int8 against transformers' fp32
+    assert main(["bench", "infer", str(tmp_path / "neox"), "--generate", "--precision", "auto"]) == 2
+    refusal = "--precision auto with --generate: fp32 or bf16 (both sides), or int8 (frugality's) against fp32"
+    assert refusal in capsys.readouterr().err
+
+    # compiled (a backend that compiles nothing here): transformers with its static cache, which
+    # it compiles on a GPU only, each row in the precision asked for, the tokens still compared
+    from frugality.bench.infer import bench_generate
+
+    rows = bench_generate(str(tmp_path / "neox"), [2], 12, 4, 1, compile="eager", precision="bf16", device="cpu")
+    assert [(r["implementation"], r["precision"]) for r in rows] == [
+        ("transformers (static cache)", "bfloat16"),
+        ("frugality (compiled)", "bf16"),
+    ]
+    assert all(r["device"] == "cpu" and r["decode_tokens_per_s"] > 0 for r in rows)
+    assert rows[1]["same_tokens"] is not None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--device cuda is here")

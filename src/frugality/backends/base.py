@@ -32,6 +32,11 @@ class Backend:
     # oneDNN runs their products (int8, packed bf16)
     on_host: ClassVar[bool] = False
     device_per_rank: ClassVar[bool] = False  # each rank has a device of its own, priced and metered apart
+    # Inductor can capture a compiled graph and replay it whole (CUDA graphs, mode
+    # "reduce-overhead"): a decoding step's hundreds of kernel launches become one
+    replays_graphs: ClassVar[bool] = False
+    # host tensors bound for it go through page-locked memory, copied without blocking the host
+    pinned_copies: ClassVar[bool] = False
 
     def __init__(self, device: torch.device):
         self.device = device

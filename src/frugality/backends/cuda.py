@@ -14,6 +14,8 @@ class CudaBackend(Backend):
     kind: ClassVar[str] = "cuda"
     process_group: ClassVar[str] = "nccl"
     device_per_rank: ClassVar[bool] = True
+    replays_graphs: ClassVar[bool] = True
+    pinned_copies: ClassVar[bool] = True
 
     @classmethod
     def available(cls) -> bool:

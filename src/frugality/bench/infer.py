@@ -288,22 +288,30 @@ def bench_generate(
     prompt_tokens: int,
     new_tokens: int,
     rounds: int,
-    compile: bool = False,
+    compile: bool | str = False,
     log=print,
     precision: str = "fp32",
     device: torch.device | str = "auto",
 ) -> list[dict]:
     """`frugality generate`'s engine against transformers' `generate` on the same weights and
-    `device` (transformers in fp32; frugality in `precision`, fp32 or int8; greedy, no stop token,
-    `new_tokens` each, prompts of `prompt_tokens` tokens cut from the bundled corpus: all of
-    one length, so transformers pads none; frugality pads them to its prompt bucket, 16, 32,
-    64, ...), alternating rounds, the best of each. Both are timed alike: a run of one new
-    token is the prefill; a run of `new_tokens` less that one is the decoding of the other
-    `new_tokens - 1`. Also whether the two outputs agree token for token."""
+    `device` (both in `precision`, fp32 or bf16; frugality's int8 against transformers' fp32;
+    greedy, no stop token, `new_tokens` each, prompts of `prompt_tokens` tokens cut from the
+    bundled corpus: all of one length, so transformers pads none; frugality pads them to its
+    prompt bucket, 16, 32, 64, ...), alternating rounds, the best of each. Both are timed
+    alike: a run of one new token is the prefill; a run of `new_tokens` less that one is the
+    decoding of the other `new_tokens - 1`. Also whether the two outputs agree token for token.
+
+    `compile` (True: Inductor; or a backend's name, "eager" in tests): frugality's engine
+    compiled (its decoding step replayed as a CUDA graph on a GPU), and transformers with
+    its static cache, which transformers itself compiles on a GPU (`reduce-overhead`, as its
+    docs advise). Each side's warm-up (the compiles) is timed apart from the rounds."""
     from frugality.inference.generate import Engine, Sampling, cache_length, load_decoder
 
     device = bench_device(device)
-    decoder, _ = load_decoder(model, device, precision, pack=not compile)
+    backend_name = ("inductor" if compile is True else compile) or None
+    decoder, _ = load_decoder(model, device, precision, pack=not backend_name)
+    theirs_dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # (int8: against fp32)
+    theirs_name = "transformers"
     try:
         import transformers
     except ImportError as e:
@@ -311,18 +319,18 @@ def bench_generate(
         log(f"transformers skipped: {missing}")
     else:
         missing = None
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=theirs_dtype).eval()
         # a Module's `to`, in place; pyright reads it through generate's protocol (as below)
         theirs.to(device)  # pyright: ignore[reportArgumentType]
         theirs.generation_config.eos_token_id = None  # every row runs to max_new_tokens, as ours do
-    if prompt_tokens + new_tokens - 1 > decoder.max_seq_len:
-        raise UserError(
-            f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens} pass the model's "
-            f"{decoder.max_seq_len} positions"
-        )
+        if backend_name:
+            theirs.generation_config.cache_implementation = "static"
+            # (transformers compiles a static cache's forward on the devices it lists, GPUs among them)
+            compiled = _transformers_compiles(theirs)
+            theirs_name = f"transformers (static cache{', compiled' if compiled else ''})"
     prompts, width = _corpus_prompts(decoder, max(batches), prompt_tokens), prompt_tokens
     length = cache_length(width, new_tokens, decoder.max_seq_len)
-    engines = {b: Engine(decoder, b, length, "inductor" if compile else None) for b in batches}
+    engines = {b: Engine(decoder, b, length, backend_name) for b in batches}
 
     def ours(batch: int, new: int) -> list[list[int]]:
         done = engines[batch].generate(prompts[:batch], Sampling(max_new_tokens=new))
@@ -338,9 +346,11 @@ def bench_generate(
         return out[:, width:].tolist()
 
     impls = ({} if missing else {"transformers": hf}) | {"frugality": ours}
-    for batch in batches:  # warm-up: allocator, thread pools, compilation
-        for fn in impls.values():
-            fn(batch, 2)
+    warmup: dict[str, float] = {}
+    for name, fn in impls.items():  # warm-up: allocator, thread pools, compilation (each bucket and batch)
+        for batch in batches:
+            warmup[name] = warmup.get(name, 0.0) + _timed(device, fn, batch, 2)[1]
+        log(f"{name}: warm-up (compiles included) {warmup[name]:.1f} s")
     best: dict[tuple[str, int, int], float] = {}
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     for r in range(rounds):
@@ -362,8 +372,9 @@ def bench_generate(
     rows = []
     for batch in batches:
         for name in ("transformers", "frugality"):
+            label = theirs_name if name == "transformers" else name + (" (compiled)" if backend_name else "")
             row = {
-                "implementation": name + (" (compiled)" if compile and name == "frugality" else ""),
+                "implementation": label,
                 **ran_on(device),
                 "batch": batch,
                 "prompt_tokens": width,
@@ -373,7 +384,8 @@ def bench_generate(
                 "prefill_vs_transformers": None,
                 "decode_vs_transformers": None,
                 "same_tokens": None,
-                "precision": precision if name == "frugality" else "fp32",
+                "precision": precision if name == "frugality" else str(theirs_dtype).removeprefix("torch."),
+                "warmup_s": round(warmup[name], 2) if name in warmup else None,
                 "threads": torch.get_num_threads(),
                 "skipped": None if name in impls else missing,
             }
@@ -393,6 +405,18 @@ def bench_generate(
     return rows
 
 
+def _transformers_compiles(model) -> bool:
+    """Whether transformers' generate compiles this model's forward with a static cache: on
+    the devices its own rule lists (`_valid_auto_compile_criteria`; CUDA among them)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    try:
+        return bool(model._valid_auto_compile_criteria({"cache": cache}, model.generation_config))
+    except (AttributeError, TypeError):  # another transformers: its rule unknown here
+        return False
+
+
 def _rates(best: dict, name: str, batch: int, width: int, new_tokens: int) -> tuple[float, float]:
     """(prefill, decode) tokens/s from the best runs of one and of `new_tokens` new tokens."""
     one, full = best[name, batch, 1], best.get((name, batch, new_tokens), float("nan"))
@@ -402,22 +426,24 @@ def _rates(best: dict, name: str, batch: int, width: int, new_tokens: int) -> tu
 def generate_markdown_table(rows: list[dict]) -> str:
     lines = [
         "| implementation | device | precision | batch | prompt tokens | new tokens | prefill tokens/s "
-        "| decode tokens/s | decode vs transformers | same tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| decode tokens/s | ms a decoding step | decode vs transformers | same tokens | warm-up s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("skipped"):
             lines.append(
                 f"| {r['implementation']} | {_device_cell(r)} | {r['precision']} | {r['batch']} | "
-                f"{r['prompt_tokens']} | {r['new_tokens']} | not run: {r['skipped']} | | | |"
+                f"{r['prompt_tokens']} | {r['new_tokens']} | not run: {r['skipped']} | | | | | |"
             )
             continue
         same = "—" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
         versus = "—" if r["decode_vs_transformers"] is None else f"{r['decode_vs_transformers']:.2f}×"
+        step_ms = 1000 * r["batch"] / r["decode_tokens_per_s"]  # (every row advances a token a step)
+        warmup = "—" if r.get("warmup_s") is None else f"{r['warmup_s']:.1f}"
         lines.append(
             f"| {r['implementation']} | {_device_cell(r)} | {r['precision']} | {r['batch']} | {r['prompt_tokens']} | "
-            f"{r['new_tokens']} | "
-            f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | {versus} | {same} |"
+            f"{r['new_tokens']} | {r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | "
+            f"{step_ms:.2f} | {versus} | {same} | {warmup} |"
         )
     return "\n".join(lines)
 

@@ -458,8 +458,9 @@ def bench_profile(recipe, precision, batch, seq, steps, warmup, baseline, overri
     "--compile",
     "compile_",
     is_flag=True,
-    help="With --generate: frugality's prefill and decoding "
-    "step compiled by Inductor (compilation is part of the untimed warm-up).",
+    help="With --generate: frugality's prefill and decoding step compiled by Inductor (the "
+    "step replayed as a CUDA graph on a GPU), and transformers with its static cache (which it "
+    "compiles on a GPU); the warm-up, compiles included, is timed apart.",
 )
 @click.option("--rounds", default=3, show_default=True, help="Alternating timed rounds; the best of each counts.")
 @click.option(
@@ -523,8 +524,11 @@ def bench_infer(
     if generation:
         if prompt_tokens < 1 or new_tokens < 2:
             raise UserError("--prompt-tokens must be positive and --new-tokens at least 2")
-        if precision not in ("fp32", "int8"):
-            raise UserError(f"--precision {precision} with --generate: fp32, or int8 (frugality's) against fp32")
+        if precision not in ("fp32", "bf16", "int8"):
+            raise UserError(
+                f"--precision {precision} with --generate: fp32 or bf16 (both sides), "
+                "or int8 (frugality's) against fp32"
+            )
         rows = bench_generate(
             model,
             comma_ints(batch or "1,8", "--batch"),

@@ -217,9 +217,18 @@ class Engine:
         self.cache = KVCache.for_model(decoder.model, batch, length)
         self.pad_id = decoder.eos_ids[0] if decoder.eos_ids else 0  # any id: padding is never seen
         self.prefill, self.decode = _prefill, _decode
+        # On a GPU the compiled decoding step is replayed as a CUDA graph (~300 kernel launches
+        # a token for a 12-layer model become one), its cache at fixed addresses, as
+        # transformers' static cache marks its own (`mark_static_address`), so that no replay
+        # copies it; the prefill (one graph per bucket, run once a batch) is compiled only.
+        self.replays = bool(compile == "inductor" and backend(decoder.device).replays_graphs)
         if compile:
             self.prefill = torch.compile(_prefill, backend=compile, dynamic=False)
-            self.decode = torch.compile(_decode, backend=compile, dynamic=False)
+            if self.replays:
+                for tensor in (*self.cache.keys, *self.cache.values):
+                    torch._dynamo.mark_static_address(tensor)
+            mode = "reduce-overhead" if self.replays else None
+            self.decode = torch.compile(_decode, backend=compile, dynamic=False, mode=mode)
         self.timing = Timing()
 
     @torch.no_grad()
@@ -268,6 +277,8 @@ class Engine:
                     done[i] = rows_text.add(i, out[i], token)
             if all(done) or step == sampling.max_new_tokens - 1:
                 break
+            if self.replays:  # a new step: the last replay's outputs are read (its logits picked)
+                torch.compiler.cudagraph_mark_step_begin()
             logits = self.decode(model, tokens[:, None], following, self.cache)
             tokens, picked, following = self._pick(logits, following + 1, sampling, generator)
         t2 = time.perf_counter()

@@ -1,0 +1,49 @@
+"""scripts/gpu_check.py's own logic, without a GPU (CI runs the whole check's dry run after
+the suite): a row that ran on the CPU fails a GPU's section, the order of importance, each
+section's limit from the times measured on the H200."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # (its dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_row_that_ran_on_the_cpu_is_found_in_any_of_a_sections_tables(tmp_path):
+    check = _gpu_check()
+    section = check.Section("embed", 60, [], tables=["embed.md", "serve.md", "energy.md", "notes.md"])
+    (tmp_path / "embed.json").write_text(json.dumps([{"device": "cuda:0"}, {"device": "cpu", "x": 1}]))
+    serve = {"device": "cuda:0 (NVIDIA H200)", "levels": [{"device": "cuda:0 (NVIDIA H200)"}], "peers": []}
+    (tmp_path / "serve.json").write_text(json.dumps(serve))
+    (tmp_path / "energy.json").write_text(json.dumps([{"device": "AMD EPYC"}]))  # bench train's: the CPU's name
+    assert check.cpu_rows(tmp_path, section, "AMD EPYC") == ["embed.json: cpu", "energy.json: AMD EPYC"]
+    serve["peers"] = [{"levels": [{"device": "cpu (its --device)"}]}]
+    (tmp_path / "serve.json").write_text(json.dumps(serve))
+    assert "serve.json: cpu (its --device)" in check.cpu_rows(tmp_path, section, "AMD EPYC")
+    (tmp_path / "embed.json").write_text("{not json")
+    assert check.cpu_rows(tmp_path, section, "AMD EPYC")[0] == "embed.json: not JSON"
+
+
+def test_inference_comes_first_and_each_section_has_its_measured_limit(tmp_path):
+    check = _gpu_check()
+    models = {"encoder": tmp_path / "encoder", "decoder": tmp_path / "decoder"}
+    plan = check.sections(tmp_path, tmp_path, True, models)
+    names = [s.name for s in plan]
+    assert names[:7] == ["cuda-tests", "embed", "serve", "generate", "train-pythia-1b", "train-llama-1b", "energy"]
+    assert names.index("largest") > names.index("energy")  # (300 s: run alone with --only largest)
+    for section in plan:
+        assert section.limit_s == check.LIMITS_S.get(section.name, section.limit_s)
+    # Llama's peers in one command (three models' state at most), liger-kernel in its own section
+    (llama,) = [s for s in plan if s.name == "train-llama-1b"]
+    assert len(llama.commands) == 1 and "transformers-compiled:amp-bf16,torchtitan:amp-bf16" in llama.commands[0]
+    assert "liger-kernel:amp-bf16" in next(s for s in plan if s.name == "train-llama-1b-liger").commands[0]
