@@ -35,8 +35,9 @@ class Backend:
     # Inductor can capture a compiled graph and replay it whole (CUDA graphs, mode
     # "reduce-overhead"): a decoding step's hundreds of kernel launches become one
     replays_graphs: ClassVar[bool] = False
-    # host tensors bound for it go through page-locked memory, copied without blocking the host
-    pinned_copies: ClassVar[bool] = False
+    # its ops are queued and run while the host goes on (a GPU): host tensors bound for it go
+    # through page-locked memory, copied without blocking, and results come back in bulk
+    asynchronous: ClassVar[bool] = False
 
     def __init__(self, device: torch.device):
         self.device = device

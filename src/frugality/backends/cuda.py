@@ -15,7 +15,7 @@ class CudaBackend(Backend):
     process_group: ClassVar[str] = "nccl"
     device_per_rank: ClassVar[bool] = True
     replays_graphs: ClassVar[bool] = True
-    pinned_copies: ClassVar[bool] = True
+    asynchronous: ClassVar[bool] = True
 
     @classmethod
     def available(cls) -> bool:

@@ -55,13 +55,21 @@ def embed_texts(encoder, texts: list[str], batch_tokens: int, max_batch: int, re
     return embed_rows(encoder, encoder.tokenize(texts), batch_tokens, max_batch, report)
 
 
+def in_bulk(device) -> bool:
+    """Whether a device's batches are queued and their vectors copied back together: an
+    asynchronous accelerator (a GPU), whose host would otherwise wait for every batch. Not
+    the CPU (synchronous) nor XLA (a batch's graph runs when its result is read)."""
+    return backend(device).asynchronous
+
+
 def embed_rows(encoder, rows: list[list[int]], batch_tokens: int, max_batch: int, report=lambda n: None) -> np.ndarray:
     """`embed_texts` of texts already tokenized (`encoder.tokenize`)."""
     from frugality.inference.generate import bucket
 
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]), reverse=True)
     result = np.empty((len(rows), encoder.dim), dtype=np.float32)
-    static = backend(encoder.device).traced
+    static, bulk = backend(encoder.device).traced, in_bulk(encoder.device)
+    queued: list[tuple[list[int], object]] = []  # (texts, their vectors on the device), when in bulk
     start = 0
     while start < len(order):
         longest = len(rows[order[start]])
@@ -69,7 +77,14 @@ def embed_rows(encoder, rows: list[list[int]], batch_tokens: int, max_batch: int
         fill = max(1, min(max_batch, batch_tokens // pad_to))
         n = min(fill, len(order) - start)
         chosen = order[start : start + n]
-        result[chosen] = encoder.embed_tokens([rows[i] for i in chosen], pad_to, fill if static else n)
+        if bulk:
+            queued.append((chosen, encoder.embed_tokens_on_device([rows[i] for i in chosen], pad_to)))
+        else:
+            result[chosen] = encoder.embed_tokens([rows[i] for i in chosen], pad_to, fill if static else n)
         report(n)
         start += n
+    if queued:  # one copy back for the whole list (it waits for the device once)
+        import torch
+
+        result[[i for chosen, _ in queued for i in chosen]] = torch.cat([v for _, v in queued]).cpu().numpy()
     return result

@@ -127,7 +127,14 @@ class Encoder:
         pads the batch to that many rows (one-token rows, dropped), for a fixed shape."""
         # XLA's linear layers set version counters, which inference tensors refuse
         with backend(self.device).inference(), self._torch_threads():
-            return self._embed(rows, pad_to, fill)
+            # (the filler rows dropped on the host: on XLA a slice on the device is one more graph)
+            return self._embed(rows, pad_to, fill).float().cpu().numpy()[: len(rows)]
+
+    def embed_tokens_on_device(self, rows: list[list[int]], pad_to: int) -> torch.Tensor:
+        """`embed_tokens` left on the device, float32, not waited for (a GPU's batches queue
+        up; `batches.embed_rows` copies a chunk's back at once)."""
+        with backend(self.device).inference():
+            return self._embed(rows, pad_to, None).float()
 
     @contextmanager
     def _torch_threads(self):
@@ -146,7 +153,7 @@ class Encoder:
         finally:
             torch.set_num_threads(threads)
 
-    def _embed(self, rows: list[list[int]], pad_to: int, fill: int | None) -> np.ndarray:
+    def _embed(self, rows: list[list[int]], pad_to: int, fill: int | None) -> torch.Tensor:
         count = len(rows)
         rows = rows + [rows[0][:1]] * max(0, (fill or count) - count)
         # the batch laid out in numpy at once (a tensor a row cost ~20 us a text: 0.4 s of a
@@ -155,14 +162,16 @@ class Encoder:
         filled = np.arange(pad_to) < lengths[:, None]
         ids_np = np.zeros((len(rows), pad_to), dtype=np.int64)
         ids_np[filled] = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
-        ids = torch.from_numpy(ids_np).to(self.device)
-        mask = torch.from_numpy(filled.astype(np.int64)).to(self.device)
+        ids, mask = torch.from_numpy(ids_np), torch.from_numpy(filled.astype(np.int64))
+        if backend(self.device).asynchronous:  # page-locked: copied while the host goes on to the next batch
+            ids, mask = ids.pin_memory(), mask.pin_memory()
+        ids, mask = ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
         # A batch of mixed lengths (a server's can be: requests come as they come) runs its
         # products on the real tokens only; sorted batches (embed's) have little padding to skip
         unpad = self.unpads and lengths.sum() < UNPAD_BELOW * filled.size
         hidden = self.model(ids, mask, unpad=True) if unpad else self.model(ids, mask)
         pooled = pool(hidden, mask, self.pooling.mode)
-        return self.model.project(pooled, self.pooling.normalize).float().cpu().numpy()[:count]  # through any head
+        return self.model.project(pooled, self.pooling.normalize)  # through any head; `fill`'s rows too
 
 
 def resolve_precision(name: str, device: torch.device, encoder: bool = True) -> tuple[torch.dtype, str]:
