@@ -5,9 +5,14 @@ order; a long list in chunks of CHUNK texts (`embed_in_chunks`). What `frugality
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from frugality.backends import backend
+
+if TYPE_CHECKING:
+    import torch
 
 # (padded tokens, texts) per batch. On a CPU small batches keep an encoder's products in
 # cache: all-MiniLM-L6-v2 on WordNet glosses ran 225 texts/s at 2,048 tokens and 64 texts,
@@ -69,7 +74,7 @@ def embed_rows(encoder, rows: list[list[int]], batch_tokens: int, max_batch: int
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]), reverse=True)
     result = np.empty((len(rows), encoder.dim), dtype=np.float32)
     static, bulk = backend(encoder.device).traced, in_bulk(encoder.device)
-    queued: list[tuple[list[int], object]] = []  # (texts, their vectors on the device), when in bulk
+    queued: list[tuple[list[int], torch.Tensor]] = []  # (texts, their vectors on the device), when in bulk
     start = 0
     while start < len(order):
         longest = len(rows[order[start]])
