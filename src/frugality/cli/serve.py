@@ -34,6 +34,14 @@ from frugality.cli.options import inference_precision
 @click.option(
     "--context", type=click.IntRange(min=2), help="Completions: positions a row holds [default: the model's]."
 )
+@click.option(
+    "--compile",
+    "compile_",
+    is_flag=True,
+    help="Completions: the decoding step and the prefill compiled by Inductor, as `generate --compile` (the "
+    "step replayed as a CUDA graph on a GPU): the step and the shortest prompts' bucket before the server is "
+    "ready, each longer bucket at its first prompt.",
+)
 @click.option("--max-body-kb", default=1024, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--max-inputs", default=256, show_default=True, type=click.IntRange(min=1), help="Texts in one embeddings request."
@@ -87,6 +95,7 @@ def serve(
     batch_tokens,
     rows,
     context,
+    compile_,
     max_body_kb,
     max_inputs,
     max_input_tokens,
@@ -126,5 +135,6 @@ def serve(
         api_key_env,
         limits,
         runs_dir,
+        compile_,
     )
     run(settings)

@@ -200,6 +200,27 @@ def _decode(model, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -
     return model(ids, cache=cache, positions=positions)[:, -1]
 
 
+def compiled_steps(decoder: Decoder, cache: KVCache, compile: str | None) -> tuple[Callable, Callable, bool]:
+    """The prefill and the decoding step over `cache`, compiled by the torch.compile backend
+    `compile` names (None: eager), and whether the step is replayed as a CUDA graph (then
+    call `torch.compiler.cudagraph_mark_step_begin()` before each step). `Engine` and
+    serve's continuous batching share them.
+
+    On a GPU the compiled decoding step is replayed as a CUDA graph (~300 kernel launches a
+    token for a 12-layer model become one), its cache at fixed addresses, as transformers'
+    static cache marks its own (`mark_static_address`), so that no replay copies it; the
+    prefill (one graph per bucket, run once a batch) is compiled only."""
+    if not compile:
+        return _prefill, _decode, False
+    replays = compile == "inductor" and backend(decoder.device).replays_graphs
+    if replays:
+        for tensor in (*cache.keys, *cache.values):
+            torch._dynamo.mark_static_address(tensor)
+    prefill = torch.compile(_prefill, backend=compile, dynamic=False)
+    decode = torch.compile(_decode, backend=compile, dynamic=False, mode="reduce-overhead" if replays else None)
+    return prefill, decode, replays
+
+
 @dataclass
 class Timing:
     prefill_s: float = 0.0
@@ -216,19 +237,7 @@ class Engine:
         self.decoder, self.batch = decoder, batch
         self.cache = KVCache.for_model(decoder.model, batch, length)
         self.pad_id = decoder.eos_ids[0] if decoder.eos_ids else 0  # any id: padding is never seen
-        self.prefill, self.decode = _prefill, _decode
-        # On a GPU the compiled decoding step is replayed as a CUDA graph (~300 kernel launches
-        # a token for a 12-layer model become one), its cache at fixed addresses, as
-        # transformers' static cache marks its own (`mark_static_address`), so that no replay
-        # copies it; the prefill (one graph per bucket, run once a batch) is compiled only.
-        self.replays = bool(compile == "inductor" and backend(decoder.device).replays_graphs)
-        if compile:
-            self.prefill = torch.compile(_prefill, backend=compile, dynamic=False)
-            if self.replays:
-                for tensor in (*self.cache.keys, *self.cache.values):
-                    torch._dynamo.mark_static_address(tensor)
-            mode = "reduce-overhead" if self.replays else None
-            self.decode = torch.compile(_decode, backend=compile, dynamic=False, mode=mode)
+        self.prefill, self.decode, self.replays = compiled_steps(decoder, self.cache, compile)
         self.timing = Timing()
 
     @torch.no_grad()

@@ -24,9 +24,8 @@ from frugality.inference.generate import (
     Completion,
     RowText,
     Sampling,
-    _decode,
-    _prefill,
     bucket,
+    compiled_steps,
     new_generator,
     pick,
 )
@@ -64,10 +63,20 @@ def settle(future: Future, result=None, error: BaseException | None = None) -> N
 class CompletionService:
     endpoint = "completions"
 
-    def __init__(self, decoder, metrics, max_wait_ms: float, max_queue: int, rows: int, context: int):
+    def __init__(
+        self,
+        decoder,
+        metrics,
+        max_wait_ms: float,
+        max_queue: int,
+        rows: int,
+        context: int,
+        compile: str | None = None,  # a torch.compile backend: `frugality generate --compile`'s graphs
+    ):
         self.decoder, self.metrics, self.max_wait = decoder, metrics, max_wait_ms / 1000
         self.context = min(context, decoder.max_seq_len)
         self.cache = KVCache.for_model(decoder.model, rows, self.context)
+        self.prefill, self.decode, self.replays = compiled_steps(decoder, self.cache, compile)
         self.pad_id = decoder.eos_ids[0] if decoder.eos_ids else 0
         self.slots: list[_Sequence | None] = [None] * rows
         self.last = torch.full((rows,), self.pad_id, dtype=torch.long)  # each row's latest token
@@ -232,7 +241,7 @@ class CompletionService:
             self.slots[slot] = s
             self.following[slot] = len(s.prompt) - 1  # its prompt's last; the token picked next takes + 1
         device = self.decoder.device
-        logits = self._host(_prefill(self.decoder.model, ids.to(device), positions.to(device), self.cache))
+        logits = self._host(self.prefill(self.decoder.model, ids.to(device), positions.to(device), self.cache))
         self.metrics.batch.labels(f"{self.endpoint}-prefill").observe(len(joined))
         self.metrics.tokens.labels(self.endpoint, "prompt").inc(sum(len(s.prompt) for _, s in joined))
         for slot, _ in joined:
@@ -242,8 +251,12 @@ class CompletionService:
     def _step(self) -> None:
         device = self.decoder.device
         active = [i for i, s in enumerate(self.slots) if s is not None]
+        if self.replays:  # a new step: the last replay's logits were read
+            torch.compiler.cudagraph_mark_step_begin()
         logits = self._host(
-            _decode(self.decoder.model, self.last[:, None].to(device), self.following[:, None].to(device), self.cache)
+            self.decode(
+                self.decoder.model, self.last[:, None].to(device), self.following[:, None].to(device), self.cache
+            )
         )
         self.metrics.batch.labels(self.endpoint).observe(len(active))
         for slot in active:

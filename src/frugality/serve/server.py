@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from frugality.backends import backend
 from frugality.errors import UserError
 from frugality.models.families import SPECS
 from frugality.serve.app import State, build_app
@@ -46,6 +47,7 @@ class ServeSettings:
     api_key_env: str | None = None
     limits: Limits = Limits()
     runs_dir: str = "runs"  # where `frugality top` finds it: RUNS/serve-NAME-PORT (a lock and a log)
+    compile: bool = False  # completions: the prefill and decoding step compiled (Inductor; CUDA graphs on a GPU)
 
 
 def model_family(path: str) -> str:
@@ -82,6 +84,12 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
     from frugality.runtime.device import resolve_device
 
     device = resolve_device(settings.device, key="--device", what="frugality serve", xla_ok=True)
+    if settings.compile and not SPECS[family].decoder:
+        raise UserError(
+            "--compile: completions only (an encoder's batches, any number of texts of any length, run eagerly)"
+        )
+    if settings.compile and backend(device).traced:
+        raise UserError(f"--compile: on an {device.type} device XLA compiles the graphs itself; leave --compile out")
     meter, _ = open_meter(device.type, device.index)
     meter.start()
     name = settings.name or Path(settings.model).resolve().name
@@ -173,7 +181,8 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
             from frugality.inference.generate import Sampling, load_decoder
             from frugality.serve.completions import CompletionService
 
-            decoder, why = load_decoder(settings.model, device, settings.precision)
+            # (Inductor compiles plain layers, not oneDNN's packed ones)
+            decoder, why = load_decoder(settings.model, device, settings.precision, pack=not settings.compile)
             context = settings.context or decoder.max_seq_len
             service = CompletionService(
                 decoder,
@@ -182,6 +191,7 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
                 settings.max_queue,
                 settings.rows,
                 context,
+                "inductor" if settings.compile else None,
             )
             service.submit(service.tokenize(["warm-up"], 2)[0], Sampling(max_new_tokens=2)).result()
     except Exception as e:  # the server stops, and the command says why in one line
