@@ -47,3 +47,8 @@ def test_inference_comes_first_and_each_section_has_its_measured_limit(tmp_path)
     (llama,) = [s for s in plan if s.name == "train-llama-1b"]
     assert len(llama.commands) == 1 and "transformers-compiled:amp-bf16,torchtitan:amp-bf16" in llama.commands[0]
     assert "liger-kernel:amp-bf16" in next(s for s in plan if s.name == "train-llama-1b-liger").commands[0]
+
+
+def test_the_checks_own_sections_fit_its_default_budget_with_set_up():
+    check = _gpu_check()
+    assert sum(check.LIMITS_S.values()) + check.SETUP_S + check.RESERVE_S <= check.BUDGET_S

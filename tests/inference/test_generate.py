@@ -316,3 +316,23 @@ def test_a_bf16_decoder_packs_its_layers_and_completes_alike(family, request):
         assert torch.equal(logits[True], logits[False]) and tokens[True] == tokens[False]
     else:
         assert torch.allclose(logits[True].float(), logits[False].float(), rtol=2e-2, atol=2e-2)
+
+
+def test_cuda_graph_trees_are_set_up_on_a_thread_of_its_own():
+    """serve's decoding loop replays its CUDA graphs on a thread of its own: the graph trees'
+    thread-local state is made there (torch before 2.13 asserted it was inherited)."""
+    import threading
+
+    from frugality.inference.generate import replays_on_this_thread
+
+    seen = []
+
+    def loop():
+        replays_on_this_thread()
+        replays_on_this_thread()  # (once is enough)
+        seen.append(torch._C._is_key_in_tls("tree_manager_containers"))
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    thread.join()
+    assert seen == [True]

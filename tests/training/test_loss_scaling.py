@@ -176,6 +176,10 @@ def test_amp_fp16_trains_like_amp_bf16(micro_recipe_file, tmp_path, device):
     trainer.train(bf16, run_dir=tmp_path / "bf16", progress=False, tensorboard=False)
     losses = [_records(tmp_path / d, "eval")[-1]["loss"] for d in ("fp16", "bf16")]
     assert losses[0] == pytest.approx(losses[1], rel=0.01)
+    # both learned (a run whose steps were all skipped would sit at its first loss, as close)
+    assert all(
+        loss < _records(tmp_path / d)[0]["loss"] - 0.05 for loss, d in zip(losses, ("fp16", "bf16"), strict=True)
+    )
     assert fp16.summary["loss_scale"]["overflow_steps"] < steps  # most steps applied
     if device == "cuda" and torch.cuda.get_device_capability() >= (8, 0):
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # train.tf32's default

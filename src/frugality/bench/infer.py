@@ -328,9 +328,16 @@ def bench_generate(
             # (transformers compiles a static cache's forward on the devices it lists, GPUs among them)
             compiled = _transformers_compiles(theirs)
             theirs_name = f"transformers (static cache{', compiled' if compiled else ''})"
+    if prompt_tokens + new_tokens - 1 > decoder.max_seq_len:
+        raise UserError(
+            f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens} pass the model's "
+            f"{decoder.max_seq_len} positions"
+        )
     prompts, width = _corpus_prompts(decoder, max(batches), prompt_tokens), prompt_tokens
     length = cache_length(width, new_tokens, decoder.max_seq_len)
     engines = {b: Engine(decoder, b, length, backend_name) for b in batches}
+    if backend_name and not missing:  # one static cache for every call (else one, and a compile, per length)
+        theirs.generation_config.max_cache_len = length
 
     def ours(batch: int, new: int) -> list[list[int]]:
         done = engines[batch].generate(prompts[:batch], Sampling(max_new_tokens=new))
@@ -347,28 +354,30 @@ def bench_generate(
 
     impls = ({} if missing else {"transformers": hf}) | {"frugality": ours}
     warmup: dict[str, float] = {}
-    for name, fn in impls.items():  # warm-up: allocator, thread pools, compilation (each bucket and batch)
-        for batch in batches:
-            warmup[name] = warmup.get(name, 0.0) + _timed(device, fn, batch, 2)[1]
-        log(f"{name}: warm-up (compiles included) {warmup[name]:.1f} s")
     best: dict[tuple[str, int, int], float] = {}
     outputs: dict[tuple[str, int], list[list[int]]] = {}
-    for r in range(rounds):
-        for batch in batches:
+    # a batch size at a time (transformers keeps one static cache, remade for another batch
+    # size), its warm-up first: each side's allocator, threads and compiles, at the timed runs'
+    # own shapes (a CUDA graph is recorded at a step's second call)
+    for batch in batches:
+        for name, fn in impls.items():
+            warmup[name] = warmup.get(name, 0.0) + sum(_timed(device, fn, batch, n)[1] for n in (1, new_tokens))
+        for r in range(rounds):
             for name, fn in impls.items():
                 for new in (1, new_tokens):
                     out, seconds = _timed(device, fn, batch, new)
                     best[name, batch, new] = min(best.get((name, batch, new), seconds), seconds)
                     if new == new_tokens:
                         outputs[name, batch] = out
-                log(
-                    f"round {r + 1}, batch {batch}: "
-                    + ", ".join(
-                        f"{name} {_rates(best, name, batch, width, new_tokens)[1]:,.0f} decode tokens/s"
-                        for name in impls
-                        if (name, batch, new_tokens) in best
-                    )
+            log(
+                f"round {r + 1}, batch {batch}: "
+                + ", ".join(
+                    f"{name} {_rates(best, name, batch, width, new_tokens)[1]:,.0f} decode tokens/s"
+                    for name in impls
+                    if (name, batch, new_tokens) in best
                 )
+            )
+    log("warm-up (compiles included): " + ", ".join(f"{name} {s:.1f} s" for name, s in warmup.items()))
     rows = []
     for batch in batches:
         for name in ("transformers", "frugality"):
@@ -384,7 +393,9 @@ def bench_generate(
                 "prefill_vs_transformers": None,
                 "decode_vs_transformers": None,
                 "same_tokens": None,
-                "precision": precision if name == "frugality" else str(theirs_dtype).removeprefix("torch."),
+                "precision": precision
+                if name == "frugality"
+                else ("bf16" if theirs_dtype == torch.bfloat16 else "fp32"),
                 "warmup_s": round(warmup[name], 2) if name in warmup else None,
                 "threads": torch.get_num_threads(),
                 "skipped": None if name in impls else missing,
@@ -412,7 +423,9 @@ def _transformers_compiles(model) -> bool:
 
     cache = StaticCache(config=model.config, max_cache_len=8)
     try:
-        return bool(model._valid_auto_compile_criteria({"cache": cache}, model.generation_config))
+        # (the cache's key: "cache" in transformers 5.24, "past_key_values" in others)
+        kwargs = {"cache": cache, "past_key_values": cache}
+        return bool(model._valid_auto_compile_criteria(kwargs, model.generation_config))
     except (AttributeError, TypeError):  # another transformers: its rule unknown here
         return False
 

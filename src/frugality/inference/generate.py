@@ -221,6 +221,24 @@ def compiled_steps(decoder: Decoder, cache: KVCache, compile: str | None) -> tup
     return prefill, decode, replays
 
 
+def replays_on_this_thread() -> None:
+    """Make Inductor's CUDA-graph trees usable on the calling thread (serve's decoding loop
+    runs on one of its own): their manager lives in thread-local state set up on the thread
+    that imported them, and before torch 2.13 another thread failed an assertion there
+    (pytorch/pytorch#123177); 2.13 sets it up on each thread itself."""
+    from collections import defaultdict
+    from threading import Lock
+
+    from torch._inductor import cudagraph_trees as trees
+
+    if hasattr(trees.local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    trees.local.tree_manager_containers = {}
+    trees.local.tree_manager_locks = defaultdict(Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", trees.local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", trees.local.tree_manager_locks)
+
+
 @dataclass
 class Timing:
     prefill_s: float = 0.0

@@ -28,6 +28,7 @@ from frugality.inference.generate import (
     compiled_steps,
     new_generator,
     pick,
+    replays_on_this_thread,
 )
 from frugality.models.kv_cache import KVCache
 from frugality.serve.protocol import APIError, overloaded
@@ -142,6 +143,8 @@ class CompletionService:
 
     @torch.inference_mode()
     def _loop(self) -> None:
+        if self.replays:  # (the compiled step's CUDA graphs run on this thread)
+            replays_on_this_thread()
         while True:
             try:
                 if self._turn():

@@ -193,7 +193,9 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
                 context,
                 "inductor" if settings.compile else None,
             )
-            service.submit(service.tokenize(["warm-up"], 2)[0], Sampling(max_new_tokens=2)).result()
+            # three tokens: two decoding steps, so that a compiled step's CUDA graph, warmed up at
+            # its first call, is recorded at its second, before the server is ready
+            service.submit(service.tokenize(["warm-up"], 3)[0], Sampling(max_new_tokens=3)).result()
     except Exception as e:  # the server stops, and the command says why in one line
         state.problem = str(e) if isinstance(e, UserError) else f"model {settings.model}: {type(e).__name__}: {e}"
         server.should_exit = True
