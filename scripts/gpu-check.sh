@@ -5,7 +5,7 @@
 #
 #   scripts/gpu-check.sh --fetch-wheels      on a machine with PyPI: the packages a GPU image
 #                                            without network lacks (Python 3.12), into .whl/
-#   scripts/gpu-check.sh [--dry-run] [--out DIR] [--budget-s 600] [--all | --only SECTION,...]
+#   scripts/gpu-check.sh [--dry-run] [--out DIR] [--budget-s 570] [--all | --only SECTION,...]
 #
 # Python: $PYTHON, else .venv/bin/python, else python3 (a GPU image's own, holding its CUDA
 # build of torch). Wheels in .whl/ are installed into a folder of their own first (no

@@ -18,6 +18,7 @@ def _params(decorator: ast.AST, names: dict[str, ast.AST]) -> list[ast.AST]:
     if not (isinstance(decorator, ast.Call) and ast.unparse(decorator.func).endswith("mark.parametrize")):
         return []
     cases = decorator.args[1] if len(decorator.args) > 1 else None
+    cases = next((k.value for k in decorator.keywords if k.arg == "argvalues"), cases)
     if isinstance(cases, ast.Name):
         cases = names.get(cases.id)
     return list(cases.elts) if isinstance(cases, ast.List | ast.Tuple) else []
@@ -34,10 +35,13 @@ def _module_names(tree: ast.Module) -> dict[str, ast.AST]:
     }
 
 
-def _marked_cuda(case: ast.AST) -> bool:
-    return isinstance(case, ast.Call) and any(
-        k.arg == "marks" and any(_is_cuda_mark(n) for n in ast.walk(k.value)) for k in case.keywords
-    )
+def _cuda(node: ast.AST, aliases: set[str]) -> bool:
+    """Whether `node` holds the cuda mark, itself or through a name standing for it."""
+    return any(_is_cuda_mark(n) or (isinstance(n, ast.Name) and n.id in aliases) for n in ast.walk(node))
+
+
+def _marked_cuda(case: ast.AST, aliases: set[str]) -> bool:
+    return isinstance(case, ast.Call) and any(k.arg == "marks" and _cuda(k.value, aliases) for k in case.keywords)
 
 
 def cuda_tests_without_twins(folder: Path = TESTS) -> list[str]:
@@ -51,6 +55,15 @@ def cuda_tests_without_twins(folder: Path = TESTS) -> list[str]:
             lonely.append(f"{path.relative_to(folder)}::pytestmark")
         aliases = {name for name, value in names.items() if _is_cuda_mark(value)}
         for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):  # a class marked as a whole, by decorator or pytestmark
+                own = [
+                    v.value
+                    for v in node.body
+                    if isinstance(v, ast.Assign) and "pytestmark" in map(ast.unparse, v.targets)
+                ]
+                if any(_cuda(d, aliases) for d in [*node.decorator_list, *own]):
+                    lonely.append(f"{path.relative_to(folder)}::{node.name}")
+                continue
             if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or not node.name.startswith("test"):
                 continue
             where = f"{path.relative_to(folder)}::{node.name}"
@@ -59,7 +72,8 @@ def cuda_tests_without_twins(folder: Path = TESTS) -> list[str]:
                 continue
             for decorator in node.decorator_list:
                 cases = _params(decorator, names)
-                if any(map(_marked_cuda, cases)) and all(map(_marked_cuda, cases)):
+                marked = [_marked_cuda(c, aliases) for c in cases]
+                if any(marked) and all(marked):
                     lonely.append(where)
     return lonely
 
@@ -79,7 +93,10 @@ def test_a_test_marked_cuda_as_a_whole_is_found(tmp_path):
         "needs_gpu = pytest.mark.cuda\n\n"
         '@pytest.mark.parametrize("device", GPU_ONLY)\n'
         "def test_cases_in_a_name(device):\n    pass\n\n"
-        "@needs_gpu\ndef test_an_alias():\n    pass\n"
+        "@needs_gpu\ndef test_an_alias():\n    pass\n\n"
+        '@pytest.mark.parametrize("d", argvalues=[pytest.param("cuda", marks=needs_gpu)])\n'
+        "def test_an_alias_in_a_case(d):\n    pass\n\n"
+        "class TestOnTheGpu:\n    pytestmark = needs_gpu\n\n    def test_inside(self):\n        pass\n"
     )
     (tmp_path / "test_module.py").write_text("import pytest\n\npytestmark = [pytest.mark.cuda]\n")
     assert cuda_tests_without_twins(tmp_path) == [
@@ -87,5 +104,7 @@ def test_a_test_marked_cuda_as_a_whole_is_found(tmp_path):
         "test_gpu.py::test_no_cpu_case",
         "test_gpu.py::test_cases_in_a_name",
         "test_gpu.py::test_an_alias",
+        "test_gpu.py::test_an_alias_in_a_case",
+        "test_gpu.py::TestOnTheGpu",
         "test_module.py::pytestmark",
     ]

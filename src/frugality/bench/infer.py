@@ -336,7 +336,7 @@ def bench_generate(
     prompts, width = _corpus_prompts(decoder, max(batches), prompt_tokens), prompt_tokens
     length = cache_length(width, new_tokens, decoder.max_seq_len)
     engines = {b: Engine(decoder, b, length, backend_name) for b in batches}
-    if backend_name and not missing:  # one static cache for every call (else one, and a compile, per length)
+    if backend_name and not missing:  # one cache length for every call (else a compile per length)
         theirs.generation_config.max_cache_len = length
 
     def ours(batch: int, new: int) -> list[list[int]]:
@@ -356,8 +356,8 @@ def bench_generate(
     warmup: dict[str, float] = {}
     best: dict[tuple[str, int, int], float] = {}
     outputs: dict[tuple[str, int], list[list[int]]] = {}
-    # a batch size at a time (transformers keeps one static cache, remade for another batch
-    # size), its warm-up first: each side's allocator, threads and compiles, at the timed runs'
+    # a batch size at a time (transformers' static cache is made for one batch size), its
+    # warm-up first: each side's allocator, threads and compiles, at the timed runs'
     # own shapes (a CUDA graph is recorded at a step's second call)
     for batch in batches:
         for name, fn in impls.items():

@@ -214,6 +214,10 @@ def compiled_steps(decoder: Decoder, cache: KVCache, compile: str | None) -> tup
         return _prefill, _decode, False
     replays = compile == "inductor" and backend(decoder.device).replays_graphs
     if replays:
+        # imported here, on the caller's thread: its thread-local set-up is made on the thread
+        # that imports it first (other threads: `replays_on_this_thread`)
+        from torch._inductor import cudagraph_trees  # noqa: F401
+
         for tensor in (*cache.keys, *cache.values):
             torch._dynamo.mark_static_address(tensor)
     prefill = torch.compile(_prefill, backend=compile, dynamic=False)
