@@ -9,8 +9,8 @@ on the CPU, with small shapes, short runs, and the CUDA-only parts left out (say
 CI runs it, so the script works the first time a GPU is at hand.
 
 Each section's limit is the time it took on an H200 on 2026-11-27
-(`../shared/measurements/h200-2026-11-27/`) with about a third more, a compile's cold start
-included; the order is the importance today: the tests, then inference (never measured on a
+(`../shared/measurements/h200-2026-11-27/`) with a margin, a compile's cold start included
+(`LIMITS_S`); the order is the importance today: the tests, then inference (never measured on a
 GPU before), then the training races (measured), so that the check fits ten minutes of a
 lease and what is cut is the least needed. On a GPU machine a table row that ran on the CPU
 fails its section: the figure would be the host's, not the GPU's.

@@ -340,3 +340,13 @@ def test_cuda_graph_trees_are_set_up_on_a_thread_of_its_own():
     thread.start()
     thread.join()
     assert seen == [True, False, True]  # the main thread's, the new thread's before and after
+
+
+def test_compile_is_refused_in_one_line_on_a_device_that_compiles_its_own_graphs():
+    from frugality.errors import UserError
+    from frugality.inference.generate import refuse_compile_where_traced
+
+    refuse_compile_where_traced(torch.device("cpu"))  # (Inductor's, here)
+    with pytest.raises(UserError) as refused:
+        refuse_compile_where_traced(torch.device("xla"))
+    assert str(refused.value) == "--compile: on an xla device XLA compiles the graphs itself; leave --compile out"

@@ -310,7 +310,8 @@ def bench_generate(
     device = bench_device(device)
     backend_name = ("inductor" if compile is True else compile) or None
     decoder, _ = load_decoder(model, device, precision, pack=not backend_name)
-    theirs_dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # (int8: against fp32)
+    theirs_precision = "bf16" if precision == "bf16" else "fp32"  # (int8: against fp32)
+    theirs_dtype = torch.bfloat16 if theirs_precision == "bf16" else torch.float32
     theirs_name = "transformers"
     try:
         import transformers
@@ -393,9 +394,7 @@ def bench_generate(
                 "prefill_vs_transformers": None,
                 "decode_vs_transformers": None,
                 "same_tokens": None,
-                "precision": precision
-                if name == "frugality"
-                else ("bf16" if theirs_dtype == torch.bfloat16 else "fp32"),
+                "precision": precision if name == "frugality" else theirs_precision,
                 "warmup_s": round(warmup[name], 2) if name in warmup else None,
                 "threads": torch.get_num_threads(),
                 "skipped": None if name in impls else missing,

@@ -225,6 +225,12 @@ def compiled_steps(decoder: Decoder, cache: KVCache, compile: str | None) -> tup
     return prefill, decode, replays
 
 
+def refuse_compile_where_traced(device: torch.device) -> None:
+    """`--compile` (generate's, serve's) refused in one line on a device that compiles its own graphs."""
+    if backend(device).traced:
+        raise UserError(f"--compile: on an {device.type} device XLA compiles the graphs itself; leave --compile out")
+
+
 def replays_on_this_thread() -> None:
     """Make Inductor's CUDA-graph trees usable on the calling thread (serve's decoding loop
     runs on one of its own): their manager lives in thread-local state set up on the thread
@@ -413,8 +419,8 @@ def generate_all(
         raise UserError(f"prompt {empty}: no tokens (an empty prompt)")
     encoded, cut = fit_prompts(decoder, encoded, sampling.max_new_tokens)
     length = cache_length(max(map(len, encoded)), sampling.max_new_tokens, decoder.max_seq_len)
-    if compile and backend(decoder.device).traced:
-        raise UserError("--compile: on an xla device XLA compiles the graphs itself; leave --compile out")
+    if compile:
+        refuse_compile_where_traced(decoder.device)
     engine = Engine(decoder, min(batch, len(items)), length, compile)
     generator = new_generator(decoder.device, sampling.seed)
     totals = Timing()

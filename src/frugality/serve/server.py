@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from frugality.backends import backend
 from frugality.errors import UserError
 from frugality.models.families import SPECS
 from frugality.serve.app import State, build_app
@@ -88,8 +87,10 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
         raise UserError(
             "--compile: completions only (an encoder's batches, any number of texts of any length, run eagerly)"
         )
-    if settings.compile and backend(device).traced:
-        raise UserError(f"--compile: on an {device.type} device XLA compiles the graphs itself; leave --compile out")
+    if settings.compile:
+        from frugality.inference.generate import refuse_compile_where_traced
+
+        refuse_compile_where_traced(device)
     meter, _ = open_meter(device.type, device.index)
     meter.start()
     name = settings.name or Path(settings.model).resolve().name
