@@ -23,6 +23,7 @@ ACCESSORS = {  # kernel name -> a call that returns its C function, or None
     "cross-entropy": lambda: kernels.cross_entropy("f32"),
     "adamw": kernels.adamw_bf16_step,
     "transpose": kernels.transpose_2byte,
+    "encoder-attention": kernels.encoder_attention_forward,
 }
 
 

@@ -82,6 +82,7 @@ def test_a_stacked_attention_gives_the_plain_attentions_output_padded_or_not():
     """BERT's attention with q, k and v as one packed product (`PackedAttention`): the plain
     layer's output on a padded batch and on its real tokens alone (`Unpadded`), and
     `pack_linear_weights` swaps it whole (its four layers counted) or, asked, packs them apart."""
+    from frugality.kernels.encoder_attention import use_kernel_attention
     from frugality.kernels.packed_linear import PackedAttention
     from frugality.models.bert import Attention, BertConfig, Unpadded
 
@@ -89,6 +90,7 @@ def test_a_stacked_attention_gives_the_plain_attentions_output_padded_or_not():
     cfg = BertConfig(hidden_size=64, num_layers=1, num_heads=4, intermediate_size=128, vocab_size=100)
     plain = Attention(cfg).to(torch.bfloat16)
     stacked = PackedAttention(plain)
+    use_kernel_attention(plain)  # the stacked layer's attention arithmetic (the kernel's, where it runs)
     x = torch.randn(4, 40, 64).to(torch.bfloat16)
     keep = (torch.arange(40) < torch.tensor([[9], [5], [2], [1]])).long()  # 17 real of 160 positions
     mask = keep.bool()[:, None, None, :]

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from frugality import kernels
 from frugality.backends import backend
 from frugality.data.tokenizer import load_tokenizer
 from frugality.errors import UserError
@@ -29,6 +30,7 @@ from frugality.inference import onnx_int8
 from frugality.interop.hf import import_hf
 from frugality.interop.sentence_transformers import pooling_mode, read_json
 from frugality.interop.weights import WeightsSource, file_beside, load_weights, recipe_beside, resolve_source
+from frugality.kernels.encoder_attention import use_kernel_attention
 from frugality.kernels.packed_linear import pack_linear_weights
 from frugality.models import Model
 from frugality.models.bert import Bert, pool
@@ -306,6 +308,9 @@ def load_encoder(
         # bf16 weights laid out once for oneDNN, not on every call (a call 1.1-1.4x at a server's batches)
         packed = pack_linear_weights(model, skip=("pooler", "mlm"))
         why += "; linear layers' weights packed for oneDNN" if packed else ""
+    if engine != "onnxruntime" and device.type == "cpu":  # (packed attentions call the kernel themselves)
+        use_kernel_attention(model)
+        why += "; attention in a C kernel" if kernels.encoder_attention_forward() is not None else ""
     return Encoder(model, tokenizer, pooling, device, dtype, weights, int8=engine), why
 
 

@@ -152,3 +152,16 @@ def gelu_bf16():
 def gelu_backward_bf16():
     """gelu_backward_bf16(dy, x, dx, n, threads) -> 0, or -1 without AVX-512: see gelu_cpu.c."""
     return _function("gelu", "gelu_cpu", "gelu_backward_bf16", _i64, [_p, _p, _p, _i64, _int])
+
+
+def encoder_attention_forward():
+    """encoder_attention_forward(q, k, v, keep, out, batch, seq, heads, dim, batch_stride,
+    token_stride, scale, bf16, threads) -> 0, -2 (out of memory) or -3 (dim over 256): see
+    encoder_attention_cpu.c."""
+    return _function(
+        "encoder-attention",
+        "encoder_attention_cpu",
+        "encoder_attention_forward",
+        _i64,
+        [_p] * 5 + [_i64] * 6 + [_f32, _int, _int],
+    )

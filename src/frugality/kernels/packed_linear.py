@@ -32,9 +32,9 @@ Inference only (no gradient flows to a packed weight). `inference.encoder.load_e
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from frugality.kernels.encoder_attention import attend
 from frugality.models.bert import Attention, Unpadded
 from frugality.models.layers import OutputLayer
 
@@ -99,9 +99,9 @@ class PackedAttention(Attention):
             qkv = tokens.pad(self.qkv(x))
         else:
             (b, t, d), qkv = x.shape, self.qkv(x)
-        q, k, v = qkv.view(b, t, 3, self.heads, self.head_size).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
-        return self.out(tokens.unpad(y.flatten(0, 1).flatten(1)) if tokens is not None else y.reshape(b, t, d))
+        q, k, v = qkv.view(b, t, 3 * d).split(d, dim=2)  # (views: one layout, as `attend` takes them)
+        y = attend(q, k, v, mask, self.heads)
+        return self.out(tokens.unpad(y.flatten(0, 1)) if tokens is not None else y)
 
 
 def pack_linear_weights(model: nn.Module, skip: tuple[str, ...] = (), stack_attention: bool = True) -> int:
