@@ -88,7 +88,9 @@ def test_an_encoder_gives_its_vectors_with_the_kernel_or_without(monkeypatch, dt
     """A small BERT, its attention swapped for the kernel's (plain and, in bf16 where
     packing runs, packed): padded and unpadded batches give the plain model's vectors."""
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_seq_len=64)
+    config = BertConfig(
+        vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_seq_len=64
+    )
     plain = Bert(config).to(dtype).eval()
     ids = torch.randint(0, 300, (5, 23))
     mask = torch.ones(5, 23, dtype=torch.long)

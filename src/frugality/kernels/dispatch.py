@@ -27,7 +27,7 @@ KERNELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "cross-entropy": ("the output layer's loss and logit gradient, row by row", ()),
     "adamw": ("BF16AdamW's update and gradient norm", ()),
     "transpose": ("2-byte transposes before the output layer's bf16 products", ()),
-    "encoder-attention": ("an encoder's bidirectional attention at inference, fp32 or bf16", ()),
+    "encoder-attention": ("an encoder's bidirectional attention at inference, fp32 or bf16", ("avx2",)),
 }
 
 
