@@ -68,6 +68,11 @@ def test_a_kernel_whose_instruction_sets_are_missing_is_not_offered(monkeypatch)
         ok, why = dispatch.allowed(name)
         assert not ok and "which this CPU lacks" in why and ACCESSORS[name]() is None
     assert dispatch.allowed("cross-entropy") == (True, "")
+    assert dispatch.allowed("encoder-attention") == (True, "")
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"sse4_2"})
+    hw = hardware._probe_cpu.__wrapped__(2, "", "")
+    ok, why = dispatch.allowed("encoder-attention")
+    assert not ok and "avx2" in why and ACCESSORS["encoder-attention"]() is None
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-sr"])

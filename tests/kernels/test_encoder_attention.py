@@ -1,13 +1,15 @@
 """An encoder's attention through the C kernel (kernels/encoder_attention_cpu.c): SDPA's
 results up to float32 rounding order, in fp32 and bf16, for head sizes on and off a
-vector's 16 lanes, texts of 1 to 100 tokens, keys masked anywhere; SDPA where it does not
-apply; and the encoders that use it give the vectors they give without it."""
+vector's lanes (16 with AVX-512, 8 with AVX2: both builds where the CPU has AVX-512), texts
+of 1 to 100 tokens, keys masked anywhere; SDPA where it does not apply; and the encoders
+that use it give the vectors they give without it."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from frugality import kernels
+from frugality.hardware import cpu_flags
 from frugality.kernels.dispatch import skip_reason
 from frugality.kernels.encoder_attention import KernelAttention, attend, use_kernel_attention
 from frugality.kernels.packed_linear import PackedAttention, pack_linear_weights
@@ -40,8 +42,11 @@ def _sdpa(q, k, v, mask, heads, dtype=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("batch", "seq", "heads", "dim"),
-    [(1, 1, 2, 32), (3, 17, 12, 32), (8, 29, 4, 8), (2, 33, 3, 80), (5, 100, 2, 64), (4, 7, 1, 256)],
-)
+    [
+        (1, 1, 2, 32), (3, 17, 12, 32), (8, 29, 4, 8), (2, 33, 3, 80), (5, 100, 2, 64), (4, 7, 1, 256),
+        (3, 9, 2, 12), (2, 18, 3, 24), (2, 40, 2, 40), (1, 5, 1, 3),
+    ],  # (head sizes ending a vector short, or a second vector short, of 8 and 16 lanes)
+)  # fmt: skip
 def test_the_kernel_gives_sdpas_results(dtype, batch, seq, heads, dim):
     q, k, v, mask = _inputs(batch, seq, heads, dim, dtype)
     got = attend(q, k, v, mask, heads)
@@ -75,9 +80,11 @@ def test_where_the_kernel_does_not_apply_it_is_sdpa(monkeypatch):
     monkeypatch.setenv("FRUGALITY_DISABLE_KERNELS", "encoder-attention")
     assert torch.equal(attend(q, k, v, mask, 2), _sdpa(q, k, v, mask, 2))
     monkeypatch.delenv("FRUGALITY_DISABLE_KERNELS")
-    qg = q.clone().requires_grad_()
-    out = attend(qg, k, v, mask, 2)
-    assert out.grad_fn is not None and torch.equal(out.detach(), _sdpa(q.contiguous(), k, v, mask, 2))
+    qkv = torch.cat([q, k, v], dim=2).requires_grad_()  # (one layout, as the kernel takes it)
+    out = attend(*qkv.split(q.shape[2], dim=2), mask, 2)
+    assert out.grad_fn is not None and torch.equal(out.detach(), _sdpa(q, k, v, mask, 2))
+    out.sum().backward()
+    assert qkv.grad is not None
     half = [x.half() for x in (q, k, v)]
     assert torch.equal(attend(*half, mask, 2), _sdpa(*half, mask, 2))
     assert torch.equal(attend(q.contiguous(), k, v, mask, 2), _sdpa(q.contiguous(), k, v, mask, 2))
@@ -112,3 +119,33 @@ def test_an_encoder_gives_its_vectors_with_the_kernel_or_without(monkeypatch, dt
             theirs = plain.embed(ids, mask, unpad=unpad).float()
             cosine = F.cosine_similarity(ours, theirs, dim=-1)
             assert cosine.min() >= (0.99999 if dtype == torch.float32 else 0.999), (unpad, cosine)
+
+
+@kernel
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the 8-lane build is the default where there is no AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_avx2_build_gives_sdpas_results_too(dtype):
+    """The kernel as an AVX2-only CPU builds it (8 lanes), run on this AVX-512 one."""
+    import ctypes
+
+    narrow = kernels._function(
+        "encoder-attention",
+        "encoder_attention_cpu",
+        "encoder_attention_forward",
+        ctypes.c_int64,
+        [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int],
+        extra_flags=("-mno-avx512f",),
+    )
+    assert narrow is not None
+    for batch, seq, heads, dim in ((3, 17, 12, 32), (2, 11, 3, 12), (2, 21, 2, 20), (8, 29, 4, 8)):
+        q, k, v, mask = _inputs(batch, seq, heads, dim, dtype)
+        out = torch.empty(q.shape, dtype=dtype)
+        keep = mask.reshape(batch, seq).to(torch.uint8)
+        code = narrow(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), keep.data_ptr(), out.data_ptr(),
+            batch, seq, heads, dim, q.stride(0), q.stride(1), dim**-0.5, int(dtype == torch.bfloat16), 2,
+        )  # fmt: skip
+        assert code == 0
+        torch.testing.assert_close(
+            out, attend(q, k, v, mask, heads), rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2
+        )
