@@ -308,7 +308,7 @@ def load_encoder(
         # bf16 weights laid out once for oneDNN, not on every call (a call 1.1-1.4x at a server's batches)
         packed = pack_linear_weights(model, skip=("pooler", "mlm"))
         why += "; linear layers' weights packed for oneDNN" if packed else ""
-    if engine != "onnxruntime" and device.type == "cpu":  # (packed attentions call the kernel themselves)
+    if engine != "onnxruntime" and backend(device).on_host:  # (packed attentions call the kernel themselves)
         use_kernel_attention(model)
         why += "; attention in a C kernel" if kernels.encoder_attention_forward() is not None else ""
     return Encoder(model, tokenizer, pooling, device, dtype, weights, int8=engine), why
