@@ -46,7 +46,7 @@ def overlapped(encoder, texts: list[str], chunk: int = 4_096) -> np.ndarray:
             rows, _ = coming.result()
             if i + 1 < len(chunks):
                 coming = tokenizer.submit(encoder.encode, chunks[i + 1])
-            parts.append(batches.embed_rows(encoder, rows, *batches.BATCH_DEFAULTS["cpu"]))
+            parts.append(batches.embed_rows(encoder, rows, *batches.batch_defaults(encoder)))
     return np.concatenate(parts)
 
 
@@ -68,9 +68,9 @@ def main() -> int:
             "encode_batch_fast": lambda: encoder.tokenizer.encode_batch_fast(texts),
             "encode_batch": lambda: encoder.tokenizer.encode_batch(texts),
             "the model alone (texts tokenized beforehand)": lambda: batches.embed_rows(
-                encoder, tokenized, *batches.BATCH_DEFAULTS["cpu"]
+                encoder, tokenized, *batches.batch_defaults(encoder)
             ),
-            "embed, in turn": lambda: batches.embed_in_chunks(encoder, texts, *batches.BATCH_DEFAULTS["cpu"]),
+            "embed, in turn": lambda: batches.embed_in_chunks(encoder, texts, *batches.batch_defaults(encoder)),
             "embed, overlapped": lambda: overlapped(encoder, texts),
         }
         seconds: dict[str, list[float]] = {name: [] for name in runs}

@@ -480,3 +480,22 @@ def test_a_bf16_encoder_packs_its_layers_and_embeds_the_same_bits(monkeypatch):
     for batch, pad_to in ((rows, longest), (rows[:1], len(rows[0]))):
         ours, theirs = packed.embed_tokens(batch, pad_to), plain.embed_tokens(batch, pad_to)
         assert np.array_equal(ours, theirs) if exact else np.allclose(ours, theirs, atol=2e-2)
+
+
+def test_a_narrow_model_gets_a_larger_batch_budget_on_a_cpu():
+    """The CPU's 2,048 tokens and 64 texts hold at MiniLM's width and over; a narrower model
+    gets as many times more as it is narrower, up to 8x; a GPU's budget is its own. The
+    loaded encoder knows its width."""
+    from types import SimpleNamespace
+
+    from frugality.inference.batches import batch_defaults
+    from frugality.inference.encoder import load_encoder
+
+    cpu = torch.device("cpu")
+    assert batch_defaults(SimpleNamespace(device=cpu, width=384)) == (2_048, 64)
+    assert batch_defaults(SimpleNamespace(device=cpu, width=1_024)) == (2_048, 64)
+    assert batch_defaults(SimpleNamespace(device=cpu, width=128)) == (6_144, 192)
+    assert batch_defaults(SimpleNamespace(device=cpu, width=32)) == (16_384, 512)
+    assert batch_defaults(SimpleNamespace(device=torch.device("cuda"), width=32)) == (65_536, 1_024)
+    encoder, _ = load_encoder(MODEL, cpu, "fp32")
+    assert encoder.width == 384 and batch_defaults(encoder) == (2_048, 64)

@@ -33,7 +33,8 @@ from frugality.cli.options import inference_precision
 @click.option(
     "--batch-tokens",
     type=click.IntRange(min=8),
-    help="Padded tokens per batch: many short texts or a few long ones [default: 2048 on a CPU, 65536 on a GPU].",
+    help="Padded tokens per batch: many short texts or a few long ones [default: 2048 on a CPU, up to 8x "
+    "that for models narrower than 384; 65536 on a GPU].",
 )
 @click.option(
     "--shard-size",

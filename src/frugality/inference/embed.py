@@ -67,7 +67,7 @@ class EmbedSettings:
     model: str
     out: str
     shard_size: int = 50_000
-    batch_tokens: int | None = None  # None: the device's default (inference.batches.BATCH_DEFAULTS)
+    batch_tokens: int | None = None  # None: the device's default (inference.batches.batch_defaults)
     max_batch: int | None = None
     precision: str = "auto"
     device: str = "auto"

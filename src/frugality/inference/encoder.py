@@ -88,6 +88,7 @@ class Encoder:
         tokenizer.enable_truncation(self.max_length)
         tokenizer.no_padding()
         self.dim = (model.config.head or (model.config.hidden_size,))[-1]
+        self.width = model.config.hidden_size  # (the hidden states': what sets a batch's activations)
         # skipping padding: measured on the CPU only (not on XLA, which compiles a graph per
         # shape), and in the model's own forward (ONNX Runtime's body runs the padded layout)
         self.unpads = backend(device).on_host and int8 != "onnxruntime"

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from frugality.errors import FrugalityWarning
-from frugality.inference.batches import BATCH_DEFAULTS, embed_in_chunks
+from frugality.inference.batches import batch_defaults, embed_in_chunks
 from frugality.inference.inputs import Inputs
 from frugality.paths import fsync_dir, write_atomically
 
@@ -108,7 +108,7 @@ def shard_texts(inputs: Inputs, size: int, count: int, wanted: set[int]):
 def embed_shard(encoder, settings, k, ids, texts, report, written_before) -> int:
     """Embed shard k's texts and write its files (`report(n)` hears of each batch's n texts);
     `written_before`: the shards this process wrote before it (the fault tests count them)."""
-    tokens, rows = BATCH_DEFAULTS.get(encoder.device.type, BATCH_DEFAULTS["cpu"])
+    tokens, rows = batch_defaults(encoder)
     vectors, cut = embed_in_chunks(encoder, texts, settings.batch_tokens or tokens, settings.max_batch or rows, report)
     write_shard(Path(settings.out), k, ids, vectors, settings.format, cut)
     fault = os.environ.get(FAULT_ENV)

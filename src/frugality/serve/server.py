@@ -161,14 +161,14 @@ def _bind(host: str, port: int) -> socket.socket:
 def _load(settings: ServeSettings, family: str, device, state: State, log, where: str, server) -> None:
     try:
         if not SPECS[family].decoder:  # an encoder: embeddings
-            from frugality.inference.batches import BATCH_DEFAULTS
+            from frugality.inference.batches import batch_defaults
             from frugality.inference.encoder import load_encoder
             from frugality.serve.embeddings import EmbeddingService
 
             encoder, why = load_encoder(
                 settings.model, device, settings.precision, max_length=settings.limits.max_input_tokens
             )
-            tokens, rows = BATCH_DEFAULTS.get(device.type, BATCH_DEFAULTS["cpu"])
+            tokens, rows = batch_defaults(encoder)
             service = EmbeddingService(
                 encoder,
                 state.metrics,
