@@ -9,7 +9,8 @@ rounds (SDPA, kernel, SDPA, ...), medians of each:
    texts of the bundled corpus;
 3. the model's share of an offline job (`batches.embed_rows` on texts tokenized before):
    all-MiniLM-L6-v2 on 3,000 WordNet glosses and the one-layer width-32 BERT of
-   benchmarks/embed_pipeline.py on 20,000.
+   benchmarks/embed_pipeline.py on 20,000, both at 2,048 tokens and 64 texts a batch
+   (`BATCH_DEFAULTS["cpu"]`; `embed` now gives the narrow model 8x that).
 
 The kernel is switched off for the SDPA rounds with FRUGALITY_DISABLE_KERNELS, which is
 read at every call: the same loaded model runs both ways.

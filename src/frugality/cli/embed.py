@@ -34,7 +34,7 @@ from frugality.cli.options import inference_precision
     "--batch-tokens",
     type=click.IntRange(min=8),
     help="Padded tokens per batch: many short texts or a few long ones [default: 2048 on a CPU, up to 8x "
-    "that for models narrower than 384; 65536 on a GPU].",
+    "that for models narrower than 384; 65536 on a GPU]; the texts a batch stay the model's default.",
 )
 @click.option(
     "--shard-size",

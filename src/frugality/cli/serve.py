@@ -27,7 +27,11 @@ from frugality.cli.options import inference_precision
     type=click.IntRange(min=1),
     help="Requests (embeddings) or prompts (completions) waiting; past it, 503 with Retry-After.",
 )
-@click.option("--batch-tokens", type=click.IntRange(min=1), help="Embeddings: tokens a model call [default: embed's].")
+@click.option(
+    "--batch-tokens",
+    type=click.IntRange(min=1),
+    help="Embeddings: tokens a model call (the texts a call stay the model's default) [default: embed's].",
+)
 @click.option(
     "--rows", default=8, show_default=True, type=click.IntRange(min=1), help="Completions: prompts decoding at once."
 )

@@ -26,7 +26,7 @@ def batch_defaults(encoder) -> tuple[int, int]:
     narrower than CACHE_WIDTH gets a budget as many times larger as it is narrower (up to 8x):
     the same activations' bytes stay in cache, and each call's fixed costs spread over more
     texts (a one-layer width-32 BERT on 20,000 WordNet glosses, its calls alone: 1.73x the
-    texts/s at 8x the budget, 1.96x at 16,384 tokens and 512 texts, where all-MiniLM-L6-v2
+    texts/s at 4x the budget, 1.96x at 8x, 16,384 tokens and 512 texts, where all-MiniLM-L6-v2
     gained nothing from 1.5x and lost at 4x; 2-core Zen 4, bf16, by hand, 2026-11-28)."""
     tokens, rows = BATCH_DEFAULTS.get(encoder.device.type, BATCH_DEFAULTS["cpu"])
     if backend(encoder.device).on_host:
