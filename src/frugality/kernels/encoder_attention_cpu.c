@@ -186,7 +186,8 @@ int64_t encoder_attention_forward(const void *q, const void *k, const void *v, c
     if (dim > MAX_DIM) return -3;
     const int64_t width = (seq + LANES - 1) / LANES * LANES, dpad = (dim + LANES - 1) / LANES * LANES;
     const int64_t rows = (seq + ROWS - 1) / ROWS * ROWS;
-    const size_t floats = (size_t)(rows * dpad + dim * width + width * dpad + ROWS * width);
+    /* (rounded up to whole 64-byte lines: aligned_alloc's size is a multiple of its alignment) */
+    const size_t floats = ((size_t)(rows * dpad + dim * width + width * dpad + ROWS * width) + 15) / 16 * 16;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
