@@ -49,13 +49,18 @@ def test_bench_serve_measures_levels_and_cost_serve_sizes_the_fleet_from_them(
     assert levels[2]["driven"]  # 4 clients, far under the generator's ceiling
     assert 5 <= levels[0]["requests"] <= 30  # a Poisson process at 10/s for 1.5 s
     best, counted = result["saturation"], [r for r in levels[:2] if r["driven"]]
-    assert counted, f"the generator fell behind at every rate: {levels}"
-    assert best["rate_per_s"] == counted[-1]["level"]
-    assert best["throughput_per_s"] == counted[-1]["throughput_per_s"]
     said = capsys.readouterr()
     printed = said.out
     assert "| unknown (a server at a URL), unknown | open | 30 req/s |" in printed and "saturation" in printed
     assert "the generator's ceiling:" in said.err and "generator ceiling req/s" in printed
+    if not counted:  # a loaded machine held the generator back at both rates (seen under -n 2 with
+        # the XLA step: a request of 16 sent 12 ms late): no saturation, and cost serve says why
+        assert best is None
+        assert main(["cost", "serve", "--rate", "1e6", "--from", str(out), "--price-per-hour", "2"]) == 2
+        assert "no rate the generator kept up with met its SLO" in capsys.readouterr().err
+        return
+    assert best["rate_per_s"] == counted[-1]["level"]
+    assert best["throughput_per_s"] == counted[-1]["throughput_per_s"]
 
     assert main(["cost", "serve", "--rate", "1e6", "--from", str(out), "--price-per-hour", "2", "--json"]) == 0
     fleet = json.loads(capsys.readouterr().out)

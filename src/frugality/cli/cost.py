@@ -192,7 +192,8 @@ def _measured_serving(path: str) -> tuple[str, float | None, str | None, str]:
         raise UserError(f"--from {path}: not the JSON of `frugality bench serve --json`") from None
     if not best:
         raise UserError(
-            f"--from {path}: no rate met its SLO ({data.get('slo_ms')} ms p99): rerun bench serve with lower --rate"
+            f"--from {path}: no rate the generator kept up with met its SLO ({data.get('slo_ms')} ms p99): "
+            "rerun bench serve with lower --rate (or on a quieter machine)"
         )
     bound = "; a lower bound: every rate tried met the SLO" if data.get("saturation_is_lower_bound") else ""
     return str(throughput), best.get("watts"), best.get("energy"), bound
