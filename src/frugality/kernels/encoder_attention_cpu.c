@@ -71,18 +71,18 @@ static inline float sumv(vec x) {
 
 /* exp_nonpositive (bf16_math.h) on a vector: the same Cephes polynomial */
 static inline vec expv(vec x) {
-    const veci under = x < -87.3f; /* exp underflows there: 0 (and -inf, masked keys, too) */
-    x = selectv(under, splat(-87.3f), x);
+    const veci under = x < EXP_LOWEST; /* exp underflows there: 0 (and -inf, masked keys, too) */
+    x = selectv(under, splat(EXP_LOWEST), x);
     const vec magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vec k = (x * 1.44269504088896341f + magic) - magic;
-    vec r = x - k * 0.693359375f;
-    r = r - k * -2.12194440e-4f;
-    vec p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    vec k = (x * EXP_LOG2E + magic) - magic;
+    vec r = x - k * EXP_LN2_HIGH;
+    r = r - k * EXP_LN2_LOW;
+    vec p = splat(EXP_P5);
+    p = p * r + EXP_P4;
+    p = p * r + EXP_P3;
+    p = p * r + EXP_P2;
+    p = p * r + EXP_P1;
+    p = p * r + EXP_P0;
     p = p * r * r + r + 1.0f;
     veci e = (__builtin_convertvector(k, veci) + 127) << 23;
     vec scale;
@@ -113,6 +113,22 @@ static inline void widen(float *dst, const void *base, int64_t at, int64_t n, fl
     }
 }
 
+/* a[r] += b[r * bstride + i] * (x[i * xstride], x[i * xstride + LANES]) over i < count, for ROWS
+ * rows: both products' register tiles (scores: queries times transposed keys; the weighted
+ * sum: scores times values). `two` false: the second vector is not wanted (its sums unused). */
+static inline __attribute__((always_inline)) void tile(vec a[ROWS][2], const float *b, int64_t bstride,
+                                                       const float *x, int64_t xstride, int64_t count, int two) {
+    for (int r = 0; r < ROWS; r++) a[r][0] = a[r][1] = splat(0.0f);
+    for (int64_t i = 0; i < count; i++) {
+        const vec x0 = loadv(x + i * xstride), x1 = two ? loadv(x + i * xstride + LANES) : x0;
+        for (int r = 0; r < ROWS; r++) {
+            const vec br = splat(b[r * bstride + i]);
+            a[r][0] += br * x0;
+            a[r][1] += br * x1;
+        }
+    }
+}
+
 /* One (text, head): qs (rows of dpad) scaled queries, kt (dim, kstride) keys transposed
  * (zero past n), vs (n, dpad) values, s (ROWS, kstride) scores; n keys kept, scored in
  * width = n rounded up to LANES. ROWS queries at a time, 2 * LANES keys or features at a time. */
@@ -125,15 +141,7 @@ static void head(const float *qs, const float *kt, const float *vs, float *s, in
         for (int64_t j0 = 0; j0 < width; j0 += 2 * LANES) {
             const int two = j0 + LANES < width;
             vec a[ROWS][2];
-            for (int r = 0; r < ROWS; r++) a[r][0] = a[r][1] = splat(0.0f);
-            for (int64_t c = 0; c < dim; c++) {
-                const vec k0 = loadv(kt + c * kstride + j0), k1 = two ? loadv(kt + c * kstride + j0 + LANES) : k0;
-                for (int r = 0; r < ROWS; r++) {
-                    const vec qc = splat(qs[(i0 + r) * dpad + c]);
-                    a[r][0] += qc * k0;
-                    a[r][1] += qc * k1;
-                }
-            }
+            tile(a, qs + i0 * dpad, dpad, kt + j0, kstride, dim, two);
             for (int r = 0; r < ROWS; r++) {
                 storev(s + r * kstride + j0, j0 + LANES >= width ? a[r][0] + tail : a[r][0]);
                 if (two) storev(s + r * kstride + j0 + LANES, j0 + 2 * LANES >= width ? a[r][1] + tail : a[r][1]);
@@ -160,15 +168,7 @@ static void head(const float *qs, const float *kt, const float *vs, float *s, in
         for (int64_t c0 = 0; c0 < dpad; c0 += 2 * LANES) {
             const int two = c0 + LANES < dpad;
             vec a[ROWS][2];
-            for (int r = 0; r < ROWS; r++) a[r][0] = a[r][1] = splat(0.0f);
-            for (int64_t j = 0; j < n; j++) {
-                const vec v0 = loadv(vs + j * dpad + c0), v1 = two ? loadv(vs + j * dpad + c0 + LANES) : v0;
-                for (int r = 0; r < ROWS; r++) {
-                    const vec p = splat(s[r * kstride + j]);
-                    a[r][0] += p * v0;
-                    a[r][1] += p * v1;
-                }
-            }
+            tile(a, s, kstride, vs + c0, dpad, n, two);
             for (int r = 0; r < rows; r++) {
                 const int64_t at = (i0 + r) * out_stride + c0;
                 const int64_t left = dim - c0;
@@ -192,12 +192,14 @@ int64_t encoder_attention_forward(const void *q, const void *k, const void *v, c
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *qs = aligned_alloc(64, sizeof(float) * floats);
-        if (qs == NULL) failed = 1;
+        if (qs == NULL)
+            failed = 1;
+        else /* the last group's spare query rows: no task writes them */
+            memset(qs + seq * dpad, 0, sizeof(float) * (size_t)((rows - seq) * dpad));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < batch * heads; task++) {
             if (qs == NULL) continue;
             float *kt = qs + rows * dpad, *vs = kt + dim * width, *s = vs + width * dpad;
-            memset(qs + seq * dpad, 0, sizeof(float) * (size_t)((rows - seq) * dpad)); /* the last group's spare rows */
             const int64_t b = task / heads, h = task % heads, first = b * batch_stride + h * dim;
             int64_t n = 0; /* keys kept, packed to the front */
             float row[MAX_DIM];
