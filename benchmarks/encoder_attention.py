@@ -84,7 +84,8 @@ def timed(run, seconds: float) -> float:
 def race(run, rounds: int, seconds: float = 0.25) -> tuple[float, float]:
     """(SDPA ms, kernel ms): medians over alternating rounds."""
     off, on = Switch(run, True), Switch(run, False)
-    off(), on()  # warm
+    off()  # warm
+    on()
     sdpa, ours = [], []
     for _ in range(rounds):
         sdpa.append(timed(off, seconds))

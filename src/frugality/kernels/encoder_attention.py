@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.jit._trace import is_tracing  # (torch.jit re-exports it, but not to type checkers)
 
 from frugality import kernels
 from frugality.models.bert import Attention, Unpadded
@@ -55,7 +56,7 @@ def _kernel_applies(q, k, v, mask, heads: int) -> bool:
         and (mask is None or (mask.dtype == torch.bool and mask.shape == (q.shape[0], 1, 1, q.shape[1])))
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
         and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
+        and not is_tracing()
     )
 
 
