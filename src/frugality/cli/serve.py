@@ -81,6 +81,14 @@ from frugality.cli.options import inference_precision
     help="Where `frugality top` finds this server: RUNS/serve-NAME-PORT holds its lock and log.",
 )
 @click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Embeddings: processes answering HTTP, all feeding the one model process's batches (one "
+    "process's Python caps the requests a second it can answer; a GPU's model outruns it).",
+)
+@click.option(
     "--drain-s",
     default=30.0,
     show_default=True,
@@ -107,6 +115,7 @@ def serve(
     max_prompts,
     api_key_env,
     runs_dir,
+    workers,
     drain_s,
 ) -> None:
     """Serve MODEL (an encoder: POST /v1/embeddings; a decoder: POST /v1/completions) as
@@ -140,5 +149,6 @@ def serve(
         limits,
         runs_dir,
         compile_,
+        workers,
     )
     run(settings)

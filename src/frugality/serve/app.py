@@ -25,8 +25,11 @@ from frugality.serve.edge import Edge
 from frugality.serve.protocol import APIError, Limits, completions_request, embeddings_request, parse_json
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from frugality.serve.completions import CompletionService
     from frugality.serve.embeddings import EmbeddingService
+    from frugality.serve.workers import ProxyEmbeddings
 
 
 class FastJSON(Response):
@@ -45,10 +48,10 @@ class State:
 
     def __init__(self, name: str, limits: Limits, metrics, api_key: str | None) -> None:
         self.name, self.limits, self.metrics, self.api_key = name, limits, metrics, api_key
-        self.service: EmbeddingService | CompletionService | None = None  # once loaded and warmed
+        self.service: EmbeddingService | CompletionService | ProxyEmbeddings | None = None  # once loaded and warmed
         self.created = int(time.time())
         self.problem: str | None = None  # why the model could not be loaded
-        self.stopping = lambda: False  # whether the server is draining (set by the server)
+        self.stopping: Callable[[], bool] = lambda: False  # whether the server is draining (set by the server)
         self.log = lambda line: None  # the server's log, a line at a time
 
 
@@ -133,7 +136,7 @@ async def health(request: Request):
 
 @service_routes.get("/metrics")
 async def metrics(request: Request):
-    return Response(served(request).metrics.exposition(), media_type="text/plain; version=0.0.4")
+    return Response(await served(request).metrics.scrape(), media_type="text/plain; version=0.0.4")
 
 
 @service_routes.get("/v1/models")

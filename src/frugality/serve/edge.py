@@ -56,8 +56,7 @@ class Edge:
         if path.startswith("/v1/") and sent["status"] is not None:
             route = scope.get("route")  # the route's path, not the client's: a bounded set of labels
             endpoint = getattr(route, "path", "other")
-            self.state.metrics.requests.labels(endpoint, str(sent["status"])).inc()
-            self.state.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+            self.state.metrics.answered(endpoint, str(sent["status"]), time.perf_counter() - started)
 
 
 async def _send_error(send, error: APIError) -> None:

@@ -15,22 +15,11 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from frugality.inference.batches import embed_rows
 from frugality.serve.completions import settle
-from frugality.serve.protocol import overloaded
+from frugality.serve.protocol import Embedded, overloaded
 
 _STOP = object()
-
-
-@dataclass
-class Embedded:
-    """A request's answer: its vectors (float32, one row a text), tokens, texts cut."""
-
-    vectors: np.ndarray
-    tokens: int
-    cut: int
 
 
 @dataclass

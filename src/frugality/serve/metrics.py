@@ -62,8 +62,17 @@ class ServeMetrics:
             self._meter.sample()
             return self._meter.joules()
 
+    def answered(self, endpoint: str, status: str, seconds: float) -> None:
+        """A request answered (`Edge`, or a front end of `serve --workers` through its pipe)."""
+        self.requests.labels(endpoint, status).inc()
+        self.latency.labels(endpoint).observe(seconds)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def scrape(self) -> bytes:
+        """`GET /metrics`' body (a front end of `serve --workers` asks the model's process)."""
+        return self.exposition()
 
 
 class _EnergyCollector:

