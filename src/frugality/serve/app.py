@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
     from frugality.serve.completions import CompletionService
     from frugality.serve.embeddings import EmbeddingService
-    from frugality.serve.workers import ProxyEmbeddings
 
 
 class FastJSON(Response):
@@ -48,7 +47,7 @@ class State:
 
     def __init__(self, name: str, limits: Limits, metrics, api_key: str | None) -> None:
         self.name, self.limits, self.metrics, self.api_key = name, limits, metrics, api_key
-        self.service: EmbeddingService | CompletionService | ProxyEmbeddings | None = None  # once loaded and warmed
+        self.service: EmbeddingService | CompletionService | None = None  # once loaded and warmed
         self.created = int(time.time())
         self.problem: str | None = None  # why the model could not be loaded
         self.stopping: Callable[[], bool] = lambda: False  # whether the server is draining (set by the server)

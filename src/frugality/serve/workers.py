@@ -95,7 +95,8 @@ class Pipe:
         for reply in replies:
             kind = reply[0]
             if kind == "ready":
-                self.state.service = ProxyEmbeddings(self)
+                # (what the route does with either: `submit`, and await what it returns)
+                self.state.service = cast("EmbeddingService", ProxyEmbeddings(self))
                 self.post(("ready",))
                 continue
             if kind == "failed":
