@@ -112,10 +112,13 @@ def test_bench_serve_races_infinity_level_by_level_on_the_same_model(tmp_path, c
         assert "| infinity-emb 0.0." in printed
         assert f"| frugality | cpu ({cpu_name()}), fp32 | closed | 2 clients |" in printed
     monkeypatch.setattr(serve_peers, "find_venv", lambda name: None)  # a machine without the peer
-    assert main(command) == 0
+    assert main([*command, "--serve-arg=--workers=2"]) == 0  # (and HTTP in two processes, named in each row)
     result = json.loads(out.read_text())
     assert result["peers"] == [{"server": "infinity-emb", "missing": f"not installed: {serve_peers.SETUP}"}]
-    assert f"| infinity-emb | not installed: {serve_peers.SETUP} |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"| infinity-emb | not installed: {serve_peers.SETUP} |" in printed
+    assert {r["front_ends"] for r in result["levels"]} == {2}
+    assert f"| frugality | cpu ({cpu_name()}), fp32, HTTP in 2 processes | closed | 2 clients |" in printed
 
 
 def test_a_peer_beside_a_url_is_one_line(capsys):

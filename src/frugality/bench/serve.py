@@ -51,6 +51,7 @@ class Level:
     server: str = "frugality"
     device: str | None = None  # where the server ran: "cuda:0 (NVIDIA H200)"; None for a server at a URL
     precision: str | None = None  # what it said it runs in
+    front_ends: int | None = None  # its HTTP processes, where `serve --workers` ran more than one
 
     @property
     def driven(self) -> bool:
@@ -75,6 +76,7 @@ class Level:
             "server": self.server,
             "device": self.device,
             "precision": self.precision,
+            "front_ends": self.front_ends,
             "mode": self.mode,
             "level": self.level,
             "requests": t.sent,
@@ -110,6 +112,7 @@ class Target:
         self.process: subprocess.Popen | None = None
         self.name, self.precision = name, None  # the precision a started server says it chose
         self.device: str | None = None  # and its device, "cuda:0 (NVIDIA H200)" (unknown at a URL)
+        self.front_ends: int | None = None  # and its HTTP processes (`serve --workers`), when more than one
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if re.match(r"https?://", target):
             url = target.rstrip("/").removesuffix("/v1")
@@ -174,6 +177,8 @@ class Target:
                 self.precision = ready.group(2)
                 device = re.search(r"; device: (.+)$", text[ready.start() :].splitlines()[0])
                 self.device = device.group(1).strip() if device else None
+                front_ends = re.search(r"HTTP in (\d+) front-end processes", text)
+                self.front_ends = int(front_ends.group(1)) if front_ends else None
                 return ready.group(1)
             if self.process.poll() is not None:
                 error = [line for line in text.splitlines() if line.startswith("error:")]
@@ -394,6 +399,7 @@ def _measure(target: Target, mode: str, level: float, run, ceiling: float | None
         server=target.name,
         device=target.device,
         precision=target.precision,
+        front_ends=target.front_ends,
     )
 
 
@@ -416,6 +422,7 @@ def markdown_table(levels: list[Level], missing: dict[str, str] | None = None) -
         errors = str(r["errors"]) + "".join(f", {n} {kind}" for kind, n in r["errors_by_kind"].items())
         busy = f"{r['generator_busy']:.0%}" + ("" if r["driven"] else " (its limit: not the server's)")
         where = f"{lv.device or 'unknown (a server at a URL)'}, {lv.precision or 'unknown'}"
+        where += f", HTTP in {lv.front_ends} processes" if lv.front_ends else ""
         lines.append(
             f"{f'| {lv.server} ' * servers}| {where} | {'open' if r['mode'] == 'rate' else 'closed'} | "
             f"{r['level']:g} {unit} | "
