@@ -70,8 +70,13 @@ def test_the_pipe_carries_answers_a_full_queue_and_counts_both_ways(encoder):
     front, pipe, state, loop, theirs = _both_ends(service, metrics)
     try:
         front.tell("ready")
-        loop.run_until_complete(asyncio.sleep(0.2))  # (the reader settles it on the loop)
-        assert state.service is not None and state.service.endpoint == "embeddings"
+
+        async def told() -> None:  # (the reader settles it on the loop)
+            while state.service is None:
+                await asyncio.sleep(0.01)
+
+        loop.run_until_complete(asyncio.wait_for(told(), 30))
+        assert state.service.endpoint == "embeddings"
         assert front.acknowledged.wait(10)  # the front end said it heard "ready"
 
         async def three():
@@ -139,9 +144,27 @@ def _cosine(a, b) -> float:
     return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
-def _requests_counted(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("frugality_requests_total"))
+def _requests_counted(url: str, want: int) -> float:
+    """The requests /metrics counts, once it counts `want` (or 30 s): a front end posts a
+    request's count after its answer, and a scrape may reach the other front end first."""
+    deadline = time.monotonic() + 30
+    while True:
+        text = httpx.get(f"{url}/metrics").text
+        counted = sum(
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith("frugality_requests_total")
+        )
+        if counted >= want or time.monotonic() > deadline:
+            return counted
+        time.sleep(0.02)
+
+
+def _front_ends(server) -> list[int]:
+    found = os.popen(f"pgrep -P {server.process.pid} -f spawn_main").read().split()
+    return [int(pid) for pid in found]
+
+
+def _sockets(pid: int) -> int:
+    return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
 
 
 def test_front_ends_answer_each_request_with_its_own_vector_batched_and_counted_once(workers_server):
@@ -156,15 +179,27 @@ def test_front_ends_answer_each_request_with_its_own_vector_batched_and_counted_
     reference = {t: d.embedding for t, d in zip(TEXTS, embedded, strict=True)}
     with pytest.raises(openai.NotFoundError):  # a front end's own check, OpenAI's error object
         client.embeddings.create(model="other", input="x")
-    before = _requests_counted(url)
+    before = _requests_counted(url, 2)
     assert before == 2  # (both requests above, whichever front end took them)
+    fronts = _front_ends(workers_server)
+    assert len(fronts) == 2
+    # a front end never loads torch: the completions route answers its 404 first
+    assert httpx.post(f"{url}/v1/completions", json={"model": "minilm", "prompt": "x"}).status_code == 401
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for _ in range(4):  # (over new connections: both front ends)
+        answer = httpx.post(f"{url}/v1/completions", headers=auth, json={"model": "minilm", "prompt": "x"})
+        assert answer.status_code == 404
+    for pid in fronts:
+        with open(f"/proc/{pid}/maps") as maps:
+            assert "libtorch" not in maps.read()
+    before = _requests_counted(url, 7)
+    idle = {pid: _sockets(pid) for pid in fronts}
 
     where = urlsplit(url)
 
     async def at_once():  # a connection each: the kernel spreads them over both front ends
         connections = [Connection(where.hostname, where.port) for _ in TEXTS]
         await asyncio.gather(*(c.connect() for c in connections))
-        auth = {"Authorization": f"Bearer {KEY}"}
         asks = [
             encode_post(
                 where.hostname, where.port, "/v1/embeddings", json.dumps({"model": "minilm", "input": t}).encode(), auth
@@ -172,7 +207,9 @@ def test_front_ends_answer_each_request_with_its_own_vector_batched_and_counted_
             for t in TEXTS
         ]
         try:
-            return await asyncio.gather(*(c.exchange(a) for c, a in zip(connections, asks, strict=True)))
+            answers = await asyncio.gather(*(c.exchange(a) for c, a in zip(connections, asks, strict=True)))
+            held = {pid: _sockets(pid) - idle[pid] for pid in fronts}  # (the 64 still open)
+            return answers, held
         finally:
             for c in connections:
                 c.close()
@@ -183,12 +220,13 @@ def test_front_ends_answer_each_request_with_its_own_vector_batched_and_counted_
         return float(next(line for line in text.splitlines() if line.startswith(prefix)).split()[-1])
 
     calls_before = calls()
-    answered = asyncio.run(at_once())
+    answered, held = asyncio.run(at_once())
+    assert sum(held.values()) == len(TEXTS) and min(held.values()) >= 8, held  # spread by the kernel
     assert [status for status, _ in answered] == [200] * len(TEXTS)
     vectors = [json.loads(body)["data"][0]["embedding"] for _, body in answered]
     assert min(_cosine(v, reference[t]) for v, t in zip(vectors, TEXTS, strict=True)) >= 0.9999
     assert calls() - calls_before < len(TEXTS) / 2  # batched together in the model's process
-    assert _requests_counted(url) == before + len(TEXTS)
+    assert _requests_counted(url, before + len(TEXTS)) == before + len(TEXTS)
     assert workers_server.stop() == 0
     assert workers_server.lines[-1] == f"frugality serve: stopped ({int(before) + len(TEXTS)} requests answered)"
 
@@ -196,7 +234,7 @@ def test_front_ends_answer_each_request_with_its_own_vector_batched_and_counted_
 def test_a_front_end_that_dies_stops_the_server_with_one_line(tmp_path):
     server = Server(MINILM, "--precision", "fp32", "--workers", "2")
     try:
-        fronts = [int(p) for p in os.popen(f"pgrep -P {server.process.pid} -f spawn_main").read().split()]
+        fronts = _front_ends(server)
         assert len(fronts) == 2
         os.kill(fronts[0], signal.SIGKILL)
         deadline = time.monotonic() + 60

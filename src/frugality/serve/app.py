@@ -177,11 +177,11 @@ completion_routes = APIRouter()
 
 @completion_routes.post("/v1/completions")
 async def completions(request: Request):
-    from frugality.serve.completions import sampling_for
-
     state = served(request)
     authorized(state, request)
     service = cast("CompletionService", ready(state, "completions"))  # (its endpoint is that kind)
+    from frugality.serve.completions import sampling_for  # (torch: never in a front end of `--workers`)
+
     req = completions_request(await json_body(state, request), state.limits, state.name)
     rows = await run_in_threadpool(service.tokenize, req.prompts, req.max_tokens)
     samplings = [sampling_for(req, service.decoder, i) for i in range(len(rows))]

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from frugality.errors import UserError
 from frugality.models.families import SPECS
@@ -100,7 +101,7 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
     meter.start()
     name = settings.name or Path(settings.model).resolve().name
     state = State(name, settings.limits, ServeMetrics(meter), api_key)
-    sock = _bind(settings.host, settings.port)
+    sock = _bind(settings.host, settings.port, listen=settings.workers == 1)
     host, port = sock.getsockname()[:2]
     where = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     exposed = "" if settings.host in LOOPBACK else " (not loopback: anyone who can reach this address can call it)"
@@ -169,39 +170,33 @@ def _run_front_ends(settings, family, device, state, sock, where, exposed, name,
     processes, fronts = [], []
     for i in range(n):
         ours, theirs = spawn.Pipe()
-        args = (sock, theirs, state.name, state.limits, state.api_key, settings.drain_s)
+        address = sock.getsockname()[:2]
+        args = (address, theirs, state.name, state.limits, state.api_key, state.created, settings.drain_s)
         process = spawn.Process(target=front_end, args=args, name=f"frugality-serve-{i + 1}", daemon=True)
         process.start()
         theirs.close()
         processes.append(process)
         fronts.append(FrontEnd(ours, state))
 
-    class Stopper:  # what `_load` stops on a failure: here, the wait below
-        @property
-        def should_exit(self) -> bool:
-            return stop.is_set()
-
-        @should_exit.setter
-        def should_exit(self, value: bool) -> None:
-            stop.set()
-
-    def told_ready() -> None:  # each front end's routes take requests before the ready line
+    def told_ready() -> bool:  # each front end's routes take requests before the ready line
         for front in fronts:
             front.tell("ready")
         for front, process in zip(fronts, processes, strict=True):
             while not front.acknowledged.wait(0.05):
                 if not process.is_alive() or stop.is_set():
-                    return
+                    return False
+        return True
 
+    stopper = SimpleNamespace(should_exit=False)  # (what `_load` sets on a failure: read below)
     loader = threading.Thread(
-        target=_load, args=(settings, family, device, state, log, where, Stopper(), told_ready), daemon=True
+        target=_load, args=(settings, family, device, state, log, where, stopper, told_ready), daemon=True
     )
     loader.start()
     reporting = threading.Event()
     every_s = float(os.environ.get("FRUGALITY_SERVE_REPORT_S", "5"))
     threading.Thread(target=_report, args=(state, run_dir, where, reporting, every_s), daemon=True).start()
     ended = None
-    while not stop.wait(0.1):
+    while not stop.wait(0.1) and not stopper.should_exit:
         ended = next((p for p in processes if not p.is_alive()), None)
         if ended is not None:
             break
@@ -211,12 +206,14 @@ def _run_front_ends(settings, family, device, state, sock, where, exposed, name,
     for process in processes:
         if process.is_alive() and process.pid is not None:
             os.kill(process.pid, signal.SIGTERM)  # each drains what it has in flight
-    for process, front in zip(processes, fronts, strict=True):
-        process.join(settings.drain_s + 10)
+    deadline = time.monotonic() + settings.drain_s + 10  # (the drains run side by side: one deadline)
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
             process.kill()
             process.join()
-        front.join(5)  # (its last counts read)
+    for front in fronts:
+        front.join(5)  # (its last counts read: its pipe closed with its process)
     reporting.set()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -230,19 +227,21 @@ def _run_front_ends(settings, family, device, state, sock, where, exposed, name,
     return 0
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto named: asyncio sets TCP_NODELAY on the connections only of a socket that says it is
-    # TCP, and without it a kept-alive connection's response waits ~40 ms on delayed ACKs
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _bind(host: str, port: int, listen: bool = True) -> socket.socket:
+    """The listening socket; with `listen` False, the port held for `--workers`' front ends,
+    each of which listens on a socket of its own (`serve.workers.listener`)."""
+    from frugality.serve.workers import listener
+
     try:
-        sock.bind((host, port))
+        sock = listener(host, port, reuse_port=False)
+        if not listen:  # the port found free (any other socket on it refuses this bind), then held
+            port = sock.getsockname()[1]
+            sock.close()
+            sock = listener(host, port, reuse_port=True)  # bound, never listening: no connection waits on it
     except OSError as e:
-        sock.close()
         raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
+    if listen:
+        sock.listen(2048)
     return sock
 
 
@@ -295,8 +294,8 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
     gc.collect()
     gc.freeze()
     state.service = service
-    if before_ready is not None:
-        before_ready()
+    if before_ready is not None and not before_ready():
+        return  # (a front end ended, or the server is stopping: not ready)
     path = "/v1/completions" if SPECS[family].decoder else "/v1/embeddings"
     from frugality.hardware import device_name
 

@@ -1,12 +1,15 @@
 """`serve --workers N`: the HTTP API in N front-end processes, the model in one, as vLLM's
 API servers feed its engine core. One process's GIL caps what its Python can answer (HTTP,
 JSON, the API's checks: a few tenths of a millisecond a request, whatever the device); N
-processes accept on the one listening socket (the kernel hands each connection to one of
-them), and their requests still batch together in the model's process, its one queue.
+processes answer on the one port, and their requests still batch together in the model's
+process, its one queue.
 
-Each front end has a pipe to the model's process. A front end sends what its event loop
-queued in one pass as one message (a request's texts, each answered request's count and
-latency), and the model's process answers from a thread per pipe, off the model thread,
+Each front end listens on a socket of its own on that port (SO_REUSEPORT: the kernel
+spreads new connections over them; on one shared socket, whichever front end woke first
+took most of a burst of them; the command's process holds the port, bound and never
+listening). Each front end has a pipe to the model's process. A front end sends what its
+event loop queued in one pass as one message (a request's texts, each answered request's
+count and latency), and the model's process answers from a thread per pipe, off the model thread,
 with what its batches settled since its last message. `/metrics` is the model process's
 registry, whichever front end is asked. Embeddings only: a decoder's streamed completions
 are served by one process.
@@ -23,6 +26,7 @@ import itertools
 import logging
 import queue
 import signal
+import socket
 import sys
 import threading
 from typing import TYPE_CHECKING, cast
@@ -30,7 +34,6 @@ from typing import TYPE_CHECKING, cast
 from frugality.serve.protocol import APIError, Limits
 
 if TYPE_CHECKING:
-    import socket
     from multiprocessing.connection import Connection
 
     from frugality.serve.app import State
@@ -52,7 +55,6 @@ class Pipe:
         self.pending: dict[int, asyncio.Future] = {}
         self.outgoing: list[tuple] = []
         self.ids = itertools.count()
-        self.sending = threading.Lock()  # (the loop's sends, and the last one after it stops)
         self.reader = threading.Thread(target=self._read, name="frugality-pipe", daemon=True)
 
     def post(self, op: tuple) -> None:
@@ -69,7 +71,7 @@ class Pipe:
     def flush(self) -> None:
         ops, self.outgoing = self.outgoing, []
         if ops:
-            with self.sending, contextlib.suppress(OSError):  # (the model's process gone: the reader says so)
+            with contextlib.suppress(OSError):  # (the model's process gone: the reader says so)
                 self.conn.send(ops)
 
     def _read(self) -> None:
@@ -145,16 +147,46 @@ class ForwardedMetrics:
         return await self.pipe.ask("metrics")
 
 
-def front_end(sock: socket.socket, conn: Connection, name: str, limits: Limits, api_key: str | None, drain_s: float):
-    """A front end's process: uvicorn on the shared socket until SIGTERM or SIGINT (the
-    drain as with one process), or until the model's process ends."""
+def listener(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening; `reuse_port`: one of several on it."""
+    # proto named: asyncio sets TCP_NODELAY on the connections only of a socket that says it is
+    # TCP, and without it a kept-alive connection's response waits ~40 ms on delayed ACKs
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def front_end(
+    address: tuple[str, int],
+    conn: Connection,
+    name: str,
+    limits: Limits,
+    api_key: str | None,
+    created: int,
+    drain_s: float,
+) -> None:
+    """A front end's process: uvicorn on its own socket on the server's port until SIGTERM or
+    SIGINT (the drain as with one process), or until the model's process ends."""
+    stopping = []  # a signal before uvicorn's handlers are in: it stops as soon as it starts
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.append(True))
     import uvicorn
 
     from frugality.serve.app import State, build_app
     from frugality.serve.edge import QuietCancel
 
+    sock = listener(*address, reuse_port=True)
+    sock.listen(2048)
     metrics = ForwardedMetrics()
     state = State(name, limits, metrics, api_key)
+    state.created = created  # (/v1/models: the same from every front end)
     state.log = lambda line: print(line, file=sys.stderr, flush=True)
     config = uvicorn.Config(
         build_app(state),
@@ -168,7 +200,8 @@ def front_end(sock: socket.socket, conn: Connection, name: str, limits: Limits, 
     # uvicorn raises the signal that stopped it again once drained, to the handler found
     # before: this one, so that the last counts are sent and the process ends 0
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    server.should_exit = bool(stopping)
     factory = config.get_loop_factory()  # (uvloop where installed, as `uvicorn.run` picks it)
     loop = factory() if factory is not None else asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
@@ -219,7 +252,11 @@ class FrontEnd:
             except (EOFError, OSError):
                 break
             for op in ops:
-                self._do(op)
+                try:
+                    self._do(op)
+                except Exception as e:  # a fault of ours: that request's 500, the pipe goes on
+                    if op[0] in ("embed", "metrics"):
+                        self.tell("fault", op[1], (type(e).__name__, str(e)))
         self.out.put(_END)
 
     def _do(self, op: tuple) -> None:
@@ -258,6 +295,8 @@ class FrontEnd:
                     self.conn.send(replies)
                 except OSError:  # its process ended: the reader ends too
                     return
+                except Exception as e:  # an answer that cannot be sent (pickled): each its 500
+                    self.conn.send([("fault", r[1], (type(e).__name__, str(e))) for r in replies if len(r) > 2])
             if end:
                 return
 
