@@ -32,6 +32,12 @@ static inline uint16_t f32_to_bf16(float f) {  /* round-to-nearest-even, as c10:
 #define EXP_P1 1.6666665459e-1f
 #define EXP_P0 5.0000001201e-1f
 #define EXP_LOWEST (-87.3f) /* exp of it is about the smallest normal float */
+/* exp(r) of the reduced argument, for a float or a GCC vector of them (the same operations
+ * in the same order: the scalar and vector forms agree bit for bit) */
+#define EXP_REDUCED(r)                                                                                 \
+    ((((((EXP_P5 * (r) + EXP_P4) * (r) + EXP_P3) * (r) + EXP_P2) * (r) + EXP_P1) * (r) + EXP_P0) * (r) * \
+         (r) +                                                                                         \
+     (r) + 1.0f)
 
 /* exp(x) for x <= 0 (callers subtract a maximum first; small positive x is fine too):
  * the Cephes single-precision polynomial (relative error about 1e-7, like libm's expf),
@@ -42,13 +48,7 @@ static inline float exp_nonpositive(float x) {
     float k = rintf(x * EXP_LOG2E);
     float r = x - k * EXP_LN2_HIGH;
     r = r - k * EXP_LN2_LOW;
-    float p = EXP_P5;
-    p = p * r + EXP_P4;
-    p = p * r + EXP_P3;
-    p = p * r + EXP_P2;
-    p = p * r + EXP_P1;
-    p = p * r + EXP_P0;
-    p = p * r * r + r + 1.0f;
+    float p = EXP_REDUCED(r);
     int32_t e = ((int32_t)k + 127) << 23;
     float scale;
     memcpy(&scale, &e, 4);

@@ -77,13 +77,7 @@ static inline vec expv(vec x) {
     vec k = (x * EXP_LOG2E + magic) - magic;
     vec r = x - k * EXP_LN2_HIGH;
     r = r - k * EXP_LN2_LOW;
-    vec p = splat(EXP_P5);
-    p = p * r + EXP_P4;
-    p = p * r + EXP_P3;
-    p = p * r + EXP_P2;
-    p = p * r + EXP_P1;
-    p = p * r + EXP_P0;
-    p = p * r * r + r + 1.0f;
+    vec p = EXP_REDUCED(r);
     veci e = (__builtin_convertvector(k, veci) + 127) << 23;
     vec scale;
     memcpy(&scale, &e, sizeof scale);
