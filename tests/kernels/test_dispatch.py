@@ -24,6 +24,7 @@ ACCESSORS = {  # kernel name -> a call that returns its C function, or None
     "adamw": kernels.adamw_bf16_step,
     "transpose": kernels.transpose_2byte,
     "encoder-attention": kernels.encoder_attention_forward,
+    "layer-norm": kernels.add_layer_norm,
 }
 
 

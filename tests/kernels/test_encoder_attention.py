@@ -44,8 +44,9 @@ def _sdpa(q, k, v, mask, heads, dtype=None):
     ("batch", "seq", "heads", "dim"),
     [
         (1, 1, 2, 32), (3, 17, 12, 32), (8, 29, 4, 8), (2, 33, 3, 80), (5, 100, 2, 64), (4, 7, 1, 256),
-        (3, 9, 2, 12), (2, 18, 3, 24), (2, 40, 2, 40), (1, 5, 1, 3),
-    ],  # (head sizes ending a vector short, or a second vector short, of 8 and 16 lanes)
+        (3, 9, 2, 12), (2, 18, 3, 24), (2, 40, 2, 40), (1, 5, 1, 3), (3, 21, 2, 16), (2, 40, 3, 4),
+    ],  # (head sizes ending a vector short, or a second vector short, of 8 and 16 lanes; up to 16
+    # the queries run across the lanes: texts of one, two and three vectors of them)
 )  # fmt: skip
 def test_the_kernel_gives_sdpas_results(dtype, batch, seq, heads, dim):
     q, k, v, mask = _inputs(batch, seq, heads, dim, dtype)
@@ -137,7 +138,7 @@ def test_the_avx2_build_gives_sdpas_results_too(dtype):
         extra_flags=("-mno-avx512f",),
     )
     assert narrow is not None
-    for batch, seq, heads, dim in ((3, 17, 12, 32), (2, 11, 3, 12), (2, 21, 2, 20), (8, 29, 4, 8)):
+    for batch, seq, heads, dim in ((3, 17, 12, 32), (2, 11, 3, 12), (2, 21, 2, 20), (8, 29, 4, 8), (2, 19, 2, 16)):
         q, k, v, mask = _inputs(batch, seq, heads, dim, dtype)
         out = torch.empty(q.shape, dtype=dtype)
         keep = mask.reshape(batch, seq).to(torch.uint8)

@@ -31,6 +31,7 @@ from frugality.interop.hf import import_hf
 from frugality.interop.sentence_transformers import pooling_mode, read_json
 from frugality.interop.weights import WeightsSource, file_beside, load_weights, recipe_beside, resolve_source
 from frugality.kernels.encoder_attention import use_kernel_attention
+from frugality.kernels.layer_norm import use_kernel_layer_norm
 from frugality.kernels.packed_linear import pack_linear_weights
 from frugality.models import Model
 from frugality.models.bert import Bert, pool
@@ -312,6 +313,7 @@ def load_encoder(
     if engine != "onnxruntime" and backend(device).on_host:  # (packed attentions call the kernel themselves)
         use_kernel_attention(model)
         why += "; attention in a C kernel" if kernels.encoder_attention_forward() is not None else ""
+        why += "; residual adds and norms in a C kernel" if use_kernel_layer_norm(model) else ""
     return Encoder(model, tokenizer, pooling, device, dtype, weights, int8=engine), why
 
 

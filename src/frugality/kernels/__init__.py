@@ -165,3 +165,15 @@ def encoder_attention_forward():
         _i64,
         [_p] * 5 + [_i64] * 6 + [_f32, _int, _int],
     )
+
+
+def add_layer_norm():
+    """add_layer_norm(x, r or None, r_stride, weight, bias, out, rows, width, eps, bf16,
+    threads) -> 0 or -2 (out of memory): see layer_norm_cpu.c."""
+    return _function(
+        "layer-norm",
+        "layer_norm_cpu",
+        "add_layer_norm",
+        _i64,
+        [_p, _p, _i64] + [_p] * 3 + [_i64] * 2 + [_f32, _int, _int],
+    )

@@ -28,6 +28,7 @@ KERNELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "adamw": ("BF16AdamW's update and gradient norm", ()),
     "transpose": ("2-byte transposes before the output layer's bf16 products", ()),
     "encoder-attention": ("an encoder's bidirectional attention at inference, fp32 or bf16", ("avx2",)),
+    "layer-norm": ("an encoder's residual adds and LayerNorms at inference, fp32 or bf16", ("avx2",)),
 }
 
 
