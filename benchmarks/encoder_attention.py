@@ -56,14 +56,14 @@ SHAPES = [  # (texts, tokens, heads, head size, what)
 
 
 class Switch:
-    """Runs a callable with the kernel off (FRUGALITY_DISABLE_KERNELS) or on."""
+    """Runs a callable with a kernel off (FRUGALITY_DISABLE_KERNELS) or on."""
 
-    def __init__(self, run, off: bool) -> None:
-        self.run, self.off = run, off
+    def __init__(self, run, off: bool, kernel: str = "encoder-attention") -> None:
+        self.run, self.off, self.kernel = run, off, kernel
 
     def __call__(self):
         if self.off:
-            os.environ["FRUGALITY_DISABLE_KERNELS"] = "encoder-attention"
+            os.environ["FRUGALITY_DISABLE_KERNELS"] = self.kernel
         try:
             return self.run()
         finally:
@@ -81,9 +81,9 @@ def timed(run, seconds: float) -> float:
     return statistics.median(times) * 1e3
 
 
-def race(run, rounds: int, seconds: float = 0.25) -> tuple[float, float]:
-    """(SDPA ms, kernel ms): medians over alternating rounds."""
-    off, on = Switch(run, True), Switch(run, False)
+def race(run, rounds: int, seconds: float = 0.25, kernel: str = "encoder-attention") -> tuple[float, float]:
+    """(torch's ms, the kernel's ms): medians over alternating rounds."""
+    off, on = Switch(run, True, kernel), Switch(run, False, kernel)
     off()  # warm
     on()
     sdpa, ours = [], []
