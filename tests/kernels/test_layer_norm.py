@@ -14,11 +14,18 @@ from torch import nn
 
 from frugality import kernels
 from frugality.hardware import cpu_flags
+from frugality.kernels import layer_norm
 from frugality.kernels.dispatch import skip_reason
 from frugality.kernels.layer_norm import KernelBlock, KernelEmbeddings, add_layer_norm, use_kernel_layer_norm
 from frugality.models.bert import Bert, BertConfig
 
 kernel = pytest.mark.skipif(kernels.add_layer_norm() is None, reason=skip_reason("layer-norm"))
+
+
+@pytest.fixture(autouse=True)
+def every_size(monkeypatch):
+    """The kernel for every size (small ones otherwise take torch's cheaper call)."""
+    monkeypatch.setattr(layer_norm, "MIN_ELEMENTS", 1)
 
 
 def _norm(width, dtype, seed=0):
@@ -67,9 +74,17 @@ def test_the_kernel_gives_torchs_results(dtype, width, rows, residual):
 
 def test_where_the_kernel_does_not_apply_it_is_torchs(monkeypatch):
     """The kernel switched off, gradients, another dtype, rows apart, a norm without an affine
-    part: torch's own bits."""
+    part, fewer elements than MIN_ELEMENTS: torch's own bits."""
     norm = _norm(16, torch.float32)
     x, r = torch.randn(6, 16), torch.randn(6, 16)
+    with torch.no_grad(), monkeypatch.context() as small:
+        small.setattr(layer_norm, "MIN_ELEMENTS", 6 * 16 + 1)
+
+        def never():
+            raise AssertionError("the kernel was asked for under MIN_ELEMENTS")
+
+        small.setattr(kernels, "add_layer_norm", never)
+        assert torch.equal(add_layer_norm(x, r, norm), norm(x + r))
     monkeypatch.setenv("FRUGALITY_DISABLE_KERNELS", "layer-norm")
     assert torch.equal(add_layer_norm(x, r, norm), norm(x + r))
     monkeypatch.delenv("FRUGALITY_DISABLE_KERNELS")

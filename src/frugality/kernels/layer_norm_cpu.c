@@ -161,7 +161,8 @@ int64_t add_layer_norm(const void *x, const void *r, int64_t r_stride, const voi
     if (rows * width < 32768) threads = 1;
     const int64_t blocks = (rows + 7) / 8;
     int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+    /* (one thread: no parallel region at all, whose entry alone cost about a microsecond) */
+#pragma omp parallel if (threads > 1) num_threads(threads) reduction(| : failed)
     {
         float *s = malloc(sizeof(float) * (size_t)(8 * width));
         if (s == NULL) failed = 1;
