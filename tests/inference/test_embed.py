@@ -4,6 +4,7 @@ refused, and bad input is one line with nothing written."""
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import os
@@ -344,9 +345,34 @@ def test_texts_in_many_chunks_get_the_vectors_they_get_in_one(monkeypatch):
     texts = _texts(7)
     whole = batches.embed_texts(encoder, texts, 2_048, 64)
     monkeypatch.setattr(batches, "CHUNK", 2)
+    collector = []  # (whether the cyclic collector was on, a chunk at a time)
+    encode = encoder.encode
+
+    def watched(chunk):
+        collector.append(gc.isenabled())
+        return encode(chunk)
+
+    monkeypatch.setattr(encoder, "encode", watched)
     chunked, cut = batches.embed_in_chunks(encoder, texts, 2_048, 64)
     assert chunked.shape == whole.shape and cut == 0
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-6)
+    assert collector == [False] * 4 and gc.isenabled()  # paused for the chunks, then back on
+
+
+def test_the_collector_pause_puts_back_what_it_found():
+    from frugality.inference.batches import cyclic_gc_paused
+
+    with pytest.raises(RuntimeError), cyclic_gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a failed chunk")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cyclic_gc_paused():
+            pass
+        assert not gc.isenabled()  # (left off, as it was found)
+    finally:
+        gc.enable()
 
 
 def test_a_directory_or_a_text_that_is_not_a_string_is_said_as_such(tmp_path, capsys):
