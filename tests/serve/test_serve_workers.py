@@ -157,8 +157,16 @@ def _front_ends(server) -> list[int]:
     return [int(pid) for pid in found]
 
 
-def _sockets(pid: int) -> int:
-    return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+def _sockets(pid: int) -> set[str]:
+    """The sockets process `pid` holds open, by inode (a count would miss a new one where an
+    earlier connection closes meanwhile)."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:  # (closed since it was listed)
+            continue
+    return {link for link in links if link.startswith("socket:")}
 
 
 def test_front_ends_answer_each_request_with_its_own_vector_batched_and_counted_once(workers_server):
@@ -202,7 +210,7 @@ def test_front_ends_answer_each_request_with_its_own_vector_batched_and_counted_
         ]
         try:
             answers = await asyncio.gather(*(c.exchange(a) for c, a in zip(connections, asks, strict=True)))
-            held = {pid: _sockets(pid) - idle[pid] for pid in fronts}  # (the 64 still open)
+            held = {pid: len(_sockets(pid) - idle[pid]) for pid in fronts}  # (the 64 still open)
             return answers, held
         finally:
             for c in connections:
