@@ -44,7 +44,7 @@ def _sdpa(q, k, v, mask, heads, dtype=None):
     ("batch", "seq", "heads", "dim"),
     [
         (1, 1, 2, 32), (3, 17, 12, 32), (8, 29, 4, 8), (2, 33, 3, 80), (5, 100, 2, 64), (4, 7, 1, 256),
-        (3, 9, 2, 12), (2, 18, 3, 24), (2, 40, 2, 40), (1, 5, 1, 3), (3, 21, 2, 16), (2, 40, 3, 4),
+        (3, 9, 2, 12), (2, 18, 3, 24), (2, 40, 2, 40), (1, 5, 1, 3), (3, 21, 2, 16), (2, 40, 3, 4), (2, 1, 2, 8),
     ],  # (head sizes ending a vector short, or a second vector short, of 8 and 16 lanes; up to 16
     # the queries run across the lanes: texts of one, two and three vectors of them)
 )  # fmt: skip
@@ -62,17 +62,19 @@ def test_the_kernel_gives_sdpas_results(dtype, batch, seq, heads, dim):
 
 
 @kernel
-def test_separate_projections_no_mask_and_a_text_with_no_key():
+@pytest.mark.parametrize("heads", [4, 2])  # (heads of 16: queries across the lanes; of 32: in tiles)
+def test_separate_projections_no_mask_and_a_text_with_no_key(heads):
     """Three tensors of one layout (BERT's plain attention), no mask; a text whose keys are
     all masked gets zeros (SDPA: NaN), the others their rows."""
     torch.manual_seed(1)
     q, k, v = (torch.randn(3, 9, 64) for _ in range(3))
-    torch.testing.assert_close(attend(q, k, v, None, 4), _sdpa(q, k, v, None, 4), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attend(q, k, v, None, heads), _sdpa(q, k, v, None, heads), rtol=1e-5, atol=1e-5)
     keep = torch.ones(3, 9, dtype=torch.bool)
     keep[1] = False
-    got = attend(q, k, v, keep[:, None, None, :], 4)
+    got = attend(q, k, v, keep[:, None, None, :], heads)
     assert torch.equal(got[1], torch.zeros(9, 64))
-    torch.testing.assert_close(got[[0, 2]], _sdpa(q, k, v, keep[:, None, None, :], 4)[[0, 2]], rtol=1e-5, atol=1e-5)
+    reference = _sdpa(q, k, v, keep[:, None, None, :], heads)[[0, 2]]
+    torch.testing.assert_close(got[[0, 2]], reference, rtol=1e-5, atol=1e-5)
 
 
 def test_where_the_kernel_does_not_apply_it_is_sdpa(monkeypatch):

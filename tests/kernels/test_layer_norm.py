@@ -6,6 +6,7 @@ does not apply; and BERT's blocks and embeddings that use it give the vectors th
 without it."""
 
 import ctypes
+import itertools
 
 import pytest
 import torch
@@ -28,9 +29,31 @@ def every_size(monkeypatch):
     monkeypatch.setattr(layer_norm, "MIN_ELEMENTS", 1)
 
 
-def _norm(width, dtype, seed=0):
+@pytest.fixture
+def calls(monkeypatch):
+    """The kernel's return codes, a call each (its fallback gives torch's results too: a
+    test of results alone would pass with the kernel never run)."""
+    codes: list[int] = []
+    accessor = kernels.add_layer_norm
+
+    def counted():
+        kernel = accessor()
+        if kernel is None:
+            return None
+
+        def call(*args):
+            codes.append(kernel(*args))
+            return codes[-1]
+
+        return call
+
+    monkeypatch.setattr(kernels, "add_layer_norm", counted)
+    return codes
+
+
+def _norm(width, dtype, seed=0, eps=1e-12):
     torch.manual_seed(seed)
-    norm = nn.LayerNorm(width, eps=1e-12).to(dtype)
+    norm = nn.LayerNorm(width, eps=eps).to(dtype)
     with torch.no_grad():
         norm.weight.normal_()
         norm.bias.normal_()
@@ -57,7 +80,7 @@ def _close(got, norm, x, r):
 @pytest.mark.parametrize("width", [5, 32, 37, 384])
 @pytest.mark.parametrize("rows", [1, 9, 1_203])  # (under a block of 8, one over, and two threads' worth)
 @pytest.mark.parametrize("residual", ["tensor", "row", None])
-def test_the_kernel_gives_torchs_results(dtype, width, rows, residual):
+def test_the_kernel_gives_torchs_results(calls, dtype, width, rows, residual):
     norm = _norm(width, dtype)
     x = (torch.randn(rows, width) * 3 + 1).to(dtype)
     r = {"tensor": torch.randn(rows, width), "row": torch.randn(width), None: None}[residual]
@@ -70,11 +93,30 @@ def test_the_kernel_gives_torchs_results(dtype, width, rows, residual):
             _close(add_layer_norm(x, r, norm), norm, x, r)
         finally:
             torch.set_num_threads(threads)
+    assert calls == [0, 0]  # (the kernel's results, not its fallback's)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps", [1e-5, 0.1])
+def test_eps_and_rows_of_equal_values(calls, dtype, eps):
+    """eps counts as torch counts it, and a row of equal values (a zero variance) gives the
+    bias exactly, as torch's Welford moments give it (the mean's rounding left in the
+    variance gave weight + bias once)."""
+    norm = _norm(37, dtype, eps=eps)
+    x = (torch.randn(40, 37) * 0.05).to(dtype)  # (small values: eps matters)
+    x[::3] = (torch.randn(14, 1) * 3).to(dtype)  # every third row all one value
+    with torch.inference_mode():
+        got = add_layer_norm(x, None, norm)
+        _close(got, norm, x, None)
+        assert torch.equal(got[::3], norm.bias.expand(14, 37))
+    assert calls == [0]
 
 
 def test_where_the_kernel_does_not_apply_it_is_torchs(monkeypatch):
     """The kernel switched off, gradients, another dtype, rows apart, a norm without an affine
-    part, fewer elements than MIN_ELEMENTS: torch's own bits."""
+    part, fewer elements than MIN_ELEMENTS: torch's own bits; tensors on another device:
+    torch's error."""
     norm = _norm(16, torch.float32)
     x, r = torch.randn(6, 16), torch.randn(6, 16)
     with torch.no_grad(), monkeypatch.context() as small:
@@ -99,6 +141,11 @@ def test_where_the_kernel_does_not_apply_it_is_torchs(monkeypatch):
         assert torch.equal(add_layer_norm(wide, r, norm), norm(wide + r))
         bare = nn.LayerNorm(16, elementwise_affine=False)
         assert torch.equal(add_layer_norm(x, r, bare), bare(x + r))
+        # a residual or a norm on another device: torch's error, not a pointer the kernel misreads
+        with pytest.raises(RuntimeError, match="device"):
+            add_layer_norm(x, r.to("meta"), norm)
+        with pytest.raises(RuntimeError, match="device"):
+            add_layer_norm(x, r, nn.LayerNorm(16, device="meta"))
 
 
 @kernel
@@ -118,21 +165,24 @@ def test_the_avx2_build_gives_torchs_results_too(dtype):
         extra_flags=("-mno-avx512f",),
     )
     assert narrow is not None
-    for rows, width in ((1, 5), (17, 32), (1_100, 37)):
+    for (rows, width), residual in itertools.product(((1, 5), (17, 32), (1_100, 37)), ("tensor", "row", None)):
         norm = _norm(width, dtype)
-        x, r = (torch.randn(rows, width).to(dtype) for _ in range(2))
+        x = torch.randn(rows, width).to(dtype)
+        r = {"tensor": torch.randn(rows, width), "row": torch.randn(width), None: None}[residual]
+        r = r.to(dtype) if r is not None else None
         out = torch.empty_like(x)
         with torch.no_grad():
             code = narrow(
-                x.data_ptr(), r.data_ptr(), width, norm.weight.data_ptr(), norm.bias.data_ptr(), out.data_ptr(),
-                rows, width, norm.eps, int(dtype == torch.bfloat16), 2,
+                x.data_ptr(), 0 if r is None else r.data_ptr(), width if residual == "tensor" else 0,
+                norm.weight.data_ptr(), norm.bias.data_ptr(), out.data_ptr(), rows, width, norm.eps,
+                int(dtype == torch.bfloat16), 2,
             )  # fmt: skip
             assert code == 0
             _close(out, norm, x, r)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_encoder_gives_its_vectors_with_the_kernel_or_without(dtype):
+def test_an_encoder_gives_its_vectors_with_the_kernel_or_without(calls, dtype):
     """A small BERT, its blocks and embeddings swapped for the kernel's: padded and unpadded
     batches, with token types and without, give the plain model's vectors."""
     torch.manual_seed(0)
@@ -159,3 +209,5 @@ def test_an_encoder_gives_its_vectors_with_the_kernel_or_without(dtype):
                 theirs = plain.embed(ids, mask, token_types, unpad=unpad).float()
                 cosine = F.cosine_similarity(ours, theirs, dim=-1)
                 assert cosine.min() >= (0.99999 if dtype == torch.float32 else 0.999), (unpad, cosine)
+    # (2 layers' 2 norms and the embeddings' one, in 4 forwards, where the kernel runs)
+    assert calls == ([0] * 20 if count else [])

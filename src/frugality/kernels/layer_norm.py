@@ -21,10 +21,12 @@ from torch.jit._trace import is_tracing  # (torch.jit re-exports it, but not to 
 from frugality import kernels
 from frugality.models.bert import Block, Embeddings, Unpadded
 
-# Below this many elements torch's two calls cost less than the kernel's one: its Python
-# checks and ctypes call (about 10 us) outweigh its gain (by hand, bf16, 2 threads, Zen 4,
-# torch against the kernel: 30 x 32 8.6-11.3 us against 16.3; 48 x 384 16.1-30.9 against
-# 23.6-38.3; 1,000 x 32 37.3-45.5 against 35.1; 192 x 384 39.0-39.7 against 31.5-33.3).
+# Below this many elements torch's two calls cost less than the kernel's one, or as much: its
+# Python checks and ctypes call (about 10 us) outweigh its gain (by hand, bf16, 2 threads,
+# Zen 4, torch against the kernel: 30 x 32 8.6-11.3 us against 16.3; 48 x 384 16.1-30.9
+# against 23.6-38.3; 96 x 384 22.2-25.9 against 23.8-25.7; 1,000 x 32 37.3-45.5 against
+# 35.1; 192 x 384 39.0-39.7 against 31.5-33.3). Narrow rows gain sooner than wide ones (1,000
+# x 32 led, 96 x 384 did not): one threshold for both, where the kernel led at every width.
 MIN_ELEMENTS = 32_768
 
 
@@ -58,8 +60,14 @@ def _kernel_applies(
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
         and x.is_contiguous()
-        and (r is None or (r.dtype == x.dtype and r.shape in (x.shape, x.shape[-1:]) and r.is_contiguous()))
+        and (
+            r is None
+            or (
+                r.device == x.device and r.dtype == x.dtype and r.shape in (x.shape, x.shape[-1:]) and r.is_contiguous()
+            )
+        )
         and norm.normalized_shape == (x.shape[-1],)
+        and weight.device == bias.device == x.device
         and weight.dtype == bias.dtype == x.dtype
         and weight.is_contiguous()
         and bias.is_contiguous()

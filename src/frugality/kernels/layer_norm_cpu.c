@@ -10,11 +10,12 @@
  *
  * x, out: (rows, width), contiguous; r: NULL, or rows r_stride elements apart (width: one
  * per row; 0: one row added to every row); weight, bias: (width); all of one dtype (bf16 or
- * float32). In bf16 the sum x + r is rounded to bf16 first, as
- * the torch expression `norm(x + r)` rounds it; then float32 arithmetic (the mean, then the
- * biased variance about it, as torch), each output rounded once (nearest even). The same
- * results as torch's up to float32 summation order. Returns 0, or -2 where scratch could not
- * be allocated.
+ * float32). In bf16 the sum x + r is rounded to bf16 first, as the torch expression
+ * `norm(x + r)` rounds it; then float32 arithmetic: the mean, then the biased variance about
+ * it (two passes, the second correcting the mean; torch's moments are Welford's), each
+ * output rounded once (nearest even). torch's results up to float32 rounding; a row of equal
+ * values gives the bias, as torch's. NaN inputs give NaN or unspecified outputs (not torch's
+ * canonical NaN). Returns 0, or -2 where scratch could not be allocated.
  */
 #include <math.h>
 #include <stdint.h>
@@ -126,32 +127,43 @@ static inline __attribute__((always_inline)) void norm_rows(const void *x, const
             sg[c] = v;
             tail += v;
         }
-        mean[g] = (sumv(acc) + tail) * per;
+        mean[g] = (sumv(acc) + tail) * per; /* (rounding corrected below) */
     }
     for (int g = 0; g < count; g++) {
         const float *sg = s + g * width;
-        vec dev = (vec){0};
-        float tail = 0.0f;
+        /* the deviations' squares and their sum, which corrects the mean's rounding (the
+         * corrected two-pass form: a row of equal values gets a zero variance, and its
+         * output the bias, as torch's Welford moments give) */
+        vec dev = (vec){0}, lin = (vec){0};
+        float tail = 0.0f, lin_tail = 0.0f;
         for (int64_t c = 0; c < whole; c += LANES) {
             vec v;
             memcpy(&v, sg + c, sizeof v);
             v -= mean[g];
+            lin += v;
             dev += v * v;
         }
-        for (int64_t c = whole; c < width; c++) tail += (sg[c] - mean[g]) * (sg[c] - mean[g]);
-        rstd[g] = 1.0f / sqrtf((sumv(dev) + tail) * per + eps);
+        for (int64_t c = whole; c < width; c++) {
+            const float d = sg[c] - mean[g];
+            lin_tail += d;
+            tail += d * d;
+        }
+        const float l = sumv(lin) + lin_tail;
+        mean[g] += l / (float)width; /* (divided: exact where the deviations are equal) */
+        const float variance = (sumv(dev) + tail - l * l * per) * per;
+        rstd[g] = 1.0f / sqrtf((variance > 0.0f ? variance : 0.0f) + eps);
     }
     for (int g = 0; g < count; g++) {
         const int64_t at = first + g * width;
         const float *sg = s + g * width;
-        const float scale = rstd[g], shift = -mean[g] * rstd[g];
+        const float scale = rstd[g];
         for (int64_t c = 0; c < whole; c += LANES) {
             vec v;
             memcpy(&v, sg + c, sizeof v);
-            storev(out, at + c, (v * scale + shift) * loadv(weight, c, bf16) + loadv(bias, c, bf16), bf16);
+            storev(out, at + c, ((v - mean[g]) * scale) * loadv(weight, c, bf16) + loadv(bias, c, bf16), bf16);
         }
         for (int64_t c = whole; c < width; c++)
-            store1(out, at + c, (sg[c] * scale + shift) * load1(weight, c, bf16) + load1(bias, c, bf16), bf16);
+            store1(out, at + c, ((sg[c] - mean[g]) * scale) * load1(weight, c, bf16) + load1(bias, c, bf16), bf16);
     }
 }
 
