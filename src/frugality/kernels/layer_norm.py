@@ -6,8 +6,9 @@ PyTorch's CPU LayerNorm pays its fixed costs per row, and the residual add befor
 pass of its own: on an encoder's narrow rows that is most of their time (a one-layer
 width-32 BERT on 20,000 WordNet glosses: 46 ms in LayerNorm and 9 ms in the adds of 280,
 one thread, bf16, Zen 4). The kernel adds, normalises and writes a row in one pass.
-The results are torch's up to float32 summation order (in bf16 the sum is rounded to bf16
-before it is normalised, as `norm(x + r)` rounds it). Elsewhere (other devices and dtypes,
+The results are torch's up to float32 rounding (in bf16 the sum is rounded to bf16 before it
+is normalised, as `norm(x + r)` rounds it; a row of equal values gives the bias, as torch's
+Welford moments give it). Elsewhere (other devices and dtypes,
 non-contiguous rows, gradients, compiled or traced graphs, CPUs without AVX2, no C compiler,
 FRUGALITY_DISABLE_KERNELS=layer-norm) it is `norm(x + r)`.
 """
