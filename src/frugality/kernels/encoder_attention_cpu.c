@@ -24,17 +24,8 @@
 #include <string.h>
 
 #include "bf16_math.h"
+#include "vector_lanes.h" /* vec, veci, vech: LANES floats, ints, bf16s */
 
-/* a vector: AVX-512's 16 lanes where the CPU has them, AVX2's 8 elsewhere (wider generic
- * vectors than the CPU's were lowered through memory: 20x slower) */
-#ifdef __AVX512F__
-#define LANES 16
-#else
-#define LANES 8
-#endif
-typedef float vec __attribute__((vector_size(4 * LANES)));
-typedef int32_t veci __attribute__((vector_size(4 * LANES)));
-typedef uint16_t vech __attribute__((vector_size(2 * LANES)));
 #define ROWS 6  /* queries scored together: ROWS x 2 accumulators (6: 1.05-1.2x 4 at most shapes, both widths) */
 #define MAX_DIM 256
 #define SMALL_DIM 16 /* head sizes up to this take `head_small` */

@@ -25,15 +25,7 @@
 #include <immintrin.h>
 
 #include "bf16_math.h"
-
-#ifdef __AVX512F__
-#define LANES 16
-#else
-#define LANES 8
-#endif
-typedef float vec __attribute__((vector_size(4 * LANES)));
-typedef int32_t veci __attribute__((vector_size(4 * LANES)));
-typedef uint16_t vech __attribute__((vector_size(2 * LANES)));
+#include "vector_lanes.h"
 
 /* LANES elements at base + at, as float32 */
 static inline vec loadv(const void *base, int64_t at, int bf16) {
