@@ -5,6 +5,10 @@ one-text requests arrive; beside the same texts sorted by length and batched as
 `frugality embed` batches them offline. No HTTP, no tokenizing, no queue: what the model
 itself gives at each batch size, the ceiling of a server that forms such batches.
 
+Each drawn batch runs twice, in alternating order: its layers' rows attended as they are
+(`kernels.encoder_attention.attend_unpadded`, what runs) and padded back around each
+attention and unpadded after (what ran before 2026-11-29; the same bits), medians of each.
+
     .venv/bin/python benchmarks/embed_batch_sizes.py [--model minilm] [--precision auto]
 
 Writes benchmarks/results/embed_batch_sizes-<model>-<machine>-<date>.md and .json.
@@ -13,6 +17,7 @@ Writes benchmarks/results/embed_batch_sizes-<model>-<machine>-<date>.md and .jso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -27,11 +32,28 @@ from frugality.bench.results import machine_line, write_results
 from frugality.bench.serve import near_zero_encoder
 from frugality.inference import batches
 from frugality.inference.encoder import load_encoder
+from frugality.kernels import encoder_attention, packed_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_limit import texts_file  # noqa: E402  (the same texts as the serving table)
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@contextlib.contextmanager
+def rows_padded_back():
+    """The attention layers' unpadded rows padded back around attention, as before: where
+    `attend_unpadded` answers None its callers take that path."""
+    kept = encoder_attention.attend_unpadded, packed_linear.attend_unpadded
+
+    def declined(*args, **kwargs):
+        return None
+
+    encoder_attention.attend_unpadded = packed_linear.attend_unpadded = declined
+    try:
+        yield
+    finally:
+        encoder_attention.attend_unpadded, packed_linear.attend_unpadded = kept
 
 
 def main() -> int:
@@ -58,28 +80,40 @@ def main() -> int:
     generator = random.Random(0)
     results = []
     for size in SIZES:
-        seconds = []
-        for _ in range(max(10, args.texts // size)):
+        seconds: dict[bool, list[float]] = {True: [], False: []}  # rows as they are: True
+        for draw in range(max(10, args.texts // size)):
             chosen = generator.sample(rows, size)
-            started = time.perf_counter()
-            batches.embed_rows(encoder, chosen, budget, most)
-            seconds.append(time.perf_counter() - started)
-        median = statistics.median(seconds)
-        results.append({"batch": size, "median_ms": round(median * 1e3, 2), "texts_per_s": round(size / median, 1)})
+            for as_they_are in (True, False) if draw % 2 else (False, True):
+                with rows_padded_back() if not as_they_are else contextlib.nullcontext():
+                    started = time.perf_counter()
+                    batches.embed_rows(encoder, chosen, budget, most)
+                    seconds[as_they_are].append(time.perf_counter() - started)
+        median, before = statistics.median(seconds[True]), statistics.median(seconds[False])
+        results.append(
+            {
+                "batch": size,
+                "median_ms": round(median * 1e3, 2),
+                "texts_per_s": round(size / median, 1),
+                "padded_back_median_ms": round(before * 1e3, 2),
+            }
+        )
     lines = [
-        "| batch (texts, random lengths) | median call (ms) | texts/s | of offline's |",
-        "|---|---|---|---|",
+        "| batch (texts, random lengths) | median call (ms) | texts/s | of offline's "
+        "| rows padded back around attention: median call (ms) | speed-up |",
+        "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['batch']} | {r['median_ms']:.1f} | {r['texts_per_s']:,.0f} | {r['texts_per_s'] / offline:.2f}× |"
+        f"| {r['batch']} | {r['median_ms']:.1f} | {r['texts_per_s']:,.0f} | {r['texts_per_s'] / offline:.2f}× "
+        f"| {r['padded_back_median_ms']:.1f} | {r['padded_back_median_ms'] / r['median_ms']:.2f}× |"
         for r in results
     ]
     offline_row = f"offline: 3,000 texts sorted, `embed`'s batches ({budget:,} tokens, {most} texts)"
-    lines.append(f"| {offline_row} | — | {offline:,.0f} | 1.00× |")
+    lines.append(f"| {offline_row} | — | {offline:,.0f} | 1.00× | | |")
     mean_tokens = statistics.mean(map(len, rows))
     header = (
         f"# The encoder alone at a server's batch sizes\n\n{machine_line()} {args.model} on the CPU ({why}), "
-        f"texts tokenized beforehand (mean {mean_tokens:.1f} tokens), one process.\n\n"
+        f"texts tokenized beforehand (mean {mean_tokens:.1f} tokens), one process; each drawn batch run twice, "
+        "its rows attended as they are and padded back, in alternating order.\n\n"
     )
     write_results(
         Path(__file__).parent / "results",

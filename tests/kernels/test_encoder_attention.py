@@ -11,11 +11,33 @@ import torch.nn.functional as F
 from frugality import kernels
 from frugality.hardware import cpu_flags
 from frugality.kernels.dispatch import skip_reason
-from frugality.kernels.encoder_attention import KernelAttention, attend, use_kernel_attention
+from frugality.kernels.encoder_attention import KernelAttention, attend, attend_unpadded, use_kernel_attention
 from frugality.kernels.packed_linear import PackedAttention, pack_linear_weights
-from frugality.models.bert import Bert, BertConfig
+from frugality.models.bert import Bert, BertConfig, Unpadded
 
 kernel = pytest.mark.skipif(kernels.encoder_attention_forward() is None, reason=skip_reason("encoder-attention"))
+
+
+@pytest.fixture
+def unpadded_calls(monkeypatch):
+    """The unpadded entry's return codes, a call each (its fallback, the rows padded back,
+    gives the same results: a test of results alone would pass with it never run)."""
+    codes: list[int] = []
+    accessor = kernels.encoder_attention_unpadded
+
+    def counted():
+        kernel = accessor()
+        if kernel is None:
+            return None
+
+        def call(*args):
+            codes.append(kernel(*args))
+            return codes[-1]
+
+        return call
+
+    monkeypatch.setattr(kernels, "encoder_attention_unpadded", counted)
+    return codes
 
 
 def _inputs(batch, seq, heads, dim, dtype, seed=0):
@@ -77,6 +99,72 @@ def test_separate_projections_no_mask_and_a_text_with_no_key(heads):
     torch.testing.assert_close(got[[0, 2]], reference, rtol=1e-5, atol=1e-5)
 
 
+def _unpadded_inputs(lengths, heads, dim, dtype, seq=None):
+    """An unpadded batch of texts of `lengths` real tokens (padded to `seq`): its Unpadded
+    (with the padding rows it keeps for a multiple of 32 rows), the padded q, k, v views and
+    mask, and the unpadded rows' views of one (rows, 3 * width) projection."""
+    seq = seq or max(lengths)
+    width = heads * dim
+    mask = torch.zeros(len(lengths), seq, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    tokens = Unpadded(mask)
+    torch.manual_seed(3)
+    padded = (torch.randn(len(lengths), seq, 3 * width) * 2).to(dtype)
+    rows = tokens.unpad(padded.flatten(0, 1))
+    q, k, v = padded.split(width, dim=2)
+    qr, kr, vr = rows.split(width, dim=1)
+    return tokens, (q, k, v), mask.bool()[:, None, None, :], (qr, kr, vr)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "dim"), [(12, 32), (4, 8), (2, 16), (3, 80), (2, 12), (2, 4)])
+@pytest.mark.parametrize(
+    "lengths",
+    [[17], [5, 29, 1, 12, 0, 29, 3], [2] * 40, [40, 1]],
+    # (a text with no token; padding rows kept for the multiple of 32 in the first, second and third)
+)
+def test_an_unpadded_batch_gives_the_padded_batchs_rows(unpadded_calls, dtype, heads, dim, lengths):
+    """The rows as they are: the bits of the batch padded back, attended and unpadded (the
+    same arithmetic a text and head at a time), and a padding row kept for the multiple of
+    32 (its key masked) gets its row as in the padded batch."""
+    tokens, (q, k, v), mask, (qr, kr, vr) = _unpadded_inputs(lengths, heads, dim, dtype)
+    got = attend_unpadded(qr, kr, vr, tokens, heads)
+    assert unpadded_calls == [0] and got is not None
+    assert got.shape == qr.shape and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, tokens.unpad(attend(q, k, v, mask, heads).flatten(0, 1)))
+    reference = tokens.unpad(_sdpa(q, k, v, mask, heads, torch.float64).flatten(0, 1)).nan_to_num()
+    assert (got.double() - reference).abs().max() <= (1e-4 if dtype == torch.float32 else 0.05)
+
+
+def test_where_the_unpadded_kernel_does_not_apply_the_rows_are_padded_back(monkeypatch, unpadded_calls):
+    """attend_unpadded answers None (its callers pad the rows back) for rows that are not
+    the batch's, gradients, another dtype or the kernel switched off; starts that do not
+    rise from 0 are refused by the kernel itself."""
+    tokens, _, _, (q, k, v) = _unpadded_inputs([3, 9, 4], 2, 16, torch.float32)
+    assert attend_unpadded(q[:-1], k[:-1], v[:-1], tokens, 2) is None
+    assert attend_unpadded(q.half(), k.half(), v.half(), tokens, 2) is None
+    with torch.enable_grad():
+        assert attend_unpadded(q.requires_grad_(), k, v, tokens, 2) is None
+    q = q.detach()
+    monkeypatch.setenv("FRUGALITY_DISABLE_KERNELS", "encoder-attention")
+    assert attend_unpadded(q, k, v, tokens, 2) is None
+    monkeypatch.delenv("FRUGALITY_DISABLE_KERNELS")
+    assert unpadded_calls == []
+    raw = kernels.encoder_attention_unpadded()
+    if raw is None:
+        pytest.skip(skip_reason("encoder-attention"))
+    out = torch.empty(q.shape)
+    for starts in ([1, 3, 12, 32], [0, 9, 3, 32]):
+        bad = torch.tensor(starts, dtype=torch.int64)
+        code = raw(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), tokens.keep.data_ptr(), out.data_ptr(), bad.data_ptr(),
+            3, 2, 16, q.stride(0), 0.25, 0, 1,
+        )  # fmt: skip
+        assert code == -4
+
+
 def test_where_the_kernel_does_not_apply_it_is_sdpa(monkeypatch):
     """Gradients, another dtype, mismatched layouts, the kernel switched off: SDPA's bits."""
     q, k, v, mask = _inputs(2, 5, 2, 16, torch.float32)
@@ -94,9 +182,10 @@ def test_where_the_kernel_does_not_apply_it_is_sdpa(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_encoder_gives_its_vectors_with_the_kernel_or_without(monkeypatch, dtype):
+def test_an_encoder_gives_its_vectors_with_the_kernel_or_without(monkeypatch, unpadded_calls, dtype):
     """A small BERT, its attention swapped for the kernel's (plain and, in bf16 where
-    packing runs, packed): padded and unpadded batches give the plain model's vectors."""
+    packing runs, packed): padded and unpadded batches (the latter's rows attended as they
+    are) give the plain model's vectors."""
     torch.manual_seed(0)
     config = BertConfig(
         vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_seq_len=64
@@ -122,6 +211,8 @@ def test_an_encoder_gives_its_vectors_with_the_kernel_or_without(monkeypatch, dt
             theirs = plain.embed(ids, mask, unpad=unpad).float()
             cosine = F.cosine_similarity(ours, theirs, dim=-1)
             assert cosine.min() >= (0.99999 if dtype == torch.float32 else 0.999), (unpad, cosine)
+    uses_kernel = kernels.encoder_attention_forward() is not None
+    assert unpadded_calls == ([0] * config.num_layers if uses_kernel else [])
 
 
 @kernel
@@ -151,4 +242,24 @@ def test_the_avx2_build_gives_sdpas_results_too(dtype):
         assert code == 0
         torch.testing.assert_close(
             out, attend(q, k, v, mask, heads), rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2
+        )
+    unpadded = kernels._function(
+        "encoder-attention",
+        "encoder_attention_cpu",
+        "encoder_attention_unpadded",
+        ctypes.c_int64,
+        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int],
+        extra_flags=("-mno-avx512f",),
+    )
+    assert unpadded is not None
+    for heads, dim in ((12, 32), (4, 8)):
+        tokens, _, _, (q, k, v) = _unpadded_inputs([5, 29, 1, 12, 0, 29, 3], heads, dim, dtype)
+        out = torch.empty(q.shape, dtype=dtype)
+        code = unpadded(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), tokens.keep.data_ptr(), out.data_ptr(),
+            tokens.starts.data_ptr(), tokens.rows, heads, dim, q.stride(0), dim**-0.5, int(dtype == torch.bfloat16), 2,
+        )  # fmt: skip
+        assert code == 0
+        torch.testing.assert_close(
+            out, attend_unpadded(q, k, v, tokens, heads), rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2
         )

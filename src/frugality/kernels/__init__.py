@@ -167,6 +167,19 @@ def encoder_attention_forward():
     )
 
 
+def encoder_attention_unpadded():
+    """encoder_attention_unpadded(q, k, v, keep, out, starts, batch, heads, dim, token_stride,
+    scale, bf16, threads) -> 0, -2 (out of memory), -3 (dim over 256) or -4 (starts not
+    from 0 and rising): see encoder_attention_cpu.c."""
+    return _function(
+        "encoder-attention",
+        "encoder_attention_cpu",
+        "encoder_attention_unpadded",
+        _i64,
+        [_p] * 6 + [_i64] * 4 + [_f32, _int, _int],
+    )
+
+
 def add_layer_norm():
     """add_layer_norm(x, r or None, r_stride, weight, bias, out, rows, width, eps, bf16,
     threads) -> 0 or -2 (out of memory): see layer_norm_cpu.c."""

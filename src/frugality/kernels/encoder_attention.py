@@ -43,18 +43,49 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, width)
 
 
+def attend_unpadded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: Unpadded, heads: int
+) -> torch.Tensor | None:
+    """Attention of an unpadded batch's (rows, heads * head_size) queries, keys and values
+    (views of one layout, features contiguous; `tokens` says whose rows they are) through the
+    kernel, on the rows as they are: (rows, heads * head_size), or None where the kernel does
+    not run (the caller pads them back for `attend`)."""
+    if q.dim() != 2 or not _tensors_apply(q, k, v, heads):
+        return None
+    if (kernel := kernels.encoder_attention_unpadded()) is None:
+        return None
+    rows, width = q.shape
+    starts, keep = tokens.starts, tokens.keep
+    if keep.numel() != rows:
+        return None
+    out = torch.empty(rows, width, dtype=q.dtype)
+    code = kernel(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), keep.data_ptr(), out.data_ptr(), starts.data_ptr(),
+        tokens.rows, heads, width // heads, q.stride(0), (width // heads) ** -0.5,
+        int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    return out if code == 0 else None
+
+
 def _kernel_applies(q, k, v, mask, heads: int) -> bool:
+    return (
+        q.dim() == 3
+        and _tensors_apply(q, k, v, heads)
+        and (mask is None or (mask.dtype == torch.bool and mask.shape == (q.shape[0], 1, 1, q.shape[1])))
+    )
+
+
+def _tensors_apply(q, k, v, heads: int) -> bool:
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16)
         and k.dtype == v.dtype == q.dtype
         and q.shape == k.shape == v.shape
         and q.stride() == k.stride() == v.stride()
-        and q.stride(2) == 1
-        and q.shape[2] % heads == 0
-        and q.shape[2] // heads <= 256
+        and q.stride(-1) == 1
+        and q.shape[-1] % heads == 0
+        and q.shape[-1] // heads <= 256
         and q.numel() > 0
-        and (mask is None or (mask.dtype == torch.bool and mask.shape == (q.shape[0], 1, 1, q.shape[1])))
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
         and not torch.compiler.is_compiling()
         and not is_tracing()
@@ -66,9 +97,12 @@ class KernelAttention(Attention):
     and weighted sum through `attend`."""
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, tokens: Unpadded | None = None) -> torch.Tensor:
-        if tokens is not None:  # x: (real tokens, d); attention runs on them padded back
-            shape = (tokens.rows, tokens.length, -1)
-            q, k, v = (tokens.pad(proj(x)).view(shape) for proj in (self.query, self.key, self.value))
+        if tokens is not None:  # x: (real tokens, d)
+            q, k, v = (proj(x) for proj in (self.query, self.key, self.value))
+            if (y := attend_unpadded(q, k, v, tokens, self.heads)) is not None:
+                return self.out(y)
+            shape = (tokens.rows, tokens.length, -1)  # else attention on them padded back
+            q, k, v = (tokens.pad(t).view(shape) for t in (q, k, v))
             return self.out(tokens.unpad(attend(q, k, v, mask, self.heads).flatten(0, 1)))
         q, k, v = (proj(x) for proj in (self.query, self.key, self.value))
         return self.out(attend(q, k, v, mask, self.heads))

@@ -14,7 +14,10 @@
  * q, k, v: element (b, t, h, c) at b * batch_stride + t * token_stride + h * dim + c (the
  * packed projection's rows hold q, k and v one after another; separate projections are
  * three tensors of the same strides). keep: (batch, seq) bytes, nonzero where a key is a
- * real token. out: (batch, seq, heads, dim), contiguous. Every query gets its row,
+ * real token. out: (batch, seq, heads, dim), contiguous. An unpadded batch
+ * (`encoder_attention_unpadded`: the rows of its texts' tokens one after another, as an
+ * encoder's layers skip padding) is taken as it is, `starts` saying where each text begins:
+ * no padding put back around attention and taken out after. Every query gets its row,
  * padding positions too (as SDPA gives them); a text with no key kept gets zeros (SDPA:
  * NaN). float32 arithmetic; bf16 inputs widened, outputs rounded once (nearest even).
  * dim at most 256. Returns 0, -2 where scratch could not be allocated, -3 for a dim over 256.
@@ -264,9 +267,13 @@ static void small_task_any(const void *q, const void *k, const void *v, const ui
         small_task(q, k, v, keep, first, token_stride, seq, dim, scale, bf16, scratch, dst, out_stride);
 }
 
-int64_t encoder_attention_forward(const void *q, const void *k, const void *v, const uint8_t *keep, void *out,
-                          int64_t batch, int64_t seq, int64_t heads, int64_t dim, int64_t batch_stride,
-                          int64_t token_stride, float scale, int bf16, int threads) {
+/* The texts' tasks. starts NULL: text b's tokens are rows b * seq ... of keep and out,
+ * its first element at b * batch_stride; else text b is rows starts[b] to starts[b + 1] of
+ * all three (an unpadded batch's), its first element at starts[b] * token_stride, and seq
+ * its longest. */
+static int64_t attend_texts(const void *q, const void *k, const void *v, const uint8_t *keep, void *out,
+                            int64_t batch, int64_t seq, const int64_t *starts, int64_t heads, int64_t dim,
+                            int64_t batch_stride, int64_t token_stride, float scale, int bf16, int threads) {
     if (dim > MAX_DIM) return -3;
     const int64_t width = (seq + LANES - 1) / LANES * LANES, dpad = (dim + LANES - 1) / LANES * LANES;
     const int64_t rows = (seq + ROWS - 1) / ROWS * ROWS;
@@ -280,29 +287,34 @@ int64_t encoder_attention_forward(const void *q, const void *k, const void *v, c
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *qs = aligned_alloc(64, sizeof(float) * floats);
-        if (qs == NULL)
-            failed = 1;
-        else /* the last group's spare query rows: no task writes them */
-            memset(qs + seq * dpad, 0, sizeof(float) * (size_t)((rows - seq) * dpad));
+        if (qs == NULL) failed = 1;
+        /* (static: dynamic shares, tried for an unpadded batch's unequal texts, gained nothing
+         * steady at 8-64 texts and cost a lone text's 12 tasks up to a fifth) */
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < batch * heads; task++) {
             if (qs == NULL) continue;
-            const int64_t b = task / heads, h = task % heads, first = b * batch_stride + h * dim;
+            const int64_t b = task / heads, h = task % heads;
+            const int64_t row0 = starts ? starts[b] : b * seq; /* the text's first row of keep and out */
+            const int64_t len = starts ? starts[b + 1] - row0 : seq;
+            const int64_t first = (starts ? row0 * token_stride : b * batch_stride) + h * dim;
             const int64_t out_stride = heads * dim;
-            void *dst = bf16 ? (void *)((uint16_t *)out + (b * seq * heads + h) * dim)
-                             : (void *)((float *)out + (b * seq * heads + h) * dim);
+            void *dst = bf16 ? (void *)((uint16_t *)out + (row0 * heads + h) * dim)
+                             : (void *)((float *)out + (row0 * heads + h) * dim);
+            if (len == 0) continue;
             int64_t n = 0; /* keys kept, packed to the front */
             float row[MAX_DIM];
             if (dim <= SMALL_DIM) {
-                small_task_any(q, k, v, keep + b * seq, first, token_stride, seq, dim, scale, bf16, qs, dst,
+                small_task_any(q, k, v, keep + row0, first, token_stride, len, dim, scale, bf16, qs, dst,
                                out_stride);
                 continue;
             }
+            /* the last group's spare query rows: zeros, not another text's or garbage */
+            memset(qs + len * dpad, 0, sizeof(float) * (size_t)(((len + ROWS - 1) / ROWS * ROWS - len) * dpad));
             float *kt = qs + rows * dpad, *vs = kt + dim * width, *s = vs + width * dpad;
-            for (int64_t t = 0; t < seq; t++) {
+            for (int64_t t = 0; t < len; t++) {
                 const int64_t at = first + t * token_stride;
                 widen(qs + t * dpad, q, at, dim, scale, bf16);
-                if (!keep[b * seq + t]) continue;
+                if (!keep[row0 + t]) continue;
                 widen(row, k, at, dim, 1.0f, bf16);
                 for (int64_t c = 0; c < dim; c++) kt[c * width + n] = row[c];
                 widen(vs + n * dpad, v, at, dim, 1.0f, bf16);
@@ -312,10 +324,35 @@ int64_t encoder_attention_forward(const void *q, const void *k, const void *v, c
             const int64_t padded = (n + LANES - 1) / LANES * LANES;
             for (int64_t c = 0; c < dim; c++)
                 for (int64_t j = n; j < padded; j++) kt[c * width + j] = 0.0f;
-            /* the key vectors scored: n's, not seq's (a text's padding is never looked at) */
-            head(qs, kt, vs, s, seq, n, padded, width, dim, dpad, dst, out_stride, bf16);
+            /* the key vectors scored: n's, not len's (a text's padding is never looked at) */
+            head(qs, kt, vs, s, len, n, padded, width, dim, dpad, dst, out_stride, bf16);
         }
         free(qs);
     }
     return failed ? -2 : 0;
+}
+
+int64_t encoder_attention_forward(const void *q, const void *k, const void *v, const uint8_t *keep, void *out,
+                                  int64_t batch, int64_t seq, int64_t heads, int64_t dim, int64_t batch_stride,
+                                  int64_t token_stride, float scale, int bf16, int threads) {
+    return attend_texts(q, k, v, keep, out, batch, seq, NULL, heads, dim, batch_stride, token_stride, scale, bf16,
+                        threads);
+}
+
+/* An unpadded batch: q, k, v rows of token_stride elements, text b's tokens rows starts[b]
+ * to starts[b + 1] (starts: batch + 1 offsets, from 0, none decreasing); keep a byte a row;
+ * out (rows, heads, dim), contiguous. Returns as encoder_attention_forward, or -4 where
+ * starts is not so. */
+int64_t encoder_attention_unpadded(const void *q, const void *k, const void *v, const uint8_t *keep, void *out,
+                                   const int64_t *starts, int64_t batch, int64_t heads, int64_t dim,
+                                   int64_t token_stride, float scale, int bf16, int threads) {
+    int64_t longest = 0;
+    if (starts[0] != 0) return -4;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t len = starts[b + 1] - starts[b];
+        if (len < 0) return -4;
+        longest = len > longest ? len : longest;
+    }
+    return attend_texts(q, k, v, keep, out, batch, longest, starts, heads, dim, 0, token_stride, scale, bf16,
+                        threads);
 }

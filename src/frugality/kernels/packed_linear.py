@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from frugality.kernels.encoder_attention import attend
+from frugality.kernels.encoder_attention import attend, attend_unpadded
 from frugality.models.bert import Attention, Unpadded
 from frugality.models.layers import OutputLayer
 
@@ -94,9 +94,13 @@ class PackedAttention(Attention):
         self.out = PackedLinear(attention.out)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, tokens: Unpadded | None = None) -> torch.Tensor:
-        if tokens is not None:  # x: (real tokens, d); attention runs on them padded back
-            b, t, d = tokens.rows, tokens.length, x.shape[-1]
-            qkv = tokens.pad(self.qkv(x))
+        if tokens is not None:  # x: (real tokens, d)
+            d, qkv = x.shape[-1], self.qkv(x)
+            q, k, v = qkv.split(d, dim=1)
+            if (y := attend_unpadded(q, k, v, tokens, self.heads)) is not None:
+                return self.out(y)
+            b, t = tokens.rows, tokens.length  # else attention on them padded back
+            qkv = tokens.pad(qkv)
         else:
             (b, t, d), qkv = x.shape, self.qkv(x)
         q, k, v = qkv.view(b, t, 3 * d).split(d, dim=2)  # (views: one layout, as `attend` takes them)

@@ -18,6 +18,7 @@ and optimised with the weights; the losses that use it are the tasks' (`frugalit
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -115,11 +116,24 @@ class Unpadded:
 
     def __init__(self, attention_mask: torch.Tensor) -> None:
         self.rows, self.length = attention_mask.shape
-        real = attention_mask.flatten().bool()
+        self.real = real = attention_mask.flatten().bool()
         self.index = real.nonzero().squeeze(1)
         extra = -len(self.index) % self.MULTIPLE
         if extra:
             self.index = torch.cat([self.index, (~real).nonzero().squeeze(1)[:extra]]).sort().values
+
+    @cached_property
+    def starts(self) -> torch.Tensor:
+        """Where each text's kept rows begin, and the last's end: (rows + 1,) int64 (a text's
+        kept rows are consecutive: `index` is sorted)."""
+        counts = torch.bincount(self.index // self.length, minlength=self.rows)
+        return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+    @cached_property
+    def keep(self) -> torch.Tensor:
+        """Whether each kept row is a real token (1) or one of the padding rows kept for
+        `MULTIPLE` (0): (kept rows,) uint8."""
+        return self.real.index_select(0, self.index).to(torch.uint8)
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         return padded.index_select(0, self.index)
