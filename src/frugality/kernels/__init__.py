@@ -180,6 +180,31 @@ def encoder_attention_unpadded():
     )
 
 
+def int8_quantize_rows():
+    """quantize_rows(x, rows, cols, bf16, q, scales, threads) -> 0: see int8_linear_cpu.c."""
+    return _function(
+        "int8-linear",
+        "int8_linear_cpu",
+        "quantize_rows",
+        _i64,
+        [_p, _i64, _i64, _int, _p, _p, _int],
+        extra_flags=("-ffp-contract=off",),  # (torch's expressions' bits: no fused multiply-adds)
+    )
+
+
+def int8_dequantize_rows():
+    """dequantize_rows(acc, rows, cols, scales, col_scales, bias, out, bf16, threads) -> 0: see
+    int8_linear_cpu.c."""
+    return _function(
+        "int8-linear",
+        "int8_linear_cpu",
+        "dequantize_rows",
+        _i64,
+        [_p, _i64, _i64, _p, _p, _p, _p, _int, _int],
+        extra_flags=("-ffp-contract=off",),
+    )
+
+
 def add_layer_norm():
     """add_layer_norm(x, r or None, r_stride, weight, bias, out, rows, width, eps, bf16,
     threads) -> 0 or -2 (out of memory): see layer_norm_cpu.c."""

@@ -29,6 +29,7 @@ KERNELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "transpose": ("2-byte transposes before the output layer's bf16 products", ()),
     "encoder-attention": ("an encoder's bidirectional attention at inference, fp32 or bf16", ("avx2",)),
     "layer-norm": ("an encoder's residual adds and LayerNorms at inference, fp32 or bf16", ("avx2",)),
+    "int8-linear": ("the quantize and scale-back passes around --precision int8's products", ("avx2",)),
 }
 
 

@@ -1,8 +1,8 @@
 """int8 inference on CPUs: a model's linear layers swapped, from outside the model, for
 layers whose weights are quantized once per output channel and whose activations are
 quantized per token (row) at run time; the products run int8 x int8 -> int32 in oneDNN
-through `torch._int_mm`, and are scaled back to float32. Attention, norms, embeddings and
-pooling stay in float32.
+through `torch._int_mm`, and are scaled back to the activations' dtype. Attention, norms,
+embeddings and pooling stay in float32.
 
 Why these choices (benchmarks/int8_linear.py, 2026-11-25, AMD EPYC Zen 4):
 - per-token activation scales keep all-MiniLM-L6-v2's embeddings at cosine 0.997 to fp32;
@@ -11,13 +11,14 @@ Why these choices (benchmarks/int8_linear.py, 2026-11-25, AMD EPYC Zen 4):
   it too). Elsewhere a reference loop runs it 35-40x slower than fp32, and under an
   `ONEDNN_MAX_CPU_ISA` cap below VNNI oneDNN returns wrong products: int8 is refused there
   (`int8_products`), never run slowly or wrongly;
-- the quantize and scale-back passes around each product are fused by torch.compile
-  (Inductor) into one pass each, with dynamic shapes: a few graphs serve every row count
-  (Dynamo compiles again for a new kind of input: a row count of 1, inference tensors
-  against normal ones; past its limit of 8, new kinds run eagerly, never wrongly). Where
-  Inductor cannot build (no C++ compiler, no Python headers) the passes run eagerly, with
-  a warning: 1.7x fp32 end to end in an ad-hoc probe, against 2.2x compiled
-  (benchmarks/int8_onnxruntime.py).
+- the quantize and scale-back passes around each product run in a C kernel of frugality's
+  (kernels/int8_linear_cpu.c: one pass each, the eager expressions' bits) since 2026-11-29.
+  Before, torch.compile (Inductor) fused them, behind Dynamo's checks at every call: a MiniLM
+  call 1.30x faster for a lone text, 1.19x at 8 texts, 1.09-1.11x at 32-64 with the kernel
+  (2-core Zen 4; benchmarks/embed_batch_sizes.py --against int8-inductor). Where the kernel does not
+  run (FRUGALITY_DISABLE_KERNELS=int8-linear) Inductor still fuses them; where Inductor
+  cannot build (no C++ compiler, no Python headers) they run eagerly, with a warning: 1.7x
+  fp32 end to end in an ad-hoc probe, against 2.2x compiled (benchmarks/int8_onnxruntime.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import warnings
 import torch
 from torch import nn
 
+from frugality import kernels
 from frugality.backends import backend
 from frugality.errors import UserError
 from frugality.hardware import cpu_flags, onednn_capped_below
@@ -40,11 +42,19 @@ def int8_products() -> tuple[bool, str]:
     capped = onednn_capped_below("AVX512_CORE_VNNI")
     if "avx512_vnni" in flags and not capped and torch.backends.mkldnn.is_available():
         how = "int8 products in oneDNN (AVX512-VNNI" + (", AMX)" if "amx_int8" in flags else ")")
-        return True, how if compiler_works() else how + ", quantize passes eager: no C++ compiler for Inductor"
+        if fused_passes() or compiler_works():
+            return True, how
+        return True, how + ", quantize passes eager: no C compiler"
     return False, (
         "this CPU has no AVX512-VNNI or AMX (or ONEDNN_MAX_CPU_ISA caps oneDNN below them): PyTorch's int8 "
         "product would run 35-40x slower than fp32 here; use --precision fp32"
     )
+
+
+def fused_passes() -> bool:
+    """Whether the quantize and scale-back passes run in frugality's C kernel here (else
+    Inductor's, else eager)."""
+    return kernels.int8_quantize_rows() is not None and kernels.int8_dequantize_rows() is not None
 
 
 def compiler_works() -> bool:
@@ -70,6 +80,36 @@ def _quantized_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     rows = (x / scale).round().clamp(-127, 127).to(torch.int8)
     # torch re-exports its ops without an __all__ that names this one
     return torch._int_mm(rows, weight).float() * scale * weight_scale + bias  # pyright: ignore[reportPrivateImportUsage]
+
+
+def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor):
+    """`_quantized_linear` with its passes in the C kernel, in x's dtype (float32 or bf16:
+    the float32 result rounded once), or None where the kernel does not apply."""
+    if not (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.is_contiguous()
+        and x.dim() == 2
+        and weight_scale.dtype == bias.dtype == torch.float32
+        and weight_scale.is_contiguous()
+        and bias.is_contiguous()
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and not torch.compiler.is_compiling()
+    ):
+        return None
+    quantize, scale_back = kernels.int8_quantize_rows(), kernels.int8_dequantize_rows()
+    if quantize is None or scale_back is None:
+        return None
+    (rows, width), bf16, threads = x.shape, int(x.dtype == torch.bfloat16), torch.get_num_threads()
+    quantized, scales = torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, dtype=torch.float32)
+    quantize(x.data_ptr(), rows, width, bf16, quantized.data_ptr(), scales.data_ptr(), threads)
+    products = torch._int_mm(quantized, weight)  # pyright: ignore[reportPrivateImportUsage]
+    out = torch.empty(rows, weight.shape[1], dtype=x.dtype)
+    scale_back(
+        products.data_ptr(), rows, weight.shape[1], scales.data_ptr(), weight_scale.data_ptr(), bias.data_ptr(),
+        out.data_ptr(), bf16, threads,
+    )  # fmt: skip
+    return out
 
 
 _compiled = None  # the fused product, compiled once per process; or the eager one
@@ -99,7 +139,8 @@ def _compiled_or_eager(*args: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """An nn.Linear's weights as int8 (one scale per output channel) and its bias in float32."""
+    """An nn.Linear's weights as int8 (one scale per output channel) and its bias in float32;
+    `compiled` False runs the passes eagerly (the reference the fused ones are tested against)."""
 
     qweight: torch.Tensor  # buffers, registered in __init__
     weight_scale: torch.Tensor
@@ -118,9 +159,12 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features, self.compiled = linear.in_features, linear.out_features, compiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()
-        product = _compiled_or_eager if self.compiled else _quantized_linear
-        return product(rows, self.qweight, self.weight_scale, self.bias).reshape(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        out = _kernel_linear(rows, self.qweight, self.weight_scale, self.bias) if self.compiled else None
+        if out is None:
+            product = _compiled_or_eager if self.compiled else _quantized_linear
+            out = product(rows.float(), self.qweight, self.weight_scale, self.bias).to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
