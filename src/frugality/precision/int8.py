@@ -2,7 +2,8 @@
 layers whose weights are quantized once per output channel and whose activations are
 quantized per token (row) at run time; the products run int8 x int8 -> int32 in oneDNN
 through `torch._int_mm`, and are scaled back to the activations' dtype. Attention, norms,
-embeddings and pooling stay in float32.
+embeddings and pooling stay in float32 (an encoder's in bf16 where bf16 products are native:
+`cast_around_int8`, called by inference.encoder).
 
 Why these choices (benchmarks/int8_linear.py, 2026-11-25, AMD EPYC Zen 4):
 - per-token activation scales keep all-MiniLM-L6-v2's embeddings at cosine 0.997 to fp32;
@@ -184,3 +185,15 @@ def quantize_int8(model: nn.Module, skip: tuple[str, ...] = (), compiled: bool =
                 setattr(parent, name, Int8Linear(child, compiled))
                 swapped += 1
     return swapped
+
+
+def cast_around_int8(model: nn.Module, dtype: torch.dtype) -> None:
+    """`model`'s float parameters and buffers cast to `dtype` in place, but `Int8Linear`'s
+    (its scales and bias stay float32: the passes take them so); its layers then take and
+    give `dtype` activations."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            continue
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
