@@ -8,8 +8,8 @@ itself gives at each batch size, the ceiling of a server that forms such batches
 Each drawn batch runs twice, in alternating order, medians of each: as it runs, and as it
 ran before a change (`--against`):
 - `padded-back` (the default): its layers' rows padded back around each attention and
-  unpadded after, as before 2026-11-29 (now `kernels.encoder_attention.attend_unpadded`
-  takes them as they are; the same bits);
+  unpadded after, as before 2026-11-29 (the fallback path that remains, which is that way;
+  now `kernels.encoder_attention.attend_unpadded` takes them as they are; the same bits);
 - `int8-inductor` (with `--precision int8`): int8's quantize and scale-back passes compiled
   by Inductor (FRUGALITY_DISABLE_KERNELS=int8-linear), as before 2026-11-29 (now
   frugality's C kernel);

@@ -99,38 +99,58 @@ def test_separate_projections_no_mask_and_a_text_with_no_key(heads):
     torch.testing.assert_close(got[[0, 2]], reference, rtol=1e-5, atol=1e-5)
 
 
-def _unpadded_inputs(lengths, heads, dim, dtype, seq=None):
-    """An unpadded batch of texts of `lengths` real tokens (padded to `seq`): its Unpadded
+def _right(lengths, seq=None):
+    """Right-padded mask rows of texts of `lengths` real tokens, padded to `seq`."""
+    seq = seq or max(lengths)
+    return [[1] * n + [0] * (seq - n) for n in lengths]
+
+
+def _unpadded_inputs(mask_rows, heads, dim, dtype):
+    """An unpadded batch of the texts whose (padded) key masks are `mask_rows`: its Unpadded
     (with the padding rows it keeps for a multiple of 32 rows), the padded q, k, v views and
     mask, and the unpadded rows' views of one (rows, 3 * width) projection."""
-    seq = seq or max(lengths)
     width = heads * dim
-    mask = torch.zeros(len(lengths), seq, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
+    mask = torch.tensor(mask_rows, dtype=torch.long)
     tokens = Unpadded(mask)
     torch.manual_seed(3)
-    padded = (torch.randn(len(lengths), seq, 3 * width) * 2).to(dtype)
+    padded = (torch.randn(*mask.shape, 3 * width) * 2).to(dtype)
     rows = tokens.unpad(padded.flatten(0, 1))
     q, k, v = padded.split(width, dim=2)
     qr, kr, vr = rows.split(width, dim=1)
     return tokens, (q, k, v), mask.bool()[:, None, None, :], (qr, kr, vr)
 
 
+_HOLES = [[0, 0, 1, 1, 1, 1], [1, 0, 1, 0, 1, 1], [0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 1]] * 3
+
+
+def test_unpadded_says_where_each_texts_rows_start_and_which_are_real():
+    """`starts` and `keep` for right padding, left padding, holes and a text of no token;
+    the rows kept for the multiple of 32 are their texts' padding positions (keep 0)."""
+    tokens = Unpadded(torch.tensor([[0, 0, 1, 1], [1, 0, 1, 0], [0, 0, 0, 0]]))
+    assert tokens.index.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]  # (4 real, 8 padding kept)
+    assert tokens.starts.tolist() == [0, 4, 8, 12]
+    assert tokens.keep.tolist() == [0, 0, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0]
+    many = Unpadded(torch.tensor(_right([30, 1, 7], 40)))  # 38 real, 26 kept: the first padding positions
+    assert many.starts.tolist() == [0, 40, 57, 64]
+    assert many.keep.tolist() == [1] * 30 + [0] * 10 + [1] + [0] * 16 + [1] * 7
+
+
 @kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "dim"), [(12, 32), (4, 8), (2, 16), (3, 80), (2, 12), (2, 4)])
 @pytest.mark.parametrize(
-    "lengths",
-    [[17], [5, 29, 1, 12, 0, 29, 3], [2] * 40, [40, 1]],
-    # (a text with no token; padding rows kept for the multiple of 32 in the first, second and third)
+    "mask_rows",
+    [_right([17]), _right([5, 29, 1, 12, 0, 29, 3]), _right([2] * 40), _right([40, 1]), _right([3, 9], 50), _HOLES],
+    ids=["one-text", "mixed", "forty-short", "long-and-short", "padded-past-the-longest", "left-padding-and-holes"],
+    # (padding rows kept for the multiple of 32 in mixed, long-and-short, padded-past-the-longest
+    # and the holes; a text of no token in mixed and the holes, one of only padding rows there)
 )
-def test_an_unpadded_batch_gives_the_padded_batchs_rows(unpadded_calls, dtype, heads, dim, lengths):
+def test_an_unpadded_batch_gives_the_padded_batchs_rows(unpadded_calls, dtype, heads, dim, mask_rows):
     """The rows as they are: the bits of the batch padded back, attended and unpadded (the
     same arithmetic a text and head at a time), and a padding row kept for the multiple of
     32 (its key masked) gets its row as in the padded batch."""
-    tokens, (q, k, v), mask, (qr, kr, vr) = _unpadded_inputs(lengths, heads, dim, dtype)
-    got = attend_unpadded(qr, kr, vr, tokens, heads)
+    tokens, (q, k, v), mask, (qr, kr, vr) = _unpadded_inputs(mask_rows, heads, dim, dtype)
+    got = attend_unpadded(qr, kr, vr, mask, tokens, heads)
     assert unpadded_calls == [0] and got is not None
     assert got.shape == qr.shape and got.dtype == dtype and got.is_contiguous()
     assert torch.equal(got, tokens.unpad(attend(q, k, v, mask, heads).flatten(0, 1)))
@@ -140,29 +160,41 @@ def test_an_unpadded_batch_gives_the_padded_batchs_rows(unpadded_calls, dtype, h
 
 def test_where_the_unpadded_kernel_does_not_apply_the_rows_are_padded_back(monkeypatch, unpadded_calls):
     """attend_unpadded answers None (its callers pad the rows back) for rows that are not
-    the batch's, gradients, another dtype or the kernel switched off; starts that do not
-    rise from 0 are refused by the kernel itself."""
-    tokens, _, _, (q, k, v) = _unpadded_inputs([3, 9, 4], 2, 16, torch.float32)
-    assert attend_unpadded(q[:-1], k[:-1], v[:-1], tokens, 2) is None
-    assert attend_unpadded(q.half(), k.half(), v.half(), tokens, 2) is None
+    the batch's, a mask it cannot read as the batch's keys, gradients, another dtype or the
+    kernel switched off; starts that do not rise from 0 to the rows' count are refused by
+    the kernel itself."""
+    tokens, _, mask, (q, k, v) = _unpadded_inputs(_right([3, 9, 4]), 2, 16, torch.float32)
+    assert attend_unpadded(q[:-1], k[:-1], v[:-1], mask, tokens, 2) is None
+    assert attend_unpadded(q.half(), k.half(), v.half(), mask, tokens, 2) is None
+    for other in (None, mask.float(), mask[:2], mask[..., :-1]):
+        assert attend_unpadded(q, k, v, other, tokens, 2) is None
     with torch.enable_grad():
-        assert attend_unpadded(q.requires_grad_(), k, v, tokens, 2) is None
+        assert attend_unpadded(q.requires_grad_(), k, v, mask, tokens, 2) is None
     q = q.detach()
     monkeypatch.setenv("FRUGALITY_DISABLE_KERNELS", "encoder-attention")
-    assert attend_unpadded(q, k, v, tokens, 2) is None
+    assert attend_unpadded(q, k, v, mask, tokens, 2) is None
     monkeypatch.delenv("FRUGALITY_DISABLE_KERNELS")
     assert unpadded_calls == []
     raw = kernels.encoder_attention_unpadded()
     if raw is None:
         pytest.skip(skip_reason("encoder-attention"))
-    out = torch.empty(q.shape)
-    for starts in ([1, 3, 12, 32], [0, 9, 3, 32]):
+    rows = q.shape[0]
+    assert tokens.starts.tolist() == [0, 9, 18, rows]  # (every position kept: 16 real, 27 under 32)
+    out = torch.full(q.shape, 7.0)
+    for starts in (
+        [1, 3, 12, rows],
+        [0, 9, 3, rows],
+        [0, 3, 12, rows + 1],
+        [0, 3, 12, rows - 1],
+        [0, 3, rows + 5, rows],
+    ):
         bad = torch.tensor(starts, dtype=torch.int64)
         code = raw(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), tokens.keep.data_ptr(), out.data_ptr(), bad.data_ptr(),
-            3, 2, 16, q.stride(0), 0.25, 0, 1,
+            3, rows, 2, 16, q.stride(0), 0.25, 0, 1,
         )  # fmt: skip
-        assert code == -4
+        assert code == -4, starts
+    assert torch.equal(out, torch.full(q.shape, 7.0))  # (nothing written)
 
 
 def test_where_the_kernel_does_not_apply_it_is_sdpa(monkeypatch):
@@ -248,18 +280,19 @@ def test_the_avx2_build_gives_sdpas_results_too(dtype):
         "encoder_attention_cpu",
         "encoder_attention_unpadded",
         ctypes.c_int64,
-        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int],
+        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int],
         extra_flags=("-mno-avx512f",),
     )
     assert unpadded is not None
     for heads, dim in ((12, 32), (4, 8)):
-        tokens, _, _, (q, k, v) = _unpadded_inputs([5, 29, 1, 12, 0, 29, 3], heads, dim, dtype)
+        tokens, _, mask, (q, k, v) = _unpadded_inputs(_HOLES, heads, dim, dtype)
         out = torch.empty(q.shape, dtype=dtype)
         code = unpadded(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), tokens.keep.data_ptr(), out.data_ptr(),
-            tokens.starts.data_ptr(), tokens.rows, heads, dim, q.stride(0), dim**-0.5, int(dtype == torch.bfloat16), 2,
+            tokens.starts.data_ptr(), tokens.rows, q.shape[0], heads, dim, q.stride(0), dim**-0.5,
+            int(dtype == torch.bfloat16), 2,
         )  # fmt: skip
         assert code == 0
         torch.testing.assert_close(
-            out, attend_unpadded(q, k, v, tokens, heads), rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2
+            out, attend_unpadded(q, k, v, mask, tokens, heads), rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2
         )

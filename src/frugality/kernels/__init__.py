@@ -168,15 +168,15 @@ def encoder_attention_forward():
 
 
 def encoder_attention_unpadded():
-    """encoder_attention_unpadded(q, k, v, keep, out, starts, batch, heads, dim, token_stride,
-    scale, bf16, threads) -> 0, -2 (out of memory), -3 (dim over 256) or -4 (starts not
-    from 0 and rising): see encoder_attention_cpu.c."""
+    """encoder_attention_unpadded(q, k, v, keep, out, starts, batch, rows, heads, dim,
+    token_stride, scale, bf16, threads) -> 0, -2 (out of memory), -3 (dim over 256) or -4
+    (starts not rising from 0 to rows): see encoder_attention_cpu.c."""
     return _function(
         "encoder-attention",
         "encoder_attention_cpu",
         "encoder_attention_unpadded",
         _i64,
-        [_p] * 6 + [_i64] * 4 + [_f32, _int, _int],
+        [_p] * 6 + [_i64] * 5 + [_f32, _int, _int],
     )
 
 

@@ -44,24 +44,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def attend_unpadded(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: Unpadded, heads: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, tokens: Unpadded, heads: int
 ) -> torch.Tensor | None:
     """Attention of an unpadded batch's (rows, heads * head_size) queries, keys and values
-    (views of one layout, features contiguous; `tokens` says whose rows they are) through the
-    kernel, on the rows as they are: (rows, heads * head_size), or None where the kernel does
-    not run (the caller pads them back for `attend`)."""
+    (views of one layout, features contiguous; `tokens` says whose rows they are, made from
+    the batch's boolean key `mask`, (texts, 1, 1, length)) through the kernel, on the rows as
+    they are: (rows, heads * head_size), or None where the kernel does not run (the caller
+    pads them back for `attend`)."""
     if q.dim() != 2 or not _tensors_apply(q, k, v, heads):
         return None
+    if mask is None or mask.dtype != torch.bool or mask.shape != (tokens.rows, 1, 1, tokens.length):
+        return None  # (the keys kept are the mask's: `tokens` must have been made from it)
     if (kernel := kernels.encoder_attention_unpadded()) is None:
         return None
     rows, width = q.shape
     starts, keep = tokens.starts, tokens.keep
-    if keep.numel() != rows:
+    if keep.numel() != rows or starts.device.type != "cpu" or keep.device.type != "cpu":
         return None
-    out = torch.empty(rows, width, dtype=q.dtype)
+    out = torch.empty(rows, width, dtype=q.dtype, device="cpu")
     code = kernel(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), keep.data_ptr(), out.data_ptr(), starts.data_ptr(),
-        tokens.rows, heads, width // heads, q.stride(0), (width // heads) ** -0.5,
+        tokens.rows, rows, heads, width // heads, q.stride(0), (width // heads) ** -0.5,
         int(q.dtype == torch.bfloat16), torch.get_num_threads(),
     )  # fmt: skip
     return out if code == 0 else None
@@ -99,7 +102,7 @@ class KernelAttention(Attention):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, tokens: Unpadded | None = None) -> torch.Tensor:
         if tokens is not None:  # x: (real tokens, d)
             q, k, v = (proj(x) for proj in (self.query, self.key, self.value))
-            if (y := attend_unpadded(q, k, v, tokens, self.heads)) is not None:
+            if (y := attend_unpadded(q, k, v, mask, tokens, self.heads)) is not None:
                 return self.out(y)
             shape = (tokens.rows, tokens.length, -1)  # else attention on them padded back
             q, k, v = (tokens.pad(t).view(shape) for t in (q, k, v))

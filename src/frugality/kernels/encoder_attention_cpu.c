@@ -339,20 +339,21 @@ int64_t encoder_attention_forward(const void *q, const void *k, const void *v, c
                         threads);
 }
 
-/* An unpadded batch: q, k, v rows of token_stride elements, text b's tokens rows starts[b]
- * to starts[b + 1] (starts: batch + 1 offsets, from 0, none decreasing); keep a byte a row;
- * out (rows, heads, dim), contiguous. Returns as encoder_attention_forward, or -4 where
- * starts is not so. */
+/* An unpadded batch of `rows` rows: q, k, v rows of token_stride elements, text b's tokens
+ * rows starts[b] to starts[b + 1] (starts: batch + 1 offsets, from 0 to rows, none
+ * decreasing); keep a byte a row; out (rows, heads, dim), contiguous. Returns as
+ * encoder_attention_forward, or -4 where starts is not so (nothing read or written). */
 int64_t encoder_attention_unpadded(const void *q, const void *k, const void *v, const uint8_t *keep, void *out,
-                                   const int64_t *starts, int64_t batch, int64_t heads, int64_t dim,
+                                   const int64_t *starts, int64_t batch, int64_t rows, int64_t heads, int64_t dim,
                                    int64_t token_stride, float scale, int bf16, int threads) {
     int64_t longest = 0;
-    if (starts[0] != 0) return -4;
+    if (batch < 0 || starts[0] != 0 || starts[batch] != rows) return -4;
     for (int64_t b = 0; b < batch; b++) {
+        if (starts[b + 1] < starts[b] || starts[b + 1] > rows) return -4; /* (compared before subtracting) */
         const int64_t len = starts[b + 1] - starts[b];
-        if (len < 0) return -4;
         longest = len > longest ? len : longest;
     }
+    if (longest == 0) return 0; /* (no row: nothing to attend, no scratch to ask for) */
     return attend_texts(q, k, v, keep, out, batch, longest, starts, heads, dim, 0, token_stride, scale, bf16,
                         threads);
 }

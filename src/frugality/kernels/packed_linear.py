@@ -97,7 +97,7 @@ class PackedAttention(Attention):
         if tokens is not None:  # x: (real tokens, d)
             d, qkv = x.shape[-1], self.qkv(x)
             q, k, v = qkv.split(d, dim=1)
-            if (y := attend_unpadded(q, k, v, tokens, self.heads)) is not None:
+            if (y := attend_unpadded(q, k, v, mask, tokens, self.heads)) is not None:
                 return self.out(y)
             b, t = tokens.rows, tokens.length  # else attention on them padded back
             qkv = tokens.pad(qkv)

@@ -220,8 +220,8 @@ class Bert(nn.Module):
         unpad: bool = False,
     ) -> torch.Tensor:
         """Hidden states (B, T, d). `unpad` (with an attention mask) skips the padding in every
-        layer but attention and puts the rows back in the padded layout at the end, zeros at
-        the padding; the real tokens' states are the same."""
+        layer (attention too where frugality's kernel runs) and puts the rows back in the
+        padded layout at the end, zeros at the padding; the real tokens' states are the same."""
         check_length(input_ids, self.config.max_seq_len)
         # Padding keys are masked out for every query: a (B, 1, 1, T) boolean mask.
         mask = attention_mask.bool()[:, None, None, :] if attention_mask is not None else None
