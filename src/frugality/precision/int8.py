@@ -87,7 +87,7 @@ def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     """`_quantized_linear` with its passes in the C kernel, in x's dtype (float32 or bf16:
     the float32 result rounded once), or None where the kernel does not apply."""
     if not (
-        x.device.type == "cpu"
+        backend(x.device).on_host
         and x.dtype in (torch.float32, torch.bfloat16)
         and x.is_contiguous()
         and x.dim() == 2
