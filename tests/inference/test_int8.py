@@ -423,3 +423,85 @@ def test_under_onnxruntime_torch_runs_its_part_on_one_thread_and_the_process_set
     finally:
         torch.set_num_threads(before)
     assert vectors.shape == (2, 32) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+
+
+@needs_fast_int8
+def test_a_row_with_nan_gives_nan_as_the_eager_passes_do_and_the_others_their_values():
+    from frugality.precision import int8
+
+    if not int8.fused_passes():
+        pytest.skip("frugality's int8 kernel does not build here (no C compiler)")
+    torch.manual_seed(2)
+    linear = nn.Linear(40, 24)
+    fused, eager = Int8Linear(linear), Int8Linear(linear, compiled=False)
+    x = torch.randn(5, 40)
+    x[1, 5] = float("nan")  # (in the vector part, then values after it; and in the tail)
+    x[3, 33] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        got, expected = fused(x.to(dtype)), eager(x.to(dtype)).to(dtype)
+        assert got[[1, 3]].isnan().all()
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_fast_int8
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the 8-lane build is the default where there is no AVX-512")
+def test_the_avx2_build_of_the_int8_passes_gives_the_eager_bits_too():
+    """The kernel as an AVX2 CPU builds it (8 lanes), run on this AVX-512 one."""
+    import ctypes
+
+    from frugality import kernels
+
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    flags = ("-ffp-contract=off", "-mno-avx512f")
+    quantize = kernels._function(
+        "int8-linear", "int8_linear_cpu", "quantize_rows", i64, [p, i64, i64, i, p, p, i], flags
+    )
+    scale_back = kernels._function(
+        "int8-linear", "int8_linear_cpu", "dequantize_rows", i64, [p, i64, i64, p, p, p, p, i, i], flags
+    )
+    if quantize is None or scale_back is None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(4)
+    linear = nn.Linear(45, 19)
+    eager = Int8Linear(linear, compiled=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(9, 45) * 5).to(dtype)
+        q, scales = torch.empty(9, 45, dtype=torch.int8), torch.empty(9)
+        quantize(x.data_ptr(), 9, 45, int(dtype == torch.bfloat16), q.data_ptr(), scales.data_ptr(), 2)
+        products = torch._int_mm(q, eager.qweight)
+        out = torch.empty(9, 19, dtype=dtype)
+        scale_back(
+            products.data_ptr(), 9, 19, scales.data_ptr(), eager.weight_scale.data_ptr(), eager.bias.data_ptr(),
+            out.data_ptr(), int(dtype == torch.bfloat16), 2,
+        )  # fmt: skip
+        assert torch.equal(out, eager(x).to(dtype))
+
+
+def test_an_int8_encoders_other_layers_are_bf16_where_native_or_as_named_and_its_jobs_say_which(monkeypatch):
+    """`resolve_precision`: an encoder's layers around int8 products in bf16 where bf16 is
+    native (or FRUGALITY_INT8_REST names it), a decoder's in fp32; a job records "int8-bf16"
+    for the one and "int8" for the other, so a resumed job never mixes their vectors."""
+    from types import SimpleNamespace
+
+    from frugality.errors import UserError
+    from frugality.inference import encoder as encoders
+    from frugality.inference.embed import _int8_label
+
+    monkeypatch.setattr(encoders, "int8_engine", lambda device, encoder=True: ("torch", "int8 products in oneDNN"))
+    cpu = torch.device("cpu")
+    for native in (True, False):
+        monkeypatch.setattr(encoders, "bf16_is_native", lambda device, native=native: (native, "why"))
+        dtype, why = encoders.resolve_precision("int8", cpu)
+        assert dtype == (torch.bfloat16 if native else torch.float32)
+        assert ("attention and norms in bf16" in why) == native
+        assert encoders.resolve_precision("int8", cpu, encoder=False)[0] == torch.float32
+        for named, expected in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            monkeypatch.setenv("FRUGALITY_INT8_REST", named)
+            assert encoders.resolve_precision("int8", cpu)[0] == expected
+        monkeypatch.setenv("FRUGALITY_INT8_REST", "fp8")
+        with pytest.raises(UserError, match=r"FRUGALITY_INT8_REST='fp8': choose bf16 or fp32"):
+            encoders.resolve_precision("int8", cpu)
+        monkeypatch.delenv("FRUGALITY_INT8_REST")
+    assert _int8_label(SimpleNamespace(int8="torch", dtype=torch.bfloat16)) == "int8-bf16"
+    assert _int8_label(SimpleNamespace(int8="torch", dtype=torch.float32)) == "int8"
+    assert _int8_label(SimpleNamespace(int8="onnxruntime", dtype=torch.float32)) == "int8-onnxruntime"

@@ -251,9 +251,12 @@ def read_embeddings(out: str | Path) -> tuple[list[str], np.ndarray]:
     return ids, np.concatenate(parts) if parts else np.empty((0, manifest["dim"]), np.float32)
 
 
-def _int8_label(engine: str) -> str:
-    """int8 as a job records it: PyTorch's (the first, kept as "int8") or ONNX Runtime's."""
-    return "int8" if engine == "torch" else f"int8-{engine}"
+def _int8_label(encoder) -> str:
+    """int8 as a job records it: PyTorch's (the first, kept as "int8"; "int8-bf16" where the
+    layers around its products run in bf16) or ONNX Runtime's."""
+    if encoder.int8 != "torch":
+        return f"int8-{encoder.int8}"
+    return "int8-bf16" if str(encoder.dtype) == "torch.bfloat16" else "int8"
 
 
 def encoder_record(encoder, why: str) -> dict:
@@ -261,7 +264,7 @@ def encoder_record(encoder, why: str) -> dict:
     phrase (which names the machine) unchanged."""
     return {
         # int8 vectors differ, and differ between the engines
-        "dtype": _int8_label(encoder.int8) if encoder.int8 else str(encoder.dtype).removeprefix("torch."),
+        "dtype": _int8_label(encoder) if encoder.int8 else str(encoder.dtype).removeprefix("torch."),
         "precision": why,
         "pooling": encoder.pooling.mode,
         "normalize": encoder.pooling.normalize,

@@ -46,10 +46,11 @@ def _run(ray, settings, inputs, size, pending, count, report) -> int:
         if settings.precision == "int8":  # every actor runs this process's engine: their vectors differ
             import torch
 
-            from frugality.inference.encoder import int8_engine
+            from frugality.inference.encoder import int8_engine, resolve_precision
 
             engine = int8_engine(torch.device("cpu"))[0]
-            options["runtime_env"] = {"env_vars": {"FRUGALITY_INT8_ENGINE": engine}}
+            rest = "bf16" if resolve_precision("int8", torch.device("cpu"))[0] == torch.bfloat16 else "fp32"
+            options["runtime_env"] = {"env_vars": {"FRUGALITY_INT8_ENGINE": engine, "FRUGALITY_INT8_REST": rest}}
         kind = ray.remote(
             num_gpus=1 if gpus else 0,
             num_cpus=0 if gpus else 1,

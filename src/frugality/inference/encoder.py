@@ -195,9 +195,15 @@ def resolve_precision(name: str, device: torch.device, encoder: bool = True) -> 
         # the int8 products read and write half the bytes (a MiniLM call 1.00-1.05x at 1-32
         # random texts, 1.09x at 64, 2-core Zen 4: benchmarks/embed_batch_sizes.py --against
         # int8-fp32-rest; cosine to fp32 the same; decoders keep fp32: not measured)
-        rest = torch.bfloat16 if encoder and bf16_is_native(device)[0] else torch.float32
-        where = "bf16" if rest == torch.bfloat16 else "fp32"
-        return rest, f"int8 (asked for): linear layers in {why}; attention, norms and pooling in {where}"
+        # (FRUGALITY_INT8_REST=bf16|fp32 names it: a Ray job's actors run the driver's)
+        asked_rest = os.environ.get("FRUGALITY_INT8_REST", "").strip().lower()
+        if asked_rest not in ("", "bf16", "fp32"):
+            raise UserError(f"FRUGALITY_INT8_REST={asked_rest!r}: choose bf16 or fp32 (or leave it unset)")
+        bf16_rest = asked_rest == "bf16" or (not asked_rest and bf16_is_native(device)[0])
+        rest = torch.bfloat16 if encoder and bf16_rest else torch.float32
+        if rest == torch.bfloat16:
+            return rest, f"int8 (asked for): linear layers in {why}; attention and norms in bf16, pooling in fp32"
+        return rest, f"int8 (asked for): linear layers in {why}; attention, norms and pooling in fp32"
     if name != "auto":
         raise UserError(f"--precision {name!r}: choose auto, fp32, bf16 or int8")
     native, why = bf16_is_native(device)

@@ -16,7 +16,8 @@
  * acc: (rows, cols) int32; col_scales, bias: (cols) float32; out: (rows, cols) contiguous,
  * bf16 or float32. The same float32 operations in the same order as the torch expressions
  * (built without fused multiply-adds): the same int8 rows and float32 outputs; bf16 outputs
- * are those rounded once (nearest even). NaN activations give unspecified rows.
+ * are those rounded once (nearest even). A row with a NaN gets a NaN scale, so NaN outputs,
+ * as torch's (its int8 values there are 0).
  */
 #include <stdint.h>
 #include <string.h>
@@ -46,11 +47,15 @@ static inline vec loadv(const void *base, int64_t at, int bf16) {
     return x;
 }
 
+typedef uint32_t vecu __attribute__((vector_size(4 * LANES)));
+
 static inline void storev(void *base, int64_t at, vec x, int bf16) {
-    if (bf16) {
-        veci bits;
+    if (bf16) { /* nearest even, NaN as f32_to_bf16 gives it (unsigned: no overflow) */
+        vecu bits;
         memcpy(&bits, &x, sizeof bits);
-        const vech h = __builtin_convertvector((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, vech);
+        const vecu nan = (vecu)(x != x);
+        bits = (((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16) & ~nan) | (0x7FC0u & nan);
+        const vech h = __builtin_convertvector(bits, vech);
         memcpy((uint16_t *)base + at, &h, sizeof h);
     } else {
         memcpy((float *)base + at, &x, sizeof x);
@@ -69,6 +74,7 @@ static inline float load1(const void *base, int64_t at, int bf16) {
 
 static inline float quantize1(float x, float scale) {
     float v = x / scale;
+    if (v != v) return 0.0f; /* (NaN: its row's scale is NaN too, and so are its outputs) */
     v = v < 0 ? -((-v + ROUNDER) - ROUNDER) : (v + ROUNDER) - ROUNDER;
     return v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
 }
@@ -81,15 +87,16 @@ int64_t quantize_rows(const void *x, int64_t rows, int64_t cols, int bf16, int8_
         vec highs = zero;
         for (int64_t c = 0; c < whole; c += LANES) {
             const vec magnitude = absv(loadv(x, first + c, bf16));
-            highs = selectv(magnitude > highs, magnitude, highs);
+            /* (a NaN, once met, is kept: as torch's amax gives it) */
+            highs = selectv((highs == highs) & ~(magnitude <= highs), magnitude, highs);
         }
         float high = 0.0f;
-        for (int l = 0; l < LANES; l++) high = highs[l] > high ? highs[l] : high;
+        for (int l = 0; l < LANES; l++) high = high == high && !(highs[l] <= high) ? highs[l] : high;
         for (int64_t c = whole; c < cols; c++) {
             const float a = load1(x, first + c, bf16), magnitude = a < 0 ? -a : a;
-            high = magnitude > high ? magnitude : high;
+            high = high == high && !(magnitude <= high) ? magnitude : high;
         }
-        const float scale = (high > 1e-8f ? high : 1e-8f) / 127.0f;
+        const float scale = (high < 1e-8f ? 1e-8f : high) / 127.0f; /* (NaN stays NaN) */
         scales[r] = scale;
         const vec scalev = zero + scale;
         for (int64_t c = 0; c < whole; c += LANES) {
@@ -100,6 +107,7 @@ int64_t quantize_rows(const void *x, int64_t rows, int64_t cols, int bf16, int8_
             v = (vec)((veci)rounded | signv(v));
             v = selectv(v > top, top, v);
             v = selectv(v < bottom, bottom, v);
+            v = selectv(v == v, v, zero); /* (NaN: 0, as quantize1) */
             const vecb b = __builtin_convertvector(__builtin_convertvector(v, veci), vecb);
             memcpy(q + first + c, &b, sizeof b);
         }

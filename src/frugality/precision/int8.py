@@ -45,7 +45,7 @@ def int8_products() -> tuple[bool, str]:
         how = "int8 products in oneDNN (AVX512-VNNI" + (", AMX)" if "amx_int8" in flags else ")")
         if fused_passes() or compiler_works():
             return True, how
-        return True, how + ", quantize passes eager: no C compiler"
+        return True, how + ", quantize passes eager: frugality's int8-linear kernel off or not built, no C++ compiler"
     return False, (
         "this CPU has no AVX512-VNNI or AMX (or ONEDNN_MAX_CPU_ISA caps oneDNN below them): PyTorch's int8 "
         "product would run 35-40x slower than fp32 here; use --precision fp32"
@@ -89,7 +89,6 @@ def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     if not (
         backend(x.device).on_host
         and x.dtype in (torch.float32, torch.bfloat16)
-        and x.is_contiguous()
         and x.dim() == 2
         and weight_scale.dtype == bias.dtype == torch.float32
         and weight_scale.is_contiguous()
@@ -101,10 +100,13 @@ def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     quantize, scale_back = kernels.int8_quantize_rows(), kernels.int8_dequantize_rows()
     if quantize is None or scale_back is None:
         return None
+    x = x.contiguous()  # (a strided view, e.g. a CLS row, copied: the kernel reads rows whole)
+    if weight_scale.shape != (weight.shape[1],) or bias.shape != (weight.shape[1],) or weight.shape[0] != x.shape[1]:
+        return None
     (rows, width), bf16, threads = x.shape, int(x.dtype == torch.bfloat16), torch.get_num_threads()
     quantized, scales = torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, dtype=torch.float32)
     quantize(x.data_ptr(), rows, width, bf16, quantized.data_ptr(), scales.data_ptr(), threads)
-    products = torch._int_mm(quantized, weight)  # pyright: ignore[reportPrivateImportUsage]
+    products = torch._int_mm(quantized, weight).contiguous()  # pyright: ignore[reportPrivateImportUsage]
     out = torch.empty(rows, weight.shape[1], dtype=x.dtype)
     scale_back(
         products.data_ptr(), rows, weight.shape[1], scales.data_ptr(), weight_scale.data_ptr(), bias.data_ptr(),
