@@ -15,7 +15,9 @@ ran before a change (`--against`):
   frugality's C kernel);
 - `int8-fp32-rest` (with `--precision int8`, where bf16 is native): the layers around the
   int8 products in float32, as before 2026-11-29 (now bf16 there: a second copy of the
-  model, cast back).
+  model, cast back);
+- `int8-three-products` (with `--precision int8`): an attention's query, key and value as
+  three int8 products, as before 2026-11-29 (now one, stacked: the same bits).
 
     .venv/bin/python benchmarks/embed_batch_sizes.py --precision int8 --against int8-inductor
 
@@ -88,10 +90,29 @@ def float32_rest(encoder):
     return again
 
 
+def three_products(encoder):
+    """A second copy of an int8 encoder whose attentions' query, key and value run as three
+    int8 products, as before (loaded with the stacking skipped)."""
+    from frugality.inference import encoder as encoders
+
+    kept = encoders.stack_attention_projections
+    encoders.stack_attention_projections = lambda model: 0
+    try:
+        return load_encoder(encoder.source, torch.device("cpu"), "int8")[0]
+    finally:
+        encoders.stack_attention_projections = kept
+
+
 AGAINST = {  # --against: (the way it ran before, the column's name, the file's tag, its encoder)
     "padded-back": (rows_padded_back, "rows padded back around attention", "", None),
     "int8-inductor": (int8_passes_by_inductor, "int8's passes by Inductor", "-int8-vs-inductor", None),
     "int8-fp32-rest": (contextlib.nullcontext, "int8, its other layers in fp32", "-int8-vs-fp32-rest", float32_rest),
+    "int8-three-products": (
+        contextlib.nullcontext,
+        "int8, q, k and v three products",
+        "-int8-vs-three-products",
+        three_products,
+    ),
 }
 
 

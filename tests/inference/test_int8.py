@@ -505,3 +505,31 @@ def test_an_int8_encoders_other_layers_are_bf16_where_native_or_as_named_and_its
     assert _int8_label(SimpleNamespace(int8="torch", dtype=torch.bfloat16)) == "int8-bf16"
     assert _int8_label(SimpleNamespace(int8="torch", dtype=torch.float32)) == "int8"
     assert _int8_label(SimpleNamespace(int8="onnxruntime", dtype=torch.float32)) == "int8-onnxruntime"
+
+
+@needs_right_products
+def test_an_attentions_three_int8_products_stacked_give_the_same_bits_in_one():
+    """`stack_attention_projections` then `quantize_int8`: one int8 product for query, key and
+    value (per-channel weight scales and per-token activation scales are the three's); an
+    attention whose projections have no bias, or share a weight, stays as it is."""
+    from frugality.kernels.encoder_attention import use_kernel_attention
+    from frugality.kernels.packed_linear import PackedAttention, stack_attention_projections
+    from frugality.models import build_model
+
+    torch.manual_seed(5)
+    plain = build_model(_small_bert(vocab_size=100, max_seq_len=16, pooler=False, num_layers=2)).eval()
+    stacked = build_model(_small_bert(vocab_size=100, max_seq_len=16, pooler=False, num_layers=2)).eval()
+    stacked.load_state_dict(plain.state_dict())
+    assert stack_attention_projections(stacked) == 2
+    use_kernel_attention(plain)  # (the stacked attention calls `attend`: both the same attention)
+    assert quantize_int8(plain) == 2 * 6 and quantize_int8(stacked) == 2 * 4
+    assert all(isinstance(layer.attn, PackedAttention) for layer in stacked.layers)
+    ids, mask = torch.randint(0, 100, (3, 10)), torch.ones(3, 10, dtype=torch.long)
+    mask[1, 6:] = 0
+    with torch.inference_mode():
+        for unpad in (False, True):
+            assert torch.equal(stacked(ids, mask, unpad=unpad), plain(ids, mask, unpad=unpad))
+    odd = build_model(_small_bert(vocab_size=100, max_seq_len=16, pooler=False, num_layers=2)).eval()
+    odd.layers[0].attn.key.bias = None
+    odd.layers[1].attn.value.weight = odd.layers[1].attn.query.weight
+    assert stack_attention_projections(odd) == 0

@@ -32,7 +32,7 @@ from frugality.interop.sentence_transformers import pooling_mode, read_json
 from frugality.interop.weights import WeightsSource, file_beside, load_weights, recipe_beside, resolve_source
 from frugality.kernels.encoder_attention import use_kernel_attention
 from frugality.kernels.layer_norm import use_kernel_layer_norm
-from frugality.kernels.packed_linear import pack_linear_weights
+from frugality.kernels.packed_linear import pack_linear_weights, stack_attention_projections
 from frugality.models import Model
 from frugality.models.bert import Bert, pool
 from frugality.models.families import family
@@ -315,6 +315,7 @@ def load_encoder(
     # (int8 weights quantized from the float32 ones, whatever the other layers' dtype)
     model = bert.to(device=device, dtype=torch.float32 if engine == "torch" else dtype)
     if engine == "torch":  # (BERT's pooler and masked-LM head: unused by embeddings, left alone)
+        stack_attention_projections(model)  # (q, k and v: one int8 product, the same bits)
         quantize_int8(model, skip=("pooler", "mlm.dense", "mlm.decoder"))
         cast_around_int8(model, dtype)
     elif engine == "onnxruntime":  # the body runs in ONNX Runtime; project() (the head) stays here

@@ -82,7 +82,7 @@ class PackedAttention(Attention):
     """BERT's attention with its query, key and value products as one packed product (their
     weights stacked: the same dot products, one oneDNN call), its output product packed."""
 
-    def __init__(self, attention: Attention) -> None:
+    def __init__(self, attention: Attention, packed: bool = True) -> None:
         nn.Module.__init__(self)  # (the plain layer's own three projections are not made)
         self.heads, self.head_size = attention.heads, attention.head_size
         parts = (attention.query, attention.key, attention.value)
@@ -90,8 +90,9 @@ class PackedAttention(Attention):
         with torch.no_grad():  # the three weights one after another: q's features, then k's, then v's
             stacked.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
             stacked.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
-        self.qkv = PackedLinear(stacked)
-        self.out = PackedLinear(attention.out)
+        # (`packed` False: plain linear layers, for another swap to take: int8's)
+        self.qkv = PackedLinear(stacked) if packed else stacked
+        self.out = PackedLinear(attention.out) if packed else attention.out
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, tokens: Unpadded | None = None) -> torch.Tensor:
         if tokens is not None:  # x: (real tokens, d)
@@ -106,6 +107,32 @@ class PackedAttention(Attention):
         q, k, v = qkv.view(b, t, 3 * d).split(d, dim=2)  # (views: one layout, as `attend` takes them)
         y = attend(q, k, v, mask, self.heads)
         return self.out(tokens.unpad(y.flatten(0, 1)) if tokens is not None else y)
+
+
+def stack_attention_projections(model: nn.Module) -> int:
+    """Each plain BERT attention in `model` whose query, key and value are plain linear
+    layers with biases, of their own, swapped in place for a `PackedAttention` of plain
+    layers (`packed` False): one product of the three stacked where they were three calls.
+    Returns how many. For int8 (`precision.int8.quantize_int8` then swaps the stacked layer):
+    its per-channel weight scales and per-token activation scales are the three's, so the
+    same bits in a third of the calls."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is not Attention:
+                continue
+            parts = (child.query, child.key, child.value)
+            if all(
+                type(p) is nn.Linear and p.bias is not None and owners[id(p.weight)] == owners[id(p.bias)] == 1
+                for p in parts
+            ):
+                setattr(module, name, PackedAttention(child, packed=False))
+                swapped += 1
+    return swapped
 
 
 def pack_linear_weights(model: nn.Module, skip: tuple[str, ...] = (), stack_attention: bool = True) -> int:
