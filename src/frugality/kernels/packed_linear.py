@@ -1,5 +1,7 @@
 """bf16 linear layers for inference on CPUs, their weights laid out once in oneDNN's blocked
-order (`PackedLinear`, swapped in for nn.Linear by `pack_linear_weights`).
+order (`PackedLinear`, swapped in for nn.Linear by `pack_linear_weights`); and an attention's
+query, key and value stacked into one product, for packing or for int8
+(`stack_attention_projections`).
 
 A plain bf16 `F.linear` on a CPU hands oneDNN the weight in PyTorch's row-major layout at
 every call, and oneDNN's bf16 kernels want their own blocked layout: at the row counts a
@@ -80,7 +82,8 @@ class PackedOutputLayer(PackedLinear):
 
 class PackedAttention(Attention):
     """BERT's attention with its query, key and value products as one packed product (their
-    weights stacked: the same dot products, one oneDNN call), its output product packed."""
+    weights stacked: the same dot products, one oneDNN call), its output product packed; or,
+    `packed` False, both as plain linear layers for int8 to swap (`stack_attention_projections`)."""
 
     def __init__(self, attention: Attention, packed: bool = True) -> None:
         nn.Module.__init__(self)  # (the plain layer's own three projections are not made)
