@@ -64,21 +64,15 @@ def test_the_fused_passes_give_the_eager_products_at_every_row_count(monkeypatch
     """frugality's C kernel gives the eager passes' bits (float32; bf16 activations: those
     rounded once), Inductor's where the kernel is switched off give them up to rounding; at
     widths on and off a vector's lanes, with and without a bias, from one row to many."""
-    from frugality import kernels
+    from kernel_calls import count_calls
+
     from frugality.precision import int8
 
     if not kernel:
         monkeypatch.setenv("FRUGALITY_DISABLE_KERNELS", "int8-linear")
     elif not int8.fused_passes():
         pytest.skip("frugality's int8 kernel does not build here (no C compiler)")
-    calls = []
-    accessor = kernels.int8_quantize_rows
-
-    def counted():
-        quantize = accessor()
-        return None if quantize is None else (lambda *args: calls.append(quantize(*args)) or calls[-1])
-
-    monkeypatch.setattr(kernels, "int8_quantize_rows", counted)
+    calls = count_calls(monkeypatch, "int8_quantize_rows")
     torch.manual_seed(1)
     for bias, width, outputs in ((True, 48, 40), (False, 48, 40), (True, 37, 21), (True, 384, 1536)):
         linear = nn.Linear(width, outputs, bias=bias)

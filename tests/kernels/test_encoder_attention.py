@@ -7,6 +7,7 @@ that use it give the vectors they give without it."""
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_calls import count_calls
 
 from frugality import kernels
 from frugality.hardware import cpu_flags
@@ -20,24 +21,9 @@ kernel = pytest.mark.skipif(kernels.encoder_attention_forward() is None, reason=
 
 @pytest.fixture
 def unpadded_calls(monkeypatch):
-    """The unpadded entry's return codes, a call each (its fallback, the rows padded back,
-    gives the same results: a test of results alone would pass with it never run)."""
-    codes: list[int] = []
-    accessor = kernels.encoder_attention_unpadded
-
-    def counted():
-        kernel = accessor()
-        if kernel is None:
-            return None
-
-        def call(*args):
-            codes.append(kernel(*args))
-            return codes[-1]
-
-        return call
-
-    monkeypatch.setattr(kernels, "encoder_attention_unpadded", counted)
-    return codes
+    """The unpadded entry's return codes, a call each (kernel_calls: its fallback, the rows
+    padded back, gives the same results)."""
+    return count_calls(monkeypatch, "encoder_attention_unpadded")
 
 
 def _inputs(batch, seq, heads, dim, dtype, seed=0):

@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_calls import count_calls
 from torch import nn
 
 from frugality import kernels
@@ -31,24 +32,8 @@ def every_size(monkeypatch):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The kernel's return codes, a call each (its fallback gives torch's results too: a
-    test of results alone would pass with the kernel never run)."""
-    codes: list[int] = []
-    accessor = kernels.add_layer_norm
-
-    def counted():
-        kernel = accessor()
-        if kernel is None:
-            return None
-
-        def call(*args):
-            codes.append(kernel(*args))
-            return codes[-1]
-
-        return call
-
-    monkeypatch.setattr(kernels, "add_layer_norm", counted)
-    return codes
+    """The kernel's return codes, a call each (kernel_calls: its fallback gives torch's results too)."""
+    return count_calls(monkeypatch, "add_layer_norm")
 
 
 def _norm(width, dtype, seed=0, eps=1e-12):

@@ -22,8 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "bf16_math.h"
-#include "vector_lanes.h"
+#include "vector_io.h" /* loadv, storev, load1, store1: bf16 or float32 */
 
 typedef int8_t vecb __attribute__((vector_size(LANES)));
 
@@ -34,43 +33,11 @@ typedef int8_t vecb __attribute__((vector_size(LANES)));
  * (the default rounding mode), as torch.round does */
 #define ROUNDER 12582912.0f
 
-static inline vec loadv(const void *base, int64_t at, int bf16) {
-    vec x;
-    if (bf16) {
-        vech h;
-        memcpy(&h, (const uint16_t *)base + at, sizeof h);
-        const veci bits = __builtin_convertvector(h, veci) << 16;
-        memcpy(&x, &bits, sizeof x);
-    } else {
-        memcpy(&x, (const float *)base + at, sizeof x);
-    }
-    return x;
-}
-
-typedef uint32_t vecu __attribute__((vector_size(4 * LANES)));
-
-static inline void storev(void *base, int64_t at, vec x, int bf16) {
-    if (bf16) { /* nearest even, NaN as f32_to_bf16 gives it (unsigned: no overflow) */
-        vecu bits;
-        memcpy(&bits, &x, sizeof bits);
-        const vecu nan = (vecu)(x != x);
-        bits = (((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16) & ~nan) | (0x7FC0u & nan);
-        const vech h = __builtin_convertvector(bits, vech);
-        memcpy((uint16_t *)base + at, &h, sizeof h);
-    } else {
-        memcpy((float *)base + at, &x, sizeof x);
-    }
-}
-
 static inline vec selectv(veci pick, vec a, vec b) { return (vec)(((veci)a & pick) | ((veci)b & ~pick)); }
 
 /* |x|, and x's sign bits (their |x| given back with sign | magnitude) */
 static inline vec absv(vec x) { return (vec)((veci)x & 0x7FFFFFFF); }
 static inline veci signv(vec x) { return (veci)x & (int32_t)0x80000000u; }
-
-static inline float load1(const void *base, int64_t at, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[at]) : ((const float *)base)[at];
-}
 
 static inline float quantize1(float x, float scale) {
     float v = x / scale;
@@ -131,11 +98,7 @@ int64_t dequantize_rows(const int32_t *acc, int64_t rows, int64_t cols, const fl
             storev(out, first + c, __builtin_convertvector(a, vec) * scale * s + b, bf16);
         }
         for (int64_t c = whole; c < cols; c++) {
-            const float y = (float)acc[first + c] * scales[r] * col_scales[c] + bias[c];
-            if (bf16)
-                ((uint16_t *)out)[first + c] = f32_to_bf16(y);
-            else
-                ((float *)out)[first + c] = y;
+            store1(out, first + c, (float)acc[first + c] * scales[r] * col_scales[c] + bias[c], bf16);
         }
     }
     return 0;

@@ -14,8 +14,8 @@
  * `norm(x + r)` rounds it; then float32 arithmetic: the mean, then the biased variance about
  * it (two passes, the second correcting the mean; torch's moments are Welford's), each
  * output rounded once (nearest even). torch's results up to float32 rounding; a row of equal
- * values gives the bias, as torch's. NaN inputs give NaN or unspecified outputs (not torch's
- * canonical NaN). Returns 0, or -2 where scratch could not be allocated.
+ * values gives the bias, as torch's. NaN inputs give NaN or unspecified outputs. Returns 0,
+ * or -2 where scratch could not be allocated.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,21 +25,7 @@
 #include <immintrin.h>
 
 #include "bf16_math.h"
-#include "vector_lanes.h"
-
-/* LANES elements at base + at, as float32 */
-static inline vec loadv(const void *base, int64_t at, int bf16) {
-    vec x;
-    if (bf16) {
-        vech h;
-        memcpy(&h, (const uint16_t *)base + at, sizeof h);
-        const veci bits = __builtin_convertvector(h, veci) << 16;
-        memcpy(&x, &bits, sizeof x);
-    } else {
-        memcpy(&x, (const float *)base + at, sizeof x);
-    }
-    return x;
-}
+#include "vector_io.h" /* loadv, storev, load1, store1: bf16 or float32 */
 
 /* x rounded to bf16 (nearest even) and widened back: what a bf16 tensor holds */
 static inline vec roundv(vec x) {
@@ -49,28 +35,6 @@ static inline vec roundv(vec x) {
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & high;
     memcpy(&x, &bits, sizeof x);
     return x;
-}
-
-static inline void storev(void *base, int64_t at, vec x, int bf16) {
-    if (bf16) {
-        veci bits;
-        memcpy(&bits, &x, sizeof bits);
-        const vech h = __builtin_convertvector((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, vech);
-        memcpy((uint16_t *)base + at, &h, sizeof h);
-    } else {
-        memcpy((float *)base + at, &x, sizeof x);
-    }
-}
-
-static inline float load1(const void *base, int64_t at, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[at]) : ((const float *)base)[at];
-}
-
-static inline void store1(void *base, int64_t at, float x, int bf16) {
-    if (bf16)
-        ((uint16_t *)base)[at] = f32_to_bf16(x);
-    else
-        ((float *)base)[at] = x;
 }
 
 /* the lanes' sum (a chain of LANES scalar adds was most of a narrow row's time) */
