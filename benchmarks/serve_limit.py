@@ -14,9 +14,10 @@ in the same run) against `frugality serve`, one-text embedding requests, closed 
     .venv/bin/python benchmarks/serve_limit.py --model tiny [--duration 5] [--precision auto]
     .venv/bin/python benchmarks/serve_limit.py --model minilm --peer infinity
     .venv/bin/python benchmarks/serve_limit.py --model tiny --workers 2
+    .venv/bin/python benchmarks/serve_limit.py --model minilm --streams 2
 
-Writes benchmarks/results/serve_limit-<model>[-<precision>][-workers<N>]-<machine>-<date>.md
-and .json (the precision named unless it is `auto`; `--workers` where more than 1).
+Writes benchmarks/results/serve_limit-<model>[-<precision>][-workers<N>][-streams<N>]-<machine>-<date>.md
+and .json (the precision named unless it is `auto`; `--workers` and `--streams` where more than 1).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def main() -> int:
     parser.add_argument("--rate", help="open-loop rates to try [default: by model]")
     parser.add_argument("--peer", action="append", default=[], help="race this server too (infinity)")
     parser.add_argument("--workers", type=int, default=1, help="`serve --workers`: its front-end processes")
+    parser.add_argument("--streams", type=int, default=1, help="`serve --streams`: model calls at once (a CPU)")
     args = parser.parse_args()
     clients, rates = LEVELS[args.model]
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,6 +119,7 @@ def main() -> int:
         command += ["--serve-arg=--precision", f"--serve-arg={args.precision}"]
         command += ["--serve-arg=--device", f"--serve-arg={args.device}"]
         command += [f"--serve-arg=--workers={args.workers}"] if args.workers > 1 else []
+        command += [f"--serve-arg=--streams={args.streams}"] if args.streams > 1 else []
         command += [f"--peer={p}" for p in args.peer]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
@@ -132,6 +135,7 @@ def main() -> int:
         f"# Serving at the server's limit: {args.model}, one-text embedding requests\n\n{machine_line()} "
         f"`frugality serve --precision {args.precision} --device {args.device}"
         + (f" --workers {args.workers}" if args.workers > 1 else "")
+        + (f" --streams {args.streams}" if args.streams > 1 else "")
         + "`, loaded by `frugality bench "
         f"serve` on the same machine (plain asyncio, one kept-alive connection a client; {len(texts):,} "
         f"corpus lines, up to 400 characters), {args.duration:g} s a level, SLO p99 <= {args.slo_ms:g} ms.\n\n"
@@ -170,7 +174,8 @@ def main() -> int:
         "serve_limit",
         args.model
         + ("" if args.precision == "auto" else f"-{args.precision}")
-        + (f"-workers{args.workers}" if args.workers > 1 else ""),
+        + (f"-workers{args.workers}" if args.workers > 1 else "")
+        + (f"-streams{args.streams}" if args.streams > 1 else ""),
         header,
         table + footer,
         json.dumps(result, indent=2),

@@ -1,4 +1,4 @@
-"""The embeddings service's two threads (frugality.serve.embeddings) with a real encoder (a
+"""The embeddings service's threads (frugality.serve.embeddings) with a real encoder (a
 BERT of one layer and width 32 with all-MiniLM-L6-v2's tokenizer): batching, the token
 budget's carry-over, a client that left, the bounded queue, closing with work queued, and
 each request's own vectors throughout."""
@@ -87,3 +87,44 @@ def test_closing_answers_what_was_queued_and_refuses_what_comes_after(encoder):
     assert all(f.result(timeout=1).vectors.shape == (2, encoder.dim) for f in futures)
     with pytest.raises(APIError):
         service.submit(["after the end"])
+
+
+def test_streams_share_the_batches_each_on_its_share_of_the_threads_and_close_together(encoder, monkeypatch):
+    import threading
+
+    import torch
+
+    import frugality.serve.embeddings as embeddings
+
+    seen: list[tuple[str, int]] = []  # (the thread, its torch threads) of each model call
+    real = embeddings.embed_rows
+
+    def recorded(*args, **kwargs):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        time.sleep(0.02)  # (a call long enough that the other stream takes the next request)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(embeddings, "embed_rows", recorded)
+    reference = embed_texts(encoder, TEXTS, 2048, 64)
+    cores = torch.get_num_threads()
+    from frugality.serve.embeddings import EmbeddingService
+    from frugality.serve.metrics import ServeMetrics
+
+    service = EmbeddingService(encoder, ServeMetrics(), 0.0, 64, 2048, 64, streams=2)
+    assert service.streams_line == f"; 2 streams of {max(1, cores // 2)} thread{'s' * (cores // 2 > 1)}"
+    warm = len(seen)
+    assert warm == 2 and {name for name, _ in seen} == {"frugality-embeddings-0", "frugality-embeddings-1"}
+    try:
+        futures = []
+        for t in TEXTS:
+            futures.append(service.submit([t]))
+            time.sleep(0.005)
+        answers = [f.result(timeout=30) for f in futures]
+    finally:
+        service.close()
+    for answer, want in zip(answers, reference, strict=True):
+        np.testing.assert_allclose(answer.vectors[0], want, rtol=1e-5, atol=1e-6)
+    assert {name for name, _ in seen[warm:]} == {"frugality-embeddings-0", "frugality-embeddings-1"}
+    assert {threads for _, threads in seen} == {max(1, cores // 2)}
+    assert torch.get_num_threads() == cores  # (this thread's own count is untouched)
+    assert not any(thread.is_alive() for thread in service._threads)  # both streams ended at close

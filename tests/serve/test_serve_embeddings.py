@@ -9,6 +9,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import forked_cli
 import httpx
@@ -58,6 +59,18 @@ def test_the_openai_client_gets_frugality_embeds_vectors(encoder_server, referen
         json={"model": "minilm", "input": TEXTS[7]},
     ).json()  # one text, as floats
     assert _cosine(plain["data"][0]["embedding"], reference[TEXTS[7]]) >= 0.9999
+
+
+def test_a_server_in_two_streams_says_so_and_answers_embeds_vectors(reference):
+    server = Server(MINILM, "--name", "minilm", "--precision", "fp32", "--streams", "2")
+    try:
+        assert "; 2 streams of " in server.lines[-1] and server.lines[-1].startswith("frugality serve: ready")
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        with ThreadPoolExecutor(8) as pool:  # (requests at once: both streams take some)
+            got = list(pool.map(lambda t: client.embeddings.create(model="minilm", input=[t]), TEXTS[:16]))
+        assert min(_cosine(g.data[0].embedding, reference[t]) for g, t in zip(got, TEXTS, strict=False)) >= 0.9999
+    finally:
+        assert server.stop() == 0
 
 
 def test_200_concurrent_requests_are_each_answered_with_their_own_vector(encoder_server, reference):

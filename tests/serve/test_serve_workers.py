@@ -262,6 +262,13 @@ def test_a_decoder_with_workers_is_refused_in_one_line(decoder_folder, tmp_path,
     ]
 
 
+def test_a_decoder_with_streams_is_refused_in_one_line(decoder_folder, tmp_path, capsys):
+    assert main(["serve", str(decoder_folder), "--streams", "2", "--runs", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --streams 2: embeddings only (a decoder's rows decode in one batch)"
+    ]
+
+
 def test_a_port_in_use_is_one_line_with_workers_too(tmp_path, capsys):
     import socket
 

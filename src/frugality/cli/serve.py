@@ -89,6 +89,14 @@ from frugality.cli.options import inference_precision
     "process's Python caps the requests a second it can answer; a GPU's model outruns it).",
 )
 @click.option(
+    "--streams",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Embeddings on a CPU: model calls running at once, each on its share of the cores (more "
+    "requests answered a second near saturation; a lone request slower, on fewer cores).",
+)
+@click.option(
     "--drain-s",
     default=30.0,
     show_default=True,
@@ -116,6 +124,7 @@ def serve(
     api_key_env,
     runs_dir,
     workers,
+    streams,
     drain_s,
 ) -> None:
     """Serve MODEL (an encoder: POST /v1/embeddings; a decoder: POST /v1/completions) as
@@ -150,5 +159,6 @@ def serve(
         runs_dir,
         compile_,
         workers,
+        streams,
     )
     run(settings)

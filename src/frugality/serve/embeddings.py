@@ -5,15 +5,23 @@ runs; the model thread takes every tokenized request up to a token budget and em
 together, longest first, in the batches `frugality embed` makes (`inference.batches.embed_rows`).
 An idle model takes what is there and goes (no timed wait unless `max_wait_ms` asks for
 one); requests that arrive while a batch runs make the next one. The queue is bounded: a
-request that finds it full is refused (503) at once, never held in an unbounded backlog."""
+request that finds it full is refused (503) at once, never held in an unbounded backlog.
+
+On a CPU, `streams` model threads may take batches at once, each on its share of the
+cores (as OpenVINO's CPU streams and `embed --nproc` split them): a call's products on one
+core wait on no other thread, so more texts are answered a second near saturation, while
+a lone request runs on fewer cores."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+import torch
 
 from frugality.inference.batches import embed_rows
 from frugality.serve.completions import settle
@@ -38,7 +46,16 @@ class _Pending:
 class EmbeddingService:
     endpoint = "embeddings"
 
-    def __init__(self, encoder, metrics, max_wait_ms: float, max_queue: int, batch_tokens: int, max_batch: int):
+    def __init__(
+        self,
+        encoder,
+        metrics,
+        max_wait_ms: float,
+        max_queue: int,
+        batch_tokens: int,
+        max_batch: int,
+        streams: int = 1,
+    ):
         self.encoder, self.metrics = encoder, metrics
         self.max_wait = max_wait_ms / 1000
         self.batch_tokens, self.max_batch, self.max_queue = batch_tokens, max_batch, max_queue
@@ -46,12 +63,21 @@ class EmbeddingService:
         self._rows: queue.SimpleQueue = queue.SimpleQueue()  # to the model thread
         self._waiting, self._lock = 0, threading.Lock()  # requests queued in either
         self._closing = False
-        self._threads = [
-            threading.Thread(target=self._tokenize_loop, name="frugality-tokenizer", daemon=True),
-            threading.Thread(target=self._model_loop, name="frugality-embeddings", daemon=True),
+        # each stream its share of the cores (torch's thread count is each thread's own)
+        threads = max(1, torch.get_num_threads() // streams) if streams > 1 else None
+        self.streams_line = f"; {streams} streams of {threads} thread{'s' * (threads != 1)}" if threads else ""
+        warmed = [threading.Event() for _ in range(streams)]
+        self._threads = [threading.Thread(target=self._tokenize_loop, name="frugality-tokenizer", daemon=True)]
+        self._threads += [
+            threading.Thread(
+                target=self._model_loop, args=(threads, warmed[i]), name=f"frugality-embeddings-{i}", daemon=True
+            )
+            for i in range(streams)
         ]
         for thread in self._threads:
             thread.start()
+        for event in warmed:  # (each stream's first call is its slowest: made before any request's)
+            event.wait()
 
     def submit(self, texts: list[str]) -> Future:
         """The request's `Embedded`, once its batch has run; a full queue is a 503 now."""
@@ -104,7 +130,12 @@ class EmbeddingService:
         p.cut = sum(cut)
         self._rows.put(p)
 
-    def _model_loop(self) -> None:
+    def _model_loop(self, threads: int | None, warmed: threading.Event) -> None:
+        if threads is not None:
+            torch.set_num_threads(threads)
+            with contextlib.suppress(Exception):  # (a model that fails fails the server's own warm-up next)
+                embed_rows(self.encoder, self.encoder.encode_each(["warm-up"])[0], self.batch_tokens, self.max_batch)
+        warmed.set()
         carried: list = []  # what the last batch's budget left out
         while True:
             taken = carried or [self._rows.get()]
@@ -128,6 +159,7 @@ class EmbeddingService:
             if batch:
                 self._run(batch)
             if carried and carried[0] is _STOP:
+                self._rows.put(_STOP)  # (for the other streams)
                 return
 
     def _run(self, batch: list[_Pending]) -> None:

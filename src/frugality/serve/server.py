@@ -49,6 +49,7 @@ class ServeSettings:
     runs_dir: str = "runs"  # where `frugality top` finds it: RUNS/serve-NAME-PORT (a lock and a log)
     compile: bool = False  # completions: the prefill and decoding step compiled (Inductor; CUDA graphs on a GPU)
     workers: int = 1  # embeddings: front-end processes for HTTP (serve.workers); 1: all in this one
+    streams: int = 1  # embeddings on a CPU: model calls at once, each on its share of the cores
 
 
 def model_family(path: str) -> str:
@@ -93,6 +94,12 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
         raise UserError(
             f"--workers {settings.workers}: embeddings only (a decoder's completions are served by one process)"
         )
+    if settings.streams > 1 and SPECS[family].decoder:
+        raise UserError(f"--streams {settings.streams}: embeddings only (a decoder's rows decode in one batch)")
+    from frugality.backends import backend
+
+    if settings.streams > 1 and not backend(device).on_host:
+        raise UserError(f"--streams {settings.streams}: on a CPU only (the model is on {device})")
     if settings.compile:
         from frugality.inference.generate import refuse_compile_where_traced
 
@@ -263,6 +270,7 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
                 settings.max_queue,
                 settings.batch_tokens or tokens,
                 rows,
+                settings.streams,
             )
             service.submit(["warm-up"]).result()
         else:
@@ -300,7 +308,8 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
     from frugality.hardware import device_name
 
     # (the device last: `bench serve` names it in every row)
-    log(f"frugality serve: ready, POST {where}{path} ({why}); device: {device} ({device_name(device)})")
+    streams = getattr(service, "streams_line", "")  # (embeddings on a CPU in streams)
+    log(f"frugality serve: ready, POST {where}{path} ({why}){streams}; device: {device} ({device_name(device)})")
 
 
 def _answered(state: State) -> int:
