@@ -16,7 +16,7 @@ in the same run) against `frugality serve`, one-text embedding requests, closed 
     .venv/bin/python benchmarks/serve_limit.py --model tiny --workers 2
     .venv/bin/python benchmarks/serve_limit.py --model minilm --streams 2
 
-Writes benchmarks/results/serve_limit-<model>[-<precision>][-workers<N>][-streams<N>]-<machine>-<date>.md
+Writes benchmarks/results/serve_limit-<model>[-<precision>][-workers<N>][-streams<N>][-<label>]-<machine>-<date>.md
 and .json (the precision named unless it is `auto`; `--workers` and `--streams` where more than 1).
 """
 
@@ -101,6 +101,7 @@ def main() -> int:
     parser.add_argument("--peer", action="append", default=[], help="race this server too (infinity)")
     parser.add_argument("--workers", type=int, default=1, help="`serve --workers`: its front-end processes")
     parser.add_argument("--streams", type=int, default=1, help="`serve --streams`: model calls at once (a CPU)")
+    parser.add_argument("--label", help="added to the result files' names (runs of one day kept apart)")
     args = parser.parse_args()
     clients, rates = LEVELS[args.model]
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,7 +176,8 @@ def main() -> int:
         args.model
         + ("" if args.precision == "auto" else f"-{args.precision}")
         + (f"-workers{args.workers}" if args.workers > 1 else "")
-        + (f"-streams{args.streams}" if args.streams > 1 else ""),
+        + (f"-streams{args.streams}" if args.streams > 1 else "")
+        + (f"-{args.label}" if args.label else ""),
         header,
         table + footer,
         json.dumps(result, indent=2),

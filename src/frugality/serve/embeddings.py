@@ -7,14 +7,13 @@ An idle model takes what is there and goes (no timed wait unless `max_wait_ms` a
 one); requests that arrive while a batch runs make the next one. The queue is bounded: a
 request that finds it full is refused (503) at once, never held in an unbounded backlog.
 
-On a CPU, `streams` model threads may take batches at once, each on its share of the
-cores (as OpenVINO's CPU streams and `embed --nproc` split them): a call's products on one
-core wait on no other thread, so more texts are answered a second near saturation, while
-a lone request runs on fewer cores."""
+On a CPU, `streams` threads may run batches at once, each on its share of the cores (as
+OpenVINO's CPU streams and `embed --nproc` split them): the model thread forms a batch
+whenever a stream is free and hands it over. Each call then waits on fewer threads, and a
+batch is formed while others run; a lone request runs on fewer cores."""
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -63,21 +62,39 @@ class EmbeddingService:
         self._rows: queue.SimpleQueue = queue.SimpleQueue()  # to the model thread
         self._waiting, self._lock = 0, threading.Lock()  # requests queued in either
         self._closing = False
-        # each stream its share of the cores (torch's thread count is each thread's own)
-        threads = max(1, torch.get_num_threads() // streams) if streams > 1 else None
-        self.streams_line = f"; {streams} streams of {threads} thread{'s' * (threads != 1)}" if threads else ""
-        warmed = [threading.Event() for _ in range(streams)]
-        self._threads = [threading.Thread(target=self._tokenize_loop, name="frugality-tokenizer", daemon=True)]
-        self._threads += [
-            threading.Thread(
-                target=self._model_loop, args=(threads, warmed[i]), name=f"frugality-embeddings-{i}", daemon=True
-            )
-            for i in range(streams)
+        self.streams = streams
+        self._free = threading.Semaphore(streams)  # streams not running a batch
+        self._batches: queue.SimpleQueue = queue.SimpleQueue()  # the model thread's batches, to the streams
+        self._threads = [
+            threading.Thread(target=self._tokenize_loop, name="frugality-tokenizer", daemon=True),
+            threading.Thread(target=self._model_loop, name="frugality-embeddings", daemon=True),
         ]
-        for thread in self._threads:
+        self.streams_line = ""
+        if streams > 1:
+            self._start_streams(streams)
+        for thread in self._threads[:2]:
             thread.start()
-        for event in warmed:  # (each stream's first call is its slowest: made before any request's)
+
+    def _start_streams(self, streams: int) -> None:
+        """The streams, each warmed (its first call is its slowest: made before any request's),
+        then torch's thread count for threads yet to start put back as it was."""
+        cores = torch.get_num_threads()
+        threads = max(1, cores // streams)  # (the server refuses more streams than threads)
+        self.streams_line = f"; {streams} streams of {threads} thread{'s' * (threads != 1)}"
+        warmed, failed = [threading.Event() for _ in range(streams)], []
+        for i in range(streams):
+            stream = threading.Thread(
+                target=self._stream, args=(threads, warmed[i], failed), name=f"frugality-stream-{i}", daemon=True
+            )
+            stream.start()
+            self._threads.append(stream)
+        for event in warmed:
             event.wait()
+        torch.set_num_threads(cores)
+        if failed:
+            for _ in range(streams):
+                self._batches.put(_STOP)
+            raise failed[0]
 
     def submit(self, texts: list[str]) -> Future:
         """The request's `Embedded`, once its batch has run; a full queue is a 503 now."""
@@ -94,9 +111,10 @@ class EmbeddingService:
         """Stop: what is still queued has no client left (the HTTP server drained first)."""
         with self._lock:
             self._closing = True
-            self._texts.put(_STOP)  # through the tokenizer, then the model thread, after their batches
+            self._texts.put(_STOP)  # through the tokenizer, the model thread, then each stream
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _tokenize_loop(self) -> None:
         while True:
@@ -130,14 +148,13 @@ class EmbeddingService:
         p.cut = sum(cut)
         self._rows.put(p)
 
-    def _model_loop(self, threads: int | None, warmed: threading.Event) -> None:
-        if threads is not None:
-            torch.set_num_threads(threads)
-            with contextlib.suppress(Exception):  # (a model that fails fails the server's own warm-up next)
-                embed_rows(self.encoder, self.encoder.encode_each(["warm-up"])[0], self.batch_tokens, self.max_batch)
-        warmed.set()
+    def _model_loop(self) -> None:
+        """Batches: each formed once a stream is free (requests that arrive meanwhile make the
+        next), run here or, with streams, by the stream that is free."""
         carried: list = []  # what the last batch's budget left out
+        streams = self.streams > 1
         while True:
+            self._free.acquire()
             taken = carried or [self._rows.get()]
             if self.max_wait and not carried:  # asked to wait for company when idle
                 deadline = taken[0].arrived + self.max_wait if taken[0] is not _STOP else 0.0
@@ -156,11 +173,36 @@ class EmbeddingService:
                 else:
                     batch.append(item)
                     tokens += item.tokens
-            if batch:
-                self._run(batch)
+            if batch and streams:
+                self._batches.put(batch)  # (the stream frees its place when it is done)
+            else:
+                try:
+                    if batch:
+                        self._run(batch)
+                finally:
+                    self._free.release()
             if carried and carried[0] is _STOP:
-                self._rows.put(_STOP)  # (for the other streams)
+                for _ in range(self.streams if streams else 0):
+                    self._batches.put(_STOP)
                 return
+
+    def _stream(self, threads: int, warmed: threading.Event, failed: list) -> None:
+        """A stream: its own torch thread count (fixed in this thread before it is set: a thread
+        takes the process's count at its first call, after which it keeps its own), its warm-up,
+        then the batches the model thread hands it."""
+        try:
+            torch.get_num_threads()
+            torch.set_num_threads(threads)
+            embed_rows(self.encoder, self.encoder.encode_each(["warm-up"])[0], self.batch_tokens, self.max_batch)
+        except Exception as e:  # (raised by the service's constructor: the server says it in one line)
+            failed.append(e)
+        finally:
+            warmed.set()
+        while (batch := self._batches.get()) is not _STOP:
+            try:
+                self._run(batch)
+            finally:
+                self._free.release()
 
     def _run(self, batch: list[_Pending]) -> None:
         started = time.perf_counter()

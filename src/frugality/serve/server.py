@@ -99,7 +99,15 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
     from frugality.backends import backend
 
     if settings.streams > 1 and not backend(device).on_host:
-        raise UserError(f"--streams {settings.streams}: on a CPU only (the model is on {device})")
+        raise UserError(f"--streams {settings.streams}: CPUs only, not {device.type}; add --device cpu")
+    if settings.streams > 1:
+        import torch
+
+        if settings.streams > torch.get_num_threads():
+            raise UserError(
+                f"--streams {settings.streams}: more than the {torch.get_num_threads()} threads torch runs here "
+                "(a stream takes one at least)"
+            )
     if settings.compile:
         from frugality.inference.generate import refuse_compile_where_traced
 
@@ -262,6 +270,11 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
             encoder, why = load_encoder(
                 settings.model, device, settings.precision, max_length=settings.limits.max_input_tokens
             )
+            if settings.streams > 1 and encoder.int8 == "onnxruntime":
+                raise UserError(
+                    f"--streams {settings.streams}: not with int8 in ONNX Runtime (its own thread pool spans "
+                    "every core); use FRUGALITY_INT8_ENGINE=torch, or one stream"
+                )
             tokens, rows = batch_defaults(encoder)
             service = EmbeddingService(
                 encoder,
