@@ -147,7 +147,7 @@ def test_frugality_top_shows_the_server_with_its_request_rate(decoder_server, ca
     while time.monotonic() < deadline:
         assert main(["top", "--once", "--json", "--runs", decoder_server.runs, "--interval", "0.1"]) == 0
         runs = json.loads(capsys.readouterr().out)["runs"]
-        if runs and runs[0].get("requests"):
+        if runs and (runs[0].get("requests") or 0) >= 3:  # (the server reports its counts as it goes)
             break
     [run] = runs
     assert run["serving"] == decoder_server.url and run["pid"] == decoder_server.process.pid
