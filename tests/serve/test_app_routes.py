@@ -47,3 +47,33 @@ def test_a_wrong_method_is_an_error_object_naming_the_allowed_one():
     assert wrong.json()["error"]["message"] == "Method Not Allowed"
     missing = _ask(app, "GET", "/v2/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_embeddings_are_answered_past_fastapi_as_its_route_answers_them_and_counted_alike(near_zero_encoder):
+    from frugality.serve.embeddings import EmbeddingService
+
+    metrics = ServeMetrics()
+    state = State("beta", Limits(max_body_bytes=200), metrics, "k" * 32)
+    app = build_app(state)
+    keyed = {"Authorization": "Bearer " + "k" * 32}
+    before = _ask(app, "POST", "/v1/embeddings", json={"input": "a"}, headers=keyed)
+    assert before.status_code == 503 and before.headers["retry-after"] == "1"  # no model yet
+    state.service = EmbeddingService(near_zero_encoder, metrics, 0.0, 64, 2048, 64)
+    asks = [
+        ({"Authorization": "Bearer x"}, {"input": "a"}),  # 401
+        (keyed, {"input": "a" * 300}),  # 413: over the body limit
+        (keyed, {"input": []}),  # 400
+        (keyed, {"model": "beta", "input": ["a text", "another"]}),
+        (keyed, {"model": "beta", "input": "a text", "encoding_format": "base64"}),
+    ]
+    try:
+        fast = [_ask(app, "POST", "/v1/embeddings", json=body, headers=headers) for headers, body in asks]
+        routed = [_ask(app.app, "POST", "/v1/embeddings", json=body, headers=headers) for headers, body in asks]
+    finally:
+        state.service.close()
+    assert [r.status_code for r in fast] == [r.status_code for r in routed] == [401, 413, 400, 200, 200]
+    assert [r.json() for r in fast] == [r.json() for r in routed]  # the same objects, vectors too
+    assert all(r.headers["content-type"] == "application/json" for r in fast + routed)
+    for status in ("401", "413", "400", "200"):  # counted by both paths under the route's own label
+        sample = {"endpoint": "/v1/embeddings", "status": status}
+        assert metrics.registry.get_sample_value("frugality_requests_total", sample) == (4 if status == "200" else 2)

@@ -15,8 +15,9 @@ from frugality.serve.protocol import APIError
 
 
 class Edge:
-    def __init__(self, app, state) -> None:
+    def __init__(self, app, state, endpoint: str | None = None) -> None:
         self.app, self.state = app, state
+        self.endpoint = endpoint  # the metrics' label (else the route's path, which routing sets)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -55,7 +56,7 @@ class Edge:
         path = scope["path"]
         if path.startswith("/v1/") and sent["status"] is not None:
             route = scope.get("route")  # the route's path, not the client's: a bounded set of labels
-            endpoint = getattr(route, "path", "other")
+            endpoint = self.endpoint or getattr(route, "path", "other")
             self.state.metrics.answered(endpoint, str(sent["status"]), time.perf_counter() - started)
 
 
