@@ -1,6 +1,7 @@
-"""The HTTP app's routes without a model (in process, through httpx's ASGI transport): each
-app answers from its own state though the routers are shared, the checks come in order (the
-key before the model), and a wrong method is an OpenAI error object with its `Allow`."""
+"""The HTTP app's routes (in process, through httpx's ASGI transport): each app answers from
+its own state though the routers are shared, the checks come in order (the key before the
+model), a wrong method is an OpenAI error object with its `Allow`, and `POST /v1/embeddings`
+past FastAPI answers and counts as its FastAPI route does."""
 
 from __future__ import annotations
 
@@ -49,31 +50,51 @@ def test_a_wrong_method_is_an_error_object_naming_the_allowed_one():
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
 
 
+def _chunked(body: bytes):
+    async def chunks():  # (no Content-Length: the body's size is known as it arrives)
+        for i in range(0, len(body), 1_000):
+            yield body[i : i + 1_000]
+
+    return chunks()
+
+
 def test_embeddings_are_answered_past_fastapi_as_its_route_answers_them_and_counted_alike(near_zero_encoder):
     from frugality.serve.embeddings import EmbeddingService
 
     metrics = ServeMetrics()
-    state = State("beta", Limits(max_body_bytes=200), metrics, "k" * 32)
+    state = State("beta", Limits(max_body_bytes=8_000), metrics, "k" * 32)
     app = build_app(state)
-    keyed = {"Authorization": "Bearer " + "k" * 32}
-    before = _ask(app, "POST", "/v1/embeddings", json={"input": "a"}, headers=keyed)
-    assert before.status_code == 503 and before.headers["retry-after"] == "1"  # no model yet
+    key = "Bearer " + "k" * 32
+    keyed = {"Authorization": key}
+    text = {"model": "beta", "input": "short"}
+
+    def both(**kwargs) -> list[httpx.Response]:  # past FastAPI, then through its route
+        if "chunks" in kwargs:
+            body = kwargs.pop("chunks")
+            return [_ask(a, "POST", "/v1/embeddings", content=_chunked(body), **kwargs) for a in (app, app.app)]
+        return [_ask(a, "POST", "/v1/embeddings", **kwargs) for a in (app, app.app)]
+
+    cases = [both(json=text, headers=keyed)]  # 503: no model yet
     state.service = EmbeddingService(near_zero_encoder, metrics, 0.0, 64, 2048, 64)
-    asks = [
-        ({"Authorization": "Bearer x"}, {"input": "a"}),  # 401
-        (keyed, {"input": "a" * 300}),  # 413: over the body limit
-        (keyed, {"input": []}),  # 400
-        (keyed, {"model": "beta", "input": ["a text", "another"]}),
-        (keyed, {"model": "beta", "input": "a text", "encoding_format": "base64"}),
-    ]
     try:
-        fast = [_ask(app, "POST", "/v1/embeddings", json=body, headers=headers) for headers, body in asks]
-        routed = [_ask(app.app, "POST", "/v1/embeddings", json=body, headers=headers) for headers, body in asks]
+        cases += [
+            both(json=text, headers={"Authorization": "Bearer x"}),  # 401
+            both(json=text, headers=[("Authorization", "Bearer x"), ("Authorization", key)]),  # the first counts: 401
+            both(json=text, headers=[("Authorization", key), ("Authorization", "Bearer x")]),  # 200
+            both(json={"model": "beta", "input": "a" * 9_000}, headers=keyed),  # 413 by Content-Length
+            both(chunks=b'{"input": "' + b"a" * 9_000 + b'"}', headers=keyed),  # 413 as it arrives
+            both(json={"model": "beta", "input": []}, headers=keyed),  # 400
+            both(json={"model": "beta", "input": ["a text", "word " * 1_000]}, headers=keyed),  # one cut
+            both(json={"model": "beta", "input": "a text", "encoding_format": "base64"}, headers=keyed),
+        ]
     finally:
         state.service.close()
-    assert [r.status_code for r in fast] == [r.status_code for r in routed] == [401, 413, 400, 200, 200]
-    assert [r.json() for r in fast] == [r.json() for r in routed]  # the same objects, vectors too
-    assert all(r.headers["content-type"] == "application/json" for r in fast + routed)
-    for status in ("401", "413", "400", "200"):  # counted by both paths under the route's own label
+    statuses = [[r.status_code for r in case] for case in cases]
+    assert statuses == [[s, s] for s in (503, 401, 401, 200, 413, 413, 400, 200, 200)]
+    for fast, routed in cases:
+        assert fast.json() == routed.json()  # the same objects, vectors too
+        assert sorted(fast.headers.items()) == sorted(routed.headers.items())  # (and the same headers)
+    assert cases[0][0].headers["retry-after"] == "1" and cases[7][0].headers["x-truncated-inputs"] == "1"
+    for status, count in (("503", 2), ("401", 4), ("200", 6), ("413", 4), ("400", 2)):  # both paths, one label
         sample = {"endpoint": "/v1/embeddings", "status": status}
-        assert metrics.registry.get_sample_value("frugality_requests_total", sample) == (4 if status == "200" else 2)
+        assert metrics.registry.get_sample_value("frugality_requests_total", sample) == count

@@ -1,7 +1,8 @@
-"""The HTTP API (FastAPI): `POST /v1/embeddings` (an encoder) or `POST /v1/completions` (a
-decoder; `stream: true` sends server-sent events), `GET /v1/models`, `GET /health` (200
-once the model is loaded and warmed, 503 before), `GET /metrics` (Prometheus). Every
-error is OpenAI's error object with its status; a request never takes the process down."""
+"""The HTTP API (FastAPI): `POST /v1/embeddings` (an encoder; answered as plain ASGI past
+FastAPI's layers) or `POST /v1/completions` (a decoder; `stream: true` sends server-sent
+events), `GET /v1/models`, `GET /health` (200 once the model is loaded and warmed, 503
+before), `GET /metrics` (Prometheus). Every error is OpenAI's error object with its status;
+a request never takes the process down."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from frugality.serve.edge import Edge
 from frugality.serve.protocol import APIError, Limits, completions_request, embeddings_request, parse_json
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import AsyncIterable, AsyncIterator, Callable
 
     from frugality.serve.completions import CompletionService
     from frugality.serve.embeddings import EmbeddingService
@@ -79,10 +80,10 @@ def build_app(state: State) -> EmbeddingsFastPath:
 
 class EmbeddingsFastPath:
     """`POST /v1/embeddings` answered by `answer_embeddings` as plain ASGI, within `Edge` as
-    every route is; everything else goes to the FastAPI app. FastAPI's and Starlette's layers
-    (their middlewares, routing, the request object, the response class) were about 40% of
-    the event loop's Python a request (py-spy, a near-zero encoder at 64 clients, 2-core
-    Zen 4), and this route is the one a server of embeddings answers all day."""
+    every route is (its counts in `/metrics`); everything else goes to the FastAPI app, whose
+    layers (middlewares, routing, request and response objects) this route skips: it is the
+    one a server of embeddings answers all day (docs/serving.md: figures). Middleware or
+    OpenTelemetry added to the FastAPI app does not see it."""
 
     def __init__(self, app: FastAPI, state: State) -> None:
         self.app, self.state = app, state
@@ -95,15 +96,15 @@ class EmbeddingsFastPath:
             await self.app(scope, receive, send)
 
     async def _embeddings(self, scope, receive, send) -> None:
-        headers = {k.lower(): v for k, v in scope["headers"]}  # (bytes: decoded only where read)
+        authorization, content_length = None, None  # each header's first value, as Starlette reads it
+        for name, value in scope["headers"]:  # (names lowercased by the server, as ASGI has them)
+            if name == b"authorization" and authorization is None:
+                authorization = value.decode("latin-1")
+            elif name == b"content-length" and content_length is None:
+                content_length = value.decode("latin-1")
         status, extra = 200, None
         try:
-            content, extra = await answer_embeddings(
-                self.state,
-                headers.get(b"authorization", b"").decode("latin-1"),
-                headers.get(b"content-length", b"").decode("latin-1") or None,
-                _chunks(receive),
-            )
+            content, extra = await answer_embeddings(self.state, authorization or "", content_length, _chunks(receive))
         except APIError as error:
             content, status, extra = error.body(), error.status, error.headers
         body = orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -113,7 +114,7 @@ class EmbeddingsFastPath:
         await send({"type": "http.response.body", "body": body})
 
 
-async def _chunks(receive):
+async def _chunks(receive) -> AsyncIterator[bytes]:
     """A request's body as it arrives (Starlette's `Request.stream` without the request)."""
     while True:
         message = await receive()
@@ -155,10 +156,11 @@ def ready(state: State, kind: str):
     return state.service
 
 
-async def json_body(state: State, declared: str | None, chunks) -> dict:
-    """The request's JSON object from its body's `chunks` (an async iterator), read up to
-    the body limit (a larger one is a 413); `declared`: its Content-Length header."""
+async def json_body(state: State, content_length: str | None, chunks: AsyncIterable[bytes]) -> dict:
+    """The request's JSON object from its body's `chunks`, read up to the body limit (a
+    larger one is a 413, as soon as its Content-Length says so)."""
     limits = state.limits
+    declared = content_length
     if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise APIError(
             413, f"the request body is {int(declared):,} bytes, more than the limit of {limits.max_body_bytes:,}"
@@ -202,7 +204,7 @@ embedding_routes = APIRouter()
 
 
 @embedding_routes.post("/v1/embeddings")
-async def embeddings(request: Request):  # (POST reaches it only without EmbeddingsFastPath; its 405s do)
+async def embeddings(request: Request):  # (kept for other methods' 405, and a POST under a root_path)
     headers = request.headers
     content, extra = await answer_embeddings(
         served(request), headers.get("authorization", ""), headers.get("content-length"), request.stream()
@@ -210,12 +212,14 @@ async def embeddings(request: Request):  # (POST reaches it only without Embeddi
     return FastJSON(content, headers=extra)
 
 
-async def answer_embeddings(state: State, authorization: str, declared: str | None, chunks) -> tuple[dict, dict | None]:
+async def answer_embeddings(
+    state: State, authorization: str, content_length: str | None, chunks: AsyncIterable[bytes]
+) -> tuple[dict, dict | None]:
     """An embeddings request's answer (its JSON object and extra headers) from its
     Authorization and Content-Length headers and its body's chunks; a problem is an `APIError`."""
     authorized(state, authorization)
     service = cast("EmbeddingService", ready(state, "embeddings"))  # (its endpoint is that kind)
-    req = embeddings_request(await json_body(state, declared, chunks), state.limits, state.name)
+    req = embeddings_request(await json_body(state, content_length, chunks), state.limits, state.name)
     # tokenized and embedded by the service's threads: the event loop only waits
     answer = await asyncio.wrap_future(service.submit(req.texts))
     if not np.isfinite(answer.vectors).all():  # (orjson would write NaN as null, under a 200)
