@@ -154,3 +154,31 @@ def test_a_stream_that_fails_its_warm_up_fails_the_service_and_leaves_no_thread(
     while set(threading.enumerate()) - before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not set(threading.enumerate()) - before
+
+
+def test_streams_share_every_core_the_first_ones_taking_the_rest(encoder, monkeypatch):
+    import threading
+
+    import torch
+
+    import frugality.serve.embeddings as embeddings
+    from frugality.serve.embeddings import EmbeddingService
+    from frugality.serve.metrics import ServeMetrics
+
+    threads: dict[str, int] = {}  # each stream's torch threads at its warm-up call
+    real = embeddings.embed_rows
+
+    def recorded(*args, **kwargs):
+        threads[threading.current_thread().name] = torch.get_num_threads()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(embeddings, "embed_rows", recorded)
+    before = torch.get_num_threads()
+    torch.set_num_threads(5)
+    try:
+        service = EmbeddingService(encoder, ServeMetrics(), 0.0, 64, 2048, 64, streams=2)
+        service.close()
+    finally:
+        torch.set_num_threads(before)
+    assert threads == {"frugality-stream-0": 3, "frugality-stream-1": 2}
+    assert service.streams_line == "; 2 streams of 2-3 threads"

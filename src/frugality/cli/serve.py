@@ -94,7 +94,8 @@ from frugality.cli.options import inference_precision
     show_default=True,
     type=click.IntRange(min=1),
     help="Embeddings on a CPU: model calls running at once, each on its share of the cores (more "
-    "requests answered a second near saturation; a lone request slower, on fewer cores).",
+    "requests answered a second near saturation; a lone request slower, on fewer cores; N times "
+    "the activations' memory).",
 )
 @click.option(
     "--drain-s",

@@ -79,12 +79,15 @@ class EmbeddingService:
         """The streams, each warmed (its first call is its slowest: made before any request's),
         then torch's thread count for threads yet to start put back as it was."""
         cores = torch.get_num_threads()
-        threads = max(1, cores // streams)  # (the server refuses more streams than threads)
-        self.streams_line = f"; {streams} streams of {threads} thread{'s' * (threads != 1)}"
+        # every core to a stream: the first `cores % streams` take one more (the server refuses
+        # more streams than threads)
+        shares = [max(1, cores // streams + (i < cores % streams)) for i in range(streams)]
+        each = "-".join(map(str, sorted(set(shares))))
+        self.streams_line = f"; {streams} streams of {each} thread{'s' * (shares != [1] * streams)}"
         warmed, failed = [threading.Event() for _ in range(streams)], []
         for i in range(streams):
             stream = threading.Thread(
-                target=self._stream, args=(threads, warmed[i], failed), name=f"frugality-stream-{i}", daemon=True
+                target=self._stream, args=(shares[i], warmed[i], failed), name=f"frugality-stream-{i}", daemon=True
             )
             stream.start()
             self._threads.append(stream)
