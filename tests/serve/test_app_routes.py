@@ -98,3 +98,39 @@ def test_embeddings_are_answered_past_fastapi_as_its_route_answers_them_and_coun
     for status, count in (("503", 2), ("401", 4), ("200", 6), ("413", 4), ("400", 2)):  # both paths, one label
         sample = {"endpoint": "/v1/embeddings", "status": status}
         assert metrics.registry.get_sample_value("frugality_requests_total", sample) == count
+
+
+def test_a_client_that_leaves_while_its_body_is_read_is_counted_499_and_not_answered():
+    metrics = ServeMetrics()
+    state = State("beta", Limits(), metrics, None)
+    state.service = type("Loaded", (), {"endpoint": "embeddings"})()  # (its body never read whole: not called)
+    app = build_app(state)
+
+    async def ask(target, path: str) -> list[dict]:  # (the ASGI messages a server would pass)
+        arriving = [
+            {"type": "http.request", "body": b'{"model": "beta", "in', "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+
+        async def receive():
+            return arriving.pop(0)
+
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("t", 80),
+        }  # fmt: skip
+        await target(scope, receive, send)
+        return sent
+
+    for target in (app, app.app):  # past FastAPI, and through its route
+        assert asyncio.run(ask(target, "/v1/embeddings")) == []  # nothing sent to a client that is gone
+    assert (
+        metrics.registry.get_sample_value("frugality_requests_total", {"endpoint": "/v1/embeddings", "status": "499"})
+        == 2
+    )

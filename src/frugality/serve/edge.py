@@ -1,6 +1,7 @@
 """What every request passes on its way in and out, as plain ASGI (no per-request task or
 body copy, unlike Starlette's `@app.middleware("http")`): its count and latency by route
-and status for `/metrics`; a fault of ours answered as OpenAI's error object (500); and a
+and status for `/metrics` (499 for a client that left while its body was read); a fault
+of ours answered as OpenAI's error object (500); and a
 request still running when the drain window (`--drain-s`) runs out, which uvicorn then
 cancels, answered as a 503 error object with one log line, not a bare 500 and a traceback."""
 
@@ -10,6 +11,8 @@ import asyncio
 import json
 import logging
 import time
+
+from starlette.requests import ClientDisconnect
 
 from frugality.serve.protocol import APIError
 
@@ -48,6 +51,8 @@ class Edge:
                 body = f"data: {json.dumps(error.body())}\n\n".encode()
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 self.state.log(f"frugality serve: {what} (streamed) cut off when the drain window ended")
+        except ClientDisconnect:  # the client left before its body was read: no one to answer
+            sent["status"] = 499  # (nginx's "client closed request": counted, not as a fault of ours)
         except Exception as e:  # a fault of ours: a 500 with its name, the server goes on
             if sent["status"] is not None:
                 raise
