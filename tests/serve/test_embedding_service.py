@@ -1,7 +1,8 @@
 """The embeddings service's threads (frugality.serve.embeddings) with a real encoder (a
 BERT of one layer and width 32 with all-MiniLM-L6-v2's tokenizer): batching, the token
-budget's carry-over, a client that left, the bounded queue, closing with work queued, and
-each request's own vectors throughout."""
+budget's carry-over, a client that left, the bounded queue, closing with work queued,
+streams (`--streams`: at once, their threads, a failed warm-up), and each request's own
+vectors throughout."""
 
 from __future__ import annotations
 
