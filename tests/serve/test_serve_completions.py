@@ -154,19 +154,20 @@ def test_frugality_top_shows_the_server_with_its_request_rate(decoder_server, ca
     assert run["requests"] >= 3 and run["requests_per_s"] is not None
 
 
-def _depth(url: str) -> float:
-    """Completion requests waiting for a row (the server's queue-depth gauge)."""
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith('frugality_queue_depth{endpoint="completions"}'):
+DEPTH = 'frugality_queue_depth{endpoint="completions"}'  # completion requests waiting for a row
+TOKENS = 'frugality_tokens_total{endpoint="completions",kind="completion"}'
+
+
+def _metric(exposition: str, name: str) -> float:
+    """The value of the sample `name` (with its labels) in a `/metrics` text, 0 if absent."""
+    for line in exposition.splitlines():
+        if line.startswith(name):
             return float(line.split()[-1])
     return 0.0
 
 
 def _completion_tokens(url: str, client: httpx.Client | None = None) -> float:
-    for line in (client or httpx).get(f"{url}/metrics").text.splitlines():
-        if line.startswith('frugality_tokens_total{endpoint="completions",kind="completion"}'):
-            return float(line.split()[-1])
-    return 0.0
+    return _metric((client or httpx).get(f"{url}/metrics").text, TOKENS)
 
 
 def test_a_client_that_leaves_frees_its_rows(decoder_server):
@@ -248,7 +249,11 @@ def test_what_the_drain_window_cuts_off_gets_a_503_error_object_and_a_log_line_e
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             sent = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(16)]
             deadline = time.monotonic() + 60
-            while _completion_tokens(server.url) == before or _depth(server.url) < 12:  # decoding, 12 waiting
+            while True:  # until decoding has begun with 12 waiting (read without blocking this loop,
+                # which sends the 16: a blocking read here once let them trickle in as others ended)
+                metrics = (await client.get("/metrics")).text
+                if _metric(metrics, TOKENS) != before and _metric(metrics, DEPTH) >= 12:
+                    break
                 assert time.monotonic() < deadline, "the requests never queued"
                 await asyncio.sleep(0.002)
             # the streamed request behind them (sent with them, it may come first and end in the
