@@ -1,6 +1,6 @@
 """`serve --workers N`: the HTTP API in N front-end processes, the model in one, as vLLM's
 API servers feed its engine core. One process's GIL caps what its Python can answer (HTTP,
-JSON, the API's checks: a few tenths of a millisecond a request, whatever the device); N
+JSON, the API's checks: 0.16 ms an embeddings request on a 2-core Zen 4, whatever the device); N
 processes answer on the one port, and their requests still batch together in the model's
 process, its one queue.
 
