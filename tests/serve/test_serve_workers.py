@@ -15,6 +15,7 @@ import signal
 import time
 from concurrent.futures import Future
 from multiprocessing import Pipe as pipe_pair
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -234,8 +235,13 @@ def test_front_ends_answer_each_request_with_its_own_vector_batched_and_counted_
 
 
 def test_a_front_end_that_dies_stops_the_server_with_one_line(tmp_path):
-    server = Server(MINILM, "--precision", "fp32", "--workers", "2")
+    streams = ["--device", "cpu", "--streams", "2"] if len(os.sched_getaffinity(0)) >= 2 else []  # (both at once)
+    server = Server(MINILM, "--precision", "fp32", "--workers", "2", *streams)
     try:
+        if streams:
+            assert "; 2 streams of " in server.text()  # the model's process in streams, front ends before it
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+            assert len(client.embeddings.create(model=Path(MINILM).resolve().name, input=["a", "b"]).data) == 2
         fronts = _front_ends(server)
         assert len(fronts) == 2
         os.kill(fronts[0], signal.SIGKILL)
