@@ -138,7 +138,7 @@ def main() -> int:
         + (f" --workers {args.workers}" if args.workers > 1 else "")
         + (f" --streams {args.streams}" if args.streams > 1 else "")
         + "`, loaded by `frugality bench "
-        f"serve` on the same machine (plain asyncio, one kept-alive connection a client; {len(texts):,} "
+        f"serve` on the same machine ({result['generator'].split(' (frugality')[0]}; {len(texts):,} "
         f"corpus lines, up to 400 characters), {args.duration:g} s a level, SLO p99 <= {args.slo_ms:g} ms.\n\n"
         + "".join(f"- {line}\n" for line in ceilings)
         + "\n"

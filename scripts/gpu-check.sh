@@ -15,14 +15,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # What the GPU image (KINDS.md of the device machines: torch, transformers,
-# sentence-transformers, tokenizers, click, httpx, prometheus-client, ...) lacks, at the
-# versions tested here: frugality's own needs; FastAPI (which imports opentelemetry-api)
-# and uvicorn; torchao (fp8); liger-kernel; torchtitan and what its model package imports
-# (spmd-types, torch-checkpointing, tyro with docstring-parser and typeguard).
+# sentence-transformers, tokenizers, click, httpx, prometheus-client, uvloop, ...) lacks, at
+# the versions tested here: frugality's own needs; FastAPI (which imports opentelemetry-api),
+# uvicorn, httptools (its fast HTTP parser) and orjson (`serve` refuses to start without it);
+# torchao (fp8); liger-kernel; torchtitan and what its model package imports (spmd-types,
+# torch-checkpointing, tyro with docstring-parser and typeguard).
 WHEELS=(
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
     typing-extensions==4.16.0 tomli-w==1.2.0 zstandard==0.25.0
-    fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 opentelemetry-api==1.45.2
+    fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 opentelemetry-api==1.45.2 httptools==0.9.0 orjson==3.13.0
     torchao==0.18.0 liger-kernel==0.8.5
     torchtitan==0.3.0 spmd-types==0.2.3 torch-checkpointing==0.1.1 tyro==1.0.17
     docstring-parser==0.18.0 typeguard==4.6.1

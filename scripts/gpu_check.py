@@ -418,7 +418,9 @@ def _stop(process: subprocess.Popen) -> None:
 # What each part imports that a GPU image may lack (scripts/gpu-check.sh --fetch-wheels brings them)
 IMPORTS = {
     "frugality": ["pydantic", "tomli_w", "zstandard"],
-    "serve": ["fastapi", "uvicorn", "prometheus_client"],
+    # (what `frugality serve` refuses to start without, then uvicorn's fast loop and parser: without them it
+    # serves on asyncio's loop and a pure-Python parser, not as users run it)
+    "serve": ["fastapi", "uvicorn", "prometheus_client", "orjson", "uvloop", "httptools"],
     "fp8": ["torchao.float8"],
     "liger-kernel": ["liger_kernel.transformers"],
     "torchtitan": ["torchtitan.models.llama3"],

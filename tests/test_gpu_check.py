@@ -65,3 +65,12 @@ def test_a_skipped_gpu_test_is_named_unless_it_needs_a_newer_gpu(tmp_path):
     )
     assert check.skipped_tests(tmp_path / "cuda-tests.xml") == ["test_no_client: could not import 'openai'"]
     assert check.skipped_tests(tmp_path / "none.xml") == []
+
+
+def test_the_check_imports_every_module_serve_refuses_to_start_without():
+    # (the GPU image lacked orjson: the serve section would have failed on the machine, not here)
+    from frugality.cli.serve import SERVE_NEEDS
+
+    assert set(SERVE_NEEDS) <= set(_gpu_check().IMPORTS["serve"])
+    wheels = (ROOT / "scripts" / "gpu-check.sh").read_text()
+    assert "orjson==" in wheels and "httptools==" in wheels  # (not in the image: KINDS.md of the device machines)

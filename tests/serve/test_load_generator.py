@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from frugality.bench.load import closed_loop, encode_post, noop_response, open_loop
+from frugality.bench.load import closed_loop, encode_post, loop_name, noop_response, open_loop, run
 
 ANSWERS = {
     b"/ok": noop_response(b'{"ok": true}'),
@@ -83,7 +83,7 @@ def test_the_open_loop_sends_each_arrival_on_time_and_the_noop_server_answers_ev
     try:
         port = int(noop.stdout.readline())
         requests = _requests(port, "/v1/embeddings")
-        tally = asyncio.run(open_loop("127.0.0.1", port, requests, 200.0, 1.0, seed=0))
+        tally = run(lambda: open_loop("127.0.0.1", port, requests, 200.0, 1.0, seed=0))  # (as bench serve runs it)
         assert 120 <= tally.sent <= 280  # a Poisson process at 200/s for a second
         assert len(tally.latencies_ms) == len(tally.lag_ms) == tally.sent and not tally.errors
         closed = asyncio.run(closed_loop("127.0.0.1", port, requests, 8, 0.5))
@@ -91,3 +91,13 @@ def test_the_open_loop_sends_each_arrival_on_time_and_the_noop_server_answers_ev
     finally:
         noop.kill()
         noop.wait()
+
+
+def test_the_generator_runs_on_uvloop_where_it_is_installed_and_says_so():
+    import importlib.util
+
+    async def which() -> str:
+        return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+    installed = importlib.util.find_spec("uvloop") is not None
+    assert run(which) == loop_name() == ("uvloop" if installed else "asyncio")

@@ -15,7 +15,6 @@ rate whose p99 stays under the SLO with no errors."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import math
@@ -32,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from frugality.bench.load import ERROR_KINDS, Tally, closed_loop, encode_post, open_loop
+from frugality.bench.load import ERROR_KINDS, Tally, closed_loop, encode_post, loop_name, open_loop, run
 from frugality.errors import UserError
 
 LAG_MS = 10.0  # an open-loop request sent later than this after its arrival (p99): the generator fell behind
@@ -301,7 +300,7 @@ def generator_ceiling(
         requests = [encode_post("127.0.0.1", port, path, json.dumps(target.body(t, 1)).encode(), {}) for t in texts]
         ceiling = {}
         for n in sorted(set(clients)):
-            tally = asyncio.run(closed_loop("127.0.0.1", port, requests, n, duration))
+            tally = run(lambda n=n: closed_loop("127.0.0.1", port, requests, n, duration))
             ceiling[n] = len(tally.latencies_ms) / tally.seconds
             log(f"the generator's ceiling: {ceiling[n]:,.0f} req/s at {n} clients (against a no-op server)")
         return ceiling
@@ -334,11 +333,11 @@ def run_levels(
             for t in targets:
                 _hold_others(targets, t)
                 if mode == "rate":
-                    run = lambda t=t, v=value: open_loop(t.host, t.port, requests[id(t)], v, duration, seed)
-                    levels.append(_measure(t, mode, value, run, top))
+                    drive = lambda t=t, v=value: open_loop(t.host, t.port, requests[id(t)], v, duration, seed)
+                    levels.append(_measure(t, mode, value, drive, top))
                 else:
-                    run = lambda t=t, v=value: closed_loop(t.host, t.port, requests[id(t)], int(v), duration)
-                    levels.append(_measure(t, mode, value, run, ceiling.get(int(value))))
+                    drive = lambda t=t, v=value: closed_loop(t.host, t.port, requests[id(t)], int(v), duration)
+                    levels.append(_measure(t, mode, value, drive, ceiling.get(int(value))))
                 log(_line(levels[-1]))
     _hold_others(targets, None)
     return levels
@@ -376,9 +375,9 @@ def _line(level: Level) -> str:
     )
 
 
-def _measure(target: Target, mode: str, level: float, run, ceiling: float | None) -> Level:
+def _measure(target: Target, mode: str, level: float, measure, ceiling: float | None) -> Level:
     before, _ = target.server_metrics()
-    tally = asyncio.run(run())
+    tally = run(measure)
     after, energy = target.server_metrics()
 
     def delta(name: str) -> float | None:
@@ -441,7 +440,7 @@ def report(targets: list[Target], levels: list[Level], slo_ms: float, missing: d
     main, *peers = targets
     return _figures(main, levels, slo_ms) | {
         "slo_ms": slo_ms,
-        "generator": "plain asyncio, one kept-alive connection per client (frugality.bench.load)",
+        "generator": f"plain asyncio ({loop_name()}), one kept-alive connection per client (frugality.bench.load)",
         "peers": [_figures(p, levels, slo_ms) for p in peers]
         + [{"server": name, "missing": why} for name, why in (missing or {}).items()],
     }

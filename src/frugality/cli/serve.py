@@ -6,6 +6,8 @@ import click
 
 from frugality.cli.options import inference_precision
 
+SERVE_NEEDS = ("fastapi", "uvicorn", "prometheus_client", "orjson")  # the [serve] extra's modules it cannot run without
+
 
 @click.command()
 @click.argument("model", type=click.Path())
@@ -134,7 +136,7 @@ def serve(
 
     from frugality.errors import UserError
 
-    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "orjson") if importlib.util.find_spec(m) is None]
+    missing = [m for m in SERVE_NEEDS if importlib.util.find_spec(m) is None]
     if missing:  # (before the server's modules, which import them)
         raise UserError(f"frugality serve needs its extra ({', '.join(missing)} missing): pip install -e '.[serve]'")
     from frugality.serve.protocol import Limits
