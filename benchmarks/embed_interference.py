@@ -18,7 +18,7 @@ operations). Each (layout, work beside) runs in a process of its own, the model 
 a thread that ended (as `serve` loads it), for `--seconds`, in alternating order over
 `--rounds` rounds; medians of each.
 
-    .venv/bin/python benchmarks/embed_interference.py [--size 12] [--rate 550] [--burst-ms 0.25]
+    .venv/bin/python benchmarks/embed_interference.py [--size 12] [--rate 550] [--burst-ms 0.4]
 
 Writes benchmarks/results/embed_interference-minilm-<machine>-<date>.md and .json.
 """
@@ -26,6 +26,7 @@ Writes benchmarks/results/embed_interference-minilm-<machine>-<date>.md and .jso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -112,7 +113,8 @@ def calls(layout: str, size: int, seconds: float, pin: bool, seed: int) -> None:
         caller = pool.submit(threading.get_native_id).result()
         cores = sorted(os.sched_getaffinity(0))
         for tid in map(int, os.listdir("/proc/self/task")):
-            os.sched_setaffinity(tid, {cores[0]} if tid == caller else {cores[-1]})
+            with contextlib.suppress(ProcessLookupError):  # (a thread that ended meanwhile)
+                os.sched_setaffinity(tid, {cores[0]} if tid == caller else {cores[-1]})
         for _ in range(5):
             call(draw.sample(rows, size))
     print("ready", flush=True)
@@ -128,37 +130,43 @@ def calls(layout: str, size: int, seconds: float, pin: bool, seed: int) -> None:
 
 
 def measure(args, layout: str, beside: str, seed: int) -> dict:
-    """One turn: the worker loaded and warm, the burner (if any) started, then both told to go."""
+    """One turn: the worker loaded and warm, the burner (if any) started, then both told to
+    go; every process of the turn ended whatever happens (none left burning or loaded)."""
     me = [sys.executable, __file__, "--seconds", str(args.seconds)]
     pin = ["--pin"] if beside == "pinned" else []
-    worker = subprocess.Popen(
-        [*me, "--worker", layout, "--size", str(args.size), "--seed", str(seed), *pin],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    started = [worker]
-    if beside != "none":
-        last = max(os.sched_getaffinity(0))
-        started.append(
-            subprocess.Popen(
-                [*me, "--burner", "--rate", str(args.rate), "--burst-ms", str(args.burst_ms)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                preexec_fn=(lambda: os.sched_setaffinity(0, {last})) if beside == "pinned" else None,
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    worker = [*me, "--worker", layout, "--size", str(args.size), "--seed", str(seed), *pin]
+    started = [subprocess.Popen(worker, **pipes)]
+    try:
+        if beside != "none":
+            last = max(os.sched_getaffinity(0))
+            started.append(
+                subprocess.Popen(
+                    [*me, "--burner", "--rate", str(args.rate), "--burst-ms", str(args.burst_ms)],
+                    preexec_fn=(lambda: os.sched_setaffinity(0, {last})) if beside == "pinned" else None,
+                    **pipes,
+                )
             )
-        )
-    for process in started:
-        assert process.stdout is not None
-        if process.stdout.readline().strip() != "ready":
+        for process in started:
+            assert process.stdout is not None
+            while (line := process.stdout.readline()) and line.strip() != "ready":  # (anything a library printed)
+                pass
+            if not line:
+                raise SystemExit(f"embed_interference: a {layout} turn's process ended before it was ready")
+        for process in started:
+            assert process.stdin is not None
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        said = [process.communicate(timeout=args.seconds + 120)[0] for process in started]
+        if any(p.returncode != 0 for p in started):
             raise SystemExit(f"embed_interference: a {layout} turn's process failed")
-    for process in started:
-        assert process.stdin is not None
-        process.stdin.write("go\n")
-        process.stdin.flush()
-    said = [json.loads(process.communicate()[0]) for process in started]
-    return said[0] | {"busy": said[1]["busy"] if len(said) > 1 else None}
+        found = [json.loads(text.strip().splitlines()[-1]) for text in said]
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return found[0] | {"busy": found[1]["busy"] if len(found) > 1 else None}
 
 
 def main() -> int:

@@ -138,7 +138,8 @@ def main() -> int:
         + (f" --workers {args.workers}" if args.workers > 1 else "")
         + (f" --streams {args.streams}" if args.streams > 1 else "")
         + "`, loaded by `frugality bench "
-        f"serve` on the same machine ({result['generator'].split(' (frugality')[0]}; {len(texts):,} "
+        f"serve` on the same machine (asyncio streams on {result['loop']}'s event loop, one kept-alive connection "
+        f"a client; {len(texts):,} "
         f"corpus lines, up to 400 characters), {args.duration:g} s a level, SLO p99 <= {args.slo_ms:g} ms.\n\n"
         + "".join(f"- {line}\n" for line in ceilings)
         + "\n"

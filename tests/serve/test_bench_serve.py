@@ -10,6 +10,7 @@ import math
 import pytest
 from conftest import KEY, MINILM
 
+from frugality.bench.load import loop_name
 from frugality.bench.serve import LAG_MS
 from frugality.cli.main import main
 from frugality.hardware import cpu_name
@@ -29,6 +30,7 @@ def test_bench_serve_measures_levels_and_cost_serve_sizes_the_fleet_from_them(
     assert main(command) == 0
     result = json.loads(out.read_text())
     assert result["endpoint"] == "embeddings"
+    assert result["loop"] == loop_name()  # (the generator's event loop, named)
     levels = result["levels"]
     assert [(r["mode"], r["level"]) for r in levels] == [("rate", 10), ("rate", 30), ("concurrency", 4)]
     assert {r["device"] for r in levels} == {None}  # a server at a URL: not known here, and said so

@@ -53,7 +53,7 @@ def _requests(port: int, *paths: str) -> list[bytes]:
 
 
 def test_each_outcome_is_counted_by_kind_and_a_lost_connection_is_opened_again():
-    async def run():
+    async def count():
         server = await asyncio.get_running_loop().create_server(ByPath, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         paths = ["/ok", "/busy", "/missing", "/fault", "/close", "/chunked", "/hang"]
@@ -62,7 +62,7 @@ def test_each_outcome_is_counted_by_kind_and_a_lost_connection_is_opened_again()
             # delayed was once counted as one)
             return await closed_loop("127.0.0.1", port, _requests(port, *paths), 1, 1.0, timeout_s=0.25)
 
-    tally = asyncio.run(run())
+    tally = asyncio.run(count())
     rounds = tally.sent // 7
     assert rounds >= 2  # every path, at least twice over, on a connection opened again after each loss
     assert len(tally.latencies_ms) >= 2 * rounds  # /ok and /chunked
@@ -93,11 +93,14 @@ def test_the_open_loop_sends_each_arrival_on_time_and_the_noop_server_answers_ev
         noop.wait()
 
 
-def test_the_generator_runs_on_uvloop_where_it_is_installed_and_says_so():
+def test_the_generator_runs_on_uvloop_where_it_is_installed_and_says_so(monkeypatch):
     import importlib.util
 
     async def which() -> str:
         return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
+    monkeypatch.delenv("FRUGALITY_BENCH_LOOP", raising=False)
     installed = importlib.util.find_spec("uvloop") is not None
     assert run(which) == loop_name() == ("uvloop" if installed else "asyncio")
+    monkeypatch.setenv("FRUGALITY_BENCH_LOOP", "asyncio")  # (asked for: to compare)
+    assert run(which) == loop_name() == "asyncio"

@@ -9,11 +9,11 @@ concurrency, and each level says how busy the generator itself was; `noop` is a 
 answers at once, against which `bench serve` measures the generator's own ceiling in the same
 run.
 
-uvloop, against asyncio's own loop, both driving a no-op server on loopback (by hand, 2-core Zen 4,
-2026-11-29, two rounds): one client 10,172-10,348 against 7,346-8,194 requests a second, and
-at 550 requests a second in open loop each answer seen 0.31 ms after it was sent at the
-median, against 0.77-0.78 ms: less of the generator in every latency it reports.
-FRUGALITY_BENCH_LOOP=asyncio runs it on asyncio's own loop."""
+On uvloop, against asyncio's own loop, the generator and its no-op server drove 1.5-1.7x the
+requests a second at one client (two rounds alternating the two, 2-core Zen 4, 2026-11-29:
+benchmarks/results/serve_limit-tiny-gen-*), and by hand an answer of the no-op server at 550
+requests a second was seen 0.31 ms after it was sent at the median, against 0.77 ms.
+FRUGALITY_BENCH_LOOP=asyncio runs both on asyncio's own loop."""
 
 from __future__ import annotations
 

@@ -440,7 +440,8 @@ def report(targets: list[Target], levels: list[Level], slo_ms: float, missing: d
     main, *peers = targets
     return _figures(main, levels, slo_ms) | {
         "slo_ms": slo_ms,
-        "generator": f"plain asyncio ({loop_name()}), one kept-alive connection per client (frugality.bench.load)",
+        "generator": "plain asyncio, one kept-alive connection per client (frugality.bench.load)",
+        "loop": loop_name(),  # (the generator's event loop: uvloop where installed)
         "peers": [_figures(p, levels, slo_ms) for p in peers]
         + [{"server": name, "missing": why} for name, why in (missing or {}).items()],
     }
