@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from frugality.bench.load import closed_loop, encode_post, loop_name, noop_response, open_loop, run
+from frugality.errors import UserError
 
 ANSWERS = {
     b"/ok": noop_response(b'{"ok": true}'),
@@ -104,3 +107,15 @@ def test_the_generator_runs_on_uvloop_where_it_is_installed_and_says_so(monkeypa
     assert run(which) == loop_name() == ("uvloop" if installed else "asyncio")
     monkeypatch.setenv("FRUGALITY_BENCH_LOOP", "asyncio")  # (asked for: to compare)
     assert run(which) == loop_name() == "asyncio"
+    monkeypatch.setenv("FRUGALITY_BENCH_LOOP", "tokio")
+    with pytest.raises(UserError, match=r"^FRUGALITY_BENCH_LOOP='tokio': choose asyncio or uvloop"):
+        loop_name()
+
+
+def test_a_bad_generator_loop_is_one_line_before_any_server_starts(monkeypatch, capsys):
+    from frugality.cli.main import main
+
+    monkeypatch.setenv("FRUGALITY_BENCH_LOOP", "tokio")
+    assert main(["bench", "serve", "/no/such/model", "--rate", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: FRUGALITY_BENCH_LOOP='tokio': choose asyncio or uvloop (or leave it unset)"]

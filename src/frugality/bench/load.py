@@ -28,6 +28,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
+from frugality.errors import UserError
+
 T = TypeVar("T")
 
 
@@ -44,11 +46,18 @@ def run(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
 
 
 def _uvloop():
-    if os.environ.get("FRUGALITY_BENCH_LOOP", "").strip().lower() == "asyncio":  # (asked for: to compare)
+    """uvloop's module where it runs the generator: installed, and not asyncio's loop asked for
+    (FRUGALITY_BENCH_LOOP=asyncio, to compare; =uvloop insists on it)."""
+    asked = os.environ.get("FRUGALITY_BENCH_LOOP", "").strip().lower()
+    if asked not in ("", "asyncio", "uvloop"):
+        raise UserError(f"FRUGALITY_BENCH_LOOP={asked!r}: choose asyncio or uvloop (or leave it unset)")
+    if asked == "asyncio":
         return None
     try:
         import uvloop
     except ImportError:
+        if asked == "uvloop":
+            raise UserError("FRUGALITY_BENCH_LOOP=uvloop: uvloop is not installed (pip install uvloop)") from None
         return None
     return uvloop
 

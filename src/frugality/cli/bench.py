@@ -639,12 +639,14 @@ def bench_serve(
     import threading
     from itertools import islice
 
+    from frugality.bench.load import loop_name
     from frugality.bench.serve import Target, dumps, generator_ceiling, markdown_table, report, run_levels
     from frugality.cli.options import comma_floats, comma_ints
     from frugality.errors import UserError
     from frugality.inference.inputs import open_inputs
 
     log = lambda line: click.echo(line, err=True)  # noqa: E731
+    loop_name()  # (a bad FRUGALITY_BENCH_LOOP refused before any server starts)
     rate_list = comma_floats(rates, "--rate")
     clients = comma_ints(concurrencies, "--concurrency") if concurrencies else []
     if not rate_list and not clients:
