@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # (torch and frugality are imported where used: the burner, a process of this file, starts
@@ -87,7 +88,6 @@ def calls(layout: str, size: int, seconds: float, pin: bool, seed: int) -> None:
     encoder, rows = loaded["encoder"], loaded["rows"]
     budget, most = batches.BATCH_DEFAULTS["cpu"]
     draw = random.Random(seed)
-    from concurrent.futures import ThreadPoolExecutor
 
     split = layout == "split"
     pool = ThreadPoolExecutor(2 if split else 1)
@@ -129,6 +129,18 @@ def calls(layout: str, size: int, seconds: float, pin: bool, seed: int) -> None:
     print(json.dumps({"median_ms": statistics.median(times) * 1000, "calls": len(times), "why": loaded["why"]}))
 
 
+READY_S = 600  # a turn's processes loaded and warm within this, or the run ends
+
+
+def _ready(process: subprocess.Popen) -> bool:
+    """Whether `process` said "ready" (lines before it, anything a library printed, skipped)."""
+    assert process.stdout is not None
+    while line := process.stdout.readline():
+        if line.strip() == "ready":
+            return True
+    return False
+
+
 def measure(args, layout: str, beside: str, seed: int) -> dict:
     """One turn: the worker loaded and warm, the burner (if any) started, then both told to
     go; every process of the turn ended whatever happens (none left burning or loaded)."""
@@ -147,12 +159,17 @@ def measure(args, layout: str, beside: str, seed: int) -> dict:
                     **pipes,
                 )
             )
-        for process in started:
-            assert process.stdout is not None
-            while (line := process.stdout.readline()) and line.strip() != "ready":  # (anything a library printed)
-                pass
-            if not line:
-                raise SystemExit(f"embed_interference: a {layout} turn's process ended before it was ready")
+        # each process's "ready" read in a thread, waited for up to READY_S (a child that hangs
+        # while loading ends the turn: the `finally` below kills it, which ends the read)
+        readers = ThreadPoolExecutor(len(started))
+        for waiting in [readers.submit(_ready, process) for process in started]:
+            try:
+                ready = waiting.result(timeout=READY_S)
+            except TimeoutError:
+                ready = False
+            if not ready:
+                raise SystemExit(f"embed_interference: a {layout} turn's process was not ready within {READY_S} s")
+        readers.shutdown(wait=False)
         for process in started:
             assert process.stdin is not None
             process.stdin.write("go\n")
